@@ -1,0 +1,25 @@
+"""jvllm: a JAX/XLA LLM inference and serving engine with vLLM's API."""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Engine": "jvllm.engine",
+    "LLM": "jvllm.engine",
+    "SamplingParams": "jvllm.sampling_params",
+    "RequestOutput": "jvllm.outputs",
+    "CompletionOutput": "jvllm.outputs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy so `import jvllm` (and `jvllm --help`) does not pay for importing jax.
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'jvllm' has no attribute {name!r}")
+
+
+__all__ = ["__version__", *_EXPORTS]

@@ -1,0 +1,65 @@
+"""Attention backend registry. A backend attends over the read-only page pool plus a step's new K/V, and
+writes that K/V into the pool (the runner calls the write in a separate jit with the pool donated)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Protocol
+
+import jax
+
+from jvllm.attention.metadata import AttentionMetadata
+
+
+class AttendFn(Protocol):
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                 md: AttentionMetadata, scale: float) -> jax.Array: ...
+
+
+class WriteFn(Protocol):
+    def __call__(self, kv_cache: list, new_kv: list, md: AttentionMetadata) -> list: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    attend: AttendFn  # (q [T,H,hd], k/v [T,KVH,hd], pages [N,page,KVH,hd], md, scale) -> [T,H,hd]
+    write: WriteFn  # (per-layer pages, per-layer (k, v) [T,KVH,hd], md) -> per-layer pages
+
+
+_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
+
+
+def register_backend(name: str, loader: Callable[[], AttentionBackend]) -> None:
+    """Register a backend by name; `loader` imports it lazily so optional backends cost nothing."""
+    _BACKENDS[name] = loader
+
+
+def _load_xla() -> AttentionBackend:
+    from jvllm.attention import xla
+
+    return AttentionBackend("xla", xla.paged_attention, xla.write_layers)
+
+
+register_backend("xla", _load_xla)
+
+
+def available_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def resolve_backend_name(name: str) -> str:
+    """'auto' is pallas on GPU when registered, else xla."""
+    if name == "auto":
+        on_gpu = jax.default_backend() == "gpu"
+        return "pallas" if on_gpu and "pallas" in _BACKENDS else "xla"
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention_backend {name!r}; available: {', '.join(['auto', *available_backends()])}")
+    return name
+
+
+def get_backend(name: str) -> AttentionBackend:
+    return _BACKENDS[resolve_backend_name(name)]()
+
+
+__all__ = ["AttendFn", "AttentionBackend", "AttentionMetadata", "WriteFn", "available_backends", "get_backend",
+           "register_backend", "resolve_backend_name"]

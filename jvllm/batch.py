@@ -1,0 +1,77 @@
+"""Packs scheduled chunks into padded, bucketed host arrays for one jitted model step."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jvllm.attention.metadata import AttentionMetadata
+from jvllm.scheduler import ScheduledChunk
+
+
+def next_bucket(n: int, cap: int) -> int:
+    """Smallest power of two >= n, but never above `cap` (cap itself is always >= n)."""
+    bucket = 1 << max(n - 1, 0).bit_length()
+    return max(n, min(bucket, cap))
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketLimits:
+    max_tokens: int  # max_num_batched_tokens
+    max_seqs: int  # max_num_seqs
+    max_pages: int  # pages of one max_model_len sequence
+
+
+@dataclasses.dataclass
+class HostBatch:
+    """Numpy inputs of one step; `shape_key` names the compiled variant it needs."""
+
+    input_ids: np.ndarray  # [T] int32
+    positions: np.ndarray  # [T] int32
+    metadata: AttentionMetadata  # numpy leaves, moved to device by the runner
+    num_seqs: int  # real rows (the rest are padding)
+
+    @property
+    def shape_key(self) -> tuple[int, int, int, int]:
+        md = self.metadata
+        return (self.input_ids.shape[0], *md.seq_token_index.shape, md.block_tables.shape[1])
+
+
+def build_batch(chunks: list[ScheduledChunk], page_size: int, limits: BucketLimits) -> HostBatch:
+    total = sum(c.num_tokens for c in chunks)
+    num_tokens = next_bucket(total, limits.max_tokens)
+    num_seqs = next_bucket(len(chunks), limits.max_seqs)
+    max_q = next_bucket(max(c.num_tokens for c in chunks), limits.max_tokens)
+    max_pages = next_bucket(max(len(c.request.page_table) for c in chunks), limits.max_pages)
+
+    input_ids = np.zeros(num_tokens, np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    slot_mapping = np.zeros(num_tokens, np.int32)  # padding writes into the reserved page 0
+    token_seq = np.zeros(num_tokens, np.int32)
+    token_offset = np.zeros(num_tokens, np.int32)
+    seq_token_index = np.zeros((num_seqs, max_q), np.int32)
+    query_start = np.zeros(num_seqs, np.int32)
+    q_lens = np.zeros(num_seqs, np.int32)
+    kv_lens = np.zeros(num_seqs, np.int32)
+    block_tables = np.zeros((num_seqs, max_pages), np.int32)
+
+    cursor = 0
+    for row, chunk in enumerate(chunks):
+        request, n, start = chunk.request, chunk.num_tokens, chunk.start
+        span = slice(cursor, cursor + n)
+        pos = np.arange(start, start + n, dtype=np.int32)
+        input_ids[span] = [request.token_at(i) for i in range(start, start + n)]
+        positions[span] = pos
+        pages = np.asarray(request.page_table, np.int32)
+        slot_mapping[span] = pages[pos // page_size] * page_size + pos % page_size
+        token_seq[span] = row
+        token_offset[span] = np.arange(n)
+        seq_token_index[row, :n] = np.arange(cursor, cursor + n)
+        query_start[row] = cursor
+        q_lens[row] = n
+        kv_lens[row] = start + n
+        block_tables[row, : len(pages)] = pages
+        cursor += n
+    md = AttentionMetadata(slot_mapping, token_seq, token_offset, seq_token_index, query_start, q_lens, kv_lens,
+                           block_tables)
+    return HostBatch(input_ids, positions, md, len(chunks))

@@ -1,0 +1,65 @@
+"""Engine settings with vLLM's names, and the defaults derived from the model and the device."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from models.config import ModelConfig
+
+_CPU_KV_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in float32
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    num_pages: int
+    attention_backend: str
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _default_kv_bytes() -> int:
+    if jax.default_backend() == "cpu":
+        return _CPU_KV_BYTES
+    stats = jax.devices()[0].memory_stats() or {}
+    limit, used = stats.get("bytes_limit", 0), stats.get("bytes_in_use", 0)
+    return max(int(0.85 * limit) - used, _CPU_KV_BYTES)
+
+
+def build_engine_config(model: ModelConfig, dtype_bytes: int, *, max_model_len: int | None,
+                        max_num_seqs: int | None, max_num_batched_tokens: int | None, block_size: int,
+                        kv_cache_memory_bytes: int | None, attention_backend: str) -> EngineConfig:
+    """Validate the user's limits and fill in defaults (pool size from the memory budget)."""
+    for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
+                        ("max_num_batched_tokens", max_num_batched_tokens), ("block_size", block_size),
+                        ("kv_cache_memory_bytes", kv_cache_memory_bytes)):
+        _positive(name, value)
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if max_model_len is not None and max_model_len > model.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                         f"{model.max_position_embeddings}")
+    on_cpu = jax.default_backend() == "cpu"
+    bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes
+    budget = kv_cache_memory_bytes or _default_kv_bytes()
+    num_pages = budget // (bytes_per_token * block_size)
+    if num_pages < 2:
+        raise ValueError(f"kv_cache_memory_bytes={budget} holds fewer than 2 pages of {block_size} tokens "
+                         f"({bytes_per_token * block_size} bytes each)")
+    pool_tokens = (num_pages - 1) * block_size
+    max_model_len = max_model_len or min(model.max_position_embeddings, pool_tokens)
+    max_num_seqs = max_num_seqs or (64 if on_cpu else 256)
+    max_num_batched_tokens = max_num_batched_tokens or (2048 if on_cpu else 8192)
+    return EngineConfig(max_model_len, max_num_seqs, max_num_batched_tokens, block_size, int(num_pages),
+                        attention_backend)

@@ -1,0 +1,233 @@
+"""Engine (alias LLM): vLLM's offline API over the scheduler, the model runner and the output processor."""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import random
+import time
+from typing import Any, Iterable, Sequence
+
+from jvllm.batch import BucketLimits
+from jvllm.compile_cache import enable_compilation_cache
+from jvllm.config import EngineConfig, build_engine_config
+from jvllm.detokenizer import IncrementalDetokenizer
+from jvllm.kv_pages import PageManager
+from jvllm.model_runner import ModelRunner
+from jvllm.output_processor import append_token, request_output
+from jvllm.outputs import RequestOutput
+from jvllm.progress import GenerateProgress
+from jvllm.request import Request, RequestStatus
+from jvllm.sampling_params import SamplingParams
+from jvllm.scheduler import Scheduler
+
+logger = logging.getLogger("jvllm")
+PromptType = str | dict[str, Any]
+
+
+class Engine:
+    """Offline inference engine. `Engine()` serves the embedded SmolLM2-135M-Instruct."""
+
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
+                 tensor_parallel_size: int = 1, max_model_len: int | None = None, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None, block_size: int = 16,
+                 kv_cache_memory_bytes: int | None = None, enable_prefix_caching: bool = True,
+                 attention_backend: str = "auto", load_format: str = "auto", seed: int = 0,
+                 served_model_name: str | None = None):
+        from jvllm.attention import resolve_backend_name
+        from models.loader import load_model
+
+        if tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet (tracked by the tensor-parallel issue)")
+        backend = resolve_backend_name(attention_backend)
+        enable_compilation_cache()
+        started = time.perf_counter()
+        self.model = load_model(model, dtype=dtype, load_format=load_format, tokenizer=tokenizer,
+                                served_model_name=served_model_name, seed=seed)
+        self.tokenizer = self.model.tokenizer
+        import jax.numpy as jnp
+
+        self.config: EngineConfig = build_engine_config(
+            self.model.config, jnp.dtype(self.model.dtype).itemsize, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+            kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=backend)
+        self.enable_prefix_caching = enable_prefix_caching  # accepted now; the prefix-cache issue implements it
+        cfg = self.config
+        self.pages = PageManager(cfg.num_pages, cfg.block_size)
+        self.scheduler = Scheduler(self.pages, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        limits = BucketLimits(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_pages_per_seq)
+        self.runner = ModelRunner(self.model, num_pages=cfg.num_pages, page_size=cfg.block_size, limits=limits,
+                                  attention_backend=backend)
+        self._rng = random.Random(seed)
+        self._counter = itertools.count()
+        self._groups: dict[str, list[Request]] = {}
+        self.eos_token_ids = self._eos_ids()
+        logger.info("engine ready: %s (%s, %s attention, max_model_len %d) in %.1fs", self.model.served_name,
+                    jnp.dtype(self.model.dtype).name, backend, cfg.max_model_len, time.perf_counter() - started)
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids = set(self.model.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model.served_name
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # ---- step-level API -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue one prompt; raises ValueError (and queues nothing) if it can never be served."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize_prompt(prompt)
+        params.validate_for_vocab(self.model.config.vocab_size)
+        members = []
+        for index in range(params.n):
+            member_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            seed = self._rng.getrandbits(32) if params.seed is None else (params.seed + index * 0x9E3779B1) % 2**32
+            request = Request(member_id, text, token_ids, params, seed, self.config.max_model_len,
+                              self.eos_token_ids, arrival_time)
+            request.group_id = request_id
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params)
+            self.scheduler.check_fits(request)
+            members.append(request)
+        for request in members:
+            self.scheduler.add(request)
+        self._groups[request_id] = members
+
+    def _tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            text, token_ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        else:
+            raise ValueError("a prompt is a str, {'prompt': str} or {'prompt_token_ids': [int, ...]}; "
+                             f"got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("the prompt is empty: it must contain at least one token")
+        vocab = self.model.config.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(token_ids) >= self.config.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens but max_model_len is "
+                             f"{self.config.max_model_len} (prompt plus at least one generated token must fit)")
+        return text, token_ids
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Stop requests now and free their pages; unknown ids are ignored, as in vLLM."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            for request in self._groups.pop(rid, []):
+                if not request.is_finished:
+                    self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, process results; -> outputs of every prompt that advanced."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        sampled = self.runner.execute(plan.chunks)
+        self.scheduler.commit(plan)
+        advanced: dict[str, None] = {}
+        for chunk in plan.chunks:
+            request = chunk.request
+            if request.request_id not in sampled:
+                continue
+            status = append_token(request, *sampled[request.request_id])
+            if status is not None:
+                self.scheduler.finish(request, status)
+            advanced[request.group_id] = None
+        outputs = []
+        for group_id in advanced:
+            members = self._groups.get(group_id)
+            if members is None:
+                continue
+            output = request_output(group_id, members)
+            if output.finished:
+                del self._groups[group_id]
+            outputs.append(output)
+        return outputs
+
+    # ---- batch API ------------------------------------------------------------------------------
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate completions for every prompt; outputs come back in input order."""
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if not prompt_list:
+            raise ValueError("generate() needs at least one prompt")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts")
+        request_ids: list[str] = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                request_id = f"gen-{next(self._counter)}"
+                self.add_request(request_id, prompt, params)
+                request_ids.append(request_id)
+        except Exception:
+            self.abort_request(request_ids)  # all or nothing: a bad prompt leaves no orphans behind
+            raise
+        return self._run_until_done(request_ids, use_tqdm)
+
+    def _run_until_done(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(request_ids)
+        finals: dict[str, RequestOutput] = {}
+        progress = GenerateProgress(len(request_ids), enabled=use_tqdm)
+        try:
+            while len(finals) < len(wanted):
+                outputs = self.step()
+                if not outputs and not self.has_unfinished_requests():
+                    raise RuntimeError("the engine stopped with requests still pending")
+                for output in outputs:
+                    if output.request_id in wanted:
+                        progress.update(output)
+                        if output.finished:
+                            finals[output.request_id] = output
+        except BaseException:
+            self.abort_request([rid for rid in request_ids if rid not in finals])
+            raise
+        finally:
+            progress.close()
+        return [finals[rid] for rid in request_ids]
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
+        if not messages:
+            raise ValueError("chat() needs at least one message")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template already has BOS if needed
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+LLM = Engine
+
+if os.environ.get("JVLLM_LOGGING_LEVEL"):
+    logging.getLogger("jvllm").setLevel(os.environ["JVLLM_LOGGING_LEVEL"].upper())

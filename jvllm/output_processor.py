@@ -1,0 +1,69 @@
+"""After each step: append sampled tokens, detokenize, apply stop rules, build RequestOutputs."""
+from __future__ import annotations
+
+import time
+
+from jvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jvllm.request import Request, RequestStatus
+
+
+def append_token(request: Request, token_id: int, logprob: float) -> RequestStatus | None:
+    """Record one sampled token; -> the finished status it causes, or None if the request goes on."""
+    now = time.time()
+    request.output_token_ids.append(token_id)
+    request.cumulative_logprob += logprob
+    request.first_token_time = request.first_token_time or now
+    request.last_token_time = now
+    params = request.params
+    num_out = len(request.output_token_ids)
+    may_stop = num_out >= params.min_tokens
+    if may_stop and not params.ignore_eos and token_id in request.eos_token_ids:
+        request.stop_reason = None  # vLLM reports None for EOS
+        return RequestStatus.FINISHED_STOPPED
+    if may_stop and token_id in params.stop_token_ids:
+        request.stop_reason = token_id
+        return RequestStatus.FINISHED_STOPPED
+    stop_string = request.detokenizer.add_tokens([token_id]) if request.detokenizer else None
+    if stop_string is not None and may_stop:
+        request.stop_reason = stop_string
+        return RequestStatus.FINISHED_STOPPED
+    if num_out >= request.max_output_tokens:
+        return RequestStatus.FINISHED_LENGTH
+    return None
+
+
+def completion_output(request: Request, index: int) -> CompletionOutput:
+    finished = request.is_finished
+    text = request.detokenizer.emittable_text(finished) if request.detokenizer else ""
+    return CompletionOutput(
+        index=index,
+        text=text,
+        token_ids=list(request.output_token_ids),
+        cumulative_logprob=request.cumulative_logprob,
+        logprobs=None,
+        finish_reason=request.status.finish_reason,
+        stop_reason=request.stop_reason,
+    )
+
+
+def request_output(request_id: str, members: list[Request]) -> RequestOutput:
+    """One RequestOutput for a prompt's n completions."""
+    first = members[0]
+    finished = all(m.is_finished for m in members)
+    metrics = RequestMetrics(
+        arrival_time=first.arrival_time,
+        first_scheduled_time=first.first_scheduled_time,
+        first_token_time=min((m.first_token_time for m in members if m.first_token_time), default=None),
+        last_token_time=max((m.last_token_time for m in members if m.last_token_time), default=None),
+        finished_time=max((m.finished_time or 0.0) for m in members) if finished else None,
+    )
+    return RequestOutput(
+        request_id=request_id,
+        prompt=first.prompt,
+        prompt_token_ids=list(first.prompt_token_ids),
+        prompt_logprobs=None,
+        outputs=[completion_output(m, i) for i, m in enumerate(members)],
+        finished=finished,
+        metrics=metrics,
+        num_cached_tokens=0,
+    )

@@ -1,0 +1,99 @@
+"""A request's state: tokens, pages, progress and its status state machine."""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+from jvllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+_ENDS = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+_ALLOWED: dict[RequestStatus, set[RequestStatus]] = {
+    RequestStatus.WAITING: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED},
+    RequestStatus.RUNNING: {RequestStatus.PREEMPTED, *_ENDS},
+    RequestStatus.PREEMPTED: {RequestStatus.WAITING, RequestStatus.FINISHED_ABORTED},
+}
+
+
+class Request:
+    """One sequence being generated. Pages hold the KV of its first `num_computed_tokens` tokens."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 seed: int, max_total_tokens: int, eos_token_ids: tuple[int, ...] = (),
+                 arrival_time: float | None = None):
+        self.request_id = request_id
+        self.group_id = request_id  # the user's id; differs for the n > 1 members of one prompt
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.seed = seed  # every request has one, so sampling is keyed by (seed, position) alone
+        self.max_total_tokens = max_total_tokens  # prompt + output never exceeds this (max_model_len)
+        self.eos_token_ids = eos_token_ids
+        self.output_token_ids: list[int] = []
+        self.cumulative_logprob = 0.0
+        self.status = RequestStatus.WAITING
+        self.page_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.stop_reason: str | int | None = None
+        self.num_preemptions = 0
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.detokenizer: Any = None  # attached by the engine
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_output_tokens(self) -> int:
+        room = self.max_total_tokens - self.num_prompt_tokens
+        return room if self.params.max_tokens is None else min(self.params.max_tokens, room)
+
+    def token_at(self, index: int) -> int:
+        n = self.num_prompt_tokens
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def set_status(self, new: RequestStatus) -> None:
+        if new not in _ALLOWED.get(self.status, set()):
+            raise RuntimeError(f"request {self.request_id}: illegal transition {self.status.name} -> {new.name}")
+        self.status = new
+        if new.is_finished:
+            self.finished_time = time.time()
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+                f"out={len(self.output_token_ids)}, computed={self.num_computed_tokens}, pages={len(self.page_table)})")

@@ -1,0 +1,195 @@
+"""On-device, jit-compatible token sampler: penalties, biases/masks, greedy, temperature, top-k/p, min-p."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jvllm.sampling_tensors import (
+    GREEDY_EPS,
+    RowSpec,
+    SamplerFlags,
+    SamplingTensors,
+    build_sampling_tensors,
+)
+
+__all__ = [
+    "RowSpec",
+    "SamplerFlags",
+    "SamplingTensors",
+    "apply_top_k_top_p_min_p",
+    "build_sampling_tensors",
+    "process_logits",
+    "sample",
+    "sample_jit",
+]
+
+_NEG_INF = -jnp.inf
+
+
+def _row_index(ids: jax.Array) -> jax.Array:
+    """Row coordinates matching `ids` for 2-D scatters."""
+    s, k = ids.shape
+    return jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[:, None], (s, k))  # [S, K] int32
+
+
+def _scatter_cols(ids: jax.Array, vocab: int) -> jax.Array:
+    """Maps padding (and any negative id) to `vocab`, which mode='drop' scatters then ignore.
+
+    Negative indices would otherwise wrap around Python-style in JAX.
+    """
+    return jnp.where(ids >= 0, ids, vocab)  # [S, K] int32
+
+
+def _token_counts(ids: jax.Array, vocab: int) -> jax.Array:
+    """Occurrences of each vocab id in each row of a -1 padded id array."""
+    s = ids.shape[0]
+    counts = jnp.zeros((s, vocab), jnp.int32)  # [S, V] int32
+    return counts.at[_row_index(ids), _scatter_cols(ids, vocab)].add(1, mode="drop")
+
+
+def _token_mask(ids: jax.Array, vocab: int) -> jax.Array:
+    """True where a vocab id appears in the row of a -1 padded id array."""
+    s = ids.shape[0]
+    mask = jnp.zeros((s, vocab), jnp.bool_)  # [S, V] bool
+    return mask.at[_row_index(ids), _scatter_cols(ids, vocab)].set(True, mode="drop")
+
+
+def _apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Repetition (prompt+output), then frequency and presence (output only), as vLLM."""
+    vocab = logits.shape[-1]
+    out_counts = _token_counts(t.output_ids, vocab)  # [S, V] int32
+    in_output = out_counts > 0  # [S, V] bool
+    seen = in_output | _token_mask(t.prompt_ids, vocab)  # [S, V] bool
+
+    rep = t.repetition_penalty[:, None]  # [S, 1] float32
+    # Dividing positive / multiplying negative logits always moves them toward
+    # "less likely"; rep == 1 leaves the row bit-identical.
+    penalized = jnp.where(logits > 0, logits / rep, logits * rep)  # [S, V] float32
+    logits = jnp.where(seen, penalized, logits)  # [S, V] float32
+
+    freq = t.frequency_penalty[:, None]  # [S, 1] float32
+    pres = t.presence_penalty[:, None]  # [S, 1] float32
+    logits = logits - freq * out_counts.astype(jnp.float32)  # [S, V] float32
+    logits = logits - pres * in_output.astype(jnp.float32)  # [S, V] float32
+    return logits
+
+
+def _apply_bias_and_masks(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """logit_bias add, then blocked ids -> -inf, then allowed-ids restriction."""
+    vocab = logits.shape[-1]
+    # Padding ids are dropped by the scatter, so rows without bias are untouched.
+    logits = logits.at[_row_index(t.bias_ids), _scatter_cols(t.bias_ids, vocab)].add(
+        t.bias_values, mode="drop"
+    )  # [S, V] float32
+    logits = logits.at[_row_index(t.blocked_ids), _scatter_cols(t.blocked_ids, vocab)].set(
+        _NEG_INF, mode="drop"
+    )  # [S, V] float32
+
+    allowed = _token_mask(t.allowed_ids, vocab)  # [S, V] bool
+    restricted = jnp.any(t.allowed_ids >= 0, axis=-1)  # [S] bool; all -1 => no restriction
+    return jnp.where(restricted[:, None] & ~allowed, _NEG_INF, logits)  # [S, V] float32
+
+
+def process_logits(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags) -> jax.Array:
+    """Applies the temperature-independent processors: [S, V] float32 -> [S, V] float32.
+
+    This is what greedy rows take the argmax of; exposed for testing.
+    """
+    logits = logits.astype(jnp.float32)  # [S, V] float32
+    if flags.any_penalties:
+        logits = _apply_penalties(logits, t)
+    if flags.any_bias:
+        logits = _apply_bias_and_masks(logits, t)
+    return logits
+
+
+def apply_top_k_top_p_min_p(scaled: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Truncates temperature-scaled logits [S, V] to -inf outside top-k, top-p and min-p.
+
+    One descending sort per row yields a single per-row logit threshold for each
+    filter; the final mask is `scaled >= max(thresholds)`. A disabled filter's
+    threshold is -inf, so rows not using a filter come back bit-identical.
+    Ties at a threshold are all kept.
+    """
+    vocab = scaled.shape[-1]
+    sorted_desc = jnp.sort(scaled, axis=-1, descending=True)  # [S, V] float32
+
+    # top-k: the k-th largest logit.
+    k = jnp.where((t.top_k > 0) & (t.top_k < vocab), t.top_k, vocab)  # [S] int32
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)[:, 0]  # [S] float32
+    thr_k = jnp.where(k < vocab, kth, _NEG_INF)  # [S] float32
+
+    # top-p on the distribution left after top-k (renormalized by the softmax).
+    in_k = sorted_desc >= thr_k[:, None]  # [S, V] bool
+    probs = jax.nn.softmax(jnp.where(in_k, sorted_desc, _NEG_INF), axis=-1)  # [S, V] float32
+    # A token is kept while the mass strictly above it is < p: this is the smallest
+    # prefix reaching p, and the top token (mass above = 0) is always kept.
+    mass_above = jnp.cumsum(probs, axis=-1) - probs  # [S, V] float32
+    keep_p = (mass_above < t.top_p[:, None]) & in_k  # [S, V] bool
+    n_keep = jnp.maximum(jnp.sum(keep_p, axis=-1), 1)  # [S] int32
+    pth = jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)[:, 0]  # [S] float32
+    # top_p >= 1 must be a no-op even when float cumsum reaches 1.0 early.
+    thr_p = jnp.where(t.top_p < 1.0, pth, _NEG_INF)  # [S] float32
+
+    # min-p: prob >= min_p * max_prob  <=>  logit >= max_logit + log(min_p).
+    # Probability ratios survive renormalization, so applying it after top-k/p
+    # with the unfiltered max is exact.
+    safe_min_p = jnp.maximum(t.min_p, jnp.finfo(jnp.float32).tiny)  # [S] float32
+    thr_m = jnp.where(t.min_p > 0, sorted_desc[:, 0] + jnp.log(safe_min_p), _NEG_INF)  # [S] float32
+
+    thr = jnp.maximum(jnp.maximum(thr_k, thr_p), thr_m)  # [S] float32
+    return jnp.where(scaled >= thr[:, None], scaled, _NEG_INF)  # [S, V] float32
+
+
+def _gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab: int) -> jax.Array:
+    """Per-row Gumbel noise keyed only by (seed, position): independent of batch layout."""
+
+    def row_noise(seed: jax.Array, position: jax.Array) -> jax.Array:
+        key = jax.random.fold_in(jax.random.key(seed), position)
+        return jax.random.gumbel(key, (vocab,), jnp.float32)  # [V] float32
+
+    return jax.vmap(row_noise)(seeds, positions)  # [S, V] float32
+
+
+def sample(
+    logits: jax.Array, t: SamplingTensors, flags: SamplerFlags
+) -> tuple[jax.Array, jax.Array]:
+    """Samples one token per row.
+
+    logits [S, V] -> (token_ids [S] int32, logprob of each chosen token under the
+    raw model distribution, i.e. log_softmax of the unprocessed logits, [S] float32).
+    `flags` must be static under jit.
+    """
+    logits = logits.astype(jnp.float32)  # [S, V] float32
+    vocab = logits.shape[-1]
+    processed = process_logits(logits, t, flags)  # [S, V] float32
+    greedy_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # [S] int32
+
+    if flags.any_random:
+        is_greedy = t.temperature < GREEDY_EPS  # [S] bool
+        # Greedy rows divide by 1 to stay finite; their result is replaced below.
+        temp = jnp.where(is_greedy, 1.0, t.temperature)  # [S] float32
+        scaled = processed / temp[:, None]  # [S, V] float32
+        if flags.any_top_k_p:
+            scaled = apply_top_k_top_p_min_p(scaled, t)  # [S, V] float32
+        # Gumbel-max: argmax(logits + G) is an exact draw from softmax(logits),
+        # with no normalization or cumulative sums needed.
+        noise = _gumbel_noise(t.seeds, t.positions, vocab)  # [S, V] float32
+        random_ids = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)  # [S] int32
+        token_ids = jnp.where(is_greedy, greedy_ids, random_ids)  # [S] int32
+    else:
+        token_ids = greedy_ids  # [S] int32
+
+    log_norm = jax.nn.logsumexp(logits, axis=-1)  # [S] float32
+    chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0]  # [S] float32
+    return token_ids, chosen - log_norm
+
+
+# Standalone jitted entry point (the engine usually calls `sample` inside its own jit).
+sample_jit = jax.jit(sample, static_argnames=("flags",))
+
+# Jitted processor, handy for tests and debugging.
+process_logits_jit = functools.partial(jax.jit, static_argnames=("flags",))(process_logits)

@@ -1,0 +1,132 @@
+"""Continuous-batching scheduler: token budget, chunked prefill, FCFS admission, preemption by recompute."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+
+from jvllm.kv_pages import PageManager
+from jvllm.request import Request, RequestStatus
+
+
+@dataclasses.dataclass
+class ScheduledChunk:
+    """`num_tokens` tokens of `request`, starting at its `num_computed_tokens`, run this step."""
+
+    request: Request
+    num_tokens: int
+    start: int = dataclasses.field(init=False)  # fixed at scheduling time, before commit() moves the request on
+    samples: bool = dataclasses.field(init=False)  # reaches the last known token, so its logits are sampled
+
+    def __post_init__(self) -> None:
+        self.start = self.request.num_computed_tokens
+        self.samples = self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    preempted: list[Request]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    """Decides each step which requests run and how many tokens each computes. Pure Python."""
+
+    def __init__(self, pages: PageManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.pages = pages
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def max_kv_tokens(self) -> int:
+        return self.pages.num_usable_pages * self.pages.page_size
+
+    def check_fits(self, request: Request) -> None:
+        """A request whose KV could never fit the whole pool is rejected up front, not left to hang."""
+        needed = request.num_prompt_tokens + request.max_output_tokens - 1  # the last token's KV is never written
+        if needed > self.max_kv_tokens():
+            raise ValueError(
+                f"request {request.request_id} needs KV space for {needed} tokens (prompt "
+                f"{request.num_prompt_tokens} + max_tokens {request.max_output_tokens}) but the KV pool holds "
+                f"{self.max_kv_tokens()} tokens; lower max_tokens or raise kv_cache_memory_bytes"
+            )
+
+    def add(self, request: Request) -> None:
+        self.check_fits(request)
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Request] = []
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._reserve_pages(request, count, preempted):
+                break  # `request` itself was preempted; it was the last one running
+            chunks.append(ScheduledChunk(request, count))
+            budget -= count
+            index += 1
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            needed = self.pages.pages_for_tokens(request.num_computed_tokens + count) - len(request.page_table)
+            if needed > self.pages.num_free_pages:
+                break  # strict FCFS: later requests do not overtake the head of the queue
+            self.waiting.popleft()
+            request.page_table += self.pages.allocate(needed)
+            request.set_status(RequestStatus.RUNNING)
+            request.first_scheduled_time = request.first_scheduled_time or time.time()
+            self.running.append(request)
+            chunks.append(ScheduledChunk(request, count))
+            budget -= count
+        return SchedulerOutput(chunks, preempted)
+
+    def _reserve_pages(self, request: Request, count: int, preempted: list[Request]) -> bool:
+        """Give `request` pages for `count` more tokens, preempting from the back of the running list."""
+        needed = self.pages.pages_for_tokens(request.num_computed_tokens + count) - len(request.page_table)
+        while needed > self.pages.num_free_pages:
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return False
+        request.page_table += self.pages.allocate(max(needed, 0))
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Drop the request's KV; it rejoins the front of the queue and recomputes its tokens later."""
+        self.running.remove(request)
+        self.pages.release(request.page_table)
+        request.page_table = []
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        request.set_status(RequestStatus.PREEMPTED)
+        request.set_status(RequestStatus.WAITING)
+        self.waiting.appendleft(request)
+
+    def commit(self, output: SchedulerOutput) -> None:
+        """After the model ran: the scheduled tokens now have KV in the pool."""
+        for chunk in output.chunks:
+            chunk.request.num_computed_tokens += chunk.num_tokens
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Retire a running or waiting request, returning its pages."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.pages.release(request.page_table)
+        request.page_table = []
+        request.set_status(status)

@@ -1,0 +1,1 @@
+"""Flax model families, weight loading and the architecture registry."""

@@ -1,0 +1,84 @@
+"""The architecture-neutral description of a decoder-only model, read from HF config.json dicts."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """What the Flax model needs to know; built from an HF config dict (or a GGUF header)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: tuple[tuple[str, Any], ...] | None  # frozen dict items, hashable for jit
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def queries_per_kv_head(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
+        architectures = hf.get("architectures") or ["LlamaForCausalLM"]
+        architecture = architectures[0]
+        num_heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        head_dim = hf.get("head_dim") or hidden // num_heads
+        rope_theta, rope_scaling = _rope_settings(hf)
+        is_qwen2 = hf.get("model_type") == "qwen2" or architecture.startswith("Qwen2")
+        llama_bias = bool(hf.get("attention_bias", False))
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            architecture=architecture,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or llama_bias,
+            o_bias=llama_bias and not is_qwen2,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+        )
+
+
+def _rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """rope_theta and scaling, from either transformers<5 (rope_scaling) or >=5 (rope_parameters)."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    merged = {**scaling, **{k: v for k, v in params.items() if k != "rope_theta"}}
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in ("linear", "llama3"):
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3")
+    merged["rope_type"] = rope_type
+    merged.pop("type", None)
+    return theta, merged

@@ -1,0 +1,148 @@
+"""Flax NNX Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) reading and writing the paged KV pool."""
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jvllm.attention import AttendFn, AttentionMetadata
+from models.config import ModelConfig
+from models.rope import apply_rotary, inverse_frequencies, rotary_tables
+
+KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: (k_pages, v_pages), each [N, page, KVH, hd]
+NewKV = list[tuple[jax.Array, jax.Array]]  # per layer: this step's (k, v), each [T, KVH, hd]
+
+
+def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Param:
+    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * 0.02).astype(dtype))
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias); kernel stored [in, out], accumulation in float32."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.kernel = _init(rngs, (d_in, d_out), dtype)
+        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum("td,de->te", x, self.kernel[...], preferred_element_type=jnp.float32)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * normed.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.q_proj = Linear(d, cfg.num_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(cfg.num_heads * hd, d, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, pages: tuple[jax.Array, jax.Array],
+                 md: AttentionMetadata, attend: AttendFn) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """x [T, D] -> (out [T, D], this step's (k, v) for the pool writer)."""
+        tokens = x.shape[0]
+        q = self.q_proj(x).reshape(tokens, self.num_heads, self.head_dim)  # [T, H, hd]
+        k = self.k_proj(x).reshape(tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
+        v = self.v_proj(x).reshape(tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attend(q, k, v, pages[0], pages[1], md, self.head_dim ** -0.5)  # [T, H, hd]
+        return self.o_proj(out.reshape(tokens, -1)), (k, v)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(f, d, bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype, rngs)
+
+    def __call__(self, x, cos, sin, pages, md, attend):
+        attn_out, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, pages, md, attend)
+        x = x + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x)), new_kv
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Per-layer weights in a Python list: the layer loop unrolls at trace time (see docs/design.md)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.config = cfg
+        self.embed_tokens = _init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else _init(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
+
+    def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache, md: AttentionMetadata,
+                 attend: AttendFn) -> tuple[jax.Array, NewKV]:
+        """input_ids, positions [T] int32 -> (final hidden states [T, D], each layer's new (k, v)).
+
+        The pool is only read here; the runner writes the returned K/V in a separate donated jit."""
+        x = self.embed_tokens[...][input_ids]  # [T, D]
+        cfg = self.config  # static: the frequencies become trace-time constants, not state
+        inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
+        cos, sin = rotary_tables(positions, inv_freq)  # [T, hd] each
+        new_kv: NewKV = []
+        for layer, pages in zip(self.layers, kv_cache):
+            x, layer_kv = layer(x, cos, sin, pages, md, attend)
+            new_kv.append(layer_kv)
+        return self.norm(x), new_kv
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [S, D] -> logits [S, V] float32."""
+        if self.lm_head is None:
+            return jnp.einsum("sd,vd->sv", hidden, self.embed_tokens[...], preferred_element_type=jnp.float32)
+        return jnp.einsum("sd,dv->sv", hidden, self.lm_head[...], preferred_element_type=jnp.float32)
+
+    def load_hf_weights(self, tensors: Mapping[str, np.ndarray], dtype: jnp.dtype) -> None:
+        """Fill every parameter from HF-named tensors (torch layout: Linear weights are [out, in])."""
+        def take(name: str, transpose: bool = False) -> jax.Array:
+            if name not in tensors:
+                raise ValueError(f"weights are missing tensor {name!r}")
+            array = np.asarray(tensors[name])
+            return jnp.asarray(array.T if transpose else array, dtype=dtype)
+
+        self.embed_tokens.value = take("model.embed_tokens.weight")
+        self.norm.weight.value = take("model.norm.weight")
+        if self.lm_head is not None:
+            name = "lm_head.weight" if "lm_head.weight" in tensors else "model.embed_tokens.weight"
+            self.lm_head.value = take(name, transpose=True)
+        for i, layer in enumerate(self.layers):
+            prefix = f"model.layers.{i}."
+            layer.input_layernorm.weight.value = take(prefix + "input_layernorm.weight")
+            layer.post_attention_layernorm.weight.value = take(prefix + "post_attention_layernorm.weight")
+            for owner, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                 (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
+                group = "self_attn." if owner is layer.self_attn else "mlp."
+                for proj_name in names:
+                    proj: Linear = getattr(owner, proj_name)
+                    proj.kernel.value = take(prefix + group + proj_name + ".weight", transpose=True)
+                    if proj.bias is not None:
+                        proj.bias.value = take(prefix + group + proj_name + ".bias")

@@ -1,0 +1,136 @@
+"""Resolves a model reference (None, short name, HF folder, .gguf) and builds the Flax model with its weights."""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.config import ModelConfig
+from models.registry import model_class_for
+
+logger = logging.getLogger("jvllm")
+
+_DTYPES = {"float32": jnp.float32, "float": jnp.float32, "bfloat16": jnp.bfloat16,
+           "float16": jnp.float16, "half": jnp.float16}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A ready model: its config, NNX graphdef/state split once, tokenizer and served name."""
+
+    config: ModelConfig
+    graphdef: Any
+    state: Any
+    tokenizer: Any
+    served_name: str
+    dtype: Any
+
+
+def resolve_dtype(dtype: str | Any) -> Any:
+    """'auto' is float32 on CPU (bf16 single-row matmuls are slow there) and bfloat16 on accelerators."""
+    if not isinstance(dtype, str):
+        return jnp.dtype(dtype)
+    if dtype == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("JVLLM_CACHE_DIR", Path.home() / ".cache" / "jvllm"))
+
+
+def resolve_model_path(model: str | None) -> tuple[str, str]:
+    """-> (path of an HF folder or .gguf file, served model name)."""
+    from models.default_model import DEFAULT_MODEL_NAME, default_model_path
+
+    if model is None or model == DEFAULT_MODEL_NAME:
+        return default_model_path(), DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path), path.stem
+    if path.is_dir() and (path / "config.json").is_file():
+        return str(path), path.name
+    raise ValueError(
+        f"model {model!r} not found: give a local Hugging Face folder containing config.json, a .gguf file, "
+        f"or a known name ({DEFAULT_MODEL_NAME}); nothing is downloaded from a model hub"
+    )
+
+
+def _converted_folder(gguf_path: str) -> Path:
+    """An HF-style folder holding a GGUF's dequantized weights, keyed by the file's identity."""
+    stat = os.stat(gguf_path)
+    key = hashlib.sha256(f"{os.path.abspath(gguf_path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / "converted" / f"{Path(gguf_path).stem}-{key}"
+
+
+def _gguf_as_hf_folder(gguf_path: str) -> Path:
+    """Convert a GGUF once (dequantize, tokenizer) into a cached safetensors folder; later starts reuse it."""
+    folder = _converted_folder(gguf_path)
+    if (folder / "model.safetensors").is_file():
+        return folder
+    from safetensors.numpy import save_file
+
+    from models.gguf_loader import gguf_tokenizer, load_gguf_tensors, read_gguf_config
+
+    logger.info("converting %s into %s (first start only)", gguf_path, folder)
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "config.json").write_text(json.dumps(read_gguf_config(gguf_path), indent=2))
+    gguf_tokenizer(gguf_path).save_pretrained(tmp)
+    save_file({k: np.ascontiguousarray(v) for k, v in load_gguf_tensors(gguf_path).items()},
+              str(tmp / "model.safetensors"))
+    if folder.exists():  # another process finished the same conversion first
+        shutil.rmtree(tmp)
+    else:
+        os.replace(tmp, folder)
+    return folder
+
+
+def read_safetensors(folder: Path) -> dict[str, np.ndarray]:
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(str(folder / "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {folder}")
+    tensors: dict[str, np.ndarray] = {}
+    for file in files:
+        with safe_open(file, framework="flax") as f:
+            for name in f.keys():
+                tensors[name] = np.asarray(f.get_tensor(name))
+    return tensors
+
+
+def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_format: str = "auto",
+               tokenizer: str | None = None, served_model_name: str | None = None, seed: int = 0) -> LoadedModel:
+    """Load config, tokenizer and weights (or random weights with load_format='dummy')."""
+    if load_format not in ("auto", "safetensors", "gguf", "dummy"):
+        raise ValueError(f"unknown load_format {load_format!r}; choose auto, safetensors, gguf or dummy")
+    path, name = resolve_model_path(model)
+    folder = _gguf_as_hf_folder(path) if path.endswith(".gguf") else Path(path)
+    hf_config = json.loads((folder / "config.json").read_text())
+    config = ModelConfig.from_hf_dict(hf_config)
+    model_cls = model_class_for(config.architecture)
+    jdtype = resolve_dtype(dtype)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer or str(folder))
+    if load_format == "dummy":
+        module = model_cls(config, jdtype, nnx.Rngs(seed))
+    else:
+        module = nnx.eval_shape(lambda: model_cls(config, jdtype, nnx.Rngs(0)))
+        module.load_hf_weights(read_safetensors(folder), jdtype)
+    graphdef, state = nnx.split(module)
+    return LoadedModel(config, graphdef, state, tok, served_model_name or name, jdtype)
