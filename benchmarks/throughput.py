@@ -1,0 +1,159 @@
+"""Offline throughput: jvllm vs transformers' batched generate on the same prompt ids, in the same run.
+
+Scenarios (all greedy, ignore_eos, fixed lengths, prefill included in the timing):
+  batch   N prompts x input-len tokens -> output-len tokens, jvllm and transformers, ratio printed
+  single  one request's decode speed vs the memory-bandwidth bound (weight bytes / measured bandwidth)
+  wide    64 concurrent requests, output tokens/s
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def measure_read_bandwidth(num_bytes: int = 1 << 30) -> float:
+    """Device read bandwidth in bytes/s: a reduction over a large float32 array, best of 5."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones(num_bytes // 4, jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    best = min(_timed(lambda: total(x).block_until_ready()) for _ in range(5))
+    return num_bytes / best
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, vocab - 100, size=length).tolist() for _ in range(num)]
+
+
+def run_jvllm(engine, prompts: list[list[int]], output_len: int) -> dict:
+    from jvllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    engine.generate(inputs, params, use_tqdm=False)  # warm-up: compiles every shape this workload needs
+    elapsed = _timed(lambda: engine.generate(inputs, params, use_tqdm=False))
+    out_tokens = len(prompts) * output_len
+    return {"seconds": elapsed, "requests_per_s": len(prompts) / elapsed, "output_tokens_per_s": out_tokens / elapsed,
+            "total_tokens_per_s": (out_tokens + sum(map(len, prompts))) / elapsed}
+
+
+def run_single_decode(engine, prompt: list[int], output_len: int) -> dict:
+    """Decode-only speed of one request: time between the first and the last token."""
+    from jvllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    engine.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    output = engine.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    decode_seconds = output.metrics.last_token_time - output.metrics.first_token_time
+    return {"decode_tokens_per_s": (output_len - 1) / decode_seconds}
+
+
+def run_transformers(folder: str, prompts: list[list[int]], output_len: int, threads: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.tensor(prompts)
+    kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                  attention_mask=torch.ones_like(ids), pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids[:, :8], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4,
+                                      "attention_mask": torch.ones_like(ids[:, :8])})
+        elapsed = _timed(lambda: model.generate(ids, **kwargs))
+    out_tokens = len(prompts) * output_len
+    return {"seconds": elapsed, "requests_per_s": len(prompts) / elapsed, "output_tokens_per_s": out_tokens / elapsed}
+
+
+def hf_folder_for(model: str | None) -> str:
+    """transformers reads the same weights: an HF folder as is, a GGUF through jvllm's converted cache."""
+    from models.loader import _gguf_as_hf_folder, resolve_model_path
+
+    path, _ = resolve_model_path(model)
+    return str(_gguf_as_hf_folder(path)) if path.endswith(".gguf") else path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--wide", type=int, default=64, help="concurrent requests of the 'wide' scenario (0 = skip)")
+    parser.add_argument("--single-output-len", type=int, default=128, help="0 skips the single-request scenario")
+    parser.add_argument("--no-baseline", action="store_true", help="skip transformers")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for the baseline")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+
+    import jax
+
+    from jvllm import Engine
+
+    started = time.perf_counter()
+    engine = Engine(args.model, dtype=args.dtype, load_format=args.load_format,
+                    max_num_seqs=max(args.num_prompts, args.wide, 1), max_model_len=4096)
+    cfg = engine.model.config
+    results: dict = {
+        "command": " ".join(["python -m benchmarks.throughput", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
+                    "jax": jax.__version__, "device": str(jax.devices()[0]), "backend": jax.default_backend()},
+        "model": engine.served_model_name, "dtype": str(np.dtype(engine.model.dtype)),
+        "engine_start_seconds": time.perf_counter() - started,
+    }
+    prompts = random_prompts(args.num_prompts, args.input_len, cfg.vocab_size, seed=0)
+    results["batch"] = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+                        "jvllm": run_jvllm(engine, prompts, args.output_len)}
+    print(f"[batch] jvllm: {results['batch']['jvllm']['output_tokens_per_s']:.1f} output tok/s, "
+          f"{results['batch']['jvllm']['requests_per_s']:.2f} req/s", flush=True)
+    if args.single_output_len:
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.model.state))
+        bandwidth = measure_read_bandwidth()
+        single = run_single_decode(engine, prompts[0], args.single_output_len)
+        bound = bandwidth / weight_bytes
+        single.update(weight_bytes=weight_bytes, bandwidth_gb_s=bandwidth / 1e9, bound_tokens_per_s=bound,
+                      fraction_of_bound=single["decode_tokens_per_s"] / bound)
+        results["single"] = single
+        print(f"[single] decode {single['decode_tokens_per_s']:.1f} tok/s; bound {bound:.1f} tok/s "
+              f"({weight_bytes / 1e6:.0f} MB weights / {bandwidth / 1e9:.1f} GB/s) -> "
+              f"{100 * single['fraction_of_bound']:.0f}% of bound", flush=True)
+    if args.wide:
+        wide_prompts = random_prompts(args.wide, args.input_len, cfg.vocab_size, seed=1)
+        results["wide"] = {"num_prompts": args.wide, "jvllm": run_jvllm(engine, wide_prompts, args.output_len)}
+        print(f"[wide] {args.wide} concurrent: {results['wide']['jvllm']['output_tokens_per_s']:.1f} output tok/s",
+              flush=True)
+    if not args.no_baseline:
+        del engine
+        base = run_transformers(hf_folder_for(args.model), prompts, args.output_len, args.threads)
+        results["batch"]["transformers"] = base
+        ratio = results["batch"]["jvllm"]["output_tokens_per_s"] / base["output_tokens_per_s"]
+        results["batch"]["ratio_vs_transformers"] = ratio
+        print(f"[batch] transformers: {base['output_tokens_per_s']:.1f} output tok/s -> jvllm is {ratio:.2f}x",
+              flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""Shared fixtures: offline hub, a per-session cache dir, one default engine, tiny random HF models."""
+from __future__ import annotations
+
+import os
+import pathlib
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _jvllm_cache(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """Keep converted weights and compiled executables of the run out of the user's home cache,
+    unless JVLLM_CACHE_DIR is set (CI may point it at a warm cache)."""
+    if "JVLLM_CACHE_DIR" not in os.environ:
+        os.environ["JVLLM_CACHE_DIR"] = str(tmp_path_factory.mktemp("jvllm-cache"))
+    return pathlib.Path(os.environ["JVLLM_CACHE_DIR"])
+
+
+@pytest.fixture(scope="session")
+def default_engine(_jvllm_cache):
+    """SmolLM2-135M-Instruct (float32, xla attention), shared by every test that only reads it."""
+    from jvllm import Engine
+
+    return Engine(kv_cache_memory_bytes=256 << 20, max_num_seqs=32, max_model_len=2048)
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer_dir(default_engine, tmp_path_factory) -> pathlib.Path:
+    """The default model's tokenizer saved as an HF folder, reused by the tiny random models."""
+    folder = tmp_path_factory.mktemp("smollm-tokenizer")
+    default_engine.get_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(smollm_tokenizer_dir, tmp_path_factory):
+    """make(kind, **overrides) -> folder of a tiny random transformers model (safetensors + tokenizer).
+
+    kind is 'llama', 'qwen2' or 'mistral'. The vocabulary is the SmolLM2 tokenizer's (49152)."""
+    import shutil
+
+    import torch
+    import transformers
+
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }
+    made: dict[tuple, pathlib.Path] = {}
+
+    def make(kind: str, **overrides) -> pathlib.Path:
+        key = (kind, tuple(sorted(overrides.items(), key=lambda kv: kv[0])).__repr__())
+        if key in made:
+            return made[key]
+        config_cls, model_cls = classes[kind]
+        settings = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+        settings.update(overrides)
+        torch.manual_seed(0)
+        model = model_cls(config_cls(**settings)).eval()
+        folder = tmp_path_factory.mktemp(f"tiny-{kind}")
+        model.save_pretrained(folder)
+        for item in smollm_tokenizer_dir.iterdir():
+            shutil.copy(item, folder / item.name)
+        made[key] = folder
+        return folder
+
+    return make

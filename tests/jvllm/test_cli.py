@@ -1,0 +1,45 @@
+"""The `jvllm` command line: help text, human-friendly integers, and a real generate run."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from jvllm.cli import human_int, main
+
+
+def test_human_int_accepts_suffixes():
+    assert human_int("512") == 512
+    assert human_int("4k") == 4096
+    assert human_int("32K") == 32768
+    assert human_int("1m") == 1 << 20
+    with pytest.raises(argparse.ArgumentTypeError):
+        human_int("lots")
+
+
+def test_help_lists_generate_and_its_flags():
+    top = subprocess.run([sys.executable, "-m", "jvllm.cli", "--help"], capture_output=True, text=True, check=True)
+    assert "generate" in top.stdout
+    sub = subprocess.run([sys.executable, "-m", "jvllm.cli", "generate", "--help"], capture_output=True, text=True,
+                         check=True)
+    for flag in ("--model", "--max-tokens", "--temperature", "--top-p", "--chat"):
+        assert flag in sub.stdout
+
+
+def test_generate_prints_the_same_completion_as_the_engine(default_engine, capsys):
+    from jvllm import SamplingParams
+
+    expected = default_engine.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8),
+                                       use_tqdm=False)[0].outputs[0].text
+    code = main(["generate", "The capital of France is", "--max-tokens", "8", "--kv-cache-memory-bytes", "64M",
+                 "--max-model-len", "2048", "--max-num-seqs", "32"])
+    assert code == 0
+    assert capsys.readouterr().out.rstrip("\n") == expected
+
+
+def test_generate_reports_a_bad_model_path_without_a_traceback(capsys):
+    assert main(["generate", "hi", "--model", "/nonexistent/model"]) == 2
+    err = capsys.readouterr().err
+    assert "not found" in err and "Traceback" not in err
