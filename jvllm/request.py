@@ -87,8 +87,11 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    def can_transition(self, new: RequestStatus) -> bool:
+        return new in _ALLOWED.get(self.status, set())
+
     def set_status(self, new: RequestStatus) -> None:
-        if new not in _ALLOWED.get(self.status, set()):
+        if not self.can_transition(new):
             raise RuntimeError(f"request {self.request_id}: illegal transition {self.status.name} -> {new.name}")
         self.status = new
         if new.is_finished:

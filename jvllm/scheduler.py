@@ -123,6 +123,9 @@ class Scheduler:
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Retire a running or waiting request, returning its pages."""
+        if not request.can_transition(status):  # check first, so a refused finish leaves the request queued
+            raise RuntimeError(f"request {request.request_id}: illegal transition {request.status.name} -> "
+                               f"{status.name}")
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

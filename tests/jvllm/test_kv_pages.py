@@ -1,0 +1,194 @@
+"""PageManager: allocation, reference counts, the reserved page and integrity (pure Python)."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jvllm.kv_pages import OutOfPages, PageManager
+
+
+def test_fresh_pool_has_every_page_but_the_reserved_one_free():
+    pm = PageManager(8, 16)
+    assert pm.num_pages == 8
+    assert pm.num_usable_pages == 7
+    assert pm.num_free_pages == 7
+    assert pm.usage == 0.0
+    pm.check_integrity()
+
+
+@pytest.mark.parametrize("num_pages", [0, 1, -3])
+def test_pool_needs_at_least_two_pages(num_pages):
+    with pytest.raises(ValueError, match="at least 2 pages"):
+        PageManager(num_pages, 16)
+
+
+@pytest.mark.parametrize("tokens,pages", [(0, 0), (1, 1), (15, 1), (16, 1), (17, 2), (32, 2), (33, 3)])
+def test_pages_for_tokens_rounds_up(tokens, pages):
+    assert PageManager(4, 16).pages_for_tokens(tokens) == pages
+
+
+def test_allocate_gives_distinct_pages_and_release_returns_them():
+    pm = PageManager(8, 16)
+    a = pm.allocate(3)
+    b = pm.allocate(2)
+    assert len(a) == 3 and len(b) == 2
+    assert len(set(a) | set(b)) == 5
+    assert PageManager.RESERVED_PAGE not in a + b
+    assert pm.num_free_pages == 2
+    assert pm.usage == pytest.approx(5 / 7)
+    pm.check_integrity()
+    pm.release(a)
+    assert pm.num_free_pages == 5
+    pm.release(b)
+    assert pm.num_free_pages == 7
+    assert pm.usage == 0.0
+    pm.check_integrity()
+
+
+def test_allocate_zero_is_a_no_op():
+    pm = PageManager(4, 16)
+    assert pm.allocate(0) == []
+    assert pm.num_free_pages == 3
+
+
+def test_whole_pool_can_be_allocated_but_never_the_reserved_page():
+    pm = PageManager(5, 16)
+    pages = pm.allocate(4)
+    assert sorted(pages) == [1, 2, 3, 4]
+    assert pm.num_free_pages == 0
+    assert pm.usage == 1.0
+    with pytest.raises(OutOfPages):
+        pm.allocate(1)
+    pm.check_integrity()
+
+
+def test_out_of_pages_allocates_nothing():
+    pm = PageManager(4, 16)
+    held = pm.allocate(2)
+    with pytest.raises(OutOfPages, match="need 2 pages, 1 free"):
+        pm.allocate(2)
+    assert pm.num_free_pages == 1  # the failed call did not take the last page
+    pm.check_integrity()
+    pm.release(held)
+    assert pm.num_free_pages == 3
+
+
+def test_reserved_page_never_handed_out_across_many_cycles():
+    pm = PageManager(3, 16)
+    for _ in range(50):
+        pages = pm.allocate(2)
+        assert PageManager.RESERVED_PAGE not in pages
+        pm.release(pages[::-1])
+    pm.check_integrity()
+
+
+def test_share_needs_every_owner_to_release():
+    pm = PageManager(6, 16)
+    pages = pm.allocate(2)
+    pm.share(pages)
+    pm.share(pages[:1])  # three owners of the first page, two of the second
+    pm.release(pages)
+    assert pm.num_free_pages == 3  # still held
+    pm.check_integrity()
+    pm.release(pages)
+    assert pm.num_free_pages == 4  # second page freed, first still has one owner
+    pm.check_integrity()
+    pm.release(pages[:1])
+    assert pm.num_free_pages == 5
+    pm.check_integrity()
+
+
+def test_double_free_raises():
+    pm = PageManager(4, 16)
+    pages = pm.allocate(1)
+    pm.release(pages)
+    with pytest.raises(RuntimeError, match="double free"):
+        pm.release(pages)
+    pm.check_integrity()
+    assert pm.num_free_pages == 3
+
+
+def test_releasing_a_never_allocated_page_raises():
+    pm = PageManager(4, 16)
+    with pytest.raises(RuntimeError, match="double free"):
+        pm.release([2])
+    with pytest.raises(RuntimeError, match="double free"):
+        pm.release([PageManager.RESERVED_PAGE])
+    pm.check_integrity()
+
+
+def test_sharing_a_free_page_raises():
+    pm = PageManager(4, 16)
+    with pytest.raises(RuntimeError, match="sharing free page"):
+        pm.share([1])
+    pages = pm.allocate(1)
+    pm.release(pages)
+    with pytest.raises(RuntimeError, match="sharing free page"):
+        pm.share(pages)
+    pm.check_integrity()
+
+
+def test_check_integrity_detects_corruption():
+    pm = PageManager(4, 16)
+    pages = pm.allocate(1)
+    pm._refcount[pages[0]] = 0  # held page with no owner
+    with pytest.raises(AssertionError):
+        pm.check_integrity()
+    pm = PageManager(4, 16)
+    pm._free.append(PageManager.RESERVED_PAGE)
+    with pytest.raises(AssertionError, match="reserved"):
+        pm.check_integrity()
+    pm = PageManager(4, 16)
+    pm._free.append(pm._free[0])
+    with pytest.raises(AssertionError, match="twice"):
+        pm.check_integrity()
+
+
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("alloc"), st.integers(0, 6)),
+        st.tuples(st.just("share"), st.integers(0, 1000)),
+        st.tuples(st.just("release"), st.integers(0, 1000)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(num_pages=st.integers(2, 12), ops=_ops)
+def test_integrity_after_random_operations(num_pages, ops):
+    """A model of the owners (one list of pages per owner) matches the manager after each operation."""
+    pm = PageManager(num_pages, 4)
+    owners: list[list[int]] = []
+    for op, arg in ops:
+        if op == "alloc":
+            if arg > pm.num_free_pages:
+                with pytest.raises(OutOfPages):
+                    pm.allocate(arg)
+            else:
+                pages = pm.allocate(arg)
+                assert len(set(pages)) == arg
+                assert PageManager.RESERVED_PAGE not in pages
+                held = {p for o in owners for p in o}
+                assert not held & set(pages), "a held page was handed out again"
+                owners.append(pages)
+        elif op == "share" and owners:
+            source = owners[arg % len(owners)]
+            pm.share(source)
+            owners.append(list(source))
+        elif op == "release" and owners:
+            pm.release(owners.pop(arg % len(owners)))
+        pm.check_integrity()
+        refs: dict[int, int] = {}
+        for o in owners:
+            for p in o:
+                refs[p] = refs.get(p, 0) + 1
+        for page in range(1, num_pages):
+            assert pm._refcount[page] == refs.get(page, 0)
+        assert pm.num_free_pages == pm.num_usable_pages - len(refs)
+        assert 0.0 <= pm.usage <= 1.0
+    for o in owners:
+        pm.release(o)
+    pm.check_integrity()
+    assert pm.num_free_pages == pm.num_usable_pages
