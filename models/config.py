@@ -26,6 +26,7 @@ class ModelConfig:
     o_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    sliding_window: int | None = None  # keys older than this many positions are not attended (Mistral)
 
     @property
     def queries_per_kv_head(self) -> int:
@@ -65,6 +66,7 @@ class ModelConfig:
             o_bias=llama_bias and not is_qwen2,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
+            sliding_window=_sliding_window(hf, is_qwen2),
         )
 
 
@@ -82,3 +84,11 @@ def _rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     merged["rope_type"] = rope_type
     merged.pop("type", None)
     return theta, merged
+
+
+def _sliding_window(hf: dict[str, Any], is_qwen2: bool) -> int | None:
+    """Mistral sets `sliding_window`; Qwen2 applies it only with `use_sliding_window` (off by default)."""
+    window = hf.get("sliding_window")
+    if window is None or (is_qwen2 and not hf.get("use_sliding_window", False)):
+        return None
+    return int(window)

@@ -53,6 +53,7 @@ class Attention(nnx.Module):
         self.v_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(cfg.num_heads * hd, d, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
+        self.sliding_window = cfg.sliding_window
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, pages: tuple[jax.Array, jax.Array],
                  md: AttentionMetadata, attend: AttendFn) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
@@ -62,7 +63,7 @@ class Attention(nnx.Module):
         k = self.k_proj(x).reshape(tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
         v = self.v_proj(x).reshape(tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attend(q, k, v, pages[0], pages[1], md, self.head_dim ** -0.5)  # [T, H, hd]
+        out = attend(q, k, v, pages[0], pages[1], md, self.head_dim ** -0.5, self.sliding_window)  # [T, H, hd]
         return self.o_proj(out.reshape(tokens, -1)), (k, v)
 
 
@@ -129,20 +130,20 @@ class LlamaForCausalLM(nnx.Module):
             array = np.asarray(tensors[name])
             return jnp.asarray(array.T if transpose else array, dtype=dtype)
 
-        self.embed_tokens.value = take("model.embed_tokens.weight")
-        self.norm.weight.value = take("model.norm.weight")
+        self.embed_tokens.set_value(take("model.embed_tokens.weight"))
+        self.norm.weight.set_value(take("model.norm.weight"))
         if self.lm_head is not None:
             name = "lm_head.weight" if "lm_head.weight" in tensors else "model.embed_tokens.weight"
-            self.lm_head.value = take(name, transpose=True)
+            self.lm_head.set_value(take(name, transpose=True))
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."
-            layer.input_layernorm.weight.value = take(prefix + "input_layernorm.weight")
-            layer.post_attention_layernorm.weight.value = take(prefix + "post_attention_layernorm.weight")
+            layer.input_layernorm.weight.set_value(take(prefix + "input_layernorm.weight"))
+            layer.post_attention_layernorm.weight.set_value(take(prefix + "post_attention_layernorm.weight"))
             for owner, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
                                  (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
                 group = "self_attn." if owner is layer.self_attn else "mlp."
                 for proj_name in names:
                     proj: Linear = getattr(owner, proj_name)
-                    proj.kernel.value = take(prefix + group + proj_name + ".weight", transpose=True)
+                    proj.kernel.set_value(take(prefix + group + proj_name + ".weight", transpose=True))
                     if proj.bias is not None:
-                        proj.bias.value = take(prefix + group + proj_name + ".bias")
+                        proj.bias.set_value(take(prefix + group + proj_name + ".bias"))

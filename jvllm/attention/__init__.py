@@ -12,7 +12,7 @@ from jvllm.attention.metadata import AttentionMetadata
 
 class AttendFn(Protocol):
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                 md: AttentionMetadata, scale: float) -> jax.Array: ...
+                 md: AttentionMetadata, scale: float, sliding_window: int | None = None) -> jax.Array: ...
 
 
 class WriteFn(Protocol):

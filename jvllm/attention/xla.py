@@ -44,8 +44,10 @@ def paged_attention(
     v_pages: jax.Array,  # [N, page, KVH, hd]
     md: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> jax.Array:
-    """Causal attention of each query over its sequence's cached pages plus this step's chunk -> [T, H, hd]."""
+    """Causal attention of each query over its sequence's cached pages plus this step's chunk -> [T, H, hd].
+    With `sliding_window`, a query at position p sees only keys at positions > p - window."""
     kv_heads = k_pages.shape[2]
     seqs, max_q = md.seq_token_index.shape
     group, head_dim = q.shape[1] // kv_heads, q.shape[2]
@@ -60,6 +62,11 @@ def paged_attention(
     sees_context = jnp.arange(context_len)[None, None, :] < cached[:, None, None]  # [S, 1, C]
     sees_chunk = (q_idx[None, None, :] <= q_idx[None, :, None]) & (q_idx[None, None, :] < md.q_lens[:, None, None])
     visible = jnp.concatenate([jnp.broadcast_to(sees_context, (seqs, max_q, context_len)), sees_chunk], axis=2)
+    if sliding_window is not None:
+        q_pos = cached[:, None] + q_idx[None, :]  # [S, Q]
+        k_pos = jnp.concatenate([jnp.broadcast_to(jnp.arange(context_len), (seqs, context_len)),
+                                 cached[:, None] + q_idx[None, :]], axis=1)  # [S, C + Q]
+        visible &= q_pos[:, :, None] - k_pos[:, None, :] < sliding_window
     scores = jnp.einsum("sqkgd,kscd->skgqc", q_padded, keys, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(visible[:, None, None, :, :], scores, _MASKED)  # [S, KVH, G, Q, C + Q]
     probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
