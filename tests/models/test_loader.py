@@ -1,0 +1,45 @@
+"""Model resolution and weight formats: dummy weights, the GGUF conversion cache, clear errors."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jvllm import Engine, SamplingParams
+from models.loader import _converted_folder, load_model, resolve_dtype
+
+
+def test_dummy_weights_have_the_real_shapes_but_random_values(tiny_model_factory):
+    folder = tiny_model_factory("llama")
+    real = load_model(str(folder), dtype="float32")
+    dummy = load_model(str(folder), dtype="float32", load_format="dummy")
+    real_leaves, dummy_leaves = jax.tree.leaves(real.state), jax.tree.leaves(dummy.state)
+    assert [x.shape for x in real_leaves] == [x.shape for x in dummy_leaves]
+    embed_real, embed_dummy = np.asarray(real_leaves[0]), np.asarray(dummy_leaves[0])
+    assert embed_real.shape == embed_dummy.shape and not np.allclose(embed_real, embed_dummy)
+
+
+def test_dummy_engine_generates_requested_token_count(tiny_model_factory):
+    engine = Engine(str(tiny_model_factory("llama")), load_format="dummy", kv_cache_memory_bytes=8 << 20)
+    out = engine.generate("hello", SamplingParams(max_tokens=5, ignore_eos=True, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 5
+
+
+def test_gguf_conversion_is_cached_for_the_next_start(default_engine):
+    from models.default_model import default_model_path
+
+    folder = _converted_folder(default_model_path())
+    assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
+    assert (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()
+
+
+def test_unknown_load_format_and_dtype_are_clear_errors(tiny_model_factory):
+    with pytest.raises(ValueError, match="load_format"):
+        load_model(str(tiny_model_factory("llama")), load_format="pickle")
+    with pytest.raises(ValueError, match="dtype"):
+        resolve_dtype("float8")
+
+
+def test_dtype_auto_is_float32_on_cpu():
+    assert jax.default_backend() == "cpu"
+    assert np.dtype(resolve_dtype("auto")) == np.float32
