@@ -32,6 +32,19 @@ def _short_entries(items: list | None) -> str:
 
 
 @dataclass
+class Logprob:
+    """One candidate token's log-probability at one position (vLLM's `Logprob`).
+
+    `CompletionOutput.logprobs` is a list with one `dict[token_id, Logprob]` per generated token (the
+    sampled token plus the top-k asked for); `RequestOutput.prompt_logprobs` is the same per prompt
+    token, with None for the first token (nothing precedes it)."""
+
+    logprob: float
+    rank: int | None = None  # 1 = most likely token
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     """One of the n completions of a request.
 

@@ -19,11 +19,26 @@ class WriteFn(Protocol):
     def __call__(self, kv_cache: list, new_kv: list, md: AttentionMetadata) -> list: ...
 
 
+class WriteAttendFn(Protocol):
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                 md: AttentionMetadata, scale: float,
+                 sliding_window: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionBackend:
+    """Either split (`attend` reads the pool, `write` runs later in its own donated jit: best on XLA CPU) or
+    fused (`write_and_attend` writes the step's K/V into the pages, then attends over pages only, inside
+    one jit that donates the pool: the GPU kernels' shape)."""
+
     name: str
-    attend: AttendFn  # (q [T,H,hd], k/v [T,KVH,hd], pages [N,page,KVH,hd], md, scale) -> [T,H,hd]
-    write: WriteFn  # (per-layer pages, per-layer (k, v) [T,KVH,hd], md) -> per-layer pages
+    attend: AttendFn | None  # (q [T,H,hd], k/v [T,KVH,hd], pages [N,page,KVH,hd], md, scale) -> [T,H,hd]
+    write: WriteFn | None  # (per-layer pages, per-layer (k, v) [T,KVH,hd], md) -> per-layer pages
+    write_and_attend: WriteAttendFn | None = None  # (q, k, v, k_pages, v_pages, md, scale) -> (out, k_pages, v_pages)
+
+    @property
+    def fused(self) -> bool:
+        return self.write_and_attend is not None
 
 
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
@@ -40,7 +55,14 @@ def _load_xla() -> AttentionBackend:
     return AttentionBackend("xla", xla.paged_attention, xla.write_layers)
 
 
+def _load_pallas() -> AttentionBackend:
+    from jvllm.attention import pallas
+
+    return pallas.backend()
+
+
 register_backend("xla", _load_xla)
+register_backend("pallas", _load_pallas)
 
 
 def available_backends() -> list[str]:
@@ -61,5 +83,5 @@ def get_backend(name: str) -> AttentionBackend:
     return _BACKENDS[resolve_backend_name(name)]()
 
 
-__all__ = ["AttendFn", "AttentionBackend", "AttentionMetadata", "WriteFn", "available_backends", "get_backend",
+__all__ = ["AttendFn", "WriteAttendFn", "AttentionBackend", "AttentionMetadata", "WriteFn", "available_backends", "get_backend",
            "register_backend", "resolve_backend_name"]
