@@ -33,9 +33,9 @@ class Engine:
                  max_num_batched_tokens: int | None = None, block_size: int = 16,
                  kv_cache_memory_bytes: int | None = None, enable_prefix_caching: bool = True,
                  attention_backend: str = "auto", load_format: str = "auto", seed: int = 0,
-                 served_model_name: str | None = None):
+                 served_model_name: str | None = None, batched_weight_dtype: str | None = None):
         from jvllm.attention import resolve_backend_name
-        from models.loader import load_model
+        from models.loader import load_model, resolve_dtype
 
         if tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet (tracked by the tensor-parallel issue)")
@@ -57,7 +57,8 @@ class Engine:
         self.scheduler = Scheduler(self.pages, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         limits = BucketLimits(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_pages_per_seq)
         self.runner = ModelRunner(self.model, num_pages=cfg.num_pages, page_size=cfg.block_size, limits=limits,
-                                  attention_backend=backend)
+                                  attention_backend=backend,
+                                  batched_weight_dtype=resolve_dtype(batched_weight_dtype) if batched_weight_dtype else None)
         self._rng = random.Random(seed)
         self._counter = itertools.count()
         self._groups: dict[str, list[Request]] = {}

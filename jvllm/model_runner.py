@@ -1,7 +1,6 @@
 """Owns the device side: weights, the donated KV page pool, and the jitted bucketed model steps."""
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from typing import Any
@@ -9,56 +8,37 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from jvllm.attention import AttendFn, WriteFn, get_backend
+from jvllm.attention import get_backend
 from jvllm.attention.metadata import AttentionMetadata
 from jvllm.batch import BucketLimits, build_batch
-from jvllm.sampler import sample
-from jvllm.sampling_tensors import RowSpec, SamplerFlags, SamplingTensors, build_sampling_tensors
+from jvllm.sampling_tensors import RowSpec, build_sampling_tensors
+from jvllm.step_functions import build_step_functions
 from jvllm.scheduler import ScheduledChunk
 from models.loader import LoadedModel
 
 logger = logging.getLogger("jvllm")
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "attend", "flags"))
-def _forward_and_sample(state: Any, kv_cache: list, input_ids: jax.Array, positions: jax.Array,
-                        md: AttentionMetadata, sampling: SamplingTensors, *, graphdef: Any, attend: AttendFn,
-                        flags: SamplerFlags):
-    """Forward the flat token batch (pool read only), sample each sequence's last position
-    -> (ids [S] int32, logprobs [S] float32, per-layer new (k, v) [T, KVH, hd])."""
-    model = nnx.merge(graphdef, state)
-    hidden, new_kv = model(input_ids, positions, kv_cache, md, attend)  # [T, D]
-    logits = model.compute_logits(hidden[md.last_token_index])  # [S, V] float32
-    token_ids, logprobs = sample(logits, sampling, flags)
-    return token_ids, logprobs, new_kv
-
-
-@functools.partial(jax.jit, static_argnames=("write",), donate_argnames=("kv_cache",))
-def _write_pool(kv_cache: list, new_kv: list, md: AttentionMetadata, *, write: WriteFn) -> list:
-    """Scatter a step's K/V into the donated pool, in place."""
-    return write(kv_cache, new_kv, md)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "attend"))
-def _all_logits(state: Any, kv_cache: list, input_ids: jax.Array, positions: jax.Array, md: AttentionMetadata,
-                *, graphdef: Any, attend: AttendFn) -> jax.Array:
-    """Forward and return logits at every token position -> [T, V] float32."""
-    model = nnx.merge(graphdef, state)
-    hidden, _ = model(input_ids, positions, kv_cache, md, attend)
-    return model.compute_logits(hidden)
+def cast_matrices(weights: list[jax.Array], dtype: Any) -> list[jax.Array]:
+    """A copy of the weights with every matrix (ndim >= 2) in `dtype`; norms and biases keep theirs."""
+    return [a.astype(dtype) if a.ndim >= 2 else a for a in weights]
 
 
 class ModelRunner:
     """Turns scheduled chunks into device arrays, runs the jitted step, returns sampled ids to the host."""
 
     def __init__(self, loaded: LoadedModel, *, num_pages: int, page_size: int, limits: BucketLimits,
-                 attention_backend: str):
+                 attention_backend: str, batched_weight_dtype: Any = None, batched_min_rows: int = 16):
         self.loaded = loaded
         self.page_size = page_size
         self.limits = limits
         self.backend = get_backend(attention_backend)
+        self.weights, treedef = jax.tree.flatten(loaded.state)  # flattened once: NNX state is slow to flatten
+        self.steps = build_step_functions(loaded.graphdef, treedef, self.backend)
+        self.batched_min_rows = batched_min_rows
+        self.batched_weights = None if batched_weight_dtype is None else cast_matrices(self.weights,
+                                                                                       batched_weight_dtype)
         cfg = loaded.config
         self.kv_cache = self._new_pool(num_pages)
         self._seen_shapes: set[tuple] = set()
@@ -93,13 +73,23 @@ class ModelRunner:
         sampling, flags = build_sampling_tensors(rows, num_rows)
         self._log_new_shape(("step", *batch.shape_key, flags))
         md = jax.device_put(batch.metadata)
-        token_ids, logprobs, new_kv = _forward_and_sample(
-            self.loaded.state, self.kv_cache, batch.input_ids, batch.positions, md, sampling,
-            graphdef=self.loaded.graphdef, attend=self.backend.attend, flags=flags)
-        self.kv_cache = _write_pool(self.kv_cache, new_kv, md, write=self.backend.write)
+        token_ids, logprobs, layer_kv = self.steps.forward_sample(
+            self._weights_for(batch.input_ids.shape[0]), self.kv_cache, batch.input_ids, batch.positions, md,
+            sampling, flags=flags)
+        self._store_kv(layer_kv, md)
         token_ids, logprobs = np.asarray(token_ids), np.asarray(logprobs)
         return {c.request.request_id: (int(token_ids[i]), float(logprobs[i]))
                 for i, c in enumerate(chunks) if c.samples}
+
+    def _store_kv(self, layer_kv: list, md: AttentionMetadata) -> None:
+        """A fused step returned the updated pool; a split one the K/V still to write."""
+        self.kv_cache = layer_kv if self.steps.fused else self.steps.write_pool(self.kv_cache, layer_kv, md)
+
+    def _weights_for(self, rows: int) -> list[jax.Array]:
+        """The weights for a step of `rows` token rows: the batched copy (e.g. bf16) for big steps, if any."""
+        if self.batched_weights is not None and rows >= self.batched_min_rows:
+            return self.batched_weights
+        return self.weights
 
     @staticmethod
     def _row_spec(chunk: ScheduledChunk) -> RowSpec:
@@ -122,7 +112,10 @@ class ModelRunner:
         return set(self._seen_shapes)
 
     def prompt_logits(self, token_ids: list[int]) -> np.ndarray:
-        """Logits [T, V] at every position of one prompt, computed through the paged path (one chunk)."""
+        """Logits [T, V] at every position of one prompt, computed through the paged path (one chunk).
+        Split backends only: the chunk attends to itself and nothing is written to the pool."""
+        if self.steps.fused:
+            raise NotImplementedError("prompt_logits needs a split attention backend (xla)")
         n = len(token_ids)
         pages_needed = -(-n // self.page_size)
         page_table = [0] * pages_needed  # nothing cached: the pages are never read, the chunk is attended directly
@@ -138,7 +131,7 @@ class ModelRunner:
         chunk = ScheduledChunk(fake, n)  # type: ignore[arg-type]
         batch = build_batch([chunk], self.page_size, BucketLimits(max(n, 1), 1, max(pages_needed, 1)))
         started = time.perf_counter()
-        logits = _all_logits(self.loaded.state, self.kv_cache, batch.input_ids, batch.positions, batch.metadata,
-                             graphdef=self.loaded.graphdef, attend=self.backend.attend)
+        md = jax.device_put(batch.metadata)
+        logits, _ = self.steps.all_logits(self.weights, self.kv_cache, batch.input_ids, batch.positions, md)
         logger.debug("prompt_logits for %d tokens took %.2fs", n, time.perf_counter() - started)
         return np.asarray(logits)[:n]

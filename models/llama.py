@@ -1,17 +1,18 @@
 """Flax NNX Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) reading and writing the paged KV pool."""
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jvllm.attention import AttendFn, AttentionMetadata
+from jvllm.attention import AttentionMetadata
 from models.config import ModelConfig
 from models.rope import apply_rotary, inverse_frequencies, rotary_tables
 
+LayerAttention = Callable[..., tuple[jax.Array, tuple[jax.Array, jax.Array]]]  # see jvllm.step_functions
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: (k_pages, v_pages), each [N, page, KVH, hd]
 NewKV = list[tuple[jax.Array, jax.Array]]  # per layer: this step's (k, v), each [T, KVH, hd]
 
@@ -28,7 +29,10 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("td,de->te", x, self.kernel[...], preferred_element_type=jnp.float32)
+        kernel = self.kernel[...]
+        # Cast the activation to the weight dtype, never the weights up: bf16 weights with f32 activations
+        # must stay a bf16 x bf16 -> f32 dot (the fast CPU path), not a per-step f32 copy of the weights.
+        y = jnp.einsum("td,de->te", x.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
         return y.astype(x.dtype)
@@ -42,7 +46,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * normed.astype(x.dtype)
+        return self.weight[...] * normed.astype(x.dtype)  # transformers' order; f32 when the weight is bf16
 
 
 class Attention(nnx.Module):
@@ -56,15 +60,15 @@ class Attention(nnx.Module):
         self.sliding_window = cfg.sliding_window
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, pages: tuple[jax.Array, jax.Array],
-                 md: AttentionMetadata, attend: AttendFn) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        """x [T, D] -> (out [T, D], this step's (k, v) for the pool writer)."""
+                 md: AttentionMetadata, attention: LayerAttention) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """x [T, D] -> (out [T, D], the attention's per-layer K/V result: see jvllm.step_functions)."""
         tokens = x.shape[0]
         q = self.q_proj(x).reshape(tokens, self.num_heads, self.head_dim)  # [T, H, hd]
         k = self.k_proj(x).reshape(tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
         v = self.v_proj(x).reshape(tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attend(q, k, v, pages[0], pages[1], md, self.head_dim ** -0.5, self.sliding_window)  # [T, H, hd]
-        return self.o_proj(out.reshape(tokens, -1)), (k, v)
+        out, layer_kv = attention(q, k, v, pages, md, self.head_dim ** -0.5, self.sliding_window)  # [T, H, hd]
+        return self.o_proj(out.reshape(tokens, -1)), layer_kv
 
 
 class MLP(nnx.Module):
@@ -85,10 +89,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x, cos, sin, pages, md, attend):
-        attn_out, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, pages, md, attend)
+    def __call__(self, x, cos, sin, pages, md, attention):
+        attn_out, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, pages, md, attention)
         x = x + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x)), new_kv
+        return x + self.mlp(self.post_attention_layernorm(x)).astype(x.dtype), new_kv
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -102,25 +106,30 @@ class LlamaForCausalLM(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else _init(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache, md: AttentionMetadata,
-                 attend: AttendFn) -> tuple[jax.Array, NewKV]:
+                 attention: LayerAttention) -> tuple[jax.Array, NewKV]:
         """input_ids, positions [T] int32 -> (final hidden states [T, D], each layer's new (k, v)).
 
-        The pool is only read here; the runner writes the returned K/V in a separate donated jit."""
-        x = self.embed_tokens[...][input_ids]  # [T, D]
+        Activations take the KV pool's dtype, whatever the weights' dtype (see ModelRunner's batched
+        weights). Each layer's K/V result is the new K/V (split backends: the runner writes it into the pool
+        in a separate donated jit) or the updated pages (fused backends)."""
+        activation_dtype = kv_cache[0][0].dtype
+        x = self.embed_tokens[...][input_ids].astype(activation_dtype)  # [T, D]
         cfg = self.config  # static: the frequencies become trace-time constants, not state
         inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
         cos, sin = rotary_tables(positions, inv_freq)  # [T, hd] each
         new_kv: NewKV = []
         for layer, pages in zip(self.layers, kv_cache):
-            x, layer_kv = layer(x, cos, sin, pages, md, attend)
+            x, layer_kv = layer(x, cos, sin, pages, md, attention)
             new_kv.append(layer_kv)
-        return self.norm(x), new_kv
+        return self.norm(x).astype(activation_dtype), new_kv
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [S, D] -> logits [S, V] float32."""
         if self.lm_head is None:
-            return jnp.einsum("sd,vd->sv", hidden, self.embed_tokens[...], preferred_element_type=jnp.float32)
-        return jnp.einsum("sd,dv->sv", hidden, self.lm_head[...], preferred_element_type=jnp.float32)
+            table = self.embed_tokens[...]
+            return jnp.einsum("sd,vd->sv", hidden.astype(table.dtype), table, preferred_element_type=jnp.float32)
+        head = self.lm_head[...]
+        return jnp.einsum("sd,dv->sv", hidden.astype(head.dtype), head, preferred_element_type=jnp.float32)
 
     def load_hf_weights(self, tensors: Mapping[str, np.ndarray], dtype: jnp.dtype) -> None:
         """Fill every parameter from HF-named tensors (torch layout: Linear weights are [out, in])."""
