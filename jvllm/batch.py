@@ -37,12 +37,16 @@ class HostBatch:
         return (self.input_ids.shape[0], *md.seq_token_index.shape, md.block_tables.shape[1])
 
 
-def build_batch(chunks: list[ScheduledChunk], page_size: int, limits: BucketLimits) -> HostBatch:
+def build_batch(chunks: list[ScheduledChunk], page_size: int, limits: BucketLimits, *,
+                cached_pages_only: bool = False) -> HostBatch:
+    """With `cached_pages_only` the block tables cover only tokens cached before this step (enough for a
+    backend that attends to the step's own K/V directly): a first prefill chunk then gathers no context."""
     total = sum(c.num_tokens for c in chunks)
     num_tokens = next_bucket(total, limits.max_tokens)
     num_seqs = next_bucket(len(chunks), limits.max_seqs)
     max_q = next_bucket(max(c.num_tokens for c in chunks), limits.max_tokens)
-    max_pages = next_bucket(max(len(c.request.page_table) for c in chunks), limits.max_pages)
+    table_len = [-(-c.start // page_size) if cached_pages_only else len(c.request.page_table) for c in chunks]
+    max_pages = next_bucket(max(table_len), limits.max_pages)
 
     input_ids = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
@@ -70,7 +74,7 @@ def build_batch(chunks: list[ScheduledChunk], page_size: int, limits: BucketLimi
         query_start[row] = cursor
         q_lens[row] = n
         kv_lens[row] = start + n
-        block_tables[row, : len(pages)] = pages
+        block_tables[row, : table_len[row]] = pages[: table_len[row]]
         cursor += n
     md = AttentionMetadata(slot_mapping, token_seq, token_offset, seq_token_index, query_start, q_lens, kv_lens,
                            block_tables)

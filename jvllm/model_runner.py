@@ -67,7 +67,7 @@ class ModelRunner:
         return results
 
     def _run_group(self, chunks: list[ScheduledChunk]) -> dict[str, tuple[int, float]]:
-        batch = build_batch(chunks, self.page_size, self.limits)
+        batch = build_batch(chunks, self.page_size, self.limits, cached_pages_only=not self.steps.fused)
         num_rows = batch.metadata.q_lens.shape[0]
         rows = [self._row_spec(c) for c in chunks]
         sampling, flags = build_sampling_tensors(rows, num_rows)
