@@ -1,0 +1,139 @@
+"""Ragged paged attention (prefill / mixed): a flat batch of sequences' query chunks, causal over their pages."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import common
+
+
+def _ragged_kernel(
+    q_ref,  # [T, H, hd]
+    k_pages_ref,  # [N, page, KVH, hd]
+    v_pages_ref,  # [N, page, KVH, hd]
+    block_tables_ref,  # [S, P_pad]
+    query_start_ref,  # [S]
+    q_lens_ref,  # [S]
+    kv_lens_ref,  # [S]
+    *refs,  # optional aliased initial output, then out [T, H, hd]
+    group: int,
+    group_rows: int,
+    block_q: int,
+    pages_per_block: int,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+):
+    out_ref = refs[-1]
+    seq, kv_head, q_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q_len = q_lens_ref[seq]
+    first_q = q_block * block_q  # this program's first query offset within the sequence
+
+    @pl.when(first_q < q_len)
+    def _():
+        head_dim = q_ref.shape[2]
+        block_k = pages_per_block * k_pages_ref.shape[1]
+        rows = block_q * group_rows
+        kv_len = kv_lens_ref[seq]
+        cached = kv_len - q_len
+        # [BQ tokens, G heads, hd] block, flattened to rows (token-major) so one tl.dot serves the group
+        tokens = pl.ds(query_start_ref[seq] + first_q, block_q)
+        heads = pl.ds(kv_head * group, group_rows)
+        row_ok = (first_q + jnp.arange(block_q) < q_len)[:, None, None]
+        if group_rows != group:
+            row_ok = row_ok & (jnp.arange(group_rows) < group)[None, :, None]
+        io_mask = jnp.broadcast_to(row_ok, (block_q, group_rows, head_dim))
+        q = pltriton.load(q_ref.at[tokens, heads, :], mask=io_mask, other=0).reshape(rows, head_dim)
+        q_pos = cached + first_q + jax.lax.div(jnp.arange(rows), group_rows)  # [R] absolute positions
+
+        last_pos = cached + jnp.minimum(first_q + block_q, q_len) - 1
+        hi = common.cdiv(last_pos + 1, block_k)  # causal: no block beyond the block's last query
+        lo = 0
+        if sliding_window is not None:
+            lo = jax.lax.div(jnp.maximum(cached + first_q - sliding_window + 1, 0), block_k)
+
+        def body(block, carry):
+            k_pos = block * block_k + jnp.arange(block_k)  # [BK]
+            valid = k_pos < kv_len
+            k = common.load_kv_block(k_pages_ref, block_tables_ref, seq, kv_head, block, pages_per_block, valid)
+            v = common.load_kv_block(v_pages_ref, block_tables_ref, seq, kv_head, block, pages_per_block, valid)
+            visible = (k_pos[None, :] <= q_pos[:, None]) & valid[None, :]  # [R, BK]
+            if sliding_window is not None:
+                visible &= q_pos[:, None] - k_pos[None, :] < sliding_window
+            return common.online_softmax_step(carry, q, k, v, visible, scale, soft_cap)
+
+        init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), common.MASK_VALUE, jnp.float32),
+                jnp.zeros((rows,), jnp.float32))
+        o, _, l = jax.lax.fori_loop(lo, hi, body, init)
+        o = o / jnp.where(l > 0, l, 1.0)[:, None]
+        out = o.reshape(block_q, group_rows, head_dim).astype(out_ref.dtype)
+        pltriton.store(out_ref.at[tokens, heads, :], out, mask=io_mask)
+
+
+def default_block_q(group_rows: int, max_q_len: int, target_rows: int = 128) -> int:
+    """Query tokens per program: ~`target_rows` rows of (token, head), at least 16 rows for tl.dot, but not
+    many more tokens than the longest query chunk."""
+    block_q = max(1, target_rows // group_rows)
+    block_q = min(block_q, common.next_pow2(max_q_len))
+    return max(block_q, max(1, 16 // group_rows))
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, H, hd] flat query tokens, sequences back to back (padding tokens at the end)
+    k_pages: jax.Array,  # [N, page, KVH, hd] already holding every query token's own K/V
+    v_pages: jax.Array,  # [N, page, KVH, hd]
+    query_start: jax.Array,  # [S] int32 flat index of each sequence's first token (cu_q_lens[:-1])
+    q_lens: jax.Array,  # [S] int32 query tokens per sequence (0 for padded rows)
+    kv_lens: jax.Array,  # [S] int32 keys per sequence, its query tokens included
+    block_tables: jax.Array,  # [S, P] int32 page ids (0 when padded)
+    *,
+    max_q_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_q: int | None = None,
+    pages_per_block: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool | None = None,
+    out_fill: float | None = 0.0,
+) -> jax.Array:
+    """Causal attention of every sequence's query chunk over its pages, query i at position
+    kv_len - q_len + i -> [T, H, hd] in q.dtype. `max_q_len` (static) bounds q_lens. Rows of tokens that
+    belong to no sequence are never written: they keep `out_fill` (None leaves them uninitialized;
+    tests pass NaN)."""
+    num_tokens, heads, head_dim = q.shape
+    _, page_size, kv_heads, _ = k_pages.shape
+    seqs, max_pages = block_tables.shape
+    group = heads // kv_heads
+    group_rows = common.next_pow2(group)
+    block_q = block_q or default_block_q(group_rows, max_q_len)
+    if pages_per_block is None:
+        pages_per_block = min(max(1, 64 // page_size), common.next_pow2(max_pages))
+    common.check_pow2(page_size=page_size, head_dim=head_dim, block_q=block_q, pages_per_block=pages_per_block)
+    common.check_min_rows(block_q * group_rows)
+
+    padded_pages = common.cdiv(max_pages, pages_per_block) * pages_per_block
+    block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))
+    inputs = [q, k_pages, v_pages, block_tables,
+              *(x.astype(jnp.int32) for x in (query_start, q_lens, kv_lens))]
+    aliases = {}
+    if out_fill is not None:
+        aliases = {len(inputs): 0}
+        inputs.append(jnp.full(q.shape, out_fill, q.dtype))
+    kernel = functools.partial(
+        _ragged_kernel, group=group, group_rows=group_rows, block_q=block_q, pages_per_block=pages_per_block,
+        scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_tokens, heads, head_dim), q.dtype),
+        grid=(seqs, kv_heads, common.cdiv(max_q_len, block_q)),
+        input_output_aliases=aliases,
+        interpret=common.resolve_interpret(interpret),
+        compiler_params=common.compiler_params(num_warps, num_stages),
+        name="jvllm_ragged_paged_attention",
+    )(*inputs)
