@@ -14,7 +14,8 @@ from jvllm.config import EngineConfig, build_engine_config
 from jvllm.detokenizer import IncrementalDetokenizer
 from jvllm.kv_pages import PageManager
 from jvllm.model_runner import ModelRunner
-from jvllm.output_processor import append_token, request_output
+from jvllm.logprobs import MAX_LOGPROBS
+from jvllm.output_processor import append_token, record_prompt_logprobs, request_output
 from jvllm.outputs import RequestOutput
 from jvllm.progress import GenerateProgress
 from jvllm.request import Request, RequestStatus
@@ -63,6 +64,7 @@ class Engine:
         self._counter = itertools.count()
         self._groups: dict[str, list[Request]] = {}
         self.eos_token_ids = self._eos_ids()
+        self._token_text: dict[int, str] = {}
         logger.info("engine ready: %s (%s, %s attention, max_model_len %d) in %.1fs", self.model.served_name,
                     jnp.dtype(self.model.dtype).name, backend, cfg.max_model_len, time.perf_counter() - started)
 
@@ -79,6 +81,13 @@ class Engine:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def _decode_token(self, token_id: int) -> str:
+        """One token's text, as logprob entries show it (cached: the same ids recur constantly)."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
+
     # ---- step-level API -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
@@ -90,6 +99,9 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize_prompt(prompt)
         params.validate_for_vocab(self.model.config.vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > MAX_LOGPROBS:
+                raise ValueError(f"{name}={getattr(params, name)} exceeds the maximum of {MAX_LOGPROBS}")
         members = []
         for index in range(params.n):
             member_id = request_id if params.n == 1 else f"{request_id}#{index}"
@@ -143,14 +155,18 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        sampled = self.runner.execute(plan.chunks)
+        results = self.runner.execute(plan.chunks)
         self.scheduler.commit(plan)
         advanced: dict[str, None] = {}
         for chunk in plan.chunks:
             request = chunk.request
-            if request.request_id not in sampled:
+            result = results.get(request.request_id)
+            if result is None:
                 continue
-            status = append_token(request, *sampled[request.request_id])
+            record_prompt_logprobs(request, result, self._decode_token)
+            if result.token_id is None:
+                continue
+            status = append_token(request, result, self._decode_token)
             if status is not None:
                 self.scheduler.finish(request, status)
             advanced[request.group_id] = None

@@ -1,6 +1,7 @@
 """Owns the device side: weights, the donated KV page pool, and the jitted bucketed model steps."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -12,12 +13,42 @@ import numpy as np
 from jvllm.attention import get_backend
 from jvllm.attention.metadata import AttentionMetadata
 from jvllm.batch import BucketLimits, build_batch
+from jvllm.logprobs import TokenLogprobs, bucket_k, host_rows
 from jvllm.sampling_tensors import RowSpec, build_sampling_tensors
 from jvllm.step_functions import build_step_functions
 from jvllm.scheduler import ScheduledChunk
 from models.loader import LoadedModel
 
 logger = logging.getLogger("jvllm")
+
+
+@dataclasses.dataclass
+class StepResult:
+    """One chunk's outcome: the sampled token (None for a prompt chunk that does not sample) and, if asked,
+    its logprob stats and the prompt logprobs of prompt tokens prompt_start, prompt_start + 1, ..."""
+
+    token_id: int | None
+    logprob: float
+    token_logprobs: TokenLogprobs | None
+    prompt_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+    prompt_start: int = 1
+
+
+def prompt_logprob_targets(chunks: list[ScheduledChunk], num_tokens: int) -> tuple[np.ndarray, list]:
+    """[T] int32 next-prompt-token targets (-1 elsewhere) and the requests that asked for prompt logprobs."""
+    targets = np.full(num_tokens, -1, np.int32)
+    wanted = []
+    cursor = 0
+    for chunk in chunks:
+        request = chunk.request
+        if request.params.prompt_logprobs is not None and chunk.start < request.num_prompt_tokens - 1:
+            wanted.append(request)
+            for offset in range(chunk.num_tokens):
+                nxt = chunk.start + offset + 1
+                if nxt < request.num_prompt_tokens:
+                    targets[cursor + offset] = request.prompt_token_ids[nxt]
+        cursor += chunk.num_tokens
+    return targets, wanted
 
 
 def cast_matrices(weights: list[jax.Array], dtype: Any) -> list[jax.Array]:
@@ -56,9 +87,10 @@ class ModelRunner:
     def kv_pool_bytes(cfg: Any, dtype: Any, num_pages: int, page_size: int) -> int:
         return 2 * cfg.num_layers * cfg.num_kv_heads * num_pages * page_size * cfg.head_dim * jnp.dtype(dtype).itemsize
 
-    def execute(self, chunks: list[ScheduledChunk]) -> dict[str, tuple[int, float]]:
-        """Run decode chunks (1 token) and prefill chunks as two bucketed calls; -> {request_id: (token, logprob)}."""
-        results: dict[str, tuple[int, float]] = {}
+    def execute(self, chunks: list[ScheduledChunk]) -> dict[str, StepResult]:
+        """Run decode chunks (1 token) and prefill chunks as two bucketed calls; -> {request_id: result} for every
+        chunk that samples a token or asked for prompt logprobs."""
+        results: dict[str, StepResult] = {}
         decodes = [c for c in chunks if c.num_tokens == 1]
         prefills = [c for c in chunks if c.num_tokens > 1]
         for group in (decodes, prefills):
@@ -66,20 +98,46 @@ class ModelRunner:
                 results.update(self._run_group(group))
         return results
 
-    def _run_group(self, chunks: list[ScheduledChunk]) -> dict[str, tuple[int, float]]:
+    def _run_group(self, chunks: list[ScheduledChunk]) -> dict[str, StepResult]:
         batch = build_batch(chunks, self.page_size, self.limits, cached_pages_only=not self.steps.fused)
         num_rows = batch.metadata.q_lens.shape[0]
         rows = [self._row_spec(c) for c in chunks]
         sampling, flags = build_sampling_tensors(rows, num_rows)
-        self._log_new_shape(("step", *batch.shape_key, flags))
+        asked = [c.request.params.logprobs for c in chunks if c.samples and c.request.params.logprobs is not None]
+        num_logprobs = bucket_k(max(asked)) if asked else None
+        prompt_targets, prompt_rows = prompt_logprob_targets(chunks, batch.input_ids.shape[0])
+        num_prompt_logprobs = bucket_k(max(r.params.prompt_logprobs for r in prompt_rows)) if prompt_rows \
+            else None
+        self._log_new_shape(("step", *batch.shape_key, flags, num_logprobs, num_prompt_logprobs))
         md = jax.device_put(batch.metadata)
-        token_ids, logprobs, layer_kv = self.steps.forward_sample(
+        out, layer_kv = self.steps.forward_sample(
             self._weights_for(batch.input_ids.shape[0]), self.kv_cache, batch.input_ids, batch.positions, md,
-            sampling, flags=flags)
+            sampling, prompt_targets, flags=flags, num_logprobs=num_logprobs, num_prompt_logprobs=num_prompt_logprobs)
         self._store_kv(layer_kv, md)
-        token_ids, logprobs = np.asarray(token_ids), np.asarray(logprobs)
-        return {c.request.request_id: (int(token_ids[i]), float(logprobs[i]))
-                for i, c in enumerate(chunks) if c.samples}
+        token_ids, logprobs = np.asarray(out["token_ids"]), np.asarray(out["logprobs"])
+        sample_stats = host_rows(out["sample_stats"], list(range(len(chunks)))) if num_logprobs is not None else None
+        results: dict[str, StepResult] = {}
+        for row, chunk in enumerate(chunks):
+            if chunk.samples:
+                results[chunk.request.request_id] = StepResult(
+                    int(token_ids[row]), float(logprobs[row]), sample_stats[row] if sample_stats else None)
+        if num_prompt_logprobs is not None:
+            self._attach_prompt_logprobs(chunks, prompt_rows, out["prompt_stats"], results)
+        return results
+
+    @staticmethod
+    def _attach_prompt_logprobs(chunks: list[ScheduledChunk], wanted: list, stats: Any,
+                                results: dict[str, StepResult]) -> None:
+        """Prompt token j's entry comes from the row at position j - 1 of the same sequence."""
+        cursor = 0
+        for chunk in chunks:
+            request = chunk.request
+            if request in wanted:
+                last = min(chunk.start + chunk.num_tokens, request.num_prompt_tokens - 1)  # positions with a target
+                entries = host_rows(stats, list(range(cursor, cursor + max(last - chunk.start, 0))))
+                result = results.setdefault(request.request_id, StepResult(None, 0.0, None))
+                result.prompt_logprobs, result.prompt_start = entries, chunk.start + 1
+            cursor += chunk.num_tokens
 
     def _store_kv(self, layer_kv: list, md: AttentionMetadata) -> None:
         """A fused step returned the updated pool; a split one the K/V still to write."""
@@ -104,8 +162,7 @@ class ModelRunner:
     def _log_new_shape(self, key: tuple) -> None:
         if key not in self._seen_shapes:
             self._seen_shapes.add(key)
-            logger.info("compiling/using step shape tokens=%d seqs=%d max_q=%d pages=%d flags=%s", *key[1:5],
-                        key[5] if len(key) > 5 else "-")
+            logger.info("compiling/using step shape tokens=%d seqs=%d max_q=%d pages=%d %s", *key[1:5], key[5:])
 
     @property
     def compiled_shapes(self) -> set[tuple]:

@@ -2,16 +2,34 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Callable
 
 from jvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jvllm.request import Request, RequestStatus
 
+if TYPE_CHECKING:
+    from jvllm.model_runner import StepResult
 
-def append_token(request: Request, token_id: int, logprob: float) -> RequestStatus | None:
+
+def record_prompt_logprobs(request: Request, result: StepResult, decode: Callable[[int], str]) -> None:
+    """Append a chunk's prompt logprobs; positions already recorded (a preempted request recomputing its prompt)
+    are skipped, so each prompt token has exactly one entry."""
+    k = request.params.prompt_logprobs
+    if k is None or request.prompt_logprobs is None or not result.prompt_logprobs:
+        return
+    for index, stats in enumerate(result.prompt_logprobs, start=result.prompt_start):
+        if index == len(request.prompt_logprobs):
+            request.prompt_logprobs.append(stats.as_dict(request.prompt_token_ids[index], k, decode))
+
+
+def append_token(request: Request, result: StepResult, decode: Callable[[int], str]) -> RequestStatus | None:
     """Record one sampled token; -> the finished status it causes, or None if the request goes on."""
     now = time.time()
+    token_id = result.token_id
     request.output_token_ids.append(token_id)
-    request.cumulative_logprob += logprob
+    request.cumulative_logprob += result.logprob
+    if request.params.logprobs is not None and result.token_logprobs is not None:
+        request.logprobs.append(result.token_logprobs.as_dict(token_id, request.params.logprobs, decode))
     request.first_token_time = request.first_token_time or now
     request.last_token_time = now
     params = request.params
@@ -40,7 +58,7 @@ def completion_output(request: Request, index: int) -> CompletionOutput:
         text=text,
         token_ids=list(request.output_token_ids),
         cumulative_logprob=request.cumulative_logprob,
-        logprobs=None,
+        logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
         finish_reason=request.status.finish_reason,
         stop_reason=request.stop_reason,
     )
@@ -61,7 +79,7 @@ def request_output(request_id: str, members: list[Request]) -> RequestOutput:
         request_id=request_id,
         prompt=first.prompt,
         prompt_token_ids=list(first.prompt_token_ids),
-        prompt_logprobs=None,
+        prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
         outputs=[completion_output(m, i) for i, m in enumerate(members)],
         finished=finished,
         metrics=metrics,

@@ -54,6 +54,9 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.output_token_ids: list[int] = []
         self.cumulative_logprob = 0.0
+        self.logprobs: list[dict] = []  # one {token_id: Logprob} per output token when params.logprobs is set
+        # filled as prompt chunks run, if asked; the first prompt token has nothing before it
+        self.prompt_logprobs: list[dict | None] | None = None if params.prompt_logprobs is None else [None]
         self.status = RequestStatus.WAITING
         self.page_table: list[int] = []
         self.num_computed_tokens = 0

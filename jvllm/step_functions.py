@@ -13,6 +13,7 @@ from flax import nnx
 
 from jvllm.attention import AttentionBackend
 from jvllm.attention.metadata import AttentionMetadata
+from jvllm.logprobs import blocked_logprob_stats, logprob_stats
 from jvllm.sampler import sample
 from jvllm.sampling_tensors import SamplerFlags, SamplingTensors
 
@@ -36,8 +37,9 @@ def layer_attention(backend: AttentionBackend) -> LayerAttention:
 
 @dataclasses.dataclass(frozen=True)
 class StepFunctions:
-    """forward_sample(weights, kv_cache, ids, positions, md, sampling, flags=) -> (ids [S], logprobs [S], kv);
-    `kv` is the new pool when `fused`, else the step's K/V for `write_pool(kv_cache, kv, md)`.
+    """forward_sample(weights, kv_cache, ids, positions, md, sampling, prompt_targets, flags=, num_logprobs=,
+    num_prompt_logprobs=) -> ({token_ids [S], logprobs [S], sample_stats?, prompt_stats?}, kv); `kv` is the new
+    pool when `fused`, else the step's K/V for `write_pool(kv_cache, kv, md)`.
     all_logits(weights, kv_cache, ids, positions, md) -> ([T, V] float32, kv)."""
 
     forward_sample: Callable[..., Any]
@@ -53,14 +55,23 @@ def build_step_functions(graphdef: Any, treedef: Any, backend: AttentionBackend)
     def model_of(weights: list[jax.Array]) -> Any:
         return nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
 
-    @functools.partial(jax.jit, static_argnames=("flags",), donate_argnames=donate)
+    @functools.partial(jax.jit, static_argnames=("flags", "num_logprobs", "num_prompt_logprobs"),
+                       donate_argnames=donate)
     def forward_sample(weights: list[jax.Array], kv_cache: list, input_ids: jax.Array, positions: jax.Array,
-                       md: AttentionMetadata, sampling: SamplingTensors, *, flags: SamplerFlags):
+                       md: AttentionMetadata, sampling: SamplingTensors, prompt_targets: jax.Array, *,
+                       flags: SamplerFlags, num_logprobs: int | None = None, num_prompt_logprobs: int | None = None):
+        """prompt_targets [T] int32: the next prompt token after each row (for prompt logprobs)."""
         model = model_of(weights)
         hidden, layer_kv = model(input_ids, positions, kv_cache, md, attention)  # [T, D]
         logits = model.compute_logits(hidden[md.last_token_index])  # [S, V] float32
         token_ids, logprobs = sample(logits, sampling, flags)
-        return token_ids, logprobs, layer_kv
+        out = {"token_ids": token_ids, "logprobs": logprobs}
+        if num_logprobs is not None:
+            out["sample_stats"] = logprob_stats(logits, token_ids, num_logprobs)
+        if num_prompt_logprobs is not None:
+            out["prompt_stats"] = blocked_logprob_stats(hidden, prompt_targets, num_prompt_logprobs,
+                                                        model.compute_logits)
+        return out, layer_kv
 
     write_pool = None
     if not backend.fused:

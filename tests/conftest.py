@@ -71,3 +71,16 @@ def tiny_model_factory(smollm_tokenizer_dir, tmp_path_factory):
         return folder
 
     return make
+
+
+@pytest.fixture(scope="session")
+def hf_smollm():
+    """transformers' own reading of the default model's GGUF, in float32 (the test oracle)."""
+    import torch
+    import transformers
+
+    from models.default_model import default_model_path
+
+    folder, name = os.path.split(default_model_path())
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return model.eval()

@@ -139,22 +139,6 @@ def _randomized_copy(folder: pathlib.Path, dest: pathlib.Path, kind: str, seed: 
 
 # ---- fixtures -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def hf_smollm():
-    """transformers' own reading of the default model's GGUF, in float32."""
-    import os
-
-    from models.default_model import default_model_path
-
-    try:
-        path = default_model_path()
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
-    folder, name = os.path.split(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
 def tiny_models(tiny_model_factory, tmp_path_factory):
     """name -> (folder, transformers model) for each TINY_CONFIGS entry, built on first use."""
     built: dict[str, tuple[pathlib.Path, object]] = {}
