@@ -111,6 +111,7 @@ class Engine:
             request.group_id = request_id
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params)
             self.scheduler.check_fits(request)
+            request.prompt_source = members[0] if members else None
             members.append(request)
         for request in members:
             self.scheduler.add(request)

@@ -83,5 +83,5 @@ def request_output(request_id: str, members: list[Request]) -> RequestOutput:
         outputs=[completion_output(m, i) for i, m in enumerate(members)],
         finished=finished,
         metrics=metrics,
-        num_cached_tokens=0,
+        num_cached_tokens=max(m.num_cached_tokens for m in members),
     )

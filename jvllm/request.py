@@ -68,6 +68,8 @@ class Request:
         self.last_token_time: float | None = None
         self.finished_time: float | None = None
         self.detokenizer: Any = None  # attached by the engine
+        self.prompt_source: Request | None = None  # an n > 1 sibling whose computed prompt pages this one shares
+        self.num_cached_tokens = 0  # prompt tokens whose KV came from shared pages, not computed
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -79,6 +79,8 @@ class Scheduler:
             index += 1
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if not self._fork_prompt_pages(request):
+                break  # its sibling is still computing the shared prompt: wait one step, in FCFS order
             count = min(request.num_tokens - request.num_computed_tokens, budget)
             needed = self.pages.pages_for_tokens(request.num_computed_tokens + count) - len(request.page_table)
             if needed > self.pages.num_free_pages:
@@ -91,6 +93,23 @@ class Scheduler:
             chunks.append(ScheduledChunk(request, count))
             budget -= count
         return SchedulerOutput(chunks, preempted)
+
+    def _fork_prompt_pages(self, request: Request) -> bool:
+        """An n > 1 member shares the full prompt pages its sibling already computed (read-only: both write
+        only past them) and computes just the rest. -> False while the sibling's prompt is still in flight."""
+        source = request.prompt_source
+        if source is None or request.page_table or request.num_computed_tokens:
+            return True
+        shared = (request.num_prompt_tokens - 1) // self.pages.page_size  # keep >= 1 token to compute and sample
+        if source.status is not RequestStatus.RUNNING:
+            return True  # the sibling finished or was preempted: compute the prompt alone
+        if source.num_computed_tokens < shared * self.pages.page_size:
+            return False
+        pages = source.page_table[:shared]
+        self.pages.share(pages)
+        request.page_table = list(pages)
+        request.num_computed_tokens = request.num_cached_tokens = shared * self.pages.page_size
+        return True
 
     def _reserve_pages(self, request: Request, count: int, preempted: list[Request]) -> bool:
         """Give `request` pages for `count` more tokens, preempting from the back of the running list."""

@@ -164,3 +164,25 @@ def test_no_page_leak_after_finished_aborted_and_preempted_requests(small_engine
             assert finished[rid] == reference[i][: len(finished[rid])]
             assert len(finished[rid]) == (3 if i == 1 else NUM_OUT)
     assert not engine._groups  # every prompt's bookkeeping is gone
+
+
+def test_n_completions_share_the_prompt_pages(default_engine):
+    """n > 1 members fork the full prompt pages their first sibling computed instead of recomputing them."""
+    engine = default_engine
+    ids = engine.get_tokenizer().encode("The history of the printing press begins in the fifteenth century, " * 3)
+    page = engine.config.block_size
+    assert len(ids) > 2 * page
+    shared = (len(ids) - 1) // page * page
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = engine.generate([{"prompt_token_ids": ids}], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    forked = engine.generate([{"prompt_token_ids": ids}], SamplingParams(n=3, temperature=0, max_tokens=6,
+                                                                         ignore_eos=True), use_tqdm=False)[0]
+    assert forked.num_cached_tokens == shared
+    assert [c.token_ids for c in forked.outputs] == [alone] * 3
+    seeded = SamplingParams(n=3, temperature=0.9, seed=11, max_tokens=8, ignore_eos=True)
+    first = engine.generate([{"prompt_token_ids": ids}], seeded, use_tqdm=False)[0]
+    again = engine.generate([{"prompt_token_ids": ids}], seeded, use_tqdm=False)[0]
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+    assert len({tuple(c.token_ids) for c in first.outputs}) > 1  # members draw independently
+    engine.pages.check_integrity()
+    assert engine.pages.num_free_pages == engine.pages.num_usable_pages
