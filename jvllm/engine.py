@@ -12,11 +12,12 @@ from jvllm.batch import BucketLimits
 from jvllm.compile_cache import enable_compilation_cache
 from jvllm.config import EngineConfig, build_engine_config
 from jvllm.detokenizer import IncrementalDetokenizer
+from jvllm.embedding import generate_unsupported
 from jvllm.kv_pages import PageManager
 from jvllm.model_runner import ModelRunner
 from jvllm.logprobs import MAX_LOGPROBS
 from jvllm.output_processor import append_token, record_prompt_logprobs, request_output
-from jvllm.outputs import RequestOutput
+from jvllm.outputs import EmbeddingRequestOutput, RequestOutput
 from jvllm.progress import GenerateProgress
 from jvllm.request import Request, RequestStatus
 from jvllm.sampling_params import SamplingParams
@@ -34,8 +35,12 @@ class Engine:
                  max_num_batched_tokens: int | None = None, block_size: int = 16,
                  kv_cache_memory_bytes: int | None = None, enable_prefix_caching: bool = True,
                  attention_backend: str = "auto", load_format: str = "auto", seed: int = 0,
-                 served_model_name: str | None = None, batched_weight_dtype: str | None = None):
+                 served_model_name: str | None = None, batched_weight_dtype: str | None = None,
+                 pooling: str | None = None, normalize: bool | None = None):
+        """`pooling` ("mean", "cls", "last", "max", "mean_sqrt_len") and `normalize` override an embedding
+        model's sentence-transformers config; on a generative model, `pooling` enables embed()."""
         from jvllm.attention import resolve_backend_name
+        from jvllm.embedding import build_embedder, encoder_engine_config
         from models.loader import load_model, resolve_dtype
 
         if tensor_parallel_size != 1:
@@ -48,18 +53,27 @@ class Engine:
         self.tokenizer = self.model.tokenizer
         import jax.numpy as jnp
 
-        self.config: EngineConfig = build_engine_config(
-            self.model.config, jnp.dtype(self.model.dtype).itemsize, max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-            kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=backend)
-        self.enable_prefix_caching = enable_prefix_caching  # accepted now; the prefix-cache issue implements it
+        if self.model.is_encoder:  # embeddings only: no KV pool, no runner
+            self.config: EngineConfig = encoder_engine_config(
+                self.model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens, block_size=block_size)
+        else:
+            self.config = build_engine_config(
+                self.model.config, jnp.dtype(self.model.dtype).itemsize, max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=backend)
+        self.enable_prefix_caching = enable_prefix_caching
         cfg = self.config
         self.pages = PageManager(cfg.num_pages, cfg.block_size)
-        self.scheduler = Scheduler(self.pages, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.pages, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   enable_prefix_caching=enable_prefix_caching)
         limits = BucketLimits(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_pages_per_seq)
-        self.runner = ModelRunner(self.model, num_pages=cfg.num_pages, page_size=cfg.block_size, limits=limits,
-                                  attention_backend=backend,
-                                  batched_weight_dtype=resolve_dtype(batched_weight_dtype) if batched_weight_dtype else None)
+        batched_dtype = resolve_dtype(batched_weight_dtype) if batched_weight_dtype else None
+        self.runner = None if self.model.is_encoder else ModelRunner(
+            self.model, num_pages=cfg.num_pages, page_size=cfg.block_size, limits=limits, attention_backend=backend,
+            batched_weight_dtype=batched_dtype)
+        self.embedder = build_embedder(self.model, cfg, pooling=pooling, normalize=normalize,
+                                       batched_weight_dtype=batched_dtype)
         self._rng = random.Random(seed)
         self._counter = itertools.count()
         self._groups: dict[str, list[Request]] = {}
@@ -93,6 +107,8 @@ class Engine:
                     arrival_time: float | None = None) -> None:
         """Queue one prompt; raises ValueError (and queues nothing) if it can never be served."""
         params = params or SamplingParams()
+        if self.model.is_encoder:
+            raise generate_unsupported(self.model.served_name)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self._groups:
@@ -109,6 +125,7 @@ class Engine:
             request = Request(member_id, text, token_ids, params, seed, self.config.max_model_len,
                               self.eos_token_ids, arrival_time)
             request.group_id = request_id
+            request.cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params)
             self.scheduler.check_fits(request)
             request.prompt_source = members[0] if members else None
@@ -144,6 +161,11 @@ class Engine:
             for request in self._groups.pop(rid, []):
                 if not request.is_finished:
                     self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (pages in use stay valid for their requests). -> True, as vLLM's does."""
+        self.scheduler.reset_prefix_cache()
+        return True
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -243,6 +265,20 @@ class Engine:
             ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template already has BOS if needed
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], *, truncate: bool = True,
+              truncate_prompt_tokens: int | None = None, dimensions: int | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Embed every prompt (str, {'prompt': str} or {'prompt_token_ids': [...]}); outputs in input order.
+
+        Too-long prompts keep their first max_model_len tokens (special tokens kept, as sentence-transformers
+        truncates), or raise ValueError with truncate=False. truncate_prompt_tokens=k keeps the last k tokens
+        (vLLM's meaning; -1 = max_model_len). dimensions= shortens Matryoshka models' outputs only."""
+        if self.embedder is None:
+            raise ValueError(f"{self.model.served_name} is a generative model; to embed with it, choose a pooling: "
+                             "Engine(..., pooling='last') (last-token pooling, as vLLM does for causal LMs)")
+        return self.embedder.embed(prompts, truncate=truncate, truncate_prompt_tokens=truncate_prompt_tokens,
+                                   dimensions=dimensions, use_tqdm=use_tqdm)
 
 
 LLM = Engine

@@ -1,7 +1,11 @@
-"""Host-side KV page manager: one fixed pool, a free list and reference counts (pure Python)."""
+"""Host-side KV page manager: one fixed pool, reference counts, and the prefix cache's page keys (pure Python).
+
+Free pages live in one LRU list. A page without a key is reused first; a freed page that holds a cached
+prefix keeps its key and joins the back, so the least recently used cached page is evicted first (and loses
+its key) when the pool runs short."""
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 
 class OutOfPages(Exception):
@@ -18,8 +22,10 @@ class PageManager:
             raise ValueError(f"the KV pool needs at least 2 pages (one is reserved), got {num_pages}")
         self.num_pages = num_pages
         self.page_size = page_size
-        self._free: deque[int] = deque(range(1, num_pages))
+        self._free: OrderedDict[int, None] = OrderedDict((page, None) for page in range(1, num_pages))
         self._refcount = [0] * num_pages
+        self._key_of_page: dict[int, int] = {}
+        self._page_of_key: dict[int, int] = {}
 
     @property
     def num_usable_pages(self) -> int:
@@ -27,7 +33,12 @@ class PageManager:
 
     @property
     def num_free_pages(self) -> int:
+        """Pages nobody holds, cached ones included (they are reusable)."""
         return len(self._free)
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self._page_of_key)
 
     @property
     def usage(self) -> float:
@@ -38,10 +49,12 @@ class PageManager:
         return -(-num_tokens // self.page_size)
 
     def allocate(self, count: int) -> list[int]:
+        """Fresh pages for new tokens, evicting the least recently used cached pages if needed."""
         if count > len(self._free):
             raise OutOfPages(f"need {count} pages, {len(self._free)} free")
-        pages = [self._free.popleft() for _ in range(count)]
+        pages = [self._free.popitem(last=False)[0] for _ in range(count)]
         for page in pages:
+            self._forget(page)
             self._refcount[page] = 1
         return pages
 
@@ -53,18 +66,54 @@ class PageManager:
             self._refcount[page] += 1
 
     def release(self, pages: list[int]) -> None:
-        """Drop one reference per page; pages nobody holds go back to the free list."""
-        for page in pages:
+        """Drop one reference per page; pages nobody holds go back to the free list (keyed ones to its back).
+        A request's pages are released last-first, so its tail is evicted before the prefix others share."""
+        for page in reversed(pages):
             if self._refcount[page] <= 0:
                 raise RuntimeError(f"double free of page {page}")
             self._refcount[page] -= 1
             if self._refcount[page] == 0:
-                self._free.append(page)
+                self._free[page] = None
+                if page not in self._key_of_page:
+                    self._free.move_to_end(page, last=False)  # nothing worth keeping: reuse it first
+
+    # ---- prefix cache ----------------------------------------------------------------------------
+    def register(self, page: int, key: int) -> None:
+        """A held, full, computed page now answers to `key`. If another page already does, keep that one."""
+        if self._refcount[page] <= 0:
+            raise RuntimeError(f"registering free page {page}")
+        if key not in self._page_of_key and page not in self._key_of_page:
+            self._page_of_key[key] = page
+            self._key_of_page[page] = key
+
+    def lookup(self, keys: list[int]) -> list[int]:
+        """Take a reference on the cached pages of the longest prefix of `keys` -> their page ids."""
+        found = []
+        for key in keys:
+            page = self._page_of_key.get(key)
+            if page is None:
+                break
+            if self._refcount[page] == 0:
+                del self._free[page]
+            self._refcount[page] += 1
+            found.append(page)
+        return found
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached key; pages in use stay allocated, they just stop being findable."""
+        self._key_of_page.clear()
+        self._page_of_key.clear()
+
+    def _forget(self, page: int) -> None:
+        key = self._key_of_page.pop(page, None)
+        if key is not None:
+            del self._page_of_key[key]
 
     def check_integrity(self) -> None:
-        """Every page is either free with refcount 0 or held with refcount > 0, never both."""
+        """Every page is either free with refcount 0 or held with refcount > 0; the key maps are inverse."""
         free = set(self._free)
-        assert len(free) == len(self._free), "a page is on the free list twice"
         assert self.RESERVED_PAGE not in free, "the reserved page is on the free list"
         for page in range(1, self.num_pages):
             assert (page in free) == (self._refcount[page] == 0), f"page {page} refcount {self._refcount[page]}"
+        assert all(self._page_of_key[key] == page for page, key in self._key_of_page.items()), "key maps disagree"
+        assert len(self._key_of_page) == len(self._page_of_key), "key maps differ in size"

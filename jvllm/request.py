@@ -69,7 +69,10 @@ class Request:
         self.finished_time: float | None = None
         self.detokenizer: Any = None  # attached by the engine
         self.prompt_source: Request | None = None  # an n > 1 sibling whose computed prompt pages this one shares
-        self.num_cached_tokens = 0  # prompt tokens whose KV came from shared pages, not computed
+        self.num_cached_tokens = 0  # prompt tokens whose KV came from shared or cached pages, not computed
+        self.cache_salt: str | None = None  # isolates this request's prefix-cache entries from others'
+        self.page_keys: list[int] = []  # prefix-cache keys of its full pages, computed as needed
+        self.num_registered_pages = 0  # leading pages already offered to the prefix cache
 
     @property
     def num_prompt_tokens(self) -> int:

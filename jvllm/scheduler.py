@@ -6,6 +6,7 @@ import time
 from collections import deque
 
 from jvllm.kv_pages import PageManager
+from jvllm.prefix_cache import request_page_keys
 from jvllm.request import Request, RequestStatus
 
 
@@ -36,8 +37,12 @@ class SchedulerOutput:
 class Scheduler:
     """Decides each step which requests run and how many tokens each computes. Pure Python."""
 
-    def __init__(self, pages: PageManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, pages: PageManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_prefix_caching: bool = False):
         self.pages = pages
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_cache_hits = 0  # of those, tokens found cached
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -81,10 +86,15 @@ class Scheduler:
             request = self.waiting[0]
             if not self._fork_prompt_pages(request):
                 break  # its sibling is still computing the shared prompt: wait one step, in FCFS order
+            cached_pages = self._lookup_prefix(request)
             count = min(request.num_tokens - request.num_computed_tokens, budget)
             needed = self.pages.pages_for_tokens(request.num_computed_tokens + count) - len(request.page_table)
             if needed > self.pages.num_free_pages:
+                self._undo_lookup(request, cached_pages)
                 break  # strict FCFS: later requests do not overtake the head of the queue
+            if cached_pages is not None:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += len(cached_pages) * self.pages.page_size
             self.waiting.popleft()
             request.page_table += self.pages.allocate(needed)
             request.set_status(RequestStatus.RUNNING)
@@ -109,7 +119,39 @@ class Scheduler:
         self.pages.share(pages)
         request.page_table = list(pages)
         request.num_computed_tokens = request.num_cached_tokens = shared * self.pages.page_size
+        request.num_registered_pages = min(source.num_registered_pages, shared)
         return True
+
+    def _lookup_prefix(self, request: Request) -> list[int] | None:
+        """Start a fresh request on the cached pages of its longest cached prefix -> those pages (None: no
+        lookup made). The last token is always computed, so there are logits to sample from; requests that
+        want prompt logprobs compute their whole prompt."""
+        if not self.enable_prefix_caching or request.page_table or request.params.prompt_logprobs is not None:
+            return None
+        keys = request_page_keys(request, (request.num_tokens - 1) // self.pages.page_size, self.pages.page_size)
+        cached = self.pages.lookup(keys)
+        request.page_table = list(cached)
+        request.num_computed_tokens = request.num_cached_tokens = len(cached) * self.pages.page_size
+        request.num_registered_pages = len(cached)
+        return cached
+
+    def _undo_lookup(self, request: Request, cached_pages: list[int] | None) -> None:
+        if cached_pages is not None:
+            self.pages.release(cached_pages)
+            request.page_table, request.num_computed_tokens, request.num_registered_pages = [], 0, 0
+
+    def _register_full_pages(self, request: Request) -> None:
+        """Offer the request's newly full, computed pages to the prefix cache."""
+        full = request.num_computed_tokens // self.pages.page_size
+        if full <= request.num_registered_pages:
+            return
+        keys = request_page_keys(request, full, self.pages.page_size)
+        for index in range(request.num_registered_pages, full):
+            self.pages.register(request.page_table[index], keys[index])
+        request.num_registered_pages = full
+
+    def reset_prefix_cache(self) -> None:
+        self.pages.reset_prefix_cache()
 
     def _reserve_pages(self, request: Request, count: int, preempted: list[Request]) -> bool:
         """Give `request` pages for `count` more tokens, preempting from the back of the running list."""
@@ -128,7 +170,7 @@ class Scheduler:
         self.running.remove(request)
         self.pages.release(request.page_table)
         request.page_table = []
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_registered_pages = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.set_status(RequestStatus.PREEMPTED)
@@ -139,6 +181,8 @@ class Scheduler:
         """After the model ran: the scheduled tokens now have KV in the pool."""
         for chunk in output.chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
+            if self.enable_prefix_caching:
+                self._register_full_pages(chunk.request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Retire a running or waiting request, returning its pages."""

@@ -136,12 +136,14 @@ def test_check_integrity_detects_corruption():
     with pytest.raises(AssertionError):
         pm.check_integrity()
     pm = PageManager(4, 16)
-    pm._free.append(PageManager.RESERVED_PAGE)
+    pm._free[PageManager.RESERVED_PAGE] = None
     with pytest.raises(AssertionError, match="reserved"):
         pm.check_integrity()
     pm = PageManager(4, 16)
-    pm._free.append(pm._free[0])
-    with pytest.raises(AssertionError, match="twice"):
+    page = pm.allocate(1)[0]
+    pm.register(page, 123)
+    pm._page_of_key[123] = page + 1  # the two key maps disagree
+    with pytest.raises(AssertionError, match="key maps"):
         pm.check_integrity()
 
 
@@ -192,3 +194,47 @@ def test_integrity_after_random_operations(num_pages, ops):
         pm.release(o)
     pm.check_integrity()
     assert pm.num_free_pages == pm.num_usable_pages
+
+
+# ---- prefix cache -------------------------------------------------------------------------------
+def test_freed_keyed_pages_are_found_again_until_evicted_lru_first():
+    pm = PageManager(5, 16)  # 4 usable pages
+    a, b = pm.allocate(2), pm.allocate(2)
+    for page, key in zip(a + b, (11, 12, 21, 22)):
+        pm.register(page, key)
+    pm.release(a)
+    pm.release(b)  # b freed after a: a is the least recently used
+    assert pm.num_free_pages == 4 and pm.num_cached_pages == 4
+    assert pm.lookup([11, 12, 99]) == a  # the prefix stops at the first unknown key
+    pm.release(a)
+    fresh = pm.allocate(2)  # evicts the LRU cached pages: b's (a was just used again)
+    assert sorted(fresh) == sorted(b)
+    assert pm.lookup([21]) == [] and pm.lookup([11]) == a[:1]
+    pm.release(a[:1])
+    pm.release(fresh)
+    pm.check_integrity()
+
+
+def test_unkeyed_pages_are_reused_before_cached_ones():
+    pm = PageManager(4, 16)
+    keyed, plain = pm.allocate(1), pm.allocate(1)
+    pm.register(keyed[0], 7)
+    pm.release(keyed)
+    pm.release(plain)
+    assert pm.allocate(1) == plain  # the cached page survives
+    assert pm.lookup([7]) == keyed
+    pm.check_integrity()
+
+
+def test_duplicate_key_keeps_the_first_page_and_reset_forgets_everything():
+    pm = PageManager(4, 16)
+    first, second = pm.allocate(1), pm.allocate(1)
+    pm.register(first[0], 5)
+    pm.register(second[0], 5)  # computed concurrently: the second copy stays private
+    assert pm.num_cached_pages == 1
+    pm.release(first + second)
+    pm.reset_prefix_cache()
+    assert pm.lookup([5]) == [] and pm.num_cached_pages == 0
+    with pytest.raises(RuntimeError, match="registering free page"):
+        pm.register(first[0], 6)
+    pm.check_integrity()

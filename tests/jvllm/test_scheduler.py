@@ -1,6 +1,7 @@
 """Scheduler driven directly, no model: budget, FCFS, chunked prefill, preemption, page accounting."""
 from __future__ import annotations
 
+import collections
 import itertools
 
 import pytest
@@ -18,14 +19,16 @@ _ids = itertools.count()
 
 
 def make_scheduler(num_pages: int = 64, page_size: int = 4, max_num_seqs: int = 4,
-                   max_num_batched_tokens: int = 16) -> Scheduler:
-    return Scheduler(PageManager(num_pages, page_size), max_num_seqs, max_num_batched_tokens)
+                   max_num_batched_tokens: int = 16, prefix_caching: bool = False) -> Scheduler:
+    return Scheduler(PageManager(num_pages, page_size), max_num_seqs, max_num_batched_tokens,
+                     enable_prefix_caching=prefix_caching)
 
 
 def make_request(prompt_len: int, max_tokens: int | None = 4, max_total: int = 1024,
-                 rid: str | None = None) -> Request:
+                 rid: str | None = None, variant: int = 0, diverge_at: int = 0) -> Request:
+    """Prompts share their first `diverge_at` tokens with every other variant's (a prefix-cache workload)."""
     rid = rid if rid is not None else f"r{next(_ids)}"
-    prompt = [(7 * i + 3) % 1000 for i in range(prompt_len)]
+    prompt = [(7 * i + 3 + (variant if i >= diverge_at else 0)) % 1000 for i in range(prompt_len)]
     return Request(rid, None, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens), seed=0,
                    max_total_tokens=max_total)
 
@@ -56,14 +59,18 @@ def check_output(sched: Scheduler, out: SchedulerOutput, budget_before_unfinishe
 
 
 def check_state(sched: Scheduler) -> None:
-    """Page accounting between steps: running requests hold exactly the used pages, nobody shares."""
+    """Page accounting between steps: running requests hold exactly the used pages, and a page's reference
+    count is the number of requests holding it (only prefix-cache hits share pages)."""
     pages = sched.pages
     pages.check_integrity()
     held = [p for r in sched.running for p in r.page_table]
-    assert len(held) == len(set(held)), "two running requests share a page"
+    if not sched.enable_prefix_caching:
+        assert len(held) == len(set(held)), "two running requests share a page"
+    for page, owners in collections.Counter(held).items():
+        assert pages._refcount[page] == owners, f"page {page}: refcount {pages._refcount[page]}, {owners} owners"
     used = set(range(1, pages.num_pages)) - set(pages._free)
     assert set(held) == used, f"leaked pages {used - set(held)}, unaccounted {set(held) - used}"
-    assert pages.num_free_pages == pages.num_usable_pages - len(held)
+    assert pages.num_free_pages == pages.num_usable_pages - len(set(held))
     for request in sched.running:
         assert request.status is S.RUNNING
         assert len(request.page_table) == pages.pages_for_tokens(request.num_computed_tokens)
@@ -323,10 +330,13 @@ _op = st.one_of(
 
 @settings(max_examples=400, deadline=None)
 @given(num_pages=st.integers(2, 14), page_size=st.sampled_from([2, 4, 8]), max_num_seqs=st.integers(1, 5),
-       budget=st.integers(1, 24), max_total=st.integers(8, 64), ops=st.lists(_op, min_size=5, max_size=80))
-def test_random_workload_keeps_pages_consistent(num_pages, page_size, max_num_seqs, budget, max_total, ops):
-    """add / step / abort / finish in any order on a small pool: pages are never leaked nor shared."""
-    sched = make_scheduler(num_pages, page_size, max_num_seqs, budget)
+       budget=st.integers(1, 24), max_total=st.integers(8, 64), ops=st.lists(_op, min_size=5, max_size=80),
+       prefix_caching=st.booleans())
+def test_random_workload_keeps_pages_consistent(num_pages, page_size, max_num_seqs, budget, max_total, ops,
+                                                prefix_caching):
+    """add / step / abort / finish in any order on a small pool: pages are never leaked, double freed or
+    shared except through prefix-cache hits (prompts share prefixes of random lengths)."""
+    sched = make_scheduler(num_pages, page_size, max_num_seqs, budget, prefix_caching)
     # prompts up to the whole pool (or max_model_len), so both fitting and oversized requests occur
     longest_prompt = min(max_total - 1, sched.max_kv_tokens())
     everyone: list[Request] = []
@@ -335,7 +345,8 @@ def test_random_workload_keeps_pages_consistent(num_pages, page_size, max_num_se
             prompt_len = 1 + a % longest_prompt
             if b is not None and b < 0:  # a max_tokens that fits: prompt + max_tokens - 1 <= pool
                 b = 1 + (-b) % (sched.max_kv_tokens() - prompt_len + 1)
-            request = make_request(prompt_len=prompt_len, max_tokens=b, max_total=max_total)
+            request = make_request(prompt_len=prompt_len, max_tokens=b, max_total=max_total, variant=a % 3,
+                                   diverge_at=a % 13)
             needed = prompt_len + request.max_output_tokens - 1
             if needed > sched.max_kv_tokens():
                 with pytest.raises(ValueError):
@@ -360,6 +371,7 @@ def test_random_workload_keeps_pages_consistent(num_pages, page_size, max_num_se
             assert len(request.output_token_ids) == request.max_output_tokens
     assert sched.num_preemptions == sum(r.num_preemptions for r in everyone)
     event(f"preempted: {sched.num_preemptions > 0}")
+    event(f"prefix cache hits: {sched.prefix_cache_hits > 0}")
     event(f"requests: {min(len(everyone), 5)}{'+' if len(everyone) >= 5 else ''}")
     sched.pages.check_integrity()
     assert sched.pages.num_free_pages == sched.pages.num_usable_pages

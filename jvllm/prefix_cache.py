@@ -1,0 +1,26 @@
+"""Prefix-cache keys: each full page's key chains its parent page's key with the page's token ids (xxhash)."""
+from __future__ import annotations
+
+import numpy as np
+import xxhash
+
+from jvllm.request import Request
+
+_ROOT = 0  # the parent key of a sequence's first page
+
+
+def chain_key(parent: int, token_ids: list[int], salt: bytes = b"") -> int:
+    """64-bit key of one page: equal keys mean equal token prefixes (and salts), up to hash collisions."""
+    payload = parent.to_bytes(8, "little") + np.asarray(token_ids, np.int64).tobytes() + salt
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+def request_page_keys(request: Request, num_pages: int, page_size: int) -> list[int]:
+    """Keys of the request's first `num_pages` full pages, extending the ones it already computed."""
+    keys = request.page_keys
+    salt = (request.cache_salt or "").encode()
+    while len(keys) < num_pages:
+        start = len(keys) * page_size
+        tokens = [request.token_at(i) for i in range(start, start + page_size)]
+        keys.append(chain_key(keys[-1] if keys else _ROOT, tokens, salt))
+    return keys[:num_pages]
