@@ -113,3 +113,34 @@ class RequestOutput:
             f"outputs={self.outputs!r}, finished={self.finished}, "
             f"metrics={self.metrics!r}, num_cached_tokens={self.num_cached_tokens})"
         )
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's pooled embedding (vLLM's `EmbeddingOutput`)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+    def __repr__(self) -> str:
+        return f"EmbeddingOutput(hidden_size={self.hidden_size}, embedding={_short_list(self.embedding)})"
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The result of embedding one prompt (vLLM's `EmbeddingRequestOutput`); prompt_token_ids are the tokens
+    the model saw, after any truncation."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+
+    def __repr__(self) -> str:
+        return (f"EmbeddingRequestOutput(request_id={self.request_id!r}, outputs={self.outputs!r}, "
+                f"prompt_token_ids={_short_list(self.prompt_token_ids)}, finished={self.finished}, "
+                f"prompt={_short_text(self.prompt)})")

@@ -1,4 +1,4 @@
-"""The architecture-neutral description of a decoder-only model, read from HF config.json dicts."""
+"""Architecture descriptions read from HF config.json dicts: causal decoders (ModelConfig) and encoders (EncoderConfig)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,6 +8,8 @@ from typing import Any
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """What the Flax model needs to know; built from an HF config dict (or a GGUF header)."""
+
+    is_encoder = False  # a causal decoder: generates, and embeds only with an explicit pooling choice
 
     architecture: str
     vocab_size: int
@@ -92,3 +94,59 @@ def _sliding_window(hf: dict[str, Any], is_qwen2: bool) -> int | None:
     if window is None or (is_qwen2 and not hf.get("use_sliding_window", False)):
         return None
     return int(window)
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderConfig:
+    """A BERT-family bidirectional encoder (BERT, RoBERTa, XLM-R), read from an HF config dict."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    max_position_embeddings: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str
+    pad_token_id: int
+    position_offset: int = 0  # RoBERTa numbers positions from pad_token_id + 1; BERT from 0
+    matryoshka_dimensions: tuple[int, ...] | None = None  # output sizes the model was trained to truncate to
+    eos_token_ids: tuple[int, ...] = ()  # an encoder never generates
+
+    is_encoder = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest input the position table allows."""
+        return self.max_position_embeddings - self.position_offset
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> "EncoderConfig":
+        architecture = (hf.get("architectures") or ["BertModel"])[0]
+        model_type = hf.get("model_type", "bert")
+        if hf.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"unsupported position_embedding_type {hf['position_embedding_type']!r}; "
+                             "only 'absolute' is implemented")
+        pad = int(hf.get("pad_token_id") or 0)
+        matryoshka = hf.get("matryoshka_dimensions")
+        return cls(
+            architecture=architecture,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=int(hf["num_attention_heads"]),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 512)),
+            type_vocab_size=int(hf.get("type_vocab_size", 2)),
+            layer_norm_eps=float(hf.get("layer_norm_eps", 1e-12)),
+            hidden_act=str(hf.get("hidden_act", "gelu")),
+            pad_token_id=pad,
+            position_offset=pad + 1 if model_type in ("roberta", "xlm-roberta") else 0,
+            matryoshka_dimensions=tuple(int(d) for d in matryoshka) if matryoshka else None,
+        )

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.config import ModelConfig
-from models.registry import model_class_for
+from models.config import EncoderConfig, ModelConfig
+from models.registry import config_from_hf, model_class_for
 
 logger = logging.getLogger("jvllm")
 
@@ -29,12 +29,18 @@ _DTYPES = {"float32": jnp.float32, "float": jnp.float32, "bfloat16": jnp.bfloat1
 class LoadedModel:
     """A ready model: its config, NNX graphdef/state split once, tokenizer and served name."""
 
-    config: ModelConfig
+    config: ModelConfig | EncoderConfig
     graphdef: Any
     state: Any
     tokenizer: Any
     served_name: str
     dtype: Any
+    folder: Path | None = None  # the HF folder it came from (a GGUF's converted folder)
+
+    @property
+    def is_encoder(self) -> bool:
+        """A bidirectional encoder: embeds, never generates, needs no KV pool."""
+        return self.config.is_encoder
 
 
 def resolve_dtype(dtype: str | Any) -> Any:
@@ -55,9 +61,13 @@ def cache_root() -> Path:
 def resolve_model_path(model: str | None) -> tuple[str, str]:
     """-> (path of an HF folder or .gguf file, served model name)."""
     from models.default_model import DEFAULT_MODEL_NAME, default_model_path
+    from models.embedded_models import embedded_model_names, embedded_model_path, find_embedded_model
 
     if model is None or model == DEFAULT_MODEL_NAME:
         return default_model_path(), DEFAULT_MODEL_NAME
+    embedded = find_embedded_model(model) if not Path(model).expanduser().exists() else None
+    if embedded is not None:
+        return embedded_model_path(embedded), embedded.name
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return str(path), path.stem
@@ -65,7 +75,8 @@ def resolve_model_path(model: str | None) -> tuple[str, str]:
         return str(path), path.name
     raise ValueError(
         f"model {model!r} not found: give a local Hugging Face folder containing config.json, a .gguf file, "
-        f"or a known name ({DEFAULT_MODEL_NAME}); nothing is downloaded from a model hub"
+        f"or a known name ({', '.join([DEFAULT_MODEL_NAME, *embedded_model_names()])}); "
+        "nothing is downloaded from a model hub"
     )
 
 
@@ -121,7 +132,7 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
     path, name = resolve_model_path(model)
     folder = _gguf_as_hf_folder(path) if path.endswith(".gguf") else Path(path)
     hf_config = json.loads((folder / "config.json").read_text())
-    config = ModelConfig.from_hf_dict(hf_config)
+    config = config_from_hf(hf_config)
     model_cls = model_class_for(config.architecture)
     jdtype = resolve_dtype(dtype)
     from transformers import AutoTokenizer
@@ -133,4 +144,4 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
         module = nnx.eval_shape(lambda: model_cls(config, jdtype, nnx.Rngs(0)))
         module.load_hf_weights(read_safetensors(folder), jdtype)
     graphdef, state = nnx.split(module)
-    return LoadedModel(config, graphdef, state, tok, served_model_name or name, jdtype)
+    return LoadedModel(config, graphdef, state, tok, served_model_name or name, jdtype, folder)

@@ -1,8 +1,12 @@
-"""Maps HF `architectures` names to jvllm model classes."""
+"""Maps HF `architectures` names to jvllm model classes and their config readers."""
 from __future__ import annotations
+
+from typing import Any
 
 from flax import nnx
 
+from models.bert import BertModel
+from models.config import EncoderConfig, ModelConfig
 from models.llama import LlamaForCausalLM
 
 _CAUSAL_LMS: dict[str, type[nnx.Module]] = {
@@ -11,16 +15,44 @@ _CAUSAL_LMS: dict[str, type[nnx.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
 }
 
+# Encoders serve embeddings only. Task heads' weights (MLM, pooler) are ignored; the encoder is the same.
+_ENCODERS: dict[str, type[nnx.Module]] = {
+    "BertModel": BertModel,
+    "BertForMaskedLM": BertModel,
+    "BertForPreTraining": BertModel,
+    "RobertaModel": BertModel,
+    "RobertaForMaskedLM": BertModel,
+    "XLMRobertaModel": BertModel,
+    "XLMRobertaForMaskedLM": BertModel,
+}
+
+_DEFAULT_ARCHITECTURE = {"bert": "BertModel", "roberta": "RobertaModel", "xlm-roberta": "XLMRobertaModel"}
+
 
 def supported_architectures() -> list[str]:
-    return sorted(_CAUSAL_LMS)
+    return sorted([*_CAUSAL_LMS, *_ENCODERS])
+
+
+def is_encoder_architecture(architecture: str) -> bool:
+    return architecture in _ENCODERS
 
 
 def model_class_for(architecture: str) -> type[nnx.Module]:
     """The class serving `architecture`, or a ValueError listing what is supported."""
-    try:
-        return _CAUSAL_LMS[architecture]
-    except KeyError:
+    cls = _CAUSAL_LMS.get(architecture) or _ENCODERS.get(architecture)
+    if cls is None:
         raise ValueError(
             f"unsupported model architecture {architecture!r}; supported: {', '.join(supported_architectures())}"
-        ) from None
+        )
+    return cls
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig | EncoderConfig:
+    """Read an HF config.json dict into the config type its architecture needs."""
+    if not hf.get("architectures") and hf.get("model_type") in _DEFAULT_ARCHITECTURE:
+        hf = {**hf, "architectures": [_DEFAULT_ARCHITECTURE[hf["model_type"]]]}
+    architecture = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
+    model_class_for(architecture)  # unsupported architectures fail here, with the list
+    if is_encoder_architecture(architecture):
+        return EncoderConfig.from_hf_dict(hf)
+    return ModelConfig.from_hf_dict(hf)

@@ -1,0 +1,77 @@
+"""The jitted embedding forward passes: [rows, length] token ids -> pooled embeddings [rows, D], no KV kept.
+
+Encoders run their own padded forward. Causal LMs run the paged-attention model over a throwaway one-slot
+pool: every sequence is a first prefill chunk that attends to itself, so nothing is ever read from the pool."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jvllm.attention import get_backend
+from jvllm.attention.metadata import AttentionMetadata
+from jvllm.step_functions import layer_attention
+from models.pooling import PoolingConfig, l2_normalize, pool
+
+# (flat weights, input_ids, positions, segments [R, W] int32) -> embeddings [num_slots, D] float32. segments
+# holds 1 + the output slot of each token's sequence (0 = padding): see jvllm.embed_batching.pack_arrays.
+EmbedFn = Callable[[list[jax.Array], jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def _finish(hidden: jax.Array, positions: jax.Array, segments: jax.Array, num_slots: int,
+            pooling: PoolingConfig) -> jax.Array:
+    """hidden [R, W, D] -> pooled (and normalized) [num_slots, D] float32."""
+    slots = jnp.where(segments > 0, segments - 1, num_slots).reshape(-1)  # [R * W]; padding -> dropped
+    pooled = pool(hidden.reshape(slots.shape[0], -1), slots, positions.reshape(-1), num_slots, pooling.mode)
+    return l2_normalize(pooled) if pooling.normalize else pooled
+
+
+def build_encoder_forward(graphdef: Any, treedef: Any, pooling: PoolingConfig, num_slots: int) -> EmbedFn:
+    """Rows may pack several sequences: attention stays within each segment."""
+    @jax.jit
+    def forward(weights: list[jax.Array], input_ids: jax.Array, positions: jax.Array,
+                segments: jax.Array) -> jax.Array:
+        model = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
+        return _finish(model(input_ids, segments, positions), positions, segments, num_slots, pooling)
+
+    return forward
+
+
+def padded_prefill_metadata(segments: jax.Array) -> AttentionMetadata:
+    """Metadata for R right-padded rows of W tokens (one sequence each) laid out flat (row r's token j at
+    r * W + j), each a first prefill chunk with no cached context; every token writes to slot 0 of the
+    throwaway pool."""
+    rows, width = segments.shape
+    flat = jnp.arange(rows * width, dtype=jnp.int32)
+    q_lens = jnp.sum(segments > 0, axis=1).astype(jnp.int32)  # [R]
+    return AttentionMetadata(
+        slot_mapping=jnp.zeros(rows * width, jnp.int32),
+        token_seq=flat // width,
+        token_offset=flat % width,
+        seq_token_index=flat.reshape(rows, width),
+        query_start=jnp.arange(rows, dtype=jnp.int32) * width,
+        q_lens=q_lens,
+        kv_lens=q_lens,
+        block_tables=jnp.zeros((rows, 1), jnp.int32),
+    )
+
+
+def build_causal_forward(graphdef: Any, treedef: Any, pooling: PoolingConfig, num_slots: int, num_layers: int,
+                         num_kv_heads: int, head_dim: int, dtype: Any) -> EmbedFn:
+    """One sequence per row (plan with share_rows=False): the paged attention masks by sequence, not segment."""
+    attention = layer_attention(get_backend("xla"))
+
+    @jax.jit
+    def forward(weights: list[jax.Array], input_ids: jax.Array, positions: jax.Array,
+                segments: jax.Array) -> jax.Array:
+        model = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
+        rows, width = input_ids.shape
+        pool_shape = (1, 1, num_kv_heads, head_dim)  # one page of one slot, masked out: cached length is 0
+        kv_cache = [(jnp.zeros(pool_shape, dtype), jnp.zeros(pool_shape, dtype)) for _ in range(num_layers)]
+        md = padded_prefill_metadata(segments)
+        hidden, _ = model(input_ids.reshape(-1), positions.reshape(-1), kv_cache, md, attention)  # [R * W, D]
+        return _finish(hidden.reshape(rows, width, -1), positions, segments, num_slots, pooling)
+
+    return forward

