@@ -9,9 +9,15 @@ from jvllm.attention.metadata import AttentionMetadata
 from jvllm.scheduler import ScheduledChunk
 
 
+LINEAR_BUCKETS_FROM = 256  # above this, buckets grow in steps of 256: a 1030-token chunk pads to 1280, not 2048
+
+
 def next_bucket(n: int, cap: int) -> int:
-    """Smallest power of two >= n, but never above `cap` (cap itself is always >= n)."""
-    bucket = 1 << max(n - 1, 0).bit_length()
+    """Smallest power of two >= n up to 256, then the next multiple of 256; never above `cap` (cap >= n)."""
+    if n > LINEAR_BUCKETS_FROM:
+        bucket = -(-n // LINEAR_BUCKETS_FROM) * LINEAR_BUCKETS_FROM
+    else:
+        bucket = 1 << max(n - 1, 0).bit_length()
     return max(n, min(bucket, cap))
 
 

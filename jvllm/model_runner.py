@@ -22,6 +22,9 @@ from models.loader import LoadedModel
 logger = logging.getLogger("jvllm")
 
 
+LONG_CHUNK_TOKENS = 256  # prefill chunks at least this long run as their own group
+
+
 @dataclasses.dataclass
 class StepResult:
     """One chunk's outcome: the sampled token (None for a prompt chunk that does not sample) and, if asked,
@@ -91,12 +94,18 @@ class ModelRunner:
         """Run decode chunks (1 token) and prefill chunks as two bucketed calls; -> {request_id: result} for every
         chunk that samples a token or asked for prompt logprobs."""
         results: dict[str, StepResult] = {}
-        decodes = [c for c in chunks if c.num_tokens == 1]
-        prefills = [c for c in chunks if c.num_tokens > 1]
-        for group in (decodes, prefills):
-            if group:
-                results.update(self._run_group(group))
+        for group in self._groups(chunks):
+            results.update(self._run_group(group))
         return results
+
+    @staticmethod
+    def _groups(chunks: list[ScheduledChunk]) -> list[list[ScheduledChunk]]:
+        """Decodes together; short prefill chunks together; each long chunk alone. A padded group costs
+        seqs x max_q x (context + max_q) in attention, so one 1k-token chunk must not pad its neighbours."""
+        decodes = [c for c in chunks if c.num_tokens == 1]
+        short = [c for c in chunks if 1 < c.num_tokens < LONG_CHUNK_TOKENS]
+        long = [[c] for c in chunks if c.num_tokens >= LONG_CHUNK_TOKENS]
+        return [group for group in (decodes, short, *long) if group]
 
     def _run_group(self, chunks: list[ScheduledChunk]) -> dict[str, StepResult]:
         batch = build_batch(chunks, self.page_size, self.limits, cached_pages_only=not self.steps.fused)
