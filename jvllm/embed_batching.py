@@ -1,6 +1,6 @@
-"""Plans embedding batches (pure Python): sort by length, pack sequences into rows of a padded power-of-two
-[rows, width] bucket. Several short sequences share a row (attention stays within each), so short inputs
-waste almost no compute on padding and a handful of shapes cover any mix of lengths."""
+"""Plans embedding batches (pure Python): pack sequences into rows of padded power-of-two [rows, width]
+buckets. Several short sequences share a row (attention stays within each), so short inputs waste almost no
+compute on padding and a handful of shapes cover any mix of lengths."""
 from __future__ import annotations
 
 import dataclasses
@@ -40,96 +40,89 @@ class EmbedBatch:
         return [index for index, _, _ in self.placements]
 
 
-def _pack(items: Sequence[tuple[int, int]], width: int, share_rows: bool) -> list[tuple[int, int, int]] | None:
-    """First-fit decreasing of (index, length) items into rows of `width`; -> placements (in the items'
-    order) or None when an item is wider than a row."""
-    rows = _Rows(width, share_rows)
-    where = {}
-    for index, length in sorted(items, key=lambda item: -item[1]):
-        if length > width:
-            return None
-        where[index] = rows.place(length)
-    return [(index, *where[index]) for index, _ in items]
+def _pack_rows(items: list[tuple[int, int]], width: int, max_per_row: int) -> list[list[tuple[int, int]]]:
+    """Best-fit decreasing of (index, length) items into rows of `width`, at most max_per_row per row.
+    -> rows, each a list of (index, column); items sit contiguously from column 0."""
+    rows: list[list[tuple[int, int]]] = []
+    used: list[int] = []
+    by_free: list[list[int]] = [[] for _ in range(width + 1)]  # free tokens -> rows with that much room
+    for index, length in sorted(items, key=lambda item: (-item[1], item[0])):
+        room = next((free for free in range(length, width + 1) if by_free[free]), None)
+        if room is None:
+            rows.append([])
+            used.append(0)
+            row = len(rows) - 1
+        else:
+            row = by_free[room].pop()
+        rows[row].append((index, used[row]))
+        used[row] += length
+        if len(rows[row]) < max_per_row and used[row] < width:
+            by_free[width - used[row]].append(row)
+    return rows
 
 
-class _Rows:
-    """Incremental first-fit of sequences into rows of one width (which may grow); without `share_rows`
-    every sequence gets a row of its own."""
-
-    def __init__(self, width: int, share_rows: bool):
-        self.width, self.share_rows, self.free = width, share_rows, []  # free tokens left in each row
-
-    def widen(self, width: int) -> None:
-        self.free = [room + width - self.width for room in self.free]
-        self.width = width
-
-    def first_fit(self, length: int) -> int:
-        """The row a sequence of `length` would go to (len(free) = a new row)."""
-        if not self.share_rows:
-            return len(self.free)
-        return next((r for r, room in enumerate(self.free) if room >= length), len(self.free))
-
-    def rows_after(self, length: int, width: int) -> int:
-        """How many rows there would be after widening to `width` and placing a sequence of `length`."""
-        grow = width - self.width
-        row = next((r for r, room in enumerate(self.free) if room + grow >= length and self.share_rows),
-                   len(self.free))
-        return max(len(self.free), row + 1)
-
-    def place(self, length: int) -> tuple[int, int]:
-        row = self.first_fit(length)
-        if row == len(self.free):
-            self.free.append(self.width)
-        column = self.width - self.free[row]
-        self.free[row] -= length
-        return row, column
-
-
-def _bucket(placements: list[tuple[int, int, int]], width: int) -> EmbedBatch:
-    return EmbedBatch(tuple(placements), pow2_at_least(1 + max(r for _, r, _ in placements)), width)
-
-
-def _narrowest(batch: EmbedBatch, lengths: Sequence[int], share_rows: bool) -> EmbedBatch:
-    """Repack at half the width while that shrinks rows x width (e.g. one short query: [1, 8], not [1, 64])."""
-    items = [(index, lengths[index]) for index in batch.indices]
-    while batch.width // 2 >= MIN_WIDTH:
-        narrower = _pack(items, batch.width // 2, share_rows)
-        if narrower is None:
-            break
-        candidate = _bucket(narrower, batch.width // 2)
-        if candidate.rows * candidate.width >= batch.rows * batch.width:
-            break
-        batch = candidate
-    return batch
+def _row_groups(count: int, cap: int) -> list[int]:
+    """Split `count` rows into batches of at most `cap` (a power of two) rows. A tail that would pad more
+    than a quarter of its bucket (and more than one row) is split again: 23 rows -> 16 + 7 padded to 8."""
+    groups = []
+    while count > 0:
+        take = min(count, cap)
+        if take < cap and pow2_at_least(take) - take > max(1, take // 4):
+            take = pow2_at_most(take)
+        groups.append(take)
+        count -= take
+    return groups
 
 
 def plan_batches(lengths: Sequence[int], *, max_num_seqs: int, max_num_batched_tokens: int,
                  share_rows: bool = True) -> list[EmbedBatch]:
-    """Cover every input exactly once, shortest first. A batch holds at most max_num_seqs sequences and
-    rows x width <= max_num_batched_tokens padded tokens, unless it is a single row (a budget below one row's
-    width still runs one row at a time). With
-    share_rows=False (models that cannot mask within a row) each sequence has its own row."""
-    base_width = PACK_WIDTH if share_rows and max_num_batched_tokens >= PACK_WIDTH else MIN_WIDTH
+    """Cover every input exactly once in batches of at most max_num_seqs sequences and rows x width <=
+    max_num_batched_tokens padded tokens (a single row may exceed a budget below its width).
+
+    Inputs of up to PACK_WIDTH tokens share PACK_WIDTH-wide rows (packed best-fit, so rows are nearly full);
+    longer ones get rows of their power-of-two width. With share_rows=False (models that cannot mask within a
+    row) each sequence has a row of its own, grouped with others of the same width."""
+    classes: dict[int, list[tuple[int, int]]] = {}
+    for index, length in enumerate(lengths):
+        width = max(width_for(length), PACK_WIDTH if share_rows else MIN_WIDTH)
+        classes.setdefault(width, []).append((index, length))
     batches: list[EmbedBatch] = []
-    placements: list[tuple[int, int, int]] = []
-    rows = _Rows(base_width, share_rows)
-
-    def max_rows(width: int) -> int:
-        return max(pow2_at_most(max_num_batched_tokens // width), 1)
-
-    for index in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
-        length = lengths[index]
-        width = max(rows.width, width_for(length))
-        if placements and (len(placements) >= max_num_seqs or rows.rows_after(length, width) > max_rows(width)):
-            batches.append(_narrowest(_bucket(placements, rows.width), lengths, share_rows))
-            placements, rows = [], _Rows(max(base_width, width_for(length)), share_rows)
-            width = rows.width
-        if width > rows.width:
-            rows.widen(width)
-        placements.append((index, *rows.place(length)))
-    if placements:
-        batches.append(_narrowest(_bucket(placements, rows.width), lengths, share_rows))
+    for width in sorted(classes):
+        items = classes[width]
+        if share_rows:
+            rows = _pack_rows(items, width, max_num_seqs)
+        else:
+            rows = [[(index, 0)] for index, _ in sorted(items, key=lambda item: (item[1], item[0]))]
+        cap = min(max(pow2_at_most(max_num_batched_tokens // width), 1), pow2_at_most(max_num_seqs))
+        start = 0
+        for take in _row_groups(len(rows), cap):
+            group = rows[start: start + take]
+            start += take
+            batches.extend(_split_by_seqs(group, width, max_num_seqs, lengths))
     return batches
+
+
+def _split_by_seqs(rows: list[list[tuple[int, int]]], width: int, max_num_seqs: int,
+                   lengths: Sequence[int]) -> list[EmbedBatch]:
+    """Batches of these rows holding at most max_num_seqs sequences each; a lone row narrows to the power of
+    two its tokens need (one short query runs as [1, 8], not [1, 64])."""
+    batches, current, count = [], [], 0
+    for row in rows:
+        if current and count + len(row) > max_num_seqs:
+            batches.append(_batch(current, width, lengths))
+            current, count = [], 0
+        current.append(row)
+        count += len(row)
+    if current:
+        batches.append(_batch(current, width, lengths))
+    return batches
+
+
+def _batch(rows: list[list[tuple[int, int]]], width: int, lengths: Sequence[int]) -> EmbedBatch:
+    placements = tuple((index, r, column) for r, row in enumerate(rows) for index, column in row)
+    if len(rows) == 1:
+        width = min(width, width_for(sum(lengths[index] for index, _ in rows[0])))
+    return EmbedBatch(placements, pow2_at_least(len(rows)), width)
 
 
 def pack_arrays(token_lists: Sequence[Sequence[int]], batch: EmbedBatch, pad_id: int = 0

@@ -75,9 +75,12 @@ class SelfAttention(nnx.Module):
 
         q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
         scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * self.head_dim ** -0.5
-        probs = jax.nn.softmax(scores + bias[:, None], axis=-1).astype(v.dtype)  # [B, H, L, L]
-        out = jnp.einsum("bhqk,bhkd->bqhd", probs, v, preferred_element_type=jnp.float32)  # [B, L, H, hd]
-        return out.reshape(batch, length, -1).astype(x.dtype)
+        scores = scores + bias[:, None]  # [B, H, L, L]
+        weights = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+        # Softmax normalized after the value product: one division over [B, H, L, hd] instead of [B, H, L, L]
+        out = jnp.einsum("bhqk,bhkd->bhqd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        out = out / jnp.sum(weights, axis=-1, keepdims=True)  # [B, H, L, hd]
+        return out.transpose(0, 2, 1, 3).reshape(batch, length, -1).astype(x.dtype)
 
 
 class EncoderLayer(nnx.Module):

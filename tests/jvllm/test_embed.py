@@ -250,9 +250,11 @@ def test_plan_covers_every_input_once_without_overlap_within_the_limits(lengths,
 def test_short_inputs_share_rows_and_a_lone_query_gets_a_narrow_bucket():
     (lone,) = plan_batches([3], max_num_seqs=64, max_num_batched_tokens=2048)
     assert (lone.rows, lone.width) == (1, 8)
-    (mixed,) = plan_batches([100, 5, 90, 6, 7, 95], max_num_seqs=64, max_num_batched_tokens=4096)
-    assert (mixed.rows, mixed.width) == (4, 128)  # 5 + 6 + 7 + 90 share a row; 95 and 100 get one each
-    assert {row for index, row, _ in mixed.placements if index in (1, 2, 3, 4)} == {0}
+    short, long = plan_batches([100, 5, 90, 6, 7, 95], max_num_seqs=64, max_num_batched_tokens=4096)
+    assert (short.rows, short.width, sorted(short.indices)) == (1, 32, [1, 3, 4])  # 18 tokens share one row
+    assert (long.rows, long.width, sorted(long.indices)) == (4, 128, [0, 2, 5])  # a row each, one padded row
+    many = plan_batches([10, 11, 12, 13, 14, 15] * 100, max_num_seqs=256, max_num_batched_tokens=2048)
+    assert sum(b.rows * b.width for b in many) <= 1.1 * sum([10, 11, 12, 13, 14, 15] * 100)  # rows nearly full
     alone = plan_batches([5, 6, 7], max_num_seqs=64, max_num_batched_tokens=2048, share_rows=False)
     assert [(b.rows, b.width) for b in alone] == [(4, 8)]
 
