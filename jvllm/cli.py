@@ -1,4 +1,4 @@
-"""The `jvllm` command line: `jvllm generate PROMPT` (serve, chat and bench arrive with later issues)."""
+"""The `jvllm` command line: `jvllm generate PROMPT`, `jvllm serve [MODEL]`, `jvllm chat` (bench: later issue)."""
 from __future__ import annotations
 
 import argparse
@@ -35,13 +35,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--attention-backend", default="auto", help="auto, xla or pallas")
     group.add_argument("--load-format", default="auto", help="auto, safetensors, gguf or dummy (random weights)")
     group.add_argument("--seed", type=int, default=0, help="engine seed for unseeded requests")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to shard over (1 for now)")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="reuse the KV pages of shared prompt prefixes (default on)")
+    group.add_argument("--batched-weight-dtype", default=None,
+                       help="extra weight copy (e.g. bfloat16) for steps with many token rows (default: none)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                attention_backend=args.attention_backend, load_format=args.load_format, seed=args.seed)
+                attention_backend=args.attention_backend, load_format=args.load_format, seed=args.seed,
+                tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
+                batched_weight_dtype=args.batched_weight_dtype)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,7 +68,72 @@ def build_parser() -> argparse.ArgumentParser:
                      help="per-request sampling seed")
     gen.add_argument("-v", "--verbose", action="store_true", help="log engine progress and timings")
     add_engine_args(gen)
+    _add_serve_parser(commands)
+    _add_chat_parser(commands)
     return parser
+
+
+_SERVE_HELP = """\
+Serve MODEL over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models, ...), so a
+program written for OpenAI or vLLM works by changing only its base URL, e.g.
+  jvllm serve --port 8000 --api-key secret
+  curl localhost:8000/v1/chat/completions -H 'Authorization: Bearer secret' \\
+       -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+/health, /version and /metrics (Prometheus) are public; every other route needs the key when one is set.
+SIGTERM or Ctrl-C stops accepting connections, lets open requests finish for up to --shutdown-timeout
+seconds, aborts the rest and exits 0."""
+
+
+def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server", description=_SERVE_HELP,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="model to serve (same as --model; default: the embedded SmolLM2-135M-Instruct)")
+    net = serve.add_argument_group("server")
+    net.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1, this machine "
+                                                          "only; 0.0.0.0 exposes the server to the network)")
+    net.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    net.add_argument("--api-key", default=os.environ.get("JVLLM_API_KEY"),
+                     help="require 'Authorization: Bearer KEY' (default: $JVLLM_API_KEY, else no key)")
+    net.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                     help="name(s) clients use in 'model'; the first is reported (default: the model's name)")
+    net.add_argument("--max-waiting-requests", type=human_int, default=1024,
+                     help="queued requests beyond which new ones get 503 + Retry-After (default 1024)")
+    net.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds open requests may run after SIGTERM before they are aborted (default 30)")
+    net.add_argument("--chat-template", default=None, help="Jinja chat template (file or text) replacing the "
+                                                           "tokenizer's")
+    net.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs/top_logprobs allowed (20)")
+    net.add_argument("--enable-log-requests", action="store_true",
+                     help="log prompts, parameters and outputs (off by default: they may be private)")
+    net.add_argument("--disable-access-log", action="store_true", help="no per-request access log lines")
+    net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                     help="server log level (default info)")
+    add_engine_args(serve)
+
+
+_CHAT_HELP = """\
+Chat in the terminal; replies stream token by token. Against a running server:
+  jvllm chat --url http://localhost:8000/v1 [--api-key KEY]
+or, without --url, with an engine loaded in this process (engine flags below). With --url, --model is the
+served model name (default: the server's first model). Type a message and press Enter; /clear forgets
+the conversation, /exit or Ctrl-D ends the chat."""
+
+
+def _add_chat_parser(commands: argparse._SubParsersAction) -> None:
+    chat = commands.add_parser("chat", help="interactive chat in the terminal (streams tokens)",
+                               description=_CHAT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    chat.add_argument("--url", default=None,
+                      help="base URL of a running server, e.g. http://localhost:8000/v1 (default: in-process)")
+    chat.add_argument("--api-key", default=os.environ.get("JVLLM_API_KEY"), help="key for --url "
+                                                                                 "(default: $JVLLM_API_KEY)")
+    chat.add_argument("--system", default=None, help="system message that starts the conversation")
+    chat.add_argument("--max-tokens", type=human_int, default=512, help="tokens per reply (default 512)")
+    chat.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
+    chat.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    chat.add_argument("-q", "--quick", default=None, metavar="MESSAGE",
+                      help="send MESSAGE, print the streamed reply and exit")
+    add_engine_args(chat)
 
 
 def _version() -> str:
@@ -97,12 +169,37 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_serve(args: argparse.Namespace) -> int:
+    from server.serve import run_server
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    if args.model_tag and args.model and args.model_tag != args.model:
+        print(f"jvllm: error: MODEL {args.model_tag!r} and --model {args.model!r} disagree", file=sys.stderr)
+        return 2
+    args.model = args.model_tag or args.model
+    try:
+        return run_server(engine_kwargs(args), host=args.host, port=args.port, api_key=args.api_key,
+                          served_model_names=args.served_model_name, enable_log_requests=args.enable_log_requests,
+                          max_waiting_requests=args.max_waiting_requests, shutdown_timeout=args.shutdown_timeout,
+                          chat_template=args.chat_template, max_logprobs=args.max_logprobs,
+                          log_level=args.log_level, access_log=not args.disable_access_log)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"jvllm: error: {error}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # jvllm never downloads weights at run time
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "generate":
         return run_generate(args)
+    if args.command == "serve":
+        return run_serve(args)
+    if args.command == "chat":
+        from server.chat_client import run_chat
+
+        return run_chat(args, engine_kwargs(args))
     parser.print_help()
     return 0
 

@@ -1,0 +1,443 @@
+"""AsyncEngine: one background thread drives Engine.step and feeds per-request async streams."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from jvllm.engine import Engine, PromptType
+from jvllm.outputs import CompletionOutput, RequestOutput
+from jvllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("jvllm.async_engine")
+
+# After this many step failures in a row (with no good step between) the engine counts as dead.
+_MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (fatal error or shutdown); no request can be served any more."""
+
+
+class EngineStepError(RuntimeError):
+    """A model step failed while this request was running; the request was aborted."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its configured limit; retry later."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot published by the engine thread after every step (safe to read from any thread)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of usable KV pages in use
+    num_preemptions: int = 0  # cumulative
+    prefix_cache_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # cumulative, of those, tokens found there
+    num_steps: int = 0  # cumulative
+
+
+OutputObserver = Callable[[RequestOutput], None]
+
+
+class RequestStream:
+    """One request's outputs, read on the caller's event loop: `async for output in stream`.
+
+    Outputs are cumulative snapshots, so an unread one is replaced by a newer one without losing
+    anything: a slow reader gets fewer, larger updates. `close()` before the end aborts the request."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, prompt: PromptType,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.last: RequestOutput | None = None
+        self.done = False  # a final output or an error was delivered
+        self.closed = False  # the reader went away
+        self._engine = engine
+        self._loop = loop
+        self._item: RequestOutput | BaseException | None = None
+        self._event = asyncio.Event()
+        self._returned_final = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if self.done:
+            return
+        if isinstance(item, RequestOutput):
+            self.last = item
+            self.done = item.finished
+        else:
+            self.done = True
+        if not isinstance(self._item, BaseException):  # an error, once queued, is not overwritten
+            self._item = item
+        self._event.set()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._returned_final or self.closed:
+            raise StopAsyncIteration
+        try:
+            await self._event.wait()
+        except BaseException:
+            self.close()  # cancelled: the reader is gone
+            raise
+        item, self._item = self._item, None
+        self._event.clear()
+        if isinstance(item, BaseException):
+            self._returned_final = True
+            self.close()
+            raise item
+        assert item is not None
+        if item.finished:
+            self._returned_final = True
+            self.close()
+        return item
+
+    def close(self) -> None:
+        """Stop reading; a request still running is aborted and its pages freed."""
+        if self.closed:
+            return
+        self.closed = True
+        self._engine._stream_closed(self)
+
+    async def aclose(self) -> None:
+        self.close()
+
+
+@dataclasses.dataclass
+class _Add:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    arrival_time: float
+    loop: asyncio.AbstractEventLoop
+    future: concurrent.futures.Future
+
+
+@dataclasses.dataclass
+class _Abort:
+    request_id: str
+    loop: asyncio.AbstractEventLoop | None = None  # the reader's loop, told when the abort is done
+
+
+class AsyncEngine:
+    """Wraps an `Engine` for asyncio callers (the HTTP server, notebooks with top-level `await`).
+
+    The Engine is not thread-safe, so exactly one thread ever touches it: the engine thread applies
+    queued add/abort commands between steps, steps while requests exist and sleeps otherwise.
+    Outputs travel back with `loop.call_soon_threadsafe`, one call per step and event loop."""
+
+    def __init__(self, engine: Engine, *, max_waiting_requests: int | None = None,
+                 observers: list[OutputObserver] | None = None) -> None:
+        if max_waiting_requests is not None and max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1 or None, got {max_waiting_requests}")
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.observers: list[OutputObserver] = list(observers or [])
+        self.stats = EngineStats()
+        self.dead_error: BaseException | None = None
+        self._streams: dict[str, RequestStream] = {}  # owned by the callers' event loops
+        self._loops: dict[str, asyncio.AbstractEventLoop] = {}  # owned by the engine thread
+        self._commands: list[_Add | _Abort] = []
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._exited = False  # set by the engine thread, under the lock, as its last act
+        self._failures = 0
+        self._thread = threading.Thread(target=self._run, name="jvllm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, *, max_waiting_requests: int | None = None, **engine_kwargs: Any) -> AsyncEngine:
+        return cls(Engine(**engine_kwargs), max_waiting_requests=max_waiting_requests)
+
+    # ---- what the server reads ------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        return self.dead_error is None and self._thread.is_alive()
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.engine.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        """The chat prompt as text (the tokenizer's template, or `chat_template=` if given)."""
+        return self.engine.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+
+    # ---- requests -------------------------------------------------------------------------------
+    async def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
+                          request_id: str | None = None, *, arrival_time: float | None = None) -> RequestStream:
+        """Queue a request and return its output stream; a refused request raises here (ValueError for
+        a bad prompt or params, QueueFullError when the waiting queue is at its limit)."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = RequestStream(self, request_id, prompt, loop)
+        self._streams[request_id] = stream
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            self._submit(_Add(request_id, prompt, params or SamplingParams(), arrival_time or time.time(), loop,
+                              future))
+            await asyncio.wrap_future(future)
+        except Exception:
+            stream.done = True  # refused: nothing was queued
+            stream.close()
+            raise
+        except BaseException:
+            stream.close()  # cancelled while queueing: the abort follows the add, whichever won
+            raise
+        return stream
+
+    async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
+                       request_id: str | None = None, *, arrival_time: float | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's RequestOutput after each step that advanced it, the last one finished.
+
+        Each output is cumulative (full text and token ids so far, as vLLM's default). Closing the
+        generator (or cancelling the task iterating it) before the end aborts the request."""
+        stream = await self.add_request(prompt, params, request_id, arrival_time=arrival_time)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread; its stream ends with finish_reason "abort"."""
+        self._submit(_Abort(request_id))
+
+    async def shutdown(self) -> None:
+        """Abort every request (their streams raise EngineDeadError) and stop the engine thread."""
+        await asyncio.to_thread(self.close)
+
+    def close(self) -> None:
+        """Blocking `shutdown` for code without an event loop."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join()
+
+    def _forget(self, stream: RequestStream) -> None:
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+
+    def _stream_closed(self, stream: RequestStream) -> None:
+        if stream.done:
+            self._forget(stream)
+        else:  # closed early; the abort's confirmation removes the stream
+            self._submit(_Abort(stream.request_id, stream._loop))
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead_error}") from self.dead_error
+        if self._stopping or not self._thread.is_alive():
+            raise EngineDeadError("the engine is shut down")
+
+    def _submit(self, command: _Add | _Abort) -> None:
+        with self._cv:
+            if self._exited:
+                if isinstance(command, _Add):
+                    raise EngineDeadError("the engine is not running")
+                return  # nothing left to abort
+            self._commands.append(command)
+            self._cv.notify()
+
+    # ---- the engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                idle = not self.engine.has_unfinished_requests()
+                with self._cv:
+                    while idle and not self._commands and not self._stopping:
+                        self._cv.wait()
+                    commands, self._commands = self._commands, []
+                    stopping = self._stopping
+                for command in commands:
+                    self._apply(command)
+                if stopping:
+                    self._abort_all(EngineDeadError("the engine is shut down"))
+                    return
+                stepped = self.engine.has_unfinished_requests()
+                if stepped:
+                    self._step()
+                self._publish_stats(stepped)
+                if self.dead_error is not None:
+                    return
+        except BaseException as error:  # a bug in this loop: nobody could be served any more
+            logger.exception("the engine thread crashed")
+            self._die(error)
+        finally:
+            self._exit()
+
+    def _exit(self) -> None:
+        """Refuse what was queued after the last look at the command list; nothing will apply it now."""
+        with self._cv:
+            self._exited = True
+            leftover, self._commands = self._commands, []
+        for command in leftover:
+            if isinstance(command, _Add):
+                if command.future.set_running_or_notify_cancel():
+                    command.future.set_exception(EngineDeadError("the engine is not running"))
+            elif command.loop is not None:
+                self._post(command.loop, self._end, [command.request_id])
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            loop = self._loops.pop(command.request_id, None) or command.loop
+            self.engine.abort_request(command.request_id)
+            if loop is not None:
+                self._post(loop, self._end, [command.request_id])
+            return
+        if not command.future.set_running_or_notify_cancel():
+            return  # the caller gave up before the request was queued
+        try:
+            # Requests that the next step can still admit do not count as waiting.
+            scheduler = self.engine.scheduler
+            waiting = len(scheduler.waiting) - max(scheduler.max_num_seqs - len(scheduler.running), 0)
+            if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
+                raise QueueFullError(f"the waiting queue is full ({waiting} requests); retry later")
+            self.engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time)
+        except Exception as error:
+            command.future.set_exception(error)
+            return
+        self._loops[command.request_id] = command.loop
+        command.future.set_result(None)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as error:
+            self._step_failed(error)
+            return
+        self._failures = 0
+        by_loop: dict[asyncio.AbstractEventLoop, list[RequestOutput]] = {}
+        for output in outputs:
+            loop = self._loops.get(output.request_id)
+            if loop is None:
+                continue  # added by someone else (e.g. a direct Engine.generate), not ours
+            if output.finished:
+                del self._loops[output.request_id]
+            by_loop.setdefault(loop, []).append(output)
+        for loop, batch in by_loop.items():
+            self._post(loop, self._deliver, batch)
+
+    def _step_failed(self, error: Exception) -> None:
+        """Fail the requests that were in the failed batch; a run of failures means the engine is dead."""
+        self._failures += 1
+        logger.error("engine step failed (%d in a row): %r", self._failures, error, exc_info=error)
+        affected = {r.group_id for r in self.engine.scheduler.running} or set(self._loops)
+        try:
+            self.engine.abort_request(list(affected))
+        except Exception as cleanup_error:
+            logger.exception("could not clean up after a failed step")
+            self._die(cleanup_error)
+            return
+        fatal = self._failures >= _MAX_CONSECUTIVE_STEP_FAILURES
+        if fatal:
+            self.dead_error = error  # before anyone hears of the failure, so nobody adds more work
+        failure = EngineStepError(f"the engine failed while running this request: {error!r}")
+        failure.__cause__ = error
+        self._fail(affected, failure)
+        if fatal:
+            self._die(error)
+
+    def _die(self, error: BaseException) -> None:
+        self.dead_error = error
+        self._abort_all(EngineDeadError(f"the engine is dead: {error!r}"))
+
+    def _abort_all(self, error: BaseException) -> None:
+        ids = list(self._loops)
+        try:
+            self.engine.abort_request(ids)
+        except Exception:
+            logger.exception("aborting every request failed")
+        self._fail(ids, error)
+
+    def _fail(self, request_ids: Any, error: BaseException) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[str]] = {}
+        for request_id in request_ids:
+            loop = self._loops.pop(request_id, None)
+            if loop is not None:
+                by_loop.setdefault(loop, []).append(request_id)
+        for loop, ids in by_loop.items():
+            self._post(loop, self._end, ids, error)
+
+    def _publish_stats(self, stepped: bool) -> None:
+        scheduler = self.engine.scheduler
+        self.stats = EngineStats(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+                                 kv_cache_usage=self.engine.pages.usage, num_preemptions=scheduler.num_preemptions,
+                                 prefix_cache_queries=getattr(scheduler, "prefix_cache_queries", 0),
+                                 prefix_cache_hits=getattr(scheduler, "prefix_cache_hits", 0),
+                                 num_steps=self.stats.num_steps + int(stepped))
+
+    def _post(self, loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+            for item in args[0]:
+                request_id = item.request_id if isinstance(item, RequestOutput) else item
+                self._loops.pop(request_id, None)
+                self._streams.pop(request_id, None)  # its loop is gone, so no reader can race this
+                self.engine.abort_request(request_id)
+
+    # ---- on the callers' event loops ------------------------------------------------------------
+    def _observe(self, output: RequestOutput) -> None:
+        for observer in self.observers:
+            try:
+                observer(output)
+            except Exception:
+                logger.exception("an output observer failed")
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            self._observe(output)
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.put(output)
+                if output.finished and stream.closed:
+                    self._forget(stream)
+
+    def _end(self, request_ids: list[str], error: BaseException | None = None) -> None:
+        """Requests stopped from outside: observers see them end as "abort"; readers get that, or `error`."""
+        for request_id in request_ids:
+            stream = self._streams.get(request_id)
+            if stream is None:
+                continue
+            if not stream.done:
+                final = _aborted_output(request_id, stream)
+                self._observe(final)
+                stream.put(error or final)
+            if stream.closed:
+                self._forget(stream)
+
+
+def _aborted_output(request_id: str, stream: RequestStream) -> RequestOutput:
+    """The final snapshot of a request stopped from outside: its last state, marked "abort"."""
+    last = stream.last
+    if last is None:
+        prompt = stream.prompt
+        text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
+        ids = list(prompt.get("prompt_token_ids", [])) if isinstance(prompt, dict) else []
+        return RequestOutput(request_id, text, ids, None, [CompletionOutput(0, "", [], None, None, "abort")], True)
+    outputs = [dataclasses.replace(o, finish_reason=o.finish_reason or "abort") for o in last.outputs]
+    return dataclasses.replace(last, outputs=outputs, finished=True)

@@ -1,0 +1,170 @@
+"""POST /v1/chat/completions: messages through the chat template, streamed (role first) or whole."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from jvllm.async_engine import RequestStream
+from jvllm.outputs import CompletionOutput, RequestOutput
+from server.errors import bad_request
+from server.logprobs import chat_logprobs
+from server.protocol import ChatCompletionRequest, ChatMessage
+from server.responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
+                              ChatMessageOut, DeltaMessage, UsageInfo)
+from server.sampling import (check_fits, check_logprobs, check_model, check_unsupported, sampling_params,
+                             warn_unknown_fields)
+from server.state import ServerState
+from server.streaming import DONE, sse, sse_response, unless_disconnected
+
+_RESERVED_TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "chat_template", "add_generation_prompt",
+                           "continue_final_message"}
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as the chat template sees them (content parts joined into one string)."""
+    result = []
+    for message in messages:
+        item = {"role": message.role, "content": message.text()}
+        if message.name:
+            item["name"] = message.name
+        result.append(item)
+    return result
+
+
+def render_chat(state: ServerState, messages: list[ChatMessage], *, template: str | None,
+                add_generation_prompt: bool, continue_final_message: bool, extra: dict | None = None) -> str:
+    """The prompt text; a template that refuses the conversation is the client's error (400)."""
+    if add_generation_prompt and continue_final_message:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                          "continue_final_message")
+    kwargs = {k: v for k, v in (extra or {}).items() if k not in _RESERVED_TEMPLATE_ARGS}
+    try:
+        return state.engine.apply_chat_template(conversation(messages), chat_template=template,
+                                                add_generation_prompt=add_generation_prompt,
+                                                continue_final_message=continue_final_message, **kwargs)
+    except Exception as error:  # jinja2 errors (e.g. `raise_exception` in a template) and ValueError
+        raise bad_request(f"could not apply the chat template: {error}", "messages") from None
+
+
+class _Chat:
+    def __init__(self, body: ChatCompletionRequest, state: ServerState, model: str, num_prompt: int,
+                 num_top: int | None):
+        self.body, self.state, self.model = body, state, model
+        self.num_prompt, self.num_top = num_prompt, num_top
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        last = body.messages[-1]
+        self.echo = last.text() if body.echo and last.role == "assistant" else ""
+
+    def logprobs(self, out: CompletionOutput, start: int = 0) -> ChatLogprobs | None:
+        if self.num_top is None or out.logprobs is None:
+            return None
+        return chat_logprobs(out.token_ids[start:], out.logprobs[start:], self.num_top, self.state.names,
+                             self.body.return_tokens_as_token_ids)
+
+    def usage(self, output: RequestOutput | None) -> UsageInfo:
+        completion = sum(len(o.token_ids) for o in output.outputs) if output else 0
+        return UsageInfo(prompt_tokens=self.num_prompt, completion_tokens=completion,
+                         total_tokens=self.num_prompt + completion)
+
+    def response(self, output: RequestOutput) -> ChatCompletionResponse:
+        choices = [ChatChoice(index=o.index, message=ChatMessageOut(content=self.echo + o.text),
+                              logprobs=self.logprobs(o), finish_reason=o.finish_reason, stop_reason=o.stop_reason)
+                   for o in output.outputs]
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
+                                      usage=self.usage(output))
+
+    def chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
+        chunk = ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
+                                    model=self.model, choices=choices)
+        if usage is not None:
+            chunk.usage = usage
+        return sse(chunk)
+
+    async def events(self, stream: RequestStream) -> AsyncIterator[str]:
+        options = self.body.stream_options
+        continuous = bool(options and options.continuous_usage_stats)
+        for index in range(self.body.n):  # the role first, before any token exists
+            delta = DeltaMessage(role="assistant", content=self.echo)
+            yield self.chunk([ChatChunkChoice(index=index, delta=delta, logprobs=None, finish_reason=None)],
+                             self.usage(None) if continuous else None)
+        sent_text: dict[int, int] = {}
+        sent_ids: dict[int, int] = {}
+        ended: set[int] = set()
+        latest = None
+        async for output in stream:
+            latest = output
+            for out in output.outputs:
+                if out.index in ended:
+                    continue
+                start = sent_ids.get(out.index, 0)
+                text = out.text[sent_text.get(out.index, 0):]
+                logprobs = self.logprobs(out, start) if len(out.token_ids) > start else None
+                if not text and out.finish_reason is None and logprobs is None:
+                    continue
+                if logprobs is None and self.num_top is not None:
+                    logprobs = ChatLogprobs(content=[])  # asked for: always an object, never null
+                sent_text[out.index], sent_ids[out.index] = len(out.text), len(out.token_ids)
+                if out.finish_reason is not None:
+                    ended.add(out.index)
+                choice = ChatChunkChoice(index=out.index, delta=DeltaMessage(content=text), logprobs=logprobs,
+                                         finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+                yield self.chunk([choice], self.usage(output) if continuous else None)
+            if output.finished:
+                self.state.log_request(self.id, "finished", repr(output.outputs[0].text)[:2000])
+        if options and options.include_usage:
+            yield self.chunk([], self.usage(latest))
+        yield DONE
+
+
+def _check_request(body: ChatCompletionRequest, state: ServerState) -> int | None:
+    """-> top logprobs per token (None: no logprobs)."""
+    check_unsupported(body)
+    if body.tools and body.tool_choice != "none":
+        raise bad_request("tool calling is not supported", "tools")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise bad_request("response_format other than text is not supported", "response_format")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    num_top = (body.top_logprobs or 0) if body.logprobs else None
+    check_logprobs(num_top, state.settings, "top_logprobs")
+    check_logprobs(body.prompt_logprobs, state.settings, "prompt_logprobs")
+    return num_top
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
+    arrival = time.time()
+    warn_unknown_fields(body, "/v1/chat/completions")
+    model = check_model(body.model, state.settings)
+    num_top = _check_request(body, state)
+    text = render_chat(state, body.messages, template=body.chat_template or state.settings.chat_template,
+                       add_generation_prompt=body.add_generation_prompt,
+                       continue_final_message=body.continue_final_message, extra=body.chat_template_kwargs)
+    ids = state.engine.tokenize(text, add_special_tokens=body.add_special_tokens)
+    wanted = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = sampling_params(body, max_tokens=check_fits(len(ids), wanted, state.engine.max_model_len),
+                             logprobs=num_top, prompt_logprobs=body.prompt_logprobs)
+    chat = _Chat(body, state, model, len(ids), num_top)
+    state.log_request(chat.id, "received", repr(text)[:2000], params)
+    stream = await state.engine.add_request({"prompt": text, "prompt_token_ids": ids}, params, chat.id,
+                                            arrival_time=arrival)
+    if body.stream:
+        return sse_response(chat.events(stream), [stream])
+
+    async def last() -> RequestOutput:
+        final = None
+        async for output in stream:
+            final = output
+        assert final is not None
+        return final
+
+    try:
+        final = await unless_disconnected(request, last())
+    finally:
+        stream.close()
+    state.log_request(chat.id, "finished", repr(final.outputs[0].text)[:2000])
+    return JSONResponse(chat.response(final).model_dump())

@@ -1,0 +1,154 @@
+"""`jvllm chat`: a terminal chat streaming replies from a server (--url, SSE over httpx) or an in-process engine."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any, AsyncIterator, Callable
+
+Messages = list[dict[str, str]]
+ReplyFn = Callable[[Messages], AsyncIterator[str]]
+
+
+class ChatError(Exception):
+    """The server refused the request or failed mid-stream."""
+
+
+async def sse_events(response: Any) -> AsyncIterator[dict]:
+    """JSON payloads of an OpenAI-style SSE response (an httpx streaming response) up to `[DONE]`."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        event = json.loads(data)
+        if isinstance(event, dict) and event.get("error"):
+            raise ChatError(event["error"].get("message", "error"))
+        yield event
+
+
+def _error_message(body: bytes, status: int) -> str:
+    try:
+        return json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {status}"
+
+
+def http_replier(client: Any, url: str, model: str, settings: dict[str, Any]) -> ReplyFn:
+    async def reply(messages: Messages) -> AsyncIterator[str]:
+        payload = {"model": model, "messages": messages, "stream": True, **settings}
+        async with client.stream("POST", f"{url}/chat/completions", json=payload) as response:
+            if response.status_code != 200:
+                raise ChatError(_error_message(await response.aread(), response.status_code))
+            async for event in sse_events(response):
+                for choice in event.get("choices", []):
+                    piece = (choice.get("delta") or {}).get("content")
+                    if piece:
+                        yield piece
+    return reply
+
+
+def engine_replier(engine: Any, settings: dict[str, Any]) -> ReplyFn:
+    from jvllm.sampling_params import SamplingParams
+
+    async def reply(messages: Messages) -> AsyncIterator[str]:
+        text = engine.apply_chat_template(messages, add_generation_prompt=True)
+        ids = engine.tokenize(text, add_special_tokens=False)
+        room = engine.max_model_len - len(ids)
+        if room < 1:
+            raise ChatError("the conversation no longer fits the context; /clear starts afresh")
+        params = SamplingParams(temperature=settings["temperature"], top_p=settings["top_p"],
+                                max_tokens=min(settings["max_tokens"], room))
+        sent = 0
+        async for output in engine.generate({"prompt": text, "prompt_token_ids": ids}, params):
+            text_so_far = output.outputs[0].text
+            if len(text_so_far) > sent:
+                yield text_so_far[sent:]
+                sent = len(text_so_far)
+    return reply
+
+
+async def converse(reply: ReplyFn, system: str | None, quick: str | None,
+                   read: Callable[[str], str] = input, write: Callable[[str], Any] | None = None) -> None:
+    """The read-reply loop: each reply streams to `write` (default: stdout) as it arrives."""
+    if write is None:
+        def write(text: str) -> None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+    start: Messages = [{"role": "system", "content": system}] if system else []
+    messages = list(start)
+    while True:
+        if quick is not None:
+            line = quick
+        else:
+            try:
+                line = await asyncio.to_thread(read, "> ")
+            except EOFError:
+                write("\n")
+                return
+        line = line.strip()
+        if line in ("/exit", "/quit"):
+            return
+        if line == "/clear":
+            messages = list(start)
+            continue
+        if not line:
+            continue
+        messages.append({"role": "user", "content": line})
+        parts = []
+        try:
+            async for piece in reply(messages):
+                write(piece)
+                parts.append(piece)
+        except ChatError as error:
+            write(f"[error: {error}]")
+            messages.pop()
+        else:
+            messages.append({"role": "assistant", "content": "".join(parts)})
+        write("\n")
+        if quick is not None:
+            return
+
+
+async def _run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
+    settings = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p}
+    if args.url:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        url = args.url.rstrip("/")
+        try:
+            async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(None, connect=10.0)) as client:
+                model = args.model
+                if model is None:
+                    listing = await client.get(f"{url}/models")
+                    if listing.status_code != 200:
+                        raise ChatError(_error_message(listing.content, listing.status_code))
+                    model = listing.json()["data"][0]["id"]
+                await converse(http_replier(client, url, model, settings), args.system, args.quick)
+        except httpx.HTTPError as error:
+            raise ChatError(f"cannot talk to {url}: {error}") from None
+        return
+    from jvllm.async_engine import AsyncEngine
+
+    engine = AsyncEngine.from_engine_args(**engine_kwargs)
+    try:
+        await converse(engine_replier(engine, settings), args.system, args.quick)
+    finally:
+        await engine.shutdown()
+
+
+def run_chat(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        asyncio.run(_run(args, engine_kwargs))
+    except KeyboardInterrupt:
+        print()
+    except (ChatError, ValueError, FileNotFoundError, OSError) as error:
+        print(f"jvllm: error: {error}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,100 @@
+"""OpenAI-style error bodies and the exception handlers that produce them (never a traceback)."""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jvllm.async_engine import EngineDeadError, EngineStepError, QueueFullError
+
+logger = logging.getLogger("jvllm.server")
+
+RETRY_AFTER_SECONDS = 1
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
+          503: "server_error"}
+
+
+class APIError(Exception):
+    """An error the client should see, with its HTTP status and OpenAI error fields."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its response was ready."""
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error" if status < 500
+                                                                  else "server_error"),
+                      "param": param, "code": code}}
+
+
+def to_api_error(error: BaseException) -> APIError:
+    """Map an exception from request handling to what the client is told."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, ClientGone):
+        return APIError(499, "the client closed the request")
+    if isinstance(error, QueueFullError):
+        return APIError(503, str(error), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if isinstance(error, EngineDeadError):
+        return APIError(503, "the engine is not running", code="engine_dead")
+    if isinstance(error, EngineStepError):
+        return APIError(500, "the engine failed while running this request", code="engine_error")
+    if isinstance(error, ValueError):  # the engine's and SamplingParams' validation messages
+        return APIError(400, str(error))
+    logger.error("internal error", exc_info=error)
+    return APIError(500, "internal server error", code="internal_error")
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error_body(error.status, error.message, error.param, error.code),
+                        status_code=error.status, headers=error.headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for item in exc.errors():
+        loc = [str(x) for x in item.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        param = param or (where or None)
+        if not where and item.get("type") in ("model_attributes_type", "dict_type"):
+            parts.append("the request body must be a JSON object (send Content-Type: application/json)")
+            continue
+        parts.append(f"{where}: {item.get('msg')}" if where else str(item.get("msg")))
+    return "; ".join(parts) or "invalid request", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(APIError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(to_api_error(exc))

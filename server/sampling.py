@@ -1,0 +1,78 @@
+"""Request checks shared by the routes: model name, context length, and the SamplingParams to run."""
+from __future__ import annotations
+
+import logging
+
+from jvllm.sampling_params import SamplingParams
+from server.errors import APIError, bad_request
+from server.protocol import SamplingFields
+from server.settings import ServerSettings
+
+logger = logging.getLogger("jvllm.server")
+
+
+def check_model(requested: str | None, settings: ServerSettings) -> str:
+    """-> the name to report; unknown names are 404 as in OpenAI (None means the default model)."""
+    if requested is None or requested in settings.served_model_names:
+        return settings.model_name
+    raise APIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
+
+
+def warn_unknown_fields(body: SamplingFields, route: str) -> None:
+    extra = sorted(body.model_extra or {})
+    if extra:
+        logger.warning("%s: ignored unknown request fields %s", route, extra)
+
+
+def check_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """-> max_tokens to run (None fills the context); 400 with both numbers when it cannot fit."""
+    if num_prompt_tokens >= max_model_len:
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+                          f"has {num_prompt_tokens} tokens, which leaves no room for a completion. Please "
+                          "shorten the prompt.", "prompt")
+    if max_tokens is None:
+        return max_model_len - num_prompt_tokens
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                          f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
+                          "in the completion). Please reduce the length of the prompt or max_tokens.", "max_tokens")
+    return max_tokens
+
+
+def check_unsupported(body: SamplingFields) -> None:
+    if body.use_beam_search:
+        raise bad_request("beam search is not supported", "use_beam_search")
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_request(f"best_of ({body.best_of}) other than n ({body.n}) is not supported", "best_of")
+    if body.n < 1:
+        raise bad_request(f"n must be >= 1, got {body.n}", "n")
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+def check_logprobs(count: int | None, settings: ServerSettings, param: str) -> None:
+    if count is not None and not (0 <= count <= settings.max_logprobs):
+        raise bad_request(f"{param} must be between 0 and {settings.max_logprobs} (the server's --max-logprobs), "
+                          f"got {count}", param)
+
+
+def sampling_params(body: SamplingFields, *, max_tokens: int, logprobs: int | None,
+                    prompt_logprobs: int | None) -> SamplingParams:
+    """OpenAI defaults for what the request leaves out; SamplingParams' ValueError becomes a 400."""
+    def given(value, default):
+        return default if value is None else value
+
+    try:
+        return SamplingParams(
+            n=body.n, temperature=given(body.temperature, 1.0), top_p=given(body.top_p, 1.0),
+            top_k=given(body.top_k, 0), min_p=given(body.min_p, 0.0),
+            presence_penalty=given(body.presence_penalty, 0.0), frequency_penalty=given(body.frequency_penalty, 0.0),
+            repetition_penalty=given(body.repetition_penalty, 1.0), seed=body.seed, stop=body.stop,
+            stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, max_tokens=max_tokens,
+            min_tokens=body.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=body.skip_special_tokens,
+            spaces_between_special_tokens=body.spaces_between_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output, logit_bias=body.logit_bias,
+            allowed_token_ids=body.allowed_token_ids)
+    except ValueError as error:
+        raise bad_request(str(error)) from None

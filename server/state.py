@@ -1,0 +1,35 @@
+"""Everything a route handler needs, kept on `app.state.jvllm`."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from fastapi import Request
+
+from jvllm.async_engine import AsyncEngine
+from server.metrics import ServerMetrics
+from server.settings import ServerSettings
+from server.tokens import TokenText
+
+request_logger = logging.getLogger("jvllm.requests")
+
+
+@dataclasses.dataclass
+class ServerState:
+    engine: AsyncEngine
+    settings: ServerSettings
+    metrics: ServerMetrics
+    names: TokenText
+    started: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    def log_request(self, request_id: str, what: str, *details: object) -> None:
+        """Content (prompts, outputs) is logged only with --enable-log-requests; ids always at debug."""
+        if self.settings.enable_log_requests:
+            request_logger.info("%s %s: %s", request_id, what, " ".join(map(str, details)))
+        else:
+            request_logger.debug("%s %s", request_id, what)
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.jvllm

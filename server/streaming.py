@@ -1,0 +1,101 @@
+"""Server-sent events: formatting, merging several request streams, errors mid-stream, disconnects."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, AsyncIterator, Awaitable, TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from jvllm.async_engine import RequestStream
+from jvllm.outputs import RequestOutput
+from server.errors import ClientGone, error_body, to_api_error
+
+logger = logging.getLogger("jvllm.server")
+T = TypeVar("T")
+DONE = "data: [DONE]\n\n"
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    body = payload.model_dump_json(exclude_unset=True) if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {body}\n\n"
+
+
+def sse_response(events: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
+    """Stream `events`; an exception becomes an error event before `[DONE]`; the end (or a client that
+    disconnects, which cancels this body) closes every request stream, aborting unfinished ones."""
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        except Exception as error:  # headers are gone: tell the client in-band
+            api_error = to_api_error(error)
+            yield sse(error_body(api_error.status, api_error.message, api_error.param, api_error.code))
+            yield DONE
+        finally:
+            for stream in streams:
+                stream.close()
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=_SSE_HEADERS)
+
+
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(index of the stream, output) in arrival order over several requests (one per prompt)."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((index, output))
+        except Exception as error:
+            queue.put_nowait((index, error))
+        finally:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.close()
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, but cancel it (aborting its requests) if the client hangs up first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()

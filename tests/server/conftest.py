@@ -1,0 +1,106 @@
+"""Live uvicorn servers on loopback ports, each over a tiny random Llama engine, started once per session."""
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+import time
+from typing import Any
+
+import pytest
+
+API_KEY = "sk-test-key"
+MODEL = "tiny-llama"
+ENGINE_ARGS = dict(max_num_seqs=64, kv_cache_memory_bytes=64 << 20, max_model_len=512)
+
+
+@dataclasses.dataclass
+class LiveServer:
+    url: str
+    engine: Any  # the AsyncEngine behind the app
+    app: Any
+    server: Any
+    thread: threading.Thread
+
+    @property
+    def v1(self) -> str:
+        return f"{self.url}/v1"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {API_KEY}"}
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+
+def start_server(model_dir, *, max_waiting_requests: int | None = 1000, **engine_overrides) -> LiveServer:
+    import uvicorn
+
+    from jvllm import Engine
+    from jvllm.async_engine import AsyncEngine
+    from server.app import build_app
+    from server.settings import ServerSettings
+
+    engine = AsyncEngine(Engine(model=str(model_dir), **{**ENGINE_ARGS, **engine_overrides}),
+                         max_waiting_requests=max_waiting_requests)
+    app = build_app(engine, ServerSettings([MODEL, "alias"], api_key=API_KEY, model_root=str(model_dir)))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    return LiveServer(f"http://127.0.0.1:{port}", engine, app, server, thread)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_factory):
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def live_server(tiny_llama):
+    """The main server: 64 sequences, a generous waiting queue, API key required on /v1."""
+    server = start_server(tiny_llama)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def offline_engine(tiny_llama):
+    """A second engine on the same weights for offline twins of served requests."""
+    from jvllm import Engine
+
+    return Engine(model=str(tiny_llama), **ENGINE_ARGS)
+
+
+@pytest.fixture
+def client(live_server):
+    import openai
+
+    return openai.OpenAI(base_url=live_server.v1, api_key=API_KEY, max_retries=0, timeout=600)
+
+
+def wait_until(predicate, timeout: float = 30.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def idle(engine) -> bool:
+    """No request left anywhere and every KV page back on the free list."""
+    stats = engine.stats
+    pages = engine.engine.pages
+    return (stats.num_running == 0 and stats.num_waiting == 0 and not engine._streams
+            and pages.num_free_pages == pages.num_usable_pages)
