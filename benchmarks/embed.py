@@ -7,14 +7,14 @@ embeddings/s for both, the ratio, and the lowest cosine similarity between the t
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import random
 import sys
 import time
 
 import numpy as np
+
+from benchmarks.common import command_line, machine_info, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -93,13 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
 
-    import jax
-
     sentences = short_sentences(args.num_sentences)
     results: dict = {
-        "command": " ".join(["python -m benchmarks.embed", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
-                    "backend": jax.default_backend(), "load_average": os.getloadavg()},
+        "command": command_line("benchmarks.embed", argv), "machine": machine_info(),
         "model": args.model, "num_sentences": len(sentences), "batched_weight_dtype": args.batched_weight_dtype,
     }
     jv, jv_vectors = run_jvllm(args, sentences)
@@ -118,9 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sentence-transformers: {st['embeddings_per_s']:.1f} embeddings/s (batch_size {args.st_batch_size}, "
               f"{args.threads} torch threads)", flush=True)
         print(f"ratio: jvllm is {ratio:.2f}x; min cosine vs sentence-transformers {cosine.min():.7f}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.json, results)
     return 0
 
 

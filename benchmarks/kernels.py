@@ -149,19 +149,25 @@ def bench_decode(case: DecodeCase, ceilings: dict, args: argparse.Namespace, int
     impls["jax_shipped_paged_attention"] = (shipped_paged_attention(case, interpret),
                                             (q_scaled, k_head_major, v_head_major, tables, lengths))
 
-    rows = []
+    rows = _timed_rows(impls, args, {"kind": "decode", **dataclasses.asdict(case), "kv_bytes": kv_bytes},
+                       lambda s: dict(gb_per_s=kv_bytes / s / 1e9,
+                                      frac_of_copy_bw=kv_bytes / s / ceilings["copy_bytes_per_s"]))
+    return _with_speedups(rows, "jax_shipped_paged_attention")
+
+
+def _timed_rows(impls: dict, args: argparse.Namespace, fields: dict, rates) -> list[dict]:
+    """Time each `name: (fn, fn_args)`, check it against impls["jnp_reference"], and add `rates(seconds)`."""
     expected = _reference_output(*impls["jnp_reference"])
+    rows = []
     for name, (fn, fn_args) in impls.items():
         seconds = _try_time(fn, fn_args, args.warmup, args.iters)
-        row = {"kind": "decode", **dataclasses.asdict(case), "impl": name, "kv_bytes": kv_bytes,
-               "max_abs_err_vs_reference": _max_error(fn, fn_args, expected)}
+        row = {**fields, "impl": name, "max_abs_err_vs_reference": _max_error(fn, fn_args, expected)}
         if isinstance(seconds, float):
-            row.update(ms=seconds * 1e3, gb_per_s=kv_bytes / seconds / 1e9,
-                       frac_of_copy_bw=kv_bytes / seconds / ceilings["copy_bytes_per_s"])
+            row.update(ms=seconds * 1e3, **rates(seconds))
         else:
             row["error"] = seconds
         rows.append(row)
-    return _with_speedups(rows, "jax_shipped_paged_attention")
+    return rows
 
 
 def prefill_flops(case: PrefillCase) -> float:
@@ -189,18 +195,10 @@ def bench_prefill(case: PrefillCase, ceilings: dict, args: argparse.Namespace, i
                 **common))
     impls["jnp_reference"] = jax.jit(functools.partial(ragged_attention_reference, **common))
     flops = prefill_flops(case)
-    rows = []
-    expected = _reference_output(impls["jnp_reference"], fn_args)
-    for name, fn in impls.items():
-        seconds = _try_time(fn, fn_args, args.warmup, args.iters)
-        row = {"kind": "prefill", **dataclasses.asdict(case), "impl": name, "flops": flops,
-               "max_abs_err_vs_reference": _max_error(fn, fn_args, expected)}
-        if isinstance(seconds, float):
-            row.update(ms=seconds * 1e3, tflop_per_s=flops / seconds / 1e12,
-                       frac_of_matmul=flops / seconds / ceilings["bf16_matmul_flops"])
-        else:
-            row["error"] = seconds
-        rows.append(row)
+    rows = _timed_rows({name: (fn, fn_args) for name, fn in impls.items()}, args,
+                       {"kind": "prefill", **dataclasses.asdict(case), "flops": flops},
+                       lambda s: dict(tflop_per_s=flops / s / 1e12,
+                                      frac_of_matmul=flops / s / ceilings["bf16_matmul_flops"]))
     return _with_speedups(rows, "jnp_reference")
 
 

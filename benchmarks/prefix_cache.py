@@ -3,13 +3,13 @@ different user turns. Prints mean/p50 time to first token, total time, and the c
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
 
 import numpy as np
+
+from benchmarks.common import command_line, machine_info, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -47,13 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
 
-    import jax
-
     from jvllm import Engine
 
-    results: dict = {"command": " ".join(["python -m benchmarks.prefix_cache", *(argv or sys.argv[1:])]),
-                     "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
-                                 "backend": jax.default_backend()},
+    results: dict = {"command": command_line("benchmarks.prefix_cache", argv), "machine": machine_info(),
                      "system_tokens": args.system_tokens, "num_users": args.num_users, "output_len": args.output_len}
     for label, caching in (("cache_off", False), ("cache_on", True)):
         engine = Engine(args.model, max_num_seqs=args.num_users, enable_prefix_caching=caching,
@@ -69,9 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     results["mean_ttft_speedup"] = speedup
     results["total_speedup"] = results["cache_off"]["total_seconds"] / results["cache_on"]["total_seconds"]
     print(f"prefix cache: mean TTFT {speedup:.1f}x lower, total time {results['total_speedup']:.1f}x lower")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.json, results)
     return 0
 
 

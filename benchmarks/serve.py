@@ -16,12 +16,13 @@ import asyncio
 import json
 import multiprocessing
 import os
-import platform
 import socket
 import statistics
 import sys
 import threading
 import time
+
+from benchmarks.common import command_line, machine_info, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -222,8 +223,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", default=None, help="write a results table here")
     args = parser.parse_args(argv)
 
-    import jax
-
     from jvllm import Engine
 
     engine = Engine(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs or args.concurrency,
@@ -249,9 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         thread.join(timeout=60)
     ratio = serve_result["output_tokens_per_s"] / offline_result["output_tokens_per_s"]
     results = {
-        "command": " ".join(["python -m benchmarks.serve", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-                    "jax": jax.__version__, "backend": jax.default_backend()},
+        "command": command_line("benchmarks.serve", argv), "machine": machine_info(),
         "model": model, "num_prompts": args.num_prompts, "concurrency": args.concurrency,
         "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio,
         "max_num_seqs": engine.config.max_num_seqs, "prefix_caching": args.enable_prefix_caching,
@@ -265,9 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         st = s[name]
         if st["mean"] is not None:
             print(f"[serve] {name:24s} mean {st['mean']:8.1f}  p50 {st['p50']:8.1f}  p99 {st['p99']:8.1f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.json, results)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(markdown(results))

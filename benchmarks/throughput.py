@@ -8,13 +8,13 @@ Scenarios (all greedy, ignore_eos, fixed lengths, prefill included in the timing
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
 
 import numpy as np
+
+from benchmarks.common import command_line, machine_info, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -118,9 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                     batched_weight_dtype=None if args.batched_weight_dtype == "none" else args.batched_weight_dtype)
     cfg = engine.model.config
     results: dict = {
-        "command": " ".join(["python -m benchmarks.throughput", *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-                    "jax": jax.__version__, "device": str(jax.devices()[0]), "backend": jax.default_backend()},
+        "command": command_line("benchmarks.throughput", argv), "machine": machine_info(),
         "model": engine.served_model_name, "dtype": str(np.dtype(engine.model.dtype)),
         "batched_weight_dtype": args.batched_weight_dtype,
         "engine_start_seconds": time.perf_counter() - started,
@@ -154,9 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         results["batch"]["ratio_vs_transformers"] = ratio
         print(f"[batch] transformers: {base['output_tokens_per_s']:.1f} output tok/s -> jvllm is {ratio:.2f}x",
               flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.json, results)
     return 0
 
 
