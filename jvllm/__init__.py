@@ -12,6 +12,9 @@ _EXPORTS = {
     "SamplingParams": "jvllm.sampling_params",
     "RequestOutput": "jvllm.outputs",
     "CompletionOutput": "jvllm.outputs",
+    "EmbeddingRequestOutput": "jvllm.outputs",
+    "EmbeddingOutput": "jvllm.outputs",
+    "AsyncEngine": "jvllm.async_engine",
 }
 
 

@@ -11,7 +11,11 @@ import uuid
 from typing import Any, AsyncIterator, Callable
 
 from jvllm.engine import Engine, PromptType
-from jvllm.outputs import CompletionOutput, RequestOutput
+from jvllm.outputs import RequestOutput
+from jvllm.embed_batcher import EmbeddingBatcher
+from jvllm.embedding import embed_unsupported
+from jvllm.outputs import EmbeddingRequestOutput
+from jvllm.request_stream import RequestStream, aborted_output
 from jvllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("jvllm.async_engine")
@@ -46,71 +50,6 @@ class EngineStats:
 
 
 OutputObserver = Callable[[RequestOutput], None]
-
-
-class RequestStream:
-    """One request's outputs, read on the caller's event loop: `async for output in stream`.
-
-    Outputs are cumulative snapshots, so an unread one is replaced by a newer one without losing
-    anything: a slow reader gets fewer, larger updates. `close()` before the end aborts the request."""
-
-    def __init__(self, engine: AsyncEngine, request_id: str, prompt: PromptType,
-                 loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.last: RequestOutput | None = None
-        self.done = False  # a final output or an error was delivered
-        self.closed = False  # the reader went away
-        self._engine = engine
-        self._loop = loop
-        self._item: RequestOutput | BaseException | None = None
-        self._event = asyncio.Event()
-        self._returned_final = False
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        if self.done:
-            return
-        if isinstance(item, RequestOutput):
-            self.last = item
-            self.done = item.finished
-        else:
-            self.done = True
-        if not isinstance(self._item, BaseException):  # an error, once queued, is not overwritten
-            self._item = item
-        self._event.set()
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._returned_final or self.closed:
-            raise StopAsyncIteration
-        try:
-            await self._event.wait()
-        except BaseException:
-            self.close()  # cancelled: the reader is gone
-            raise
-        item, self._item = self._item, None
-        self._event.clear()
-        if isinstance(item, BaseException):
-            self._returned_final = True
-            self.close()
-            raise item
-        assert item is not None
-        if item.finished:
-            self._returned_final = True
-            self.close()
-        return item
-
-    def close(self) -> None:
-        """Stop reading; a request still running is aborted and its pages freed."""
-        if self.closed:
-            return
-        self.closed = True
-        self._engine._stream_closed(self)
-
-    async def aclose(self) -> None:
-        self.close()
 
 
 @dataclasses.dataclass
@@ -152,6 +91,7 @@ class AsyncEngine:
         self._stopping = False
         self._exited = False  # set by the engine thread, under the lock, as its last act
         self._failures = 0
+        self._embedder: EmbeddingBatcher | None = None  # started on the first embed()
         self._thread = threading.Thread(target=self._run, name="jvllm-engine", daemon=True)
         self._thread.start()
 
@@ -222,6 +162,29 @@ class AsyncEngine:
         finally:
             stream.close()
 
+    async def embed(self, prompts: PromptType | list[PromptType], *, truncate: bool = True,
+                    truncate_prompt_tokens: int | None = None,
+                    dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
+        """`Engine.embed` for asyncio callers: concurrent calls share padded forwards on a worker thread
+        (the embed path keeps no KV pages, so it never waits for the generation steps)."""
+        self._check_alive()
+        if self.engine.embedder is None:
+            raise embed_unsupported(self.engine.model.served_name)
+        with self._cv:
+            if self._embedder is None:
+                self._embedder = EmbeddingBatcher(self.engine.embedder)
+            batcher = self._embedder
+        return await batcher.embed(prompts, truncate=truncate, truncate_prompt_tokens=truncate_prompt_tokens,
+                                   dimensions=dimensions)
+
+    @property
+    def supports_embeddings(self) -> bool:
+        return self.engine.embedder is not None
+
+    @property
+    def supports_generation(self) -> bool:
+        return self.engine.runner is not None
+
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its stream ends with finish_reason "abort"."""
         self._submit(_Abort(request_id))
@@ -235,7 +198,10 @@ class AsyncEngine:
         with self._cv:
             self._stopping = True
             self._cv.notify()
+            embedder, self._embedder = self._embedder, None
         self._thread.join()
+        if embedder is not None:
+            embedder.close()
 
     def _forget(self, stream: RequestStream) -> None:
         if self._streams.get(stream.request_id) is stream:
@@ -424,20 +390,8 @@ class AsyncEngine:
             if stream is None:
                 continue
             if not stream.done:
-                final = _aborted_output(request_id, stream)
+                final = aborted_output(request_id, stream)
                 self._observe(final)
                 stream.put(error or final)
             if stream.closed:
                 self._forget(stream)
-
-
-def _aborted_output(request_id: str, stream: RequestStream) -> RequestOutput:
-    """The final snapshot of a request stopped from outside: its last state, marked "abort"."""
-    last = stream.last
-    if last is None:
-        prompt = stream.prompt
-        text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
-        ids = list(prompt.get("prompt_token_ids", [])) if isinstance(prompt, dict) else []
-        return RequestOutput(request_id, text, ids, None, [CompletionOutput(0, "", [], None, None, "abort")], True)
-    outputs = [dataclasses.replace(o, finish_reason=o.finish_reason or "abort") for o in last.outputs]
-    return dataclasses.replace(last, outputs=outputs, finished=True)

@@ -31,6 +31,19 @@ def generate_unsupported(served_name: str) -> ValueError:
                       "(or /v1/embeddings)")
 
 
+class InputTooLongError(ValueError):
+    """An embedding input over the model's token limit, with truncation off."""
+
+    def __init__(self, message: str, *, index: int, num_tokens: int, limit: int):
+        super().__init__(message)
+        self.index, self.num_tokens, self.limit = index, num_tokens, limit
+
+
+def embed_unsupported(served_name: str) -> ValueError:
+    return ValueError(f"{served_name} is a generative model; to embed with it, choose a pooling: "
+                      "Engine(..., pooling='last') (last-token pooling, as vLLM does for causal LMs)")
+
+
 def model_token_limit(loaded: LoadedModel) -> int:
     """The longest input an encoder takes: sentence-transformers' max_seq_length, else the position table."""
     st = read_sentence_transformers_config(loaded.folder) if loaded.folder is not None else None
@@ -118,9 +131,10 @@ class Embedder:
                 raise ValueError(f"prompt {index} is empty: it must contain at least one token")
             if len(ids) > limit:
                 if not truncate and not keep_last:
-                    raise ValueError(
+                    raise InputTooLongError(
                         f"prompt {index} has {len(ids)} tokens but {self.loaded.served_name} takes at most {limit}; "
-                        "shorten it or pass truncate=True to keep the first tokens (as sentence-transformers does)")
+                        "shorten it or pass truncate=True to keep the first tokens (as sentence-transformers does)",
+                        index=index, num_tokens=len(ids), limit=limit)
                 ids = truncate_tokens(ids, special, limit, keep_last=keep_last)
             out.append((text, ids))
         return out
@@ -197,17 +211,30 @@ class Embedder:
               truncate_prompt_tokens: int | None = None, dimensions: int | None = None,
               use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        if not prompt_list:
-            raise ValueError("embed() needs at least one prompt")
-        self._check_dimensions(dimensions)
         with self._lock:
-            inputs = self.tokenize(prompt_list, truncate=truncate, truncate_prompt_tokens=truncate_prompt_tokens)
+            inputs = self.prepare(prompt_list, truncate=truncate, truncate_prompt_tokens=truncate_prompt_tokens,
+                                  dimensions=dimensions)
             progress = _progress(len(inputs), use_tqdm)
             try:
                 vectors = self.embed_token_lists([ids for _, ids in inputs], progress)
             finally:
                 if progress is not None:
                     progress.close()
+        return self.outputs(inputs, vectors, dimensions)
+
+    def prepare(self, prompts: Sequence[PromptType], *, truncate: bool = True,
+                truncate_prompt_tokens: int | None = None,
+                dimensions: int | None = None) -> list[tuple[str | None, list[int]]]:
+        """Validate a request and tokenize it: -> (text, token ids) per prompt; ValueError when refused."""
+        if not prompts:
+            raise ValueError("embed() needs at least one prompt")
+        self._check_dimensions(dimensions)
+        with self._lock:
+            return self.tokenize(prompts, truncate=truncate, truncate_prompt_tokens=truncate_prompt_tokens)
+
+    def outputs(self, inputs: Sequence[tuple[str | None, list[int]]], vectors: np.ndarray,
+                dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
+        """vectors [N, D] of the prepared inputs -> outputs, shortened to `dimensions` (and renormalized)."""
         if dimensions is not None:
             vectors = vectors[:, :dimensions]
             if self.pooling.normalize:

@@ -12,7 +12,7 @@ from jvllm.batch import BucketLimits
 from jvllm.compile_cache import enable_compilation_cache
 from jvllm.config import EngineConfig, build_engine_config
 from jvllm.detokenizer import IncrementalDetokenizer
-from jvllm.embedding import generate_unsupported
+from jvllm.embedding import embed_unsupported, generate_unsupported
 from jvllm.kv_pages import PageManager
 from jvllm.model_runner import ModelRunner
 from jvllm.logprobs import MAX_LOGPROBS
@@ -275,8 +275,7 @@ class Engine:
         truncates), or raise ValueError with truncate=False. truncate_prompt_tokens=k keeps the last k tokens
         (vLLM's meaning; -1 = max_model_len). dimensions= shortens Matryoshka models' outputs only."""
         if self.embedder is None:
-            raise ValueError(f"{self.model.served_name} is a generative model; to embed with it, choose a pooling: "
-                             "Engine(..., pooling='last') (last-token pooling, as vLLM does for causal LMs)")
+            raise embed_unsupported(self.model.served_name)
         return self.embedder.embed(prompts, truncate=truncate, truncate_prompt_tokens=truncate_prompt_tokens,
                                    dimensions=dimensions, use_tqdm=use_tqdm)
 

@@ -12,11 +12,13 @@ from jvllm.async_engine import AsyncEngine
 from server.auth import check_api_key
 from server.chat import create_chat_completion, render_chat
 from server.completions import create_completion
+from server.embeddings import create_embedding
 from server.errors import APIError, ClientGone, bad_request, error_response, install_error_handlers, to_api_error
 from server.metrics import ServerMetrics
 from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                              TokenizeRequest)
-from server.responses import (ChatCompletionResponse, CompletionResponse, DetokenizeResponse, ErrorResponse, ModelCard,
+from server.responses import (ChatCompletionResponse, CompletionResponse, DetokenizeResponse, EmbeddingResponse,
+                              ErrorResponse, ModelCard,
                               ModelList, TokenizeResponse)
 from server.sampling import check_model
 from server.settings import ServerSettings
@@ -60,10 +62,9 @@ def _protected_routes() -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _guarded(create_chat_completion(body, request, state_of(request)))
 
-    @router.post("/v1/embeddings", responses=_ERRORS)
+    @router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-        check_model(body.model, state_of(request).settings)
-        raise bad_request("this model does not support embeddings", "model")
+        return await _guarded(create_embedding(body, request, state_of(request)))
 
     @router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:

@@ -15,7 +15,7 @@ from server.logprobs import chat_logprobs
 from server.protocol import ChatCompletionRequest, ChatMessage
 from server.responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
                               ChatMessageOut, DeltaMessage, UsageInfo)
-from server.sampling import (check_fits, check_logprobs, check_model, check_unsupported, sampling_params,
+from server.sampling import (check_fits, check_generates, check_logprobs, check_model, check_unsupported, sampling_params,
                              warn_unknown_fields)
 from server.state import ServerState
 from server.streaming import DONE, sse, sse_response, unless_disconnected
@@ -140,6 +140,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     arrival = time.time()
     warn_unknown_fields(body, "/v1/chat/completions")
     model = check_model(body.model, state.settings)
+    check_generates(model, state)
     num_top = _check_request(body, state)
     text = render_chat(state, body.messages, template=body.chat_template or state.settings.chat_template,
                        add_generation_prompt=body.add_generation_prompt,

@@ -15,7 +15,7 @@ from server.errors import bad_request
 from server.logprobs import completion_logprobs
 from server.protocol import CompletionRequest
 from server.responses import CompletionChoice, CompletionLogProbs, CompletionResponse, UsageInfo
-from server.sampling import (check_fits, check_logprobs, check_model, check_unsupported, sampling_params,
+from server.sampling import (check_fits, check_generates, check_logprobs, check_model, check_unsupported, sampling_params,
                              warn_unknown_fields)
 from server.state import ServerState
 from server.streaming import DONE, merge, sse, sse_response, unless_disconnected
@@ -165,6 +165,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     arrival = time.time()
     warn_unknown_fields(body, "/v1/completions")
     model = check_model(body.model, state.settings)
+    check_generates(model, state)
     check_unsupported(body)
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")

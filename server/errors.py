@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jvllm.async_engine import EngineDeadError, EngineStepError, QueueFullError
+from jvllm.embed_batcher import EmbedderClosedError
 
 logger = logging.getLogger("jvllm.server")
 
@@ -53,7 +54,7 @@ def to_api_error(error: BaseException) -> APIError:
         return APIError(499, "the client closed the request")
     if isinstance(error, QueueFullError):
         return APIError(503, str(error), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-    if isinstance(error, EngineDeadError):
+    if isinstance(error, (EngineDeadError, EmbedderClosedError)):
         return APIError(503, "the engine is not running", code="engine_dead")
     if isinstance(error, EngineStepError):
         return APIError(500, "the engine failed while running this request", code="engine_error")

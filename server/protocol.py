@@ -122,10 +122,14 @@ class DetokenizeRequest(OpenAIModel):
 
 
 class EmbeddingRequest(OpenAIModel):
-    """POST /v1/embeddings (answered once an embedding model can be served)."""
+    """POST /v1/embeddings: OpenAI's fields plus vLLM's truncate_prompt_tokens."""
 
     model: str | None = None
     input: str | list[str] | TokenIds | list[TokenIds]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
+    truncate_prompt_tokens: int | None = Field(
+        None, description="keep only the last k tokens of each input (-1: the model's limit); without it an "
+                          "input over the limit is refused")
+    add_special_tokens: bool = True

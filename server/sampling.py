@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from jvllm.sampling_params import SamplingParams
 from server.errors import APIError, bad_request
 from server.protocol import SamplingFields
 from server.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from server.state import ServerState
 
 logger = logging.getLogger("jvllm.server")
 
@@ -16,6 +20,12 @@ def check_model(requested: str | None, settings: ServerSettings) -> str:
     if requested is None or requested in settings.served_model_names:
         return settings.model_name
     raise APIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
+
+
+def check_generates(model: str, state: ServerState) -> None:
+    """Generation routes on an embedding model: 400 saying what it can do instead."""
+    if not state.engine.supports_generation:
+        raise bad_request(f"{model} is an embedding model: it cannot generate text; use /v1/embeddings", "model")
 
 
 def warn_unknown_fields(body: SamplingFields, route: str) -> None:

@@ -35,7 +35,8 @@ class LiveServer:
         self.thread.join(timeout=60)
 
 
-def start_server(model_dir, *, max_waiting_requests: int | None = 1000, **engine_overrides) -> LiveServer:
+def start_server(model_dir, *, max_waiting_requests: int | None = 1000, served_model_names: list[str] | None = None,
+                 engine_args: dict | None = None, **engine_overrides) -> LiveServer:
     import uvicorn
 
     from jvllm import Engine
@@ -43,9 +44,10 @@ def start_server(model_dir, *, max_waiting_requests: int | None = 1000, **engine
     from server.app import build_app
     from server.settings import ServerSettings
 
-    engine = AsyncEngine(Engine(model=str(model_dir), **{**ENGINE_ARGS, **engine_overrides}),
-                         max_waiting_requests=max_waiting_requests)
-    app = build_app(engine, ServerSettings([MODEL, "alias"], api_key=API_KEY, model_root=str(model_dir)))
+    args = {**(ENGINE_ARGS if engine_args is None else engine_args), **engine_overrides}
+    engine = AsyncEngine(Engine(model=str(model_dir), **args), max_waiting_requests=max_waiting_requests)
+    app = build_app(engine, ServerSettings(served_model_names or [MODEL, "alias"], api_key=API_KEY,
+                                           model_root=str(model_dir)))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
