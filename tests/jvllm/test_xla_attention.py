@@ -1,0 +1,72 @@
+"""The xla backend's decode path (online softmax over pages) against the gather-everything jnp reference."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jvllm.attention.metadata import AttentionMetadata
+from jvllm.attention.xla import decode_attention, paged_attention
+from pallas_kernels.reference import decode_attention_reference
+
+
+def _case(seqs: int, heads: int, kv_heads: int, head_dim: int, page: int, max_pages: int, cached: list[int],
+          dtype, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    num_pages = seqs * max_pages + 1
+    k_pages = rng.standard_normal((num_pages, page, kv_heads, head_dim)).astype(np.float32)
+    v_pages = rng.standard_normal((num_pages, page, kv_heads, head_dim)).astype(np.float32)
+    tables = (rng.permutation(num_pages - 1)[: seqs * max_pages] + 1).reshape(seqs, max_pages).astype(np.int32)
+    q = rng.standard_normal((seqs, heads, head_dim)).astype(np.float32)
+    k = rng.standard_normal((seqs, kv_heads, head_dim)).astype(np.float32)
+    v = rng.standard_normal((seqs, kv_heads, head_dim)).astype(np.float32)
+    # The reference reads the own token from the pages: write it at position `cached` of a copy.
+    k_ref, v_ref = k_pages.copy(), v_pages.copy()
+    for s, c in enumerate(cached):
+        k_ref[tables[s, c // page], c % page] = k[s]
+        v_ref[tables[s, c // page], c % page] = v[s]
+    cast = lambda a: jnp.asarray(a, dtype)  # noqa: E731
+    return (cast(q), cast(k), cast(v), cast(k_pages), cast(v_pages), cast(k_ref), cast(v_ref), jnp.asarray(tables),
+            jnp.asarray(cached, jnp.int32))
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (8, 2)])
+@pytest.mark.parametrize("max_pages", [1, 4, 7])
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_attention_matches_the_gather_reference(heads, kv_heads, max_pages, window):
+    page = 8
+    seqs = 5
+    rng = np.random.default_rng(max_pages)
+    # lengths from empty (a padding row) to the last slot of the table
+    cached = [0, max_pages * page - 1, *rng.integers(0, max_pages * page, seqs - 2).tolist()]
+    q, k, v, kp, vp, k_ref, v_ref, tables, cached_arr = _case(seqs, heads, kv_heads, 16, page, max_pages, cached,
+                                                               jnp.float32)
+    got = decode_attention(q, k, v, kp, vp, tables, cached_arr, 0.25, window)
+    want = decode_attention_reference(q, k_ref, v_ref, tables, cached_arr + 1, scale=0.25, sliding_window=window)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+def test_decode_attention_bf16_pool_is_close_to_f32():
+    cached = [3, 17, 30]
+    q, k, v, kp, vp, k_ref, v_ref, tables, cached_arr = _case(3, 8, 2, 64, 16, 2, cached, jnp.bfloat16)
+    got = decode_attention(q, k, v, kp, vp, tables, cached_arr, 0.125)
+    want = decode_attention_reference(q.astype(jnp.float32), k_ref.astype(jnp.float32), v_ref.astype(jnp.float32),
+                                      tables, cached_arr + 1, scale=0.125)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2, rtol=2e-2)
+
+
+def test_paged_attention_routes_decode_steps_through_the_page_loop():
+    """A decode-only step (one query slot per sequence) with padded token rows: each real token gets its
+    sequence's result, as the general path computes it."""
+    cached = [9, 0, 20]
+    q, k, v, kp, vp, k_ref, v_ref, tables, cached_arr = _case(3, 6, 3, 16, 8, 4, cached, jnp.float32)
+    num_tokens = 4  # three real tokens + one padding row
+    pad = lambda a: jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)])  # noqa: E731
+    md = AttentionMetadata(
+        slot_mapping=jnp.zeros(num_tokens, jnp.int32), token_seq=jnp.array([0, 1, 2, 0], jnp.int32),
+        token_offset=jnp.zeros(num_tokens, jnp.int32), seq_token_index=jnp.arange(3, dtype=jnp.int32)[:, None],
+        query_start=jnp.arange(3, dtype=jnp.int32), q_lens=jnp.ones(3, jnp.int32), kv_lens=cached_arr + 1,
+        block_tables=tables)
+    got = paged_attention(pad(q), pad(k), pad(v), kp, vp, md, 0.25)
+    want = decode_attention_reference(q, k_ref, v_ref, tables, cached_arr + 1, scale=0.25)
+    np.testing.assert_allclose(np.asarray(got[:3]), np.asarray(want), atol=2e-5, rtol=2e-5)
