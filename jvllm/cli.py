@@ -58,8 +58,8 @@ def add_multihost_args(parser: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     multihost = {name: getattr(args, name) for name in ("num_hosts", "host_rank", "coordinator")
                  if getattr(args, name, None) is not None}
-    return dict(**multihost, model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+    return dict(**multihost, model=args.model, tokenizer=args.tokenizer, dtype=args.dtype,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 attention_backend=args.attention_backend, load_format=args.load_format, seed=args.seed,
                 tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,

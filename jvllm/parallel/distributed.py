@@ -13,7 +13,8 @@ import numpy as np
 logger = logging.getLogger("jvllm")
 
 ENV_NUM_HOSTS, ENV_HOST_RANK, ENV_COORDINATOR = "JVLLM_NUM_HOSTS", "JVLLM_HOST_RANK", "JVLLM_COORDINATOR"
-_MIN_PAYLOAD = 4096  # payloads are padded to powers of two from here: few broadcast shapes, few compiles
+_FIRST = 16384  # bytes of the first broadcast: header + a typical step's whole payload
+_HEADER = 16  # int64 kind, int64 payload length
 _STEP, _SHUTDOWN, _HEARTBEAT = 1, 2, 3
 HEARTBEAT_INTERVAL_S = 60.0  # an idle rank 0 (the server's engine thread) pings its followers this often
 
@@ -70,13 +71,15 @@ def broadcast_from_leader(value: np.ndarray) -> np.ndarray:
 
 
 def _bucket(n: int) -> int:
-    return max(_MIN_PAYLOAD, 1 << (n - 1).bit_length())
+    """Sizes of the rare second broadcast: powers of two, so few shapes (each a compile)."""
+    return 1 << max(n - 1, 1).bit_length()
 
 
 class StepChannel:
     """Rank 0 `send`s each step's host inputs (any picklable object; None = shut down), the other ranks
-    `receive` them in the same order. Two broadcasts per message: a fixed-size header [kind, length], then
-    the pickled payload as uint8 padded to a power of two. The hosts are one deployment and trust rank 0."""
+    `receive` them in the same order. A message is one broadcast of a fixed _FIRST-byte uint8 buffer (header
+    [kind, length], then the pickled payload), plus a second one for any payload that does not fit, padded
+    to a power of two. The hosts are one deployment: followers trust rank 0's pickles."""
 
     def __init__(self) -> None:
         import jax
@@ -84,34 +87,46 @@ class StepChannel:
         self.is_leader = jax.process_index() == 0
         self.closed = False
 
-    def send(self, message: Any) -> None:
+    def _send(self, kind: int, payload: bytes = b"") -> None:
         assert self.is_leader, "only rank 0 sends steps"
         if self.closed:
             raise RuntimeError("the step channel was shut down")
-        payload = b"" if message is None else pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        broadcast_from_leader(np.array([_SHUTDOWN if message is None else _STEP, len(payload)], np.int64))
+        first = np.zeros(_FIRST, np.uint8)
+        first[:_HEADER] = np.array([kind, len(payload)], np.int64).view(np.uint8)
+        head = payload[:_FIRST - _HEADER]
+        first[_HEADER:_HEADER + len(head)] = np.frombuffer(head, np.uint8)
+        broadcast_from_leader(first)
+        rest = payload[len(head):]
+        if rest:
+            buffer = np.zeros(_bucket(len(rest)), np.uint8)
+            buffer[:len(rest)] = np.frombuffer(rest, np.uint8)
+            broadcast_from_leader(buffer)
+
+    def send(self, message: Any) -> None:
         if message is None:
+            self._send(_SHUTDOWN)
             self.closed = True
-            return
-        buffer = np.zeros(_bucket(len(payload)), np.uint8)
-        buffer[:len(payload)] = np.frombuffer(payload, np.uint8)
-        broadcast_from_leader(buffer)
+        else:
+            self._send(_STEP, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
     def heartbeat(self) -> None:
         """Rank 0: a message the followers skip (see HEARTBEAT_INTERVAL_S)."""
-        assert self.is_leader and not self.closed
-        broadcast_from_leader(np.array([_HEARTBEAT, 0], np.int64))
+        self._send(_HEARTBEAT)
 
     def receive(self) -> Any:
         """The next message from rank 0 (blocks until rank 0 sends one); None once it shuts down."""
-        kind, length = broadcast_from_leader(np.zeros(2, np.int64)).tolist()
+        kind = _HEARTBEAT
         while kind == _HEARTBEAT:
-            kind, length = broadcast_from_leader(np.zeros(2, np.int64)).tolist()
+            first = broadcast_from_leader(np.zeros(_FIRST, np.uint8))
+            kind, length = first[:_HEADER].view(np.int64).tolist()
         if kind == _SHUTDOWN:
             self.closed = True
             return None
-        buffer = broadcast_from_leader(np.zeros(_bucket(length), np.uint8))
-        return pickle.loads(buffer[:length].tobytes())
+        payload = first[_HEADER:_HEADER + length].tobytes()
+        if length > len(payload):
+            rest = length - len(payload)
+            payload += broadcast_from_leader(np.zeros(_bucket(rest), np.uint8))[:rest].tobytes()
+        return pickle.loads(payload)
 
     def shutdown(self) -> None:
         """Rank 0: tell the followers to stop (idempotent)."""

@@ -165,6 +165,32 @@ def test_encoders_and_multihost_without_a_coordinator_are_refused():
         Engine(num_hosts=2, host_rank=1, tensor_parallel_size=4)
 
 
+def test_shard_reads_repeat_kv_heads_transpose_and_pad():
+    """Each block read from the HF tensor equals that block of the fully transformed tensor."""
+    import numpy as np
+
+    from jvllm.parallel.sharding import ArraySource, ShardedTensor, TensorParallelPlan
+
+    hd, kv_heads, hidden, vocab = 3, 2, 5, 10
+    k_weight = np.arange(kv_heads * hd * hidden, dtype=np.float32).reshape(kv_heads * hd, hidden)  # [out, in]
+    embed = np.arange(vocab * hidden, dtype=np.float32).reshape(vocab, hidden)
+    plan = TensorParallelPlan(tp=4, kv_repeat=2, head_dim=hd, padded={"vocab": 12})
+    source = ArraySource({"k": k_weight, "e": embed})
+    k = ShardedTensor(source, "k", True, ("embed", "kv_heads"), plan, np.float32)
+    heads = k_weight.T.reshape(hidden, kv_heads, hd)
+    full_k = np.repeat(heads, 2, axis=1).reshape(hidden, -1)  # head j of the 4 is original head j // 2
+    assert k.shape == full_k.shape == (hidden, 4 * hd)
+    for shard in range(4):
+        cols = slice(shard * hd, (shard + 1) * hd)
+        np.testing.assert_array_equal(k.read((slice(None), cols)), full_k[:, cols])
+    e = ShardedTensor(source, "e", False, ("vocab", "embed"), plan, np.float32)
+    full_e = np.concatenate([embed, np.zeros((2, hidden), np.float32)])
+    assert e.shape == (12, hidden)
+    for shard in range(4):
+        rows = slice(shard * 3, (shard + 1) * 3)
+        np.testing.assert_array_equal(e.read((rows, slice(None))), full_e[rows])
+
+
 # ---- TP=N against TP=1 (subprocesses with virtual devices) ------------------------------------------------
 @pytest.mark.parametrize("name, tps", [("llama_gqa", [2, 4]), ("llama_mqa", [4]), ("qwen2_padded", [2, 3])])
 def test_tp_logits_and_greedy_tokens_match_tp1(tiny_models, name, tps):
@@ -173,6 +199,8 @@ def test_tp_logits_and_greedy_tokens_match_tp1(tiny_models, name, tps):
         tp = int(tp)
         assert run["max_abs_logit_diff"] < LOGITS_ATOL, (name, tp, run["max_abs_logit_diff"])
         assert run["tokens"] == result["reference_tokens"], (name, tp)
+        assert run["sampled_tokens"] == result["reference_sampled"], (name, tp)  # seeded, temperature 0.8
+        assert run["max_abs_logprob_diff"] < LOGITS_ATOL, (name, tp, run["max_abs_logprob_diff"])
         placed = run["placement"]
         assert placed["largest_block"] * tp == placed["largest_weight"], placed  # no device holds a whole matrix
         assert placed["pool_spec"].startswith("P(None, None, 'tp'"), placed
@@ -226,6 +254,37 @@ def test_smollm2_tp3_greedy_tokens_match_tp1():
 
 
 # ---- multi-host ---------------------------------------------------------------------------------------------
+def test_step_channel_framing(monkeypatch):
+    """Messages of any size, heartbeats and shutdown survive the fixed-size first broadcast (+ remainder),
+    with the follower passing buffers of exactly the leader's shapes (a collective's requirement)."""
+    import numpy as np
+
+    from jvllm.parallel import distributed
+
+    wire: list[np.ndarray] = []
+    monkeypatch.setattr(distributed, "broadcast_from_leader", lambda value: wire.append(value.copy()) or value)
+    leader, follower = distributed.StepChannel(), distributed.StepChannel()
+    follower.is_leader = False
+    messages = [{"ids": np.arange(5)}, {"big": np.arange(50_000, dtype=np.int32)}, "x" * 16_368]
+    for message in messages:
+        leader.heartbeat()
+        leader.send(message)
+    leader.shutdown()
+    leader.shutdown()  # idempotent
+    sent = list(wire)
+
+    def replay(value: np.ndarray) -> np.ndarray:
+        recorded = sent.pop(0)
+        assert (recorded.shape, recorded.dtype) == (value.shape, value.dtype)
+        return recorded
+    monkeypatch.setattr(distributed, "broadcast_from_leader", replay)
+    got = [follower.receive() for _ in messages]
+    assert follower.receive() is None and not sent
+    np.testing.assert_array_equal(got[0]["ids"], messages[0]["ids"])
+    np.testing.assert_array_equal(got[1]["big"], messages[1]["big"])
+    assert got[2] == messages[2]
+
+
 def test_two_processes_form_one_tp4_mesh_and_match_a_single_process(tiny_models):
     """2 processes x 2 CPU devices on loopback, gloo collectives: rank 0 generates, rank 1 follows its
     steps and exits when rank 0 shuts down; tokens equal a single process's TP=1 tokens."""

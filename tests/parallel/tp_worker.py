@@ -34,6 +34,17 @@ def greedy(eng, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
+def with_logprobs(eng, prompt: list[int]) -> dict[str, Any]:
+    """Seeded sampling with sample and prompt logprobs: the tokens, and every logprob as one flat list."""
+    from jvllm import SamplingParams
+
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=7, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+    out = eng.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    values = [lp.logprob for entry in out.prompt_logprobs[1:] for lp in entry.values()]
+    values += [lp.logprob for entry in out.outputs[0].logprobs for lp in entry.values()]
+    return {"tokens": list(out.outputs[0].token_ids), "logprobs": values}
+
+
 def placement(eng) -> dict[str, Any]:
     """How the weights and the pool are laid out: the largest block any device holds vs the largest matrix."""
     weights = eng.runner.weights
@@ -54,10 +65,15 @@ def compare(args: dict[str, Any]) -> dict[str, Any]:
     ref = engine(args["model"], 1, attention_backend=backend, **overrides)
     want_logits = [ref.runner.prompt_logits(p) for p in prompts] if backend == "xla" else None
     want_tokens = greedy(ref, prompts, max_tokens)
-    out: dict[str, Any] = {"reference_tokens": want_tokens, "runs": {}}
+    want_sampled = with_logprobs(ref, prompts[0])
+    out: dict[str, Any] = {"reference_tokens": want_tokens, "reference_sampled": want_sampled["tokens"], "runs": {}}
     for tp in args["tps"]:
         eng = engine(args["model"], tp, attention_backend=backend, **overrides)
         run = {"tokens": greedy(eng, prompts, max_tokens), "placement": placement(eng)}
+        sampled = with_logprobs(eng, prompts[0])
+        run["sampled_tokens"] = sampled["tokens"]
+        run["max_abs_logprob_diff"] = float(np.max(np.abs(np.subtract(sampled["logprobs"],
+                                                                      want_sampled["logprobs"]))))
         if want_logits is not None:
             diffs = [float(np.max(np.abs(eng.runner.prompt_logits(p) - w))) for p, w in zip(prompts, want_logits)]
             run["max_abs_logit_diff"] = max(diffs)
