@@ -33,7 +33,7 @@ def _default_kv_bytes(num_devices: int = 1) -> int:
     """Per device. CPU devices (also virtual ones) share the host's memory: 1 GiB in all."""
     if jax.default_backend() == "cpu":
         return _CPU_KV_BYTES // num_devices
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}  # this host's (multi-host: rank 0's count wins)
     limit, used = stats.get("bytes_limit", 0), stats.get("bytes_in_use", 0)
     return max(int(0.85 * limit) - used, _CPU_KV_BYTES)
 
