@@ -5,7 +5,7 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("dp", "tp")  # dp is always 1 for now: room for data parallelism later
 
@@ -48,7 +48,8 @@ def make_mesh(tp: int, devices: Sequence[Any] | None = None) -> Mesh:
     if jax.process_count() > 1 and tp != len(devices):
         raise ValueError(f"with {jax.process_count()} hosts tensor_parallel_size must use every device: "
                          f"tensor_parallel_size={tp} but there are {len(devices)} devices in all")
-    return Mesh(np.array(devices[:tp]).reshape(1, tp), MESH_AXES)
+    # Auto axes: the partitioner propagates the weights' shardings through the matmuls (no sharding in types)
+    return Mesh(np.array(devices[:tp]).reshape(1, tp), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def check_device_count(tp: int, device_count: int) -> None:
