@@ -235,7 +235,10 @@ class AsyncEngine:
                 idle = not self.engine.has_unfinished_requests()
                 with self._cv:
                     while idle and not self._commands and not self._stopping:
-                        self._cv.wait()
+                        # Multi-host: an idle rank 0 pings its followers now and then, so they never sit
+                        # in one collective long enough for the transport to time out.
+                        if not self._cv.wait(timeout=self.engine.heartbeat_interval_s):
+                            self.engine.heartbeat()
                     commands, self._commands = self._commands, []
                     stopping = self._stopping
                 for command in commands:

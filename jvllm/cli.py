@@ -35,16 +35,31 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--attention-backend", default="auto", help="auto, xla or pallas")
     group.add_argument("--load-format", default="auto", help="auto, safetensors, gguf or dummy (random weights)")
     group.add_argument("--seed", type=int, default=0, help="engine seed for unseeded requests")
-    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="devices to shard over (1 for now)")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="devices to shard the model over (tensor parallelism; all hosts' devices together)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="reuse the KV pages of shared prompt prefixes (default on)")
     group.add_argument("--batched-weight-dtype", default=None,
                        help="extra weight copy (e.g. bfloat16) for steps with many token rows (default: none)")
 
 
+def add_multihost_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("multi-host (one mesh over several processes; run the same command on each)")
+    group.add_argument("--num-hosts", type=int, default=None,
+                       help="processes in the deployment (default: $JVLLM_NUM_HOSTS, else 1)")
+    group.add_argument("--host-rank", type=int, default=None,
+                       help="this process's rank, 0 to num-hosts - 1; rank 0 schedules (and serves HTTP), the "
+                            "others follow its steps (default: $JVLLM_HOST_RANK, else 0)")
+    group.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                       help="rank 0's address for jax.distributed, reachable by every host "
+                            "(default: $JVLLM_COORDINATOR)")
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+    multihost = {name: getattr(args, name) for name in ("num_hosts", "host_rank", "coordinator")
+                 if getattr(args, name, None) is not None}
+    return dict(**multihost, model=args.model, tokenizer=args.tokenizer, dtype=args.dtype,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 attention_backend=args.attention_backend, load_format=args.load_format, seed=args.seed,
                 tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
@@ -68,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="per-request sampling seed")
     gen.add_argument("-v", "--verbose", action="store_true", help="log engine progress and timings")
     add_engine_args(gen)
+    add_multihost_args(gen)
     _add_serve_parser(commands)
     _add_chat_parser(commands)
     return parser
@@ -110,6 +126,7 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                      help="server log level (default info)")
     add_engine_args(serve)
+    add_multihost_args(serve)
 
 
 _CHAT_HELP = """\
@@ -152,11 +169,15 @@ def run_generate(args: argparse.Namespace) -> int:
                                 top_k=args.top_k, seed=args.request_seed)
         engine = Engine(**engine_kwargs(args))
         loaded = time.perf_counter()
+        if not engine.is_leader:  # multi-host: run rank 0's steps until it is done
+            engine.follow()
+            return 0
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else [])
             outputs = engine.chat(messages + [{"role": "user", "content": args.prompt}], params, use_tqdm=False)
         else:
             outputs = engine.generate(args.prompt, params, use_tqdm=False)
+        engine.shutdown()  # multi-host: release the followers
     except (ValueError, FileNotFoundError) as error:
         print(f"jvllm: error: {error}", file=sys.stderr)
         return 2

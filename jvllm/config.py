@@ -29,18 +29,24 @@ def _positive(name: str, value: int | None) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _default_kv_bytes() -> int:
+def _default_kv_bytes(num_devices: int = 1) -> int:
+    """Per device. CPU devices (also virtual ones) share the host's memory: 1 GiB in all."""
     if jax.default_backend() == "cpu":
-        return _CPU_KV_BYTES
-    stats = jax.devices()[0].memory_stats() or {}
+        return _CPU_KV_BYTES // num_devices
+    stats = jax.local_devices()[0].memory_stats() or {}  # this host's (multi-host: rank 0's count wins)
     limit, used = stats.get("bytes_limit", 0), stats.get("bytes_in_use", 0)
     return max(int(0.85 * limit) - used, _CPU_KV_BYTES)
 
 
 def build_engine_config(model: ModelConfig, dtype_bytes: int, *, max_model_len: int | None,
                         max_num_seqs: int | None, max_num_batched_tokens: int | None, block_size: int,
-                        kv_cache_memory_bytes: int | None, attention_backend: str) -> EngineConfig:
-    """Validate the user's limits and fill in defaults (pool size from the memory budget)."""
+                        kv_cache_memory_bytes: int | None, attention_backend: str,
+                        tensor_parallel_size: int = 1) -> EngineConfig:
+    """Validate the user's limits and fill in defaults (pool size from the memory budget).
+
+    kv_cache_memory_bytes is per device, as in vLLM. With tensor parallelism each device holds
+    num_kv_heads / tp of the KV heads (`model` is the sharded model's config: KV heads already repeated
+    when tp exceeds them), so a page costs each device 1/tp of its single-device size."""
     for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens), ("block_size", block_size),
                         ("kv_cache_memory_bytes", kv_cache_memory_bytes)):
@@ -51,12 +57,13 @@ def build_engine_config(model: ModelConfig, dtype_bytes: int, *, max_model_len: 
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                          f"{model.max_position_embeddings}")
     on_cpu = jax.default_backend() == "cpu"
-    bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes
-    budget = kv_cache_memory_bytes or _default_kv_bytes()
+    kv_heads_per_device = model.num_kv_heads // tensor_parallel_size
+    bytes_per_token = 2 * model.num_layers * kv_heads_per_device * model.head_dim * dtype_bytes
+    budget = kv_cache_memory_bytes or _default_kv_bytes(tensor_parallel_size)
     num_pages = budget // (bytes_per_token * block_size)
     if num_pages < 2:
         raise ValueError(f"kv_cache_memory_bytes={budget} holds fewer than 2 pages of {block_size} tokens "
-                         f"({bytes_per_token * block_size} bytes each)")
+                         f"({bytes_per_token * block_size} bytes each per device)")
     pool_tokens = (num_pages - 1) * block_size
     max_model_len = max_model_len or min(model.max_position_embeddings, pool_tokens)
     max_num_seqs = max_num_seqs or (64 if on_cpu else 256)

@@ -1,6 +1,7 @@
 """Engine (alias LLM): vLLM's offline API over the scheduler, the model runner and the output processor."""
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import os
@@ -16,6 +17,7 @@ from jvllm.embedding import embed_unsupported, generate_unsupported
 from jvllm.kv_pages import PageManager
 from jvllm.model_runner import ModelRunner
 from jvllm.logprobs import MAX_LOGPROBS
+from jvllm.parallel import distributed
 from jvllm.output_processor import append_token, record_prompt_logprobs, request_output
 from jvllm.outputs import EmbeddingRequestOutput, RequestOutput
 from jvllm.progress import GenerateProgress
@@ -36,20 +38,33 @@ class Engine:
                  kv_cache_memory_bytes: int | None = None, enable_prefix_caching: bool = True,
                  attention_backend: str = "auto", load_format: str = "auto", seed: int = 0,
                  served_model_name: str | None = None, batched_weight_dtype: str | None = None,
-                 pooling: str | None = None, normalize: bool | None = None):
+                 pooling: str | None = None, normalize: bool | None = None, num_hosts: int | None = None,
+                 host_rank: int | None = None, coordinator: str | None = None):
         """`pooling` ("mean", "cls", "last", "max", "mean_sqrt_len") and `normalize` override an embedding
-        model's sentence-transformers config; on a generative model, `pooling` enables embed()."""
+        model's sentence-transformers config; on a generative model, `pooling` enables embed().
+
+        `tensor_parallel_size` shards the model over that many devices (jvllm.parallel). With `num_hosts` > 1
+        (or $JVLLM_NUM_HOSTS), every host builds the same Engine with its `host_rank` and rank 0's
+        `coordinator` HOST:PORT: the mesh spans every host's devices, rank 0 schedules and generates, the
+        others call `follow()` until rank 0's `shutdown()` (also run at exit)."""
         from jvllm.attention import resolve_backend_name
         from jvllm.embedding import build_embedder, encoder_engine_config
         from models.loader import load_model, resolve_dtype
 
-        if tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet (tracked by the tensor-parallel issue)")
+        hosts = distributed.HostSettings.resolve(num_hosts, host_rank, coordinator)
+        distributed.initialize(hosts)  # before any other JAX call
+        if hosts.multi_host and tensor_parallel_size == 1:
+            raise ValueError(f"num_hosts={hosts.num_hosts} needs tensor_parallel_size equal to the number of "
+                             "devices of all hosts together")
+        if pooling is not None and tensor_parallel_size != 1:
+            raise ValueError("embedding with a generative model (pooling=...) runs on one device; "
+                             "use tensor_parallel_size=1")
         backend = resolve_backend_name(attention_backend)
         enable_compilation_cache()
         started = time.perf_counter()
         self.model = load_model(model, dtype=dtype, load_format=load_format, tokenizer=tokenizer,
-                                served_model_name=served_model_name, seed=seed)
+                                served_model_name=served_model_name, seed=seed,
+                                tensor_parallel_size=tensor_parallel_size)
         self.tokenizer = self.model.tokenizer
         import jax.numpy as jnp
 
@@ -61,7 +76,10 @@ class Engine:
             self.config = build_engine_config(
                 self.model.config, jnp.dtype(self.model.dtype).itemsize, max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=backend)
+                kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=backend,
+                tensor_parallel_size=tensor_parallel_size)
+            if hosts.multi_host:  # every host must build the same pool: rank 0's page count wins
+                self.config.num_pages = distributed.agree_on_int(self.config.num_pages)
         self.enable_prefix_caching = enable_prefix_caching
         cfg = self.config
         self.pages = PageManager(cfg.num_pages, cfg.block_size)
@@ -69,9 +87,12 @@ class Engine:
                                    enable_prefix_caching=enable_prefix_caching)
         limits = BucketLimits(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_pages_per_seq)
         batched_dtype = resolve_dtype(batched_weight_dtype) if batched_weight_dtype else None
+        self.channel = distributed.StepChannel() if hosts.multi_host else None
         self.runner = None if self.model.is_encoder else ModelRunner(
             self.model, num_pages=cfg.num_pages, page_size=cfg.block_size, limits=limits, attention_backend=backend,
-            batched_weight_dtype=batched_dtype)
+            batched_weight_dtype=batched_dtype, channel=self.channel)
+        if self.channel is not None and self.channel.is_leader:
+            atexit.register(self.shutdown)  # followers must not wait forever for the next step
         self.embedder = build_embedder(self.model, cfg, pooling=pooling, normalize=normalize,
                                        batched_weight_dtype=batched_dtype)
         self._rng = random.Random(seed)
@@ -79,8 +100,42 @@ class Engine:
         self._groups: dict[str, list[Request]] = {}
         self.eos_token_ids = self._eos_ids()
         self._token_text: dict[int, str] = {}
-        logger.info("engine ready: %s (%s, %s attention, max_model_len %d) in %.1fs", self.model.served_name,
-                    jnp.dtype(self.model.dtype).name, backend, cfg.max_model_len, time.perf_counter() - started)
+        logger.info("engine ready: %s (%s, %s attention, max_model_len %d, tensor_parallel_size %d) in %.1fs",
+                    self.model.served_name, jnp.dtype(self.model.dtype).name, backend, cfg.max_model_len,
+                    tensor_parallel_size, time.perf_counter() - started)
+
+    # ---- multi-host -----------------------------------------------------------------------------
+    @property
+    def is_leader(self) -> bool:
+        """True on a single host and on rank 0 of several: the process that schedules and generates."""
+        return self.channel is None or self.channel.is_leader
+
+    def follow(self) -> int:
+        """On a follower host (rank > 0): run rank 0's steps until it shuts down; -> steps run."""
+        if self.is_leader:
+            raise RuntimeError("follow() is for hosts of rank > 0; rank 0 generates and calls shutdown()")
+        steps = self.runner.follow()
+        logger.info("rank 0 shut down after %d steps", steps)
+        return steps
+
+    def shutdown(self) -> None:
+        """On rank 0 of several hosts: release the followers (idempotent; also registered at exit)."""
+        if self.channel is not None and self.channel.is_leader:
+            self.channel.shutdown()
+
+    @property
+    def heartbeat_interval_s(self) -> float | None:
+        """How long an idle rank 0 may leave its followers waiting (None: a single host, no followers)."""
+        return None if self.channel is None else distributed.HEARTBEAT_INTERVAL_S
+
+    def heartbeat(self) -> None:
+        """Rank 0, idle: a no-op message that keeps the followers' pending collective short-lived."""
+        if self.channel is not None and self.channel.is_leader and not self.channel.closed:
+            self.channel.heartbeat()
+
+    def _check_leader(self) -> None:
+        if not self.is_leader:
+            raise RuntimeError("this host follows rank 0: call follow() here and generate on rank 0")
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model.config.eos_token_ids)
@@ -107,6 +162,7 @@ class Engine:
                     arrival_time: float | None = None) -> None:
         """Queue one prompt; raises ValueError (and queues nothing) if it can never be served."""
         params = params or SamplingParams()
+        self._check_leader()
         if self.model.is_encoder:
             raise generate_unsupported(self.model.served_name)
         if not isinstance(params, SamplingParams):

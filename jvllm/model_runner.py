@@ -14,6 +14,7 @@ from jvllm.attention import get_backend
 from jvllm.attention.metadata import AttentionMetadata
 from jvllm.batch import BucketLimits, build_batch
 from jvllm.logprobs import TokenLogprobs, bucket_k, host_rows
+from jvllm.parallel.mesh import host_array, named_sharding, put_replicated
 from jvllm.sampling_tensors import RowSpec, build_sampling_tensors
 from jvllm.step_functions import build_step_functions
 from jvllm.scheduler import ScheduledChunk
@@ -23,6 +24,25 @@ logger = logging.getLogger("jvllm")
 
 
 LONG_CHUNK_TOKENS = 256  # prefill chunks at least this long run as their own group
+
+
+@dataclasses.dataclass
+class StepCall:
+    """Everything one device step takes from the host: numpy arrays and static choices. Multi-host, rank 0
+    sends it to the other ranks, which run the same step (jvllm.parallel.distributed)."""
+
+    input_ids: np.ndarray  # [T] int32
+    positions: np.ndarray  # [T] int32
+    metadata: AttentionMetadata  # numpy leaves
+    sampling: Any = None  # SamplingTensors (numpy leaves); None for an all-logits call
+    prompt_targets: np.ndarray | None = None  # [T] int32
+    flags: Any = None  # SamplerFlags
+    num_logprobs: int | None = None
+    num_prompt_logprobs: int | None = None
+
+    @property
+    def all_logits(self) -> bool:
+        return self.sampling is None
 
 
 @dataclasses.dataclass
@@ -63,13 +83,19 @@ class ModelRunner:
     """Turns scheduled chunks into device arrays, runs the jitted step, returns sampled ids to the host."""
 
     def __init__(self, loaded: LoadedModel, *, num_pages: int, page_size: int, limits: BucketLimits,
-                 attention_backend: str, batched_weight_dtype: Any = None, batched_min_rows: int = 16):
+                 attention_backend: str, batched_weight_dtype: Any = None, batched_min_rows: int = 16,
+                 channel: Any = None):
+        """`channel` (multi-host, a jvllm.parallel.distributed.StepChannel): rank 0 sends every step's
+        StepCall through it before running it; the other ranks run what they receive (`follow`)."""
         self.loaded = loaded
         self.page_size = page_size
         self.limits = limits
+        self.mesh = loaded.mesh
+        self.channel = channel
         self.backend = get_backend(attention_backend)
         self.weights, treedef = jax.tree.flatten(loaded.state)  # flattened once: NNX state is slow to flatten
-        self.steps = build_step_functions(loaded.graphdef, treedef, self.backend)
+        self.steps = build_step_functions(loaded.graphdef, treedef, self.backend, self.mesh,
+                                          loaded.config.vocab_size)
         self.batched_min_rows = batched_min_rows
         self.batched_weights = None if batched_weight_dtype is None else cast_matrices(self.weights,
                                                                                        batched_weight_dtype)
@@ -83,11 +109,16 @@ class ModelRunner:
     def _new_pool(self, num_pages: int) -> list[tuple[jax.Array, jax.Array]]:
         cfg = self.loaded.config
         shape = (num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)  # [N, page, KVH, hd]
-        return [(jnp.zeros(shape, self.loaded.dtype), jnp.zeros(shape, self.loaded.dtype))
-                for _ in range(cfg.num_layers)]
+        if self.mesh is None:
+            return [(jnp.zeros(shape, self.loaded.dtype), jnp.zeros(shape, self.loaded.dtype))
+                    for _ in range(cfg.num_layers)]
+        zeros = jax.jit(lambda: jnp.zeros(shape, self.loaded.dtype),  # each device makes only its KV heads
+                        out_shardings=named_sharding(self.mesh, ("pages", "page_slot", "kv_heads", "head_dim")))
+        return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
 
     @staticmethod
     def kv_pool_bytes(cfg: Any, dtype: Any, num_pages: int, page_size: int) -> int:
+        """The whole pool, all devices together (each holds num_kv_heads / tp of the heads)."""
         return 2 * cfg.num_layers * cfg.num_kv_heads * num_pages * page_size * cfg.head_dim * jnp.dtype(dtype).itemsize
 
     def execute(self, chunks: list[ScheduledChunk]) -> dict[str, StepResult]:
@@ -107,7 +138,8 @@ class ModelRunner:
         long = [[c] for c in chunks if c.num_tokens >= LONG_CHUNK_TOKENS]
         return [group for group in (decodes, short, *long) if group]
 
-    def _run_group(self, chunks: list[ScheduledChunk]) -> dict[str, StepResult]:
+    def step_call(self, chunks: list[ScheduledChunk]) -> tuple[StepCall, list]:
+        """The host inputs of one group's step, and the requests that asked for prompt logprobs."""
         batch = build_batch(chunks, self.page_size, self.limits, cached_pages_only=not self.steps.fused)
         num_rows = batch.metadata.q_lens.shape[0]
         rows = [self._row_spec(c) for c in chunks]
@@ -118,19 +150,71 @@ class ModelRunner:
         num_prompt_logprobs = bucket_k(max(r.params.prompt_logprobs for r in prompt_rows)) if prompt_rows \
             else None
         self._log_new_shape(("step", *batch.shape_key, flags, num_logprobs, num_prompt_logprobs))
-        md = jax.device_put(batch.metadata)
+        call = StepCall(batch.input_ids, batch.positions, batch.metadata, sampling, prompt_targets, flags,
+                        num_logprobs, num_prompt_logprobs)
+        return call, prompt_rows
+
+    def run_call(self, call: StepCall) -> Any:
+        """Run one device step (sending it to the other hosts first, on rank 0 of a multi-host mesh);
+        -> forward_sample's outputs, or all-position logits [T, V]."""
+        if self.channel is not None and self.channel.is_leader:
+            self.channel.send(call)
+        md, ids, positions, sampling, targets = self._device_inputs(call)
+        if call.all_logits:
+            logits, _ = self.steps.all_logits(self.weights, self.kv_cache, ids, positions, md)
+            return logits
         out, layer_kv = self.steps.forward_sample(
-            self._weights_for(batch.input_ids.shape[0]), self.kv_cache, batch.input_ids, batch.positions, md,
-            sampling, prompt_targets, flags=flags, num_logprobs=num_logprobs, num_prompt_logprobs=num_prompt_logprobs)
+            self._weights_for(call.input_ids.shape[0]), self.kv_cache, ids, positions, md, sampling, targets,
+            flags=call.flags, num_logprobs=call.num_logprobs, num_prompt_logprobs=call.num_prompt_logprobs)
         self._store_kv(layer_kv, md)
+        return out
+
+    def _device_inputs(self, call: StepCall) -> tuple:
+        """-> (metadata, ids, positions, sampling, prompt targets) as the jitted steps take them."""
+        if self.mesh is None:  # numpy straight into the jit, as before tensor parallelism
+            return jax.device_put(call.metadata), call.input_ids, call.positions, call.sampling, call.prompt_targets
+        return put_replicated((call.metadata, call.input_ids, call.positions, call.sampling, call.prompt_targets),
+                              self.mesh)
+
+    def compiled_hlo(self, call: StepCall) -> dict[str, str]:
+        """Optimized HLO text of the step `call` would run, and of the pool write (split backends): for
+        checking which collectives a sharded step does."""
+        md, ids, positions, sampling, targets = self._device_inputs(call)
+        step = self.steps.forward_sample.lower(
+            self._weights_for(call.input_ids.shape[0]), self.kv_cache, ids, positions, md, sampling, targets,
+            flags=call.flags, num_logprobs=call.num_logprobs, num_prompt_logprobs=call.num_prompt_logprobs)
+        texts = {"forward_sample": step.compile().as_text()}
+        if self.steps.write_pool is not None:
+            cfg = self.loaded.config
+            shape = (call.input_ids.shape[0], cfg.num_kv_heads, cfg.head_dim)  # [T, KVH, hd]
+            sharding = None if self.mesh is None else named_sharding(self.mesh, ("tokens", "kv_heads", "head_dim"))
+            new = jax.ShapeDtypeStruct(shape, self.loaded.dtype, sharding=sharding)
+            write = self.steps.write_pool.lower(self.kv_cache, [(new, new)] * cfg.num_layers, md)
+            texts["write_pool"] = write.compile().as_text()
+        return texts
+
+    def follow(self) -> int:
+        """On a follower host: run every step rank 0 sends until it sends shutdown; -> steps run."""
+        steps = 0
+        while (call := self.channel.receive()) is not None:
+            self.run_call(call)
+            steps += 1
+        return steps
+
+    def _run_group(self, chunks: list[ScheduledChunk]) -> dict[str, StepResult]:
+        call, prompt_rows = self.step_call(chunks)
+        out = self.run_call(call)
+        if self.mesh is not None and jax.process_count() > 1:
+            out = jax.tree.map(host_array, out)  # replicated over every host's devices: read the local copy
         token_ids, logprobs = np.asarray(out["token_ids"]), np.asarray(out["logprobs"])
-        sample_stats = host_rows(out["sample_stats"], list(range(len(chunks)))) if num_logprobs is not None else None
+        sample_stats = host_rows(out["sample_stats"], list(range(len(chunks)))) if call.num_logprobs is not None \
+            else None
         results: dict[str, StepResult] = {}
         for row, chunk in enumerate(chunks):
             if chunk.samples:
                 results[chunk.request.request_id] = StepResult(
                     int(token_ids[row]), float(logprobs[row]), sample_stats[row] if sample_stats else None)
-        if num_prompt_logprobs is not None:
+        if call.num_prompt_logprobs is not None:
             self._attach_prompt_logprobs(chunks, prompt_rows, out["prompt_stats"], results)
         return results
 
@@ -197,7 +281,6 @@ class ModelRunner:
         chunk = ScheduledChunk(fake, n)  # type: ignore[arg-type]
         batch = build_batch([chunk], self.page_size, BucketLimits(max(n, 1), 1, max(pages_needed, 1)))
         started = time.perf_counter()
-        md = jax.device_put(batch.metadata)
-        logits, _ = self.steps.all_logits(self.weights, self.kv_cache, batch.input_ids, batch.positions, md)
+        logits = self.run_call(StepCall(batch.input_ids, batch.positions, batch.metadata))
         logger.debug("prompt_logits for %d tokens took %.2fs", n, time.perf_counter() - started)
-        return np.asarray(logits)[:n]
+        return (host_array(logits) if self.mesh is not None else np.asarray(logits))[:n]

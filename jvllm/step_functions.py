@@ -11,9 +11,12 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
+from jax.sharding import Mesh
+
 from jvllm.attention import AttentionBackend
 from jvllm.attention.metadata import AttentionMetadata
 from jvllm.logprobs import blocked_logprob_stats, logprob_stats
+from jvllm.parallel import ops
 from jvllm.sampler import sample
 from jvllm.sampling_tensors import SamplerFlags, SamplingTensors
 
@@ -22,17 +25,18 @@ from jvllm.sampling_tensors import SamplerFlags, SamplingTensors
 LayerAttention = Callable[..., tuple[jax.Array, tuple[jax.Array, jax.Array]]]
 
 
-def layer_attention(backend: AttentionBackend) -> LayerAttention:
-    """Adapt a backend to the one call the model makes per layer."""
+def layer_attention(backend: AttentionBackend, mesh: Mesh | None = None) -> LayerAttention:
+    """Adapt a backend to the one call the model makes per layer (per shard with a tensor-parallel mesh)."""
     if backend.fused:
         def fused(q, k, v, pages, md, scale, sliding_window=None):
             out, k_pages, v_pages = backend.write_and_attend(q, k, v, pages[0], pages[1], md, scale, sliding_window)
             return out, (k_pages, v_pages)
-        return fused
-
-    def split(q, k, v, pages, md, scale, sliding_window=None):
-        return backend.attend(q, k, v, pages[0], pages[1], md, scale, sliding_window), (k, v)
-    return split
+        attention = fused
+    else:
+        def split(q, k, v, pages, md, scale, sliding_window=None):
+            return backend.attend(q, k, v, pages[0], pages[1], md, scale, sliding_window), (k, v)
+        attention = split
+    return attention if mesh is None else ops.sharded_layer_attention(attention, mesh, backend.fused)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +52,25 @@ class StepFunctions:
     fused: bool
 
 
-def build_step_functions(graphdef: Any, treedef: Any, backend: AttentionBackend) -> StepFunctions:
-    attention = layer_attention(backend)
+def build_step_functions(graphdef: Any, treedef: Any, backend: AttentionBackend, mesh: Mesh | None = None,
+                         vocab_size: int | None = None) -> StepFunctions:
+    """With a mesh (tensor parallelism), weights and pool arrive sharded: attention and the pool write run
+    per shard, the embedding lookup is vocab-parallel, and logits are replicated (and stripped of any vocab
+    padding, past `vocab_size`) before sampling. Without one, the single-device steps are unchanged."""
+    attention = layer_attention(backend, mesh)
+    embed = None if mesh is None else ops.vocab_parallel_lookup(mesh)
+    gather = (lambda x: x) if mesh is None else ops.replicate(mesh)
+    gather_logits = None if mesh is None else ops.gather_vocab(mesh)
     donate = ("kv_cache",) if backend.fused else ()
 
     def model_of(weights: list[jax.Array]) -> Any:
         return nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
+
+    def logits_of(model: Any) -> Callable[[jax.Array], jax.Array]:
+        """hidden [S, D] -> full-vocab logits [S, V] float32, on every device."""
+        if mesh is None:
+            return model.compute_logits
+        return lambda hidden: gather_logits(model.compute_logits(hidden))[:, :vocab_size]
 
     @functools.partial(jax.jit, static_argnames=("flags", "num_logprobs", "num_prompt_logprobs"),
                        donate_argnames=donate)
@@ -62,29 +79,32 @@ def build_step_functions(graphdef: Any, treedef: Any, backend: AttentionBackend)
                        flags: SamplerFlags, num_logprobs: int | None = None, num_prompt_logprobs: int | None = None):
         """prompt_targets [T] int32: the next prompt token after each row (for prompt logprobs)."""
         model = model_of(weights)
-        hidden, layer_kv = model(input_ids, positions, kv_cache, md, attention)  # [T, D]
-        logits = model.compute_logits(hidden[md.last_token_index])  # [S, V] float32
+        hidden, layer_kv = model(input_ids, positions, kv_cache, md, attention, embed)  # [T, D]
+        compute_logits = logits_of(model)
+        logits = compute_logits(hidden[md.last_token_index])  # [S, V] float32
         token_ids, logprobs = sample(logits, sampling, flags)
         out = {"token_ids": token_ids, "logprobs": logprobs}
         if num_logprobs is not None:
             out["sample_stats"] = logprob_stats(logits, token_ids, num_logprobs)
         if num_prompt_logprobs is not None:
             out["prompt_stats"] = blocked_logprob_stats(hidden, prompt_targets, num_prompt_logprobs,
-                                                        model.compute_logits)
-        return out, layer_kv
+                                                        compute_logits)
+        return gather(out), layer_kv
 
     write_pool = None
     if not backend.fused:
+        write = backend.write if mesh is None else ops.sharded_pool_write(backend.write, mesh)
+
         @functools.partial(jax.jit, donate_argnames=("kv_cache",))
         def write_pool(kv_cache: list, new_kv: list, md: AttentionMetadata) -> list:
             """Scatter a step's K/V into the donated pool, in place (its own jit: see attention/xla.py)."""
-            return backend.write(kv_cache, new_kv, md)
+            return write(kv_cache, new_kv, md)
 
     @functools.partial(jax.jit, donate_argnames=donate)
     def all_logits(weights: list[jax.Array], kv_cache: list, input_ids: jax.Array, positions: jax.Array,
                    md: AttentionMetadata):
         model = model_of(weights)
-        hidden, layer_kv = model(input_ids, positions, kv_cache, md, attention)
-        return model.compute_logits(hidden), layer_kv
+        hidden, layer_kv = model(input_ids, positions, kv_cache, md, attention, embed)
+        return logits_of(model)(hidden), layer_kv
 
     return StepFunctions(forward_sample, write_pool, all_logits, backend.fused)

@@ -1,7 +1,7 @@
 """Flax NNX Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) reading and writing the paged KV pool."""
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Callable, Container, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,9 @@ from models.rope import apply_rotary, inverse_frequencies, rotary_tables
 LayerAttention = Callable[..., tuple[jax.Array, tuple[jax.Array, jax.Array]]]  # see jvllm.step_functions
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: (k_pages, v_pages), each [N, page, KVH, hd]
 NewKV = list[tuple[jax.Array, jax.Array]]  # per layer: this step's (k, v), each [T, KVH, hd]
+EmbedLookup = Callable[[jax.Array, jax.Array], jax.Array]  # (table [V, D], ids [T]) -> [T, D]
+# (parameter, HF tensor name, stored transposed vs. the HF tensor, logical axis of each dimension)
+HFParameter = tuple[nnx.Param, str, bool, tuple[str | None, ...]]
 
 
 def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Param:
@@ -106,14 +109,16 @@ class LlamaForCausalLM(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else _init(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache, md: AttentionMetadata,
-                 attention: LayerAttention) -> tuple[jax.Array, NewKV]:
+                 attention: LayerAttention, embed: EmbedLookup | None = None) -> tuple[jax.Array, NewKV]:
         """input_ids, positions [T] int32 -> (final hidden states [T, D], each layer's new (k, v)).
+        `embed` replaces the table lookup (tensor parallelism: a vocab-parallel lookup).
 
         Activations take the KV pool's dtype, whatever the weights' dtype (see ModelRunner's batched
         weights). Each layer's K/V result is the new K/V (split backends: the runner writes it into the pool
         in a separate donated jit) or the updated pages (fused backends)."""
         activation_dtype = kv_cache[0][0].dtype
-        x = self.embed_tokens[...][input_ids].astype(activation_dtype)  # [T, D]
+        table = self.embed_tokens[...]
+        x = (table[input_ids] if embed is None else embed(table, input_ids)).astype(activation_dtype)  # [T, D]
         cfg = self.config  # static: the frequencies become trace-time constants, not state
         inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
         cos, sin = rotary_tables(positions, inv_freq)  # [T, hd] each
@@ -131,28 +136,40 @@ class LlamaForCausalLM(nnx.Module):
         head = self.lm_head[...]
         return jnp.einsum("sd,dv->sv", hidden.astype(head.dtype), head, preferred_element_type=jnp.float32)
 
+    def hf_parameters(self, available: Container[str]) -> Iterator[HFParameter]:
+        """Every parameter with its HF tensor name (torch layout: Linear weights are [out, in]) and the
+        logical axes that tensor parallelism shards (see jvllm.parallel.mesh.LOGICAL_AXIS_RULES)."""
+        yield self.embed_tokens, "model.embed_tokens.weight", False, ("vocab", "embed")
+        yield self.norm.weight, "model.norm.weight", False, ("embed",)
+        if self.lm_head is not None:
+            name = "lm_head.weight" if "lm_head.weight" in available else "model.embed_tokens.weight"
+            yield self.lm_head, name, True, ("embed", "vocab")
+        out_axis = {"q_proj": "heads", "k_proj": "kv_heads", "v_proj": "kv_heads", "gate_proj": "mlp",
+                    "up_proj": "mlp"}
+        in_axis = {"o_proj": "heads", "down_proj": "mlp"}
+        for i, layer in enumerate(self.layers):
+            prefix = f"model.layers.{i}."
+            yield layer.input_layernorm.weight, prefix + "input_layernorm.weight", False, ("embed",)
+            yield layer.post_attention_layernorm.weight, prefix + "post_attention_layernorm.weight", False, ("embed",)
+            for owner, group in ((layer.self_attn, "self_attn."), (layer.mlp, "mlp.")):
+                for proj_name in (*out_axis, *in_axis):
+                    proj: Linear | None = getattr(owner, proj_name, None)
+                    if proj is None:
+                        continue
+                    name = prefix + group + proj_name
+                    if proj_name in out_axis:  # column parallel: kernel [in, out] split by output
+                        yield proj.kernel, name + ".weight", True, ("embed", out_axis[proj_name])
+                        if proj.bias is not None:
+                            yield proj.bias, name + ".bias", False, (out_axis[proj_name],)
+                    else:  # row parallel: split by input; the partial sums are all-reduced
+                        yield proj.kernel, name + ".weight", True, (in_axis[proj_name], "embed")
+                        if proj.bias is not None:
+                            yield proj.bias, name + ".bias", False, ("embed",)
+
     def load_hf_weights(self, tensors: Mapping[str, np.ndarray], dtype: jnp.dtype) -> None:
-        """Fill every parameter from HF-named tensors (torch layout: Linear weights are [out, in])."""
-        def take(name: str, transpose: bool = False) -> jax.Array:
+        """Fill every parameter from HF-named tensors (whole, on the default device)."""
+        for param, name, transpose, _ in self.hf_parameters(tensors):
             if name not in tensors:
                 raise ValueError(f"weights are missing tensor {name!r}")
             array = np.asarray(tensors[name])
-            return jnp.asarray(array.T if transpose else array, dtype=dtype)
-
-        self.embed_tokens.set_value(take("model.embed_tokens.weight"))
-        self.norm.weight.set_value(take("model.norm.weight"))
-        if self.lm_head is not None:
-            name = "lm_head.weight" if "lm_head.weight" in tensors else "model.embed_tokens.weight"
-            self.lm_head.set_value(take(name, transpose=True))
-        for i, layer in enumerate(self.layers):
-            prefix = f"model.layers.{i}."
-            layer.input_layernorm.weight.set_value(take(prefix + "input_layernorm.weight"))
-            layer.post_attention_layernorm.weight.set_value(take(prefix + "post_attention_layernorm.weight"))
-            for owner, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
-                                 (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
-                group = "self_attn." if owner is layer.self_attn else "mlp."
-                for proj_name in names:
-                    proj: Linear = getattr(owner, proj_name)
-                    proj.kernel.set_value(take(prefix + group + proj_name + ".weight", transpose=True))
-                    if proj.bias is not None:
-                        proj.bias.set_value(take(prefix + group + proj_name + ".bias"))
+            param.set_value(jnp.asarray(array.T if transpose else array, dtype=dtype))

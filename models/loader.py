@@ -36,6 +36,11 @@ class LoadedModel:
     served_name: str
     dtype: Any
     folder: Path | None = None  # the HF folder it came from (a GGUF's converted folder)
+    mesh: Any = None  # the tensor-parallel jax.sharding.Mesh the weights are sharded over (None: one device)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return 1 if self.mesh is None else self.mesh.shape["tp"]
 
     @property
     def is_encoder(self) -> bool:
@@ -125,8 +130,11 @@ def read_safetensors(folder: Path) -> dict[str, np.ndarray]:
 
 
 def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_format: str = "auto",
-               tokenizer: str | None = None, served_model_name: str | None = None, seed: int = 0) -> LoadedModel:
-    """Load config, tokenizer and weights (or random weights with load_format='dummy')."""
+               tokenizer: str | None = None, served_model_name: str | None = None, seed: int = 0,
+               tensor_parallel_size: int = 1) -> LoadedModel:
+    """Load config, tokenizer and weights (or random weights with load_format='dummy'). With
+    tensor_parallel_size > 1 the weights are placed shard by shard on a mesh (jvllm.parallel.sharding) and
+    the returned config holds the KV heads the model really has (repeated when tp exceeds them)."""
     if load_format not in ("auto", "safetensors", "gguf", "dummy"):
         raise ValueError(f"unknown load_format {load_format!r}; choose auto, safetensors, gguf or dummy")
     path, name = resolve_model_path(model)
@@ -138,6 +146,9 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer or str(folder))
+    if tensor_parallel_size != 1:
+        return _load_sharded(config, model_cls, jdtype, folder, load_format, seed, tensor_parallel_size,
+                             LoadedModel(config, None, None, tok, served_model_name or name, jdtype, folder))
     if load_format == "dummy":
         module = model_cls(config, jdtype, nnx.Rngs(seed))
     else:
@@ -145,3 +156,29 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
         module.load_hf_weights(read_safetensors(folder), jdtype)
     graphdef, state = nnx.split(module)
     return LoadedModel(config, graphdef, state, tok, served_model_name or name, jdtype, folder)
+
+
+def _load_sharded(config: Any, model_cls: Any, jdtype: Any, folder: Path, load_format: str, seed: int, tp: int,
+                  partial: LoadedModel) -> LoadedModel:
+    """Build the module abstractly and give each parameter its sharded array, read slice by slice."""
+    import contextlib
+
+    from jvllm.parallel.mesh import make_mesh
+    from jvllm.parallel.sharding import ArraySource, SafetensorsSource, TensorParallelPlan, hf_tensors, load_sharded
+
+    if config.is_encoder:
+        raise ValueError(f"tensor_parallel_size={tp}: encoder (embedding) models run on one device; "
+                         "use tensor_parallel_size=1")
+    plan = TensorParallelPlan.for_model(config, tp)
+    mesh = make_mesh(tp)
+    sharded_config = plan.model_config(config)
+    module = nnx.eval_shape(lambda: model_cls(sharded_config, jdtype, nnx.Rngs(0)))
+    with contextlib.ExitStack() as stack:
+        if load_format == "dummy":  # the same random weights as tp=1, drawn on the host CPU
+            with jax.default_device(jax.local_devices(backend="cpu")[0]):
+                source = ArraySource(dict(hf_tensors(model_cls(config, jdtype, nnx.Rngs(seed)))))
+        else:
+            source = SafetensorsSource(folder, stack)
+        load_sharded(module, source, plan, mesh, jdtype)
+    graphdef, state = nnx.split(module)
+    return dataclasses.replace(partial, config=sharded_config, graphdef=graphdef, state=state, mesh=mesh)

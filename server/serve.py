@@ -40,6 +40,10 @@ def run_server(engine_kwargs: dict[str, Any], *, host: str, port: int, api_key: 
     from server.settings import ServerSettings
 
     engine = Engine(**engine_kwargs)
+    if not engine.is_leader:  # multi-host: rank 0 serves HTTP and schedules; this host runs its steps
+        logger.info("this host follows rank 0's steps")
+        engine.follow()
+        return 0
     async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests)
     settings = ServerSettings(served_model_names or [engine.served_model_name], api_key=api_key,
                               enable_log_requests=enable_log_requests, max_logprobs=max_logprobs,
@@ -58,5 +62,6 @@ def run_server(engine_kwargs: dict[str, Any], *, host: str, port: int, api_key: 
     auth = "on" if api_key else "off"
     logger.info("serving %s on http://%s:%d (API key %s, pid %d)", settings.model_name, host, port, auth,
                    os.getpid())
-    server.run()
+    server.run()  # returns after the lifespan shutdown stopped the engine thread
+    engine.shutdown()  # multi-host: release the followers
     return 0

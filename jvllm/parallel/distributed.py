@@ -1,0 +1,139 @@
+"""Multi-host serving: jax.distributed start-up, and rank 0's step inputs sent to the other ranks through
+JAX's own collectives (multihost_utils.broadcast_one_to_all), so every host runs the same jitted step."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger("jvllm")
+
+ENV_NUM_HOSTS, ENV_HOST_RANK, ENV_COORDINATOR = "JVLLM_NUM_HOSTS", "JVLLM_HOST_RANK", "JVLLM_COORDINATOR"
+_FIRST = 16384  # bytes of the first broadcast: header + a typical step's whole payload
+_HEADER = 16  # int64 kind, int64 payload length
+_STEP, _SHUTDOWN, _HEARTBEAT = 1, 2, 3
+HEARTBEAT_INTERVAL_S = 60.0  # an idle rank 0 (the server's engine thread) pings its followers this often
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSettings:
+    """This process's place in a multi-host deployment (num_hosts 1: a single process, nothing to start)."""
+
+    num_hosts: int = 1
+    host_rank: int = 0
+    coordinator: str | None = None
+
+    @classmethod
+    def resolve(cls, num_hosts: int | None = None, host_rank: int | None = None,
+                coordinator: str | None = None) -> "HostSettings":
+        """Arguments first, then JVLLM_NUM_HOSTS / JVLLM_HOST_RANK / JVLLM_COORDINATOR; validated."""
+        env = os.environ
+        num_hosts = num_hosts if num_hosts is not None else int(env.get(ENV_NUM_HOSTS, "1"))
+        host_rank = host_rank if host_rank is not None else int(env.get(ENV_HOST_RANK, "0"))
+        coordinator = coordinator or env.get(ENV_COORDINATOR) or None
+        if num_hosts < 1:
+            raise ValueError(f"num_hosts must be a positive integer, got {num_hosts}")
+        if not 0 <= host_rank < num_hosts:
+            raise ValueError(f"host_rank={host_rank} must be in [0, num_hosts={num_hosts})")
+        if num_hosts > 1 and not coordinator:
+            raise ValueError("num_hosts > 1 needs coordinator=HOST:PORT (--coordinator or $JVLLM_COORDINATOR): "
+                             "an address of rank 0 that every host can reach")
+        return cls(num_hosts, host_rank, coordinator)
+
+    @property
+    def multi_host(self) -> bool:
+        return self.num_hosts > 1
+
+
+def initialize(settings: HostSettings) -> None:
+    """Start jax.distributed (before anything else touches a JAX backend); a no-op for one host or if JAX's
+    distributed runtime is already up. CPU hosts exchange collectives over gloo."""
+    import jax
+
+    if not settings.multi_host or jax.distributed.is_initialized():
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=settings.coordinator, num_processes=settings.num_hosts,
+                               process_id=settings.host_rank)
+    logger.info("jax.distributed up: host %d of %d, %d local / %d global devices", jax.process_index(),
+                jax.process_count(), jax.local_device_count(), jax.device_count())
+
+
+def broadcast_from_leader(value: np.ndarray) -> np.ndarray:
+    """Rank 0's `value` on every host (same shape and dtype everywhere; the others' contents are ignored)."""
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.broadcast_one_to_all(value))
+
+
+def _bucket(n: int) -> int:
+    """Sizes of the rare second broadcast: powers of two, so few shapes (each a compile)."""
+    return 1 << max(n - 1, 1).bit_length()
+
+
+class StepChannel:
+    """Rank 0 `send`s each step's host inputs (any picklable object; None = shut down), the other ranks
+    `receive` them in the same order. A message is one broadcast of a fixed _FIRST-byte uint8 buffer (header
+    [kind, length], then the pickled payload), plus a second one for any payload that does not fit, padded
+    to a power of two. The hosts are one deployment: followers trust rank 0's pickles."""
+
+    def __init__(self) -> None:
+        import jax
+
+        self.is_leader = jax.process_index() == 0
+        self.closed = False
+
+    def _send(self, kind: int, payload: bytes = b"") -> None:
+        assert self.is_leader, "only rank 0 sends steps"
+        if self.closed:
+            raise RuntimeError("the step channel was shut down")
+        first = np.zeros(_FIRST, np.uint8)
+        first[:_HEADER] = np.array([kind, len(payload)], np.int64).view(np.uint8)
+        head = payload[:_FIRST - _HEADER]
+        first[_HEADER:_HEADER + len(head)] = np.frombuffer(head, np.uint8)
+        broadcast_from_leader(first)
+        rest = payload[len(head):]
+        if rest:
+            buffer = np.zeros(_bucket(len(rest)), np.uint8)
+            buffer[:len(rest)] = np.frombuffer(rest, np.uint8)
+            broadcast_from_leader(buffer)
+
+    def send(self, message: Any) -> None:
+        if message is None:
+            self._send(_SHUTDOWN)
+            self.closed = True
+        else:
+            self._send(_STEP, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def heartbeat(self) -> None:
+        """Rank 0: a message the followers skip (see HEARTBEAT_INTERVAL_S)."""
+        self._send(_HEARTBEAT)
+
+    def receive(self) -> Any:
+        """The next message from rank 0 (blocks until rank 0 sends one); None once it shuts down."""
+        kind = _HEARTBEAT
+        while kind == _HEARTBEAT:
+            first = broadcast_from_leader(np.zeros(_FIRST, np.uint8))
+            kind, length = first[:_HEADER].view(np.int64).tolist()
+        if kind == _SHUTDOWN:
+            self.closed = True
+            return None
+        payload = first[_HEADER:_HEADER + length].tobytes()
+        if length > len(payload):
+            rest = length - len(payload)
+            payload += broadcast_from_leader(np.zeros(_bucket(rest), np.uint8))[:rest].tobytes()
+        return pickle.loads(payload)
+
+    def shutdown(self) -> None:
+        """Rank 0: tell the followers to stop (idempotent)."""
+        if self.is_leader and not self.closed:
+            self.send(None)
+
+
+def agree_on_int(value: int) -> int:
+    """Rank 0's value of a host-computed setting (e.g. the page count), so every host builds the same pool."""
+    return int(broadcast_from_leader(np.array([value], np.int64))[0])

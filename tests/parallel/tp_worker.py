@@ -1,0 +1,160 @@
+"""Tensor-parallel scenarios run in a subprocess with N virtual CPU devices; prints one JSON line.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/parallel/tp_worker.py SCENARIO 'JSON ARGS'
+
+Scenarios: compare (TP=1 vs TP=N logits, greedy tokens, placement), hlo (collectives of the compiled decode
+step), generate (greedy tokens of one engine), multihost (one rank of a multi-process mesh)."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+RESULT_PREFIX = "TP_WORKER_RESULT "
+
+
+def engine(model: str | None, tp: int, **kwargs: Any):
+    from jvllm import Engine
+
+    settings = dict(dtype="float32", kv_cache_memory_bytes=4 << 20, max_model_len=128, max_num_seqs=8,
+                    max_num_batched_tokens=256, enable_prefix_caching=False, attention_backend="xla")
+    settings.update(kwargs)
+    return Engine(model, tensor_parallel_size=tp, **settings)
+
+
+def greedy(eng, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from jvllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outputs = eng.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def with_logprobs(eng, prompt: list[int]) -> dict[str, Any]:
+    """Seeded sampling with sample and prompt logprobs: the tokens, and every logprob as one flat list."""
+    from jvllm import SamplingParams
+
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=7, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+    out = eng.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    values = [lp.logprob for entry in out.prompt_logprobs[1:] for lp in entry.values()]
+    values += [lp.logprob for entry in out.outputs[0].logprobs for lp in entry.values()]
+    return {"tokens": list(out.outputs[0].token_ids), "logprobs": values}
+
+
+def placement(eng) -> dict[str, Any]:
+    """How the weights and the pool are laid out: the largest block any device holds vs the largest matrix."""
+    weights = eng.runner.weights
+    largest_block = max(s.data.size for w in weights for s in w.addressable_shards)
+    largest_weight = max(w.size for w in weights)
+    k_pages = eng.runner.kv_cache[0][0]
+    return {"largest_block": int(largest_block), "largest_weight": int(largest_weight),
+            "pool_shape": list(k_pages.shape), "pool_block": list(k_pages.addressable_shards[0].data.shape),
+            "pool_spec": str(k_pages.sharding.spec), "num_pages": eng.config.num_pages,
+            "num_kv_heads": eng.model.config.num_kv_heads}
+
+
+def compare(args: dict[str, Any]) -> dict[str, Any]:
+    """TP=1 against each TP size: logits of every prompt position (xla only) and greedy tokens."""
+    prompts, max_tokens = args["prompts"], args.get("max_tokens", 8)
+    backend = args.get("backend", "xla")
+    overrides = args.get("engine", {})
+    ref = engine(args["model"], 1, attention_backend=backend, **overrides)
+    want_logits = [ref.runner.prompt_logits(p) for p in prompts] if backend == "xla" else None
+    want_tokens = greedy(ref, prompts, max_tokens)
+    want_sampled = with_logprobs(ref, prompts[0])
+    out: dict[str, Any] = {"reference_tokens": want_tokens, "reference_sampled": want_sampled["tokens"], "runs": {}}
+    for tp in args["tps"]:
+        eng = engine(args["model"], tp, attention_backend=backend, **overrides)
+        run = {"tokens": greedy(eng, prompts, max_tokens), "placement": placement(eng)}
+        sampled = with_logprobs(eng, prompts[0])
+        run["sampled_tokens"] = sampled["tokens"]
+        run["max_abs_logprob_diff"] = float(np.max(np.abs(np.subtract(sampled["logprobs"],
+                                                                      want_sampled["logprobs"]))))
+        if want_logits is not None:
+            diffs = [float(np.max(np.abs(eng.runner.prompt_logits(p) - w))) for p, w in zip(prompts, want_logits)]
+            run["max_abs_logit_diff"] = max(diffs)
+            run["logit_scale"] = float(max(np.max(np.abs(w)) for w in want_logits))
+        out["runs"][str(tp)] = run
+    return out
+
+
+_COLLECTIVE = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+                         r"(-start)?\(")
+_SHAPE = re.compile(r"[a-z]+\d*\[([\d,]*)\]")
+
+
+def collectives(hlo: str) -> list[dict[str, Any]]:
+    """Every collective of an HLO module: its op and result shapes."""
+    found = []
+    for line in hlo.splitlines():
+        match = _COLLECTIVE.search(line)
+        if match:
+            shapes = [[int(d) for d in dims.split(",") if d] for dims in _SHAPE.findall(match.group(1))]
+            found.append({"op": match.group(2), "shapes": shapes})
+    return found
+
+
+def hlo(args: dict[str, Any]) -> dict[str, Any]:
+    """Compile a decode step (after one prefill) and the pool write; report their collectives."""
+    from jvllm import SamplingParams
+
+    eng = engine(args["model"], args["tp"], attention_backend=args.get("backend", "xla"))
+    eng.add_request("r", {"prompt_token_ids": args["prompts"][0]}, SamplingParams(max_tokens=4, temperature=0.0))
+    eng.step()  # the prefill; the next plan is one decode chunk
+    plan = eng.scheduler.schedule()
+    call, _ = eng.runner.step_call(plan.chunks)
+    lowered = eng.runner.compiled_hlo(call)
+    out = {"decode": collectives(lowered["forward_sample"]),
+           "write_pool": collectives(lowered["write_pool"]) if "write_pool" in lowered else None,
+           "weight_shapes": sorted({tuple(w.shape) for w in eng.runner.weights if w.ndim == 2}),
+           "tokens": int(call.input_ids.shape[0]), "seqs": int(call.metadata.q_lens.shape[0]),
+           "vocab": eng.model.config.vocab_size, "num_layers": eng.model.config.num_layers}
+    return out
+
+
+def generate(args: dict[str, Any]) -> dict[str, Any]:
+    eng = engine(args["model"], args.get("tp", 1), attention_backend=args.get("backend", "xla"))
+    return {"tokens": greedy(eng, args["prompts"], args.get("max_tokens", 8))}
+
+
+def multihost(args: dict[str, Any]) -> dict[str, Any]:
+    """One rank of a num_hosts-process mesh: rank 0 generates (and reads logits), the others follow."""
+    import jax
+
+    eng = engine(args["model"], args["tp"], num_hosts=args["num_hosts"], host_rank=args["rank"],
+                 coordinator=args["coordinator"])
+    out: dict[str, Any] = {"rank": jax.process_index(), "devices": jax.device_count(),
+                           "local_devices": jax.local_device_count()}
+    if eng.is_leader:
+        out["tokens"] = greedy(eng, args["prompts"], args.get("max_tokens", 8))
+        out["logits_row0"] = eng.runner.prompt_logits(args["prompts"][0])[-1, :8].tolist()
+        if args.get("idle_s"):  # followers wait inside a collective while rank 0 is idle
+            time.sleep(args["idle_s"])
+            out["tokens_after_idle"] = greedy(eng, args["prompts"][:1], args.get("max_tokens", 8))
+        eng.shutdown()
+    else:
+        out["steps_followed"] = eng.follow()
+    return out
+
+
+SCENARIOS = {"compare": compare, "hlo": hlo, "generate": generate, "multihost": multihost}
+
+
+def main() -> None:
+    import jax
+
+    scenario, args = sys.argv[1], json.loads(sys.argv[2])
+    started = time.perf_counter()
+    if scenario != "multihost" and jax.device_count() < args.get("devices", 1):
+        raise SystemExit(f"needs {args['devices']} devices, found {jax.device_count()} (set XLA_FLAGS)")
+    result = SCENARIOS[scenario](args)
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
