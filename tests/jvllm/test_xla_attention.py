@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jvllm.attention.metadata import AttentionMetadata
-from jvllm.attention.xla import decode_attention, paged_attention
+from jvllm.attention.xla import DECODE_LOOP_MIN_SEQS, decode_attention, paged_attention
 from pallas_kernels.reference import decode_attention_reference
 
 
@@ -58,15 +58,17 @@ def test_decode_attention_bf16_pool_is_close_to_f32():
 def test_paged_attention_routes_decode_steps_through_the_page_loop():
     """A decode-only step (one query slot per sequence) with padded token rows: each real token gets its
     sequence's result, as the general path computes it."""
-    cached = [9, 0, 20]
-    q, k, v, kp, vp, k_ref, v_ref, tables, cached_arr = _case(3, 6, 3, 16, 8, 4, cached, jnp.float32)
-    num_tokens = 4  # three real tokens + one padding row
+    seqs = DECODE_LOOP_MIN_SEQS
+    cached = [9, 0, 20, 31, 1, 16, 15, 30][:seqs]
+    q, k, v, kp, vp, k_ref, v_ref, tables, cached_arr = _case(seqs, 6, 3, 16, 8, 4, cached, jnp.float32)
+    num_tokens = seqs + 1  # one token per sequence + one padding row
     pad = lambda a: jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)])  # noqa: E731
     md = AttentionMetadata(
-        slot_mapping=jnp.zeros(num_tokens, jnp.int32), token_seq=jnp.array([0, 1, 2, 0], jnp.int32),
-        token_offset=jnp.zeros(num_tokens, jnp.int32), seq_token_index=jnp.arange(3, dtype=jnp.int32)[:, None],
-        query_start=jnp.arange(3, dtype=jnp.int32), q_lens=jnp.ones(3, jnp.int32), kv_lens=cached_arr + 1,
+        slot_mapping=jnp.zeros(num_tokens, jnp.int32),
+        token_seq=jnp.concatenate([jnp.arange(seqs, dtype=jnp.int32), jnp.zeros(1, jnp.int32)]),
+        token_offset=jnp.zeros(num_tokens, jnp.int32), seq_token_index=jnp.arange(seqs, dtype=jnp.int32)[:, None],
+        query_start=jnp.arange(seqs, dtype=jnp.int32), q_lens=jnp.ones(seqs, jnp.int32), kv_lens=cached_arr + 1,
         block_tables=tables)
     got = paged_attention(pad(q), pad(k), pad(v), kp, vp, md, 0.25)
     want = decode_attention_reference(q, k_ref, v_ref, tables, cached_arr + 1, scale=0.25)
-    np.testing.assert_allclose(np.asarray(got[:3]), np.asarray(want), atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(got[:seqs]), np.asarray(want), atol=2e-5, rtol=2e-5)
