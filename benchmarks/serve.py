@@ -89,7 +89,13 @@ def run_clients(url: str, prompts: list[list[int]], output_lens: list[int], conc
     queue = context.Queue()
     process = context.Process(target=_client_main, args=(url, prompts, output_lens, concurrency, model, queue))
     process.start()
-    result = queue.get()
+    while True:  # a client process that dies (e.g. an HTTP error) must fail the benchmark, not hang it
+        try:
+            result = queue.get(timeout=1.0)
+            break
+        except Exception:  # queue.Empty
+            if not process.is_alive():
+                raise RuntimeError(f"the client process exited with code {process.exitcode} before reporting")
     process.join()
     return result
 
