@@ -12,7 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
-from models.loader import _gguf_as_hf_folder, resolve_model_path
+from benchmarks.throughput import hf_folder_for
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -26,8 +26,7 @@ LLAMA3_8B_SHAPE = {
 
 def write_folders(root: Path) -> list[Path]:
     """-> the folders written: root/smollm2-shape and root/llama8b-shape."""
-    path, _ = resolve_model_path(None)
-    source = _gguf_as_hf_folder(path)
+    source = Path(hf_folder_for(None))
     smol_config = json.loads((source / "config.json").read_text())
     folders = []
     for name, config in (("smollm2-shape", smol_config), ("llama8b-shape", LLAMA3_8B_SHAPE)):

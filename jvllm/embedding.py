@@ -13,6 +13,7 @@ import numpy as np
 from jvllm.config import EngineConfig
 from jvllm.embed_batching import EmbedBatch, pack_arrays, plan_batches, pow2_at_least
 from jvllm.embed_forward import build_causal_forward, build_encoder_forward
+from jvllm.model_runner import cast_matrices
 from jvllm.outputs import EmbeddingOutput, EmbeddingRequestOutput
 from models.loader import LoadedModel
 from models.pooling import PoolingConfig, read_sentence_transformers_config, resolve_pooling
@@ -71,25 +72,28 @@ def encoder_engine_config(loaded: LoadedModel, *, max_model_len: int | None, max
 
 
 def build_embedder(loaded: LoadedModel, config: EngineConfig, *, pooling: str | None, normalize: bool | None,
-                   batched_weight_dtype: Any = None) -> "Embedder | None":
+                   batched_weight_dtype: Any = None, batched_weights: list | None = None) -> "Embedder | None":
     """The engine's embedder, or None for a causal LM given no pooling choice (it then only generates)."""
     st = read_sentence_transformers_config(loaded.folder) if loaded.folder is not None else None
     choice = resolve_pooling(st, is_encoder=loaded.is_encoder, pooling=pooling, normalize=normalize)
     if choice is None:
         return None
-    return Embedder(loaded, choice, config, batched_weight_dtype=batched_weight_dtype)
+    return Embedder(loaded, choice, config, batched_weight_dtype=batched_weight_dtype, batched_weights=batched_weights)
 
 
 class Embedder:
     """Embeds prompts with one jitted forward per padded [rows, width] bucket; thread-safe."""
 
     def __init__(self, loaded: LoadedModel, pooling: PoolingConfig, config: EngineConfig, *,
-                 batched_weight_dtype: Any = None):
+                 batched_weight_dtype: Any = None, batched_weights: list | None = None):
+        """`batched_weights`: a cast copy of the same weights that already exists (the generation runner's),
+        shared instead of making a second one."""
         self.loaded, self.pooling, self.config = loaded, pooling, config
         self.tokenizer = loaded.tokenizer
         self.weights, treedef = jax.tree.flatten(loaded.state)
-        self.batched_weights = None if batched_weight_dtype is None else \
-            [w.astype(batched_weight_dtype) if w.ndim >= 2 else w for w in self.weights]
+        if batched_weights is None and batched_weight_dtype is not None:
+            batched_weights = cast_matrices(self.weights, batched_weight_dtype)
+        self.batched_weights = batched_weights
         cfg = loaded.config
         self.num_slots = pow2_at_least(config.max_num_seqs)  # outputs per forward: a static shape
         if loaded.is_encoder:

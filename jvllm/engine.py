@@ -94,7 +94,8 @@ class Engine:
         if self.channel is not None and self.channel.is_leader:
             atexit.register(self.shutdown)  # followers must not wait forever for the next step
         self.embedder = build_embedder(self.model, cfg, pooling=pooling, normalize=normalize,
-                                       batched_weight_dtype=batched_dtype)
+                                       batched_weight_dtype=batched_dtype,
+                                       batched_weights=self.runner.batched_weights if self.runner else None)
         self._rng = random.Random(seed)
         self._counter = itertools.count()
         self._groups: dict[str, list[Request]] = {}
