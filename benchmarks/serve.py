@@ -1,20 +1,22 @@
 """Serving benchmark: N concurrent streaming clients over HTTP vs offline Engine.generate, in the same run.
 
 The engine and the uvicorn server run in this process (the server in a thread); the clients run in a
-separate process (httpx, asyncio) so that they do not compete with the server for the GIL, as with
-vLLM's `bench serve`. Prompts are random token ids (fixed lengths, or uniform within
---range-ratio), sent to /v1/completions with ignore_eos, so every request makes exactly its output
+separate process (aiohttp, asyncio; benchmarks/serve_client.py) so that they do not compete with the
+server for the GIL, as with vLLM's `bench serve`. Prompts are random token ids (fixed lengths, or uniform
+within --range-ratio), sent to /v1/completions with ignore_eos, so every request makes exactly its output
 length. Reported: request throughput, output tokens/s, TTFT, TPOT, ITL and end-to-end latency (mean,
-p50, p99); offline Engine.generate output tokens/s on the same prompts and the ratio; and the
-server-side TTFT overhead: client TTFT minus the engine's own time to first token (arrival at the
-HTTP handler to first sampled token, from RequestOutput.metrics).
+p50, p99); offline Engine.generate output tokens/s on the same prompts and the ratio; and the TTFT
+overhead, TTFT minus the engine's own time to first token (arrival at the HTTP handler to first sampled
+token, from RequestOutput.metrics), measured two ways:
+- server-side: from the moment uvicorn hands the request to the app to the moment the app hands it the
+  first token's chunk (timed by an ASGI wrapper around the app), minus the engine's TTFT;
+- end to end: the client's TTFT minus the engine's TTFT, which adds the client's own work and the
+  loopback TCP on both ways, split into client send -> handler and first token -> client.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import multiprocessing
 import os
 import socket
 import statistics
@@ -23,6 +25,7 @@ import threading
 import time
 
 from benchmarks.common import command_line, machine_info, write_json
+from benchmarks.serve_client import run_clients
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -37,67 +40,6 @@ def _stats(values: list[float], scale: float = 1000.0) -> dict:
         return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))] * scale
 
     return {"mean": statistics.fmean(values) * scale, "p50": pct(0.50), "p99": pct(0.99)}
-
-
-# ---- the client process (no jax import here) ------------------------------------------------------
-async def _one(client, url: str, prompt: list[int], output_len: int, model: str) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    sent, sent_wall = time.perf_counter(), time.time()
-    chunk_times: list[float] = []
-    first_wall = None
-    request_id, tokens = None, 0
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as reply:
-        reply.raise_for_status()
-        async for line in reply.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            request_id = request_id or event["id"]
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-            if event["choices"] and event["choices"][0]["text"]:
-                chunk_times.append(time.perf_counter())
-                first_wall = first_wall or time.time()
-    done = time.perf_counter()
-    return {"id": request_id, "sent": sent, "chunks": chunk_times, "done": done, "tokens": tokens,
-            "sent_wall": sent_wall, "first_wall": first_wall}
-
-
-async def _drive(url: str, prompts: list[list[int]], output_lens: list[int], concurrency: int, model: str) -> dict:
-    import httpx
-
-    gate = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
-        async def gated(prompt: list[int], length: int) -> dict:
-            async with gate:
-                return await _one(client, url, prompt, length, model)
-
-        started = time.perf_counter()
-        results = await asyncio.gather(*(gated(p, n) for p, n in zip(prompts, output_lens)))
-        return {"seconds": time.perf_counter() - started, "requests": results}
-
-
-def _client_main(url: str, prompts: list[list[int]], output_lens: list[int], concurrency: int, model: str,
-                 queue) -> None:
-    queue.put(asyncio.run(_drive(url, prompts, output_lens, concurrency, model)))
-
-
-def run_clients(url: str, prompts: list[list[int]], output_lens: list[int], concurrency: int, model: str) -> dict:
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    process = context.Process(target=_client_main, args=(url, prompts, output_lens, concurrency, model, queue))
-    process.start()
-    while True:  # a client process that dies (e.g. an HTTP error) must fail the benchmark, not hang it
-        try:
-            result = queue.get(timeout=1.0)
-            break
-        except Exception:  # queue.Empty
-            if not process.is_alive():
-                raise RuntimeError(f"the client process exited with code {process.exitcode} before reporting")
-    process.join()
-    return result
 
 
 # ---- the server and the engine (this process) -----------------------------------------------------
@@ -115,6 +57,31 @@ class _EngineTTFT:
             self.wall[output.request_id] = (metrics.arrival_time, metrics.first_token_time)
 
 
+class _ServerTimes:
+    """ASGI wrapper: per completion id, when uvicorn handed the request to the app and when the app sent
+    the first body chunk (the first token: chunks without text are never sent first), as time.time()."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.times: dict[str, tuple[float, float]] = {}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] != "/v1/completions":
+            return await self.app(scope, receive, send)
+        entered = time.time()
+        first_seen = False
+
+        async def timed_send(message) -> None:
+            nonlocal first_seen
+            body = message.get("body", b"") if message["type"] == "http.response.body" else b""
+            if not first_seen and body.startswith(b"data: {"):
+                first_seen = True
+                self.times[json.loads(body[6:])["id"]] = (entered, time.time())
+            await send(message)
+
+        await self.app(scope, receive, timed_send)
+
+
 def start_server(engine, model: str):
     import uvicorn
 
@@ -127,7 +94,7 @@ def start_server(engine, model: str):
     async_engine = AsyncEngine(engine, max_waiting_requests=None)
     recorder = _EngineTTFT()
     async_engine.observers.append(recorder)
-    app = build_app(async_engine, ServerSettings([model]))
+    app = _ServerTimes(build_app(async_engine, ServerSettings([model])))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
@@ -135,12 +102,14 @@ def start_server(engine, model: str):
     thread.start()
     while not server.started:
         time.sleep(0.01)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread, recorder
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread, recorder, app
 
 
-def summarize(run: dict, recorder: _EngineTTFT) -> dict:
-    requests, engine_ttft = run["requests"], recorder.ttft
-    ttft, tpot, itl, e2e, overhead, inbound, outbound = [], [], [], [], [], [], []
+def summarize(run: dict, recorder: _EngineTTFT, server_times: dict[str, tuple[float, float]]) -> dict:
+    requests = run["requests"]
+    ttft, tpot, itl, e2e, engine_ttft = [], [], [], [], []
+    overhead = {key: [] for key in ("server", "end_to_end", "inbound", "asgi_to_handler", "outbound_server",
+                                    "outbound")}
     for r in requests:
         if not r["chunks"]:
             continue
@@ -150,18 +119,24 @@ def summarize(run: dict, recorder: _EngineTTFT) -> dict:
         if r["tokens"] > 1:
             tpot.append((r["done"] - r["chunks"][0]) / (r["tokens"] - 1))
         itl.extend(b - a for a, b in zip(r["chunks"], r["chunks"][1:]))
-        engine_first = engine_ttft.get(f"{r['id']}-0")
-        if engine_first is not None:
-            overhead.append(first - engine_first)
-            arrival, first_token = recorder.wall[f"{r['id']}-0"]  # same machine: wall clocks agree
-            inbound.append(arrival - r["sent_wall"])
-            outbound.append(r["first_wall"] - first_token)
+        engine_first = recorder.ttft.get(f"{r['id']}-0")
+        if engine_first is None or r["id"] not in server_times:
+            continue
+        engine_ttft.append(engine_first)
+        arrival, first_token = recorder.wall[f"{r['id']}-0"]  # same machine: wall clocks agree
+        entered, first_sent = server_times[r["id"]]
+        overhead["server"].append(first_sent - entered - engine_first)
+        overhead["end_to_end"].append(first - engine_first)
+        overhead["inbound"].append(arrival - r["sent_wall"])
+        overhead["asgi_to_handler"].append(arrival - entered)
+        overhead["outbound_server"].append(first_sent - first_token)
+        overhead["outbound"].append(r["first_wall"] - first_token)
     tokens = sum(r["tokens"] for r in requests)
     return {"seconds": run["seconds"], "completed": len(requests), "output_tokens": tokens,
             "requests_per_s": len(requests) / run["seconds"], "output_tokens_per_s": tokens / run["seconds"],
             "ttft_ms": _stats(ttft), "tpot_ms": _stats(tpot), "itl_ms": _stats(itl), "e2e_ms": _stats(e2e),
-            "server_ttft_overhead_ms": _stats(overhead), "engine_ttft_ms": _stats(list(engine_ttft.values())),
-            "overhead_request_to_handler_ms": _stats(inbound), "overhead_first_token_to_client_ms": _stats(outbound)}
+            "engine_ttft_ms": _stats(engine_ttft),
+            **{f"ttft_overhead_{key}_ms": _stats(values) for key, values in overhead.items()}}
 
 
 def offline(engine, prompts: list[list[int]], output_lens: list[int]) -> dict:
@@ -188,14 +163,21 @@ def workload(num: int, input_len: int, output_len: int, ratio: float, vocab: int
     return prompts, lengths(output_len)
 
 
+_LATENCY_ROWS = (
+    ("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"), ("engine TTFT", "engine_ttft_ms"),
+    ("TTFT overhead, server-side (ASGI in -> first chunk out, minus engine TTFT)", "ttft_overhead_server_ms"),
+    ("- of which ASGI in -> handler", "ttft_overhead_asgi_to_handler_ms"),
+    ("- of which first token -> chunk out", "ttft_overhead_outbound_server_ms"),
+    ("TTFT overhead, end to end (client TTFT minus engine TTFT)", "ttft_overhead_end_to_end_ms"),
+    ("- of which client send -> handler", "ttft_overhead_inbound_ms"),
+    ("- of which first token -> client", "ttft_overhead_outbound_ms"),
+)
+
+
 def markdown(results: dict) -> str:
     s, o = results["serve"], results["offline"]
     rows = [f"| {name} | {s[key]['mean']:.1f} | {s[key]['p50']:.1f} | {s[key]['p99']:.1f} |"
-            for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"),
-                              ("server TTFT overhead", "server_ttft_overhead_ms"), ("engine TTFT", "engine_ttft_ms"),
-                              ("overhead: request -> handler", "overhead_request_to_handler_ms"),
-                              ("overhead: first token -> client", "overhead_first_token_to_client_ms"))
-            if s[key]["mean"] is not None]
+            for name, key in _LATENCY_ROWS if s[key]["mean"] is not None]
     return "\n".join([
         f"# Serving benchmark ({results['machine']['backend']})", "",
         f"- Command: `{results['command']}`",
@@ -204,7 +186,8 @@ def markdown(results: dict) -> str:
         f"- Machine: {results['machine']['platform']}, {results['machine']['cpus']} CPUs, "
         f"jax {results['machine']['jax']}",
         "", "| throughput | HTTP (streaming) | offline Engine.generate | ratio |", "|---|---|---|---|",
-        f"| output tok/s | {s['output_tokens_per_s']:.1f} | {o['output_tokens_per_s']:.1f} | "
+        f"| output tok/s | {s['output_tokens_per_s']:.1f} | {o['output_tokens_per_s']:.1f} (mean of "
+        f"{' and '.join(f'{x:.1f}' for x in o['runs_output_tokens_per_s'])}, before and after) | "
         f"{results['http_over_offline']:.2f} |",
         f"| requests/s | {s['requests_per_s']:.2f} | {o['requests_per_s']:.2f} | |",
         "", "| latency (ms) | mean | p50 | p99 |", "|---|---|---|---|", *rows, ""])
@@ -241,17 +224,22 @@ def main(argv: list[str] | None = None) -> int:
     warm_prompts, warm_lens = workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab,
                                        seed=1)
     offline(engine, warm_prompts, warm_lens)  # compiles the shapes of this workload
-    offline_result = offline(engine, prompts, lens)
-    print(f"[offline] {offline_result['output_tokens_per_s']:.1f} output tok/s", flush=True)
-    url, server, thread, recorder = start_server(engine, model)
-    try:
-        run_clients(url, warm_prompts, warm_lens, args.concurrency, model)  # shapes of staggered arrivals
-        recorder.ttft.clear()
-        recorder.wall.clear()
-        serve_result = summarize(run_clients(url, prompts, lens, args.concurrency, model), recorder)
+    offline_before = offline(engine, prompts, lens)
+    print(f"[offline] {offline_before['output_tokens_per_s']:.1f} output tok/s", flush=True)
+    url, server, thread, recorder, timed_app = start_server(engine, model)
+    try:  # the warm-up pass compiles the shapes of staggered arrivals; the timed pass reuses its connections
+        _, timed_run = run_clients(url, [(warm_prompts, warm_lens), (prompts, lens)], args.concurrency, model)
+        serve_result = summarize(timed_run, recorder, timed_app.times)
     finally:
         server.should_exit = True
         thread.join(timeout=60)
+    # Offline runs on both sides of the HTTP run: this VM's speed drifts by tens of percent within minutes,
+    # so the baseline is their mean, not one sample that may have caught a fast or a slow moment.
+    offline_after = offline(engine, prompts, lens)
+    print(f"[offline] {offline_after['output_tokens_per_s']:.1f} output tok/s (after the HTTP run)", flush=True)
+    offline_result = {key: (offline_before[key] + offline_after[key]) / 2 for key in offline_before}
+    offline_result["runs_output_tokens_per_s"] = [offline_before["output_tokens_per_s"],
+                                                  offline_after["output_tokens_per_s"]]
     ratio = serve_result["output_tokens_per_s"] / offline_result["output_tokens_per_s"]
     results = {
         "command": command_line("benchmarks.serve", argv), "machine": machine_info(),
@@ -263,11 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     s = serve_result
     print(f"[serve] {s['output_tokens_per_s']:.1f} output tok/s ({100 * ratio:.0f}% of offline), "
           f"{s['requests_per_s']:.2f} req/s", flush=True)
-    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "server_ttft_overhead_ms", "engine_ttft_ms",
-                 "overhead_request_to_handler_ms", "overhead_first_token_to_client_ms"):
+    for label, name in _LATENCY_ROWS:
         st = s[name]
         if st["mean"] is not None:
-            print(f"[serve] {name:24s} mean {st['mean']:8.1f}  p50 {st['p50']:8.1f}  p99 {st['p99']:8.1f}")
+            print(f"[serve] {label[:60]:60s} mean {st['mean']:8.1f}  p50 {st['p50']:8.1f}  p99 {st['p99']:8.1f}")
     write_json(args.json, results)
     if args.markdown:
         with open(args.markdown, "w") as f:

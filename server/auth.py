@@ -8,8 +8,9 @@ from fastapi import Request
 from server.errors import APIError
 
 
-def check_api_key(request: Request) -> None:
-    """FastAPI dependency; a no-op when the server runs without --api-key."""
+async def check_api_key(request: Request) -> None:
+    """FastAPI dependency (async: a plain def would run in the thread pool, a hop per request); a no-op
+    when the server runs without --api-key."""
     expected: bytes | None = request.app.state.settings.api_key_bytes
     if expected is None:
         return

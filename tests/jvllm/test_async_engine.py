@@ -218,3 +218,70 @@ def test_stats_and_observers_see_every_step(async_engine):
     assert _wait(lambda: async_engine.stats.num_running == 0)
     stats = async_engine.stats
     assert stats.num_steps >= len(outputs) and stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
+
+
+def _record_first_steps(engine, monkeypatch) -> list[tuple[float, int]]:
+    """(time, requests waiting) at the start of every step of `engine`."""
+    starts: list[tuple[float, int]] = []
+    step = engine.step
+
+    def recording_step():
+        starts.append((time.monotonic(), len(engine.scheduler.waiting)))
+        return step()
+
+    monkeypatch.setattr(engine, "step", recording_step)
+    return starts
+
+
+def test_a_burst_of_arrivals_into_an_idle_engine_shares_its_first_step(engine, monkeypatch):
+    starts = _record_first_steps(engine, monkeypatch)
+    wrapper = AsyncEngine(engine, burst_gap_s=0.05, max_burst_wait_s=2.0)  # roomy: CI machines stall
+
+    async def main():
+        async def one(i: int):
+            await asyncio.sleep(0.005 * i)  # staggered arrivals, each well within the gap
+            return [o async for o in wrapper.generate(f"burst {i}", GREEDY, f"burst-{i}")]
+
+        return await asyncio.gather(*(one(i) for i in range(6)))
+
+    try:
+        outputs = asyncio.run(main())
+    finally:
+        wrapper.close()
+    assert all(o[-1].finished for o in outputs)
+    assert starts[0][1] == 6  # all six prefilled together, none alone ahead of the rest
+
+
+def test_a_lone_request_waits_one_gap_and_the_wait_is_capped(engine, monkeypatch):
+    starts = _record_first_steps(engine, monkeypatch)
+    wrapper = AsyncEngine(engine, burst_gap_s=0.05, max_burst_wait_s=0.3)
+
+    async def lone():
+        added = time.monotonic()
+        await wrapper.add_request("alone", GREEDY, "lone")
+        return added
+
+    async def trickle():  # a new request every 20 ms for 1 s: the first step must not wait for the end
+        added = time.monotonic()
+        adds = []
+        for i in range(50):
+            adds.append(asyncio.ensure_future(wrapper.add_request(f"trickle {i}", GREEDY, f"trickle-{i}")))
+            await asyncio.sleep(0.02)
+        for stream in await asyncio.gather(*adds):
+            async for _ in stream:
+                pass
+        return added
+
+    try:
+        added = asyncio.run(lone())
+        assert _wait(lambda: bool(starts)) and _idle_after(wrapper)
+        assert starts[0][0] - added < 0.3  # the gap (50 ms) plus scheduling noise, well under a cap's worth
+        starts.clear()
+        added = asyncio.run(trickle())
+        assert starts[0][0] - added < 0.3 + 0.2  # the cap, not the whole second of arrivals
+    finally:
+        wrapper.close()
+
+
+def _idle_after(wrapper: AsyncEngine) -> bool:
+    return _wait(lambda: not wrapper.engine.has_unfinished_requests())
