@@ -14,6 +14,7 @@ from jvllm.engine import Engine, PromptType
 from jvllm.outputs import RequestOutput
 from jvllm.embed_batcher import EmbeddingBatcher
 from jvllm.embedding import embed_unsupported
+from jvllm.engine_status import EngineDeadError, EngineStats, EngineStepError, QueueFullError
 from jvllm.outputs import EmbeddingRequestOutput
 from jvllm.request_stream import RequestStream, aborted_output
 from jvllm.sampling_params import SamplingParams
@@ -30,31 +31,6 @@ _MAX_CONSECUTIVE_STEP_FAILURES = 3
 DEFAULT_BURST_GAP_S = 0.005
 DEFAULT_MAX_BURST_WAIT_S = 0.05
 BURST_WAIT_STEP_FRACTION = 0.25
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (fatal error or shutdown); no request can be served any more."""
-
-
-class EngineStepError(RuntimeError):
-    """A model step failed while this request was running; the request was aborted."""
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at its configured limit; retry later."""
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineStats:
-    """A snapshot published by the engine thread after every step (safe to read from any thread)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0  # fraction of usable KV pages in use
-    num_preemptions: int = 0  # cumulative
-    prefix_cache_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # cumulative, of those, tokens found there
-    num_steps: int = 0  # cumulative
 
 
 OutputObserver = Callable[[RequestOutput], None]

@@ -1,0 +1,32 @@
+"""What AsyncEngine reports about itself: the errors its callers see and the stats snapshot it publishes."""
+from __future__ import annotations
+
+import dataclasses
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (fatal error or shutdown); no request can be served any more."""
+
+
+class EngineStepError(RuntimeError):
+    """A model step failed while this request was running; the request was aborted."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its configured limit; retry later."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot published by the engine thread after every step (safe to read from any thread)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of usable KV pages in use
+    num_preemptions: int = 0  # cumulative
+    prefix_cache_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # cumulative, of those, tokens found there
+    num_steps: int = 0  # cumulative
+
+
+__all__ = ["EngineDeadError", "EngineStats", "EngineStepError", "QueueFullError"]
