@@ -47,13 +47,11 @@ class _EngineTTFT:
     """Observer: each request's engine-side time to first token (arrival at the handler -> first token)."""
 
     def __init__(self) -> None:
-        self.ttft: dict[str, float] = {}
         self.wall: dict[str, tuple[float, float]] = {}  # (arrival, first token), time.time()
 
     def __call__(self, output) -> None:
         metrics = output.metrics
-        if output.request_id not in self.ttft and metrics and metrics.time_to_first_token is not None:
-            self.ttft[output.request_id] = metrics.time_to_first_token
+        if output.request_id not in self.wall and metrics and metrics.first_token_time is not None:
             self.wall[output.request_id] = (metrics.arrival_time, metrics.first_token_time)
 
 
@@ -119,11 +117,12 @@ def summarize(run: dict, recorder: _EngineTTFT, server_times: dict[str, tuple[fl
         if r["tokens"] > 1:
             tpot.append((r["done"] - r["chunks"][0]) / (r["tokens"] - 1))
         itl.extend(b - a for a, b in zip(r["chunks"], r["chunks"][1:]))
-        engine_first = recorder.ttft.get(f"{r['id']}-0")
-        if engine_first is None or r["id"] not in server_times:
+        wall = recorder.wall.get(f"{r['id']}-0")
+        if wall is None or r["id"] not in server_times:
             continue
+        arrival, first_token = wall  # same machine: the server's and the client's wall clocks agree
+        engine_first = first_token - arrival
         engine_ttft.append(engine_first)
-        arrival, first_token = recorder.wall[f"{r['id']}-0"]  # same machine: wall clocks agree
         entered, first_sent = server_times[r["id"]]
         overhead["server"].append(first_sent - entered - engine_first)
         overhead["end_to_end"].append(first - engine_first)
