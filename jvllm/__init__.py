@@ -4,7 +4,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from jvllm.xla_flags import apply_cpu_defaults
+
 __version__ = "0.1.0"
+apply_cpu_defaults()  # before anything starts a JAX backend
 
 _EXPORTS = {
     "Engine": "jvllm.engine",

@@ -70,7 +70,8 @@ def build_batch(chunks: list[ScheduledChunk], page_size: int, limits: BucketLimi
         request, n, start = chunk.request, chunk.num_tokens, chunk.start
         span = slice(cursor, cursor + n)
         pos = np.arange(start, start + n, dtype=np.int32)
-        input_ids[span] = [request.token_at(i) for i in range(start, start + n)]
+        input_ids[span] = [request.token_at(i) for i in range(start, start + n - chunk.pending_tokens)] + \
+            [0] * chunk.pending_tokens  # the runner fills a look-ahead token from the device
         positions[span] = pos
         pages = np.asarray(request.page_table, np.int32)
         slot_mapping[span] = pages[pos // page_size] * page_size + pos % page_size

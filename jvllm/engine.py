@@ -15,7 +15,8 @@ from jvllm.config import EngineConfig, build_engine_config
 from jvllm.detokenizer import IncrementalDetokenizer
 from jvllm.embedding import embed_unsupported, generate_unsupported
 from jvllm.kv_pages import PageManager
-from jvllm.model_runner import ModelRunner
+from jvllm.lookahead import plan_lookahead, settle_lookahead
+from jvllm.model_runner import DispatchedGroup, ModelRunner
 from jvllm.logprobs import MAX_LOGPROBS
 from jvllm.parallel import distributed
 from jvllm.output_processor import append_token, record_prompt_logprobs, request_output
@@ -23,7 +24,7 @@ from jvllm.outputs import EmbeddingRequestOutput, RequestOutput
 from jvllm.progress import GenerateProgress
 from jvllm.request import Request, RequestStatus
 from jvllm.sampling_params import SamplingParams
-from jvllm.scheduler import Scheduler
+from jvllm.scheduler import ScheduledChunk, Scheduler
 
 logger = logging.getLogger("jvllm")
 PromptType = str | dict[str, Any]
@@ -39,14 +40,18 @@ class Engine:
                  attention_backend: str = "auto", load_format: str = "auto", seed: int = 0,
                  served_model_name: str | None = None, batched_weight_dtype: str | None = None,
                  pooling: str | None = None, normalize: bool | None = None, num_hosts: int | None = None,
-                 host_rank: int | None = None, coordinator: str | None = None):
+                 host_rank: int | None = None, coordinator: str | None = None, async_scheduling: bool = True):
         """`pooling` ("mean", "cls", "last", "max", "mean_sqrt_len") and `normalize` override an embedding
         model's sentence-transformers config; on a generative model, `pooling` enables embed().
 
         `tensor_parallel_size` shards the model over that many devices (jvllm.parallel). With `num_hosts` > 1
         (or $JVLLM_NUM_HOSTS), every host builds the same Engine with its `host_rank` and rank 0's
         `coordinator` HOST:PORT: the mesh spans every host's devices, rank 0 schedules and generates, the
-        others call `follow()` until rank 0's `shutdown()` (also run at exit)."""
+        others call `follow()` until rank 0's `shutdown()` (also run at exit).
+
+        `async_scheduling` dispatches each decode step before the previous step's tokens reach the host, so
+        host work (detokenizing, stop checks, building the next batch) overlaps the device's; one device only
+        (tensor parallelism and several hosts run synchronously)."""
         from jvllm.attention import resolve_backend_name
         from jvllm.embedding import build_embedder, encoder_engine_config
         from models.loader import load_model, resolve_dtype
@@ -96,6 +101,8 @@ class Engine:
         self.embedder = build_embedder(self.model, cfg, pooling=pooling, normalize=normalize,
                                        batched_weight_dtype=batched_dtype,
                                        batched_weights=self.runner.batched_weights if self.runner else None)
+        self.async_scheduling = bool(async_scheduling and self.runner is not None and self.runner.can_look_ahead)
+        self._ahead: list[DispatchedGroup] | None = None  # the look-ahead step in flight, if any
         self._rng = random.Random(seed)
         self._counter = itertools.count()
         self._groups: dict[str, list[Request]] = {}
@@ -218,6 +225,8 @@ class Engine:
             for request in self._groups.pop(rid, []):
                 if not request.is_finished:
                     self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        if self._ahead is not None and all(c.request.is_finished for c in self._ahead[0].chunks):
+            self._ahead = None  # nobody is left to read the look-ahead step's results
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (pages in use stay valid for their requests). -> True, as vLLM's does."""
@@ -231,17 +240,47 @@ class Engine:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, process results; -> outputs of every prompt that advanced."""
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
-            return []
-        results = self.runner.execute(plan.chunks)
-        self.scheduler.commit(plan)
+        """Schedule, run the model once, process results; -> outputs of every prompt that advanced.
+
+        With async scheduling, the next decode step is dispatched before this one's ids are read (see
+        jvllm.lookahead), and the following call starts from it instead of scheduling."""
+        current, self._ahead = self._ahead, None
+        if current is None:
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                return []
+            current = self.runner.dispatch(plan.chunks)
+            self.scheduler.commit(plan)
+        try:
+            self._ahead = self._dispatch_ahead(current)
+            results = self.runner.collect(current)
+            outputs = self._process_results([c for group in current for c in group.chunks], results)
+            if self._ahead is not None:
+                self._settle_ahead()
+        except BaseException:
+            self._ahead = None
+            raise
+        return outputs
+
+    def _dispatch_ahead(self, current: list[DispatchedGroup]) -> list[DispatchedGroup] | None:
+        if not (self.async_scheduling and len(current) == 1):
+            return None
+        alive = [chunk for chunk in current[0].chunks if not chunk.request.is_finished]  # aborted ones left out
+        chunks = plan_lookahead(self.scheduler, alive)
+        return None if chunks is None else self.runner.dispatch(chunks, source=current[0])
+
+    def _settle_ahead(self) -> None:
+        """Commit the look-ahead rows whose request goes on (the others' results are skipped when collected);
+        with none left, nothing needs the step's results."""
+        if not settle_lookahead(self.scheduler, self._ahead[0].chunks):
+            self._ahead = None
+
+    def _process_results(self, chunks: list[ScheduledChunk], results: dict) -> list[RequestOutput]:
         advanced: dict[str, None] = {}
-        for chunk in plan.chunks:
+        for chunk in chunks:
             request = chunk.request
             result = results.get(request.request_id)
-            if result is None:
+            if result is None or request.is_finished:  # finished: aborted while its step ran
                 continue
             record_prompt_logprobs(request, result, self._decode_token)
             if result.token_id is None:

@@ -31,7 +31,7 @@ class StepCall:
     """Everything one device step takes from the host: numpy arrays and static choices. Multi-host, rank 0
     sends it to the other ranks, which run the same step (jvllm.parallel.distributed)."""
 
-    input_ids: np.ndarray  # [T] int32
+    input_ids: np.ndarray | jax.Array  # [T] int32; on the device for a look-ahead step
     positions: np.ndarray  # [T] int32
     metadata: AttentionMetadata  # numpy leaves
     sampling: Any = None  # SamplingTensors (numpy leaves); None for an all-logits call
@@ -55,6 +55,22 @@ class StepResult:
     token_logprobs: TokenLogprobs | None
     prompt_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     prompt_start: int = 1
+
+
+@dataclasses.dataclass
+class DispatchedGroup:
+    """One bucketed device call started by ModelRunner.dispatch; `out` holds its device outputs."""
+
+    chunks: list[ScheduledChunk]
+    call: StepCall
+    prompt_rows: list
+    out: Any
+
+
+@jax.jit
+def _take_ids(source_ids: jax.Array, rows: np.ndarray) -> jax.Array:
+    """source_ids [S'] int32, rows [T] int32 -> [T] int32 input ids, gathered on the device."""
+    return source_ids[rows]
 
 
 def prompt_logprob_targets(chunks: list[ScheduledChunk], num_tokens: int) -> tuple[np.ndarray, list]:
@@ -124,9 +140,27 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk]) -> dict[str, StepResult]:
         """Run decode chunks (1 token) and prefill chunks as two bucketed calls; -> {request_id: result} for every
         chunk that samples a token or asked for prompt logprobs."""
+        return self.collect(self.dispatch(chunks))
+
+    @property
+    def can_look_ahead(self) -> bool:
+        """Async scheduling feeds a step from the previous step's device ids: one device, one host."""
+        return self.mesh is None and self.channel is None
+
+    def dispatch(self, chunks: list[ScheduledChunk], source: DispatchedGroup | None = None) -> list[DispatchedGroup]:
+        """Start the device steps of `chunks` without waiting for them. With `source` (the previous step, one
+        group), `chunks` are look-ahead chunks of its requests: one call, each input token taken on the device
+        from the id `source` sampled for the same request."""
+        if source is None:
+            return [self._dispatch_group(group) for group in self._groups(chunks)]
+        rows = {id(chunk.request): row for row, chunk in enumerate(source.chunks)}
+        return [self._dispatch_group(chunks, source.out["token_ids"], [rows[id(c.request)] for c in chunks])]
+
+    def collect(self, dispatched: list[DispatchedGroup]) -> dict[str, StepResult]:
+        """Wait for dispatched steps; -> {request_id: result} (see execute)."""
         results: dict[str, StepResult] = {}
-        for group in self._groups(chunks):
-            results.update(self._run_group(group))
+        for group in dispatched:
+            results.update(self._group_results(group))
         return results
 
     @staticmethod
@@ -201,9 +235,18 @@ class ModelRunner:
             steps += 1
         return steps
 
-    def _run_group(self, chunks: list[ScheduledChunk]) -> dict[str, StepResult]:
+    def _dispatch_group(self, chunks: list[ScheduledChunk], source_ids: jax.Array | None = None,
+                        source_rows: list[int] | None = None) -> DispatchedGroup:
+        """source_ids [S'] int32 on the device, source_rows: the row of each chunk's input token in it."""
         call, prompt_rows = self.step_call(chunks)
-        out = self.run_call(call)
+        if source_ids is not None:
+            rows = np.zeros(call.input_ids.shape[0], np.int32)  # decode chunks: flat token i is chunk i
+            rows[:len(source_rows)] = source_rows
+            call.input_ids = _take_ids(source_ids, rows)
+        return DispatchedGroup(chunks, call, prompt_rows, self.run_call(call))
+
+    def _group_results(self, group: DispatchedGroup) -> dict[str, StepResult]:
+        chunks, call, prompt_rows, out = group.chunks, group.call, group.prompt_rows, group.out
         if self.mesh is not None and jax.process_count() > 1:
             out = jax.tree.map(host_array, out)  # replicated over every host's devices: read the local copy
         token_ids, logprobs = np.asarray(out["token_ids"]), np.asarray(out["logprobs"])
@@ -244,12 +287,13 @@ class ModelRunner:
 
     @staticmethod
     def _row_spec(chunk: ScheduledChunk) -> RowSpec:
+        """A look-ahead chunk samples the token after the one still on the device."""
         request = chunk.request
         params = request.params
         blocked: list[int] = []
-        if len(request.output_token_ids) < params.min_tokens:
+        if len(request.output_token_ids) + chunk.pending_tokens < params.min_tokens:
             blocked = [*params.stop_token_ids, *([] if params.ignore_eos else request.eos_token_ids)]
-        return RowSpec(params=params, seed=request.seed, position=request.num_tokens,
+        return RowSpec(params=params, seed=request.seed, position=request.num_tokens + chunk.pending_tokens,
                        prompt_ids=request.prompt_token_ids, output_ids=request.output_token_ids, blocked_ids=blocked)
 
     def _log_new_shape(self, key: tuple) -> None:

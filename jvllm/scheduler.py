@@ -12,16 +12,23 @@ from jvllm.request import Request, RequestStatus
 
 @dataclasses.dataclass
 class ScheduledChunk:
-    """`num_tokens` tokens of `request`, starting at its `num_computed_tokens`, run this step."""
+    """`num_tokens` tokens of `request`, starting at its `num_computed_tokens`, run this step. A `lookahead`
+    chunk computes the token the previous step is still sampling on the device (see jvllm.lookahead)."""
 
     request: Request
     num_tokens: int
+    lookahead: bool = False
     start: int = dataclasses.field(init=False)  # fixed at scheduling time, before commit() moves the request on
     samples: bool = dataclasses.field(init=False)  # reaches the last known token, so its logits are sampled
 
     def __post_init__(self) -> None:
         self.start = self.request.num_computed_tokens
-        self.samples = self.start + self.num_tokens == self.request.num_tokens
+        self.samples = self.lookahead or self.start + self.num_tokens == self.request.num_tokens
+
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens of the request sampled on the device but not yet known on the host (0 or 1)."""
+        return 1 if self.lookahead else 0
 
 
 @dataclasses.dataclass
@@ -178,8 +185,11 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def commit(self, output: SchedulerOutput) -> None:
-        """After the model ran: the scheduled tokens now have KV in the pool."""
-        for chunk in output.chunks:
+        """Once the step is dispatched: the scheduled tokens have (or will have, in device order) KV in the pool."""
+        self.commit_chunks(output.chunks)
+
+    def commit_chunks(self, chunks: list[ScheduledChunk]) -> None:
+        for chunk in chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
             if self.enable_prefix_caching:
                 self._register_full_pages(chunk.request)

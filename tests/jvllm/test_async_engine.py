@@ -132,8 +132,8 @@ def test_a_refused_prompt_raises_and_leaves_nothing_behind(async_engine):
 
 def test_a_full_waiting_queue_raises_queue_full(async_engine, monkeypatch):
     runner = async_engine.engine.runner
-    real = runner.execute
-    monkeypatch.setattr(runner, "execute", lambda *a, **k: (time.sleep(0.05), real(*a, **k))[1])
+    real = runner.collect
+    monkeypatch.setattr(runner, "collect", lambda *a, **k: (time.sleep(0.05), real(*a, **k))[1])
 
     async def main():
         # 8 run, 2 may wait; the rest are refused. All are queued while one slow step is in flight.
@@ -152,7 +152,7 @@ def test_a_full_waiting_queue_raises_queue_full(async_engine, monkeypatch):
 
 def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(async_engine, monkeypatch):
     runner = async_engine.engine.runner
-    real = runner.execute
+    real = runner.collect
     state = {"fail": True}
 
     def flaky(*args, **kwargs):
@@ -161,7 +161,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(async_engine, m
             raise RuntimeError("transient device error")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "execute", flaky)
+    monkeypatch.setattr(runner, "collect", flaky)
 
     async def collect(prompt: str, request_id: str):
         return [o async for o in async_engine.generate(prompt, GREEDY, request_id)]
@@ -176,7 +176,7 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(async_engine, m
 
 
 def test_repeated_failures_kill_the_engine(async_engine, monkeypatch):
-    monkeypatch.setattr(async_engine.engine.runner, "execute", lambda *a, **k: (_ for _ in ()).throw(OSError("gone")))
+    monkeypatch.setattr(async_engine.engine.runner, "collect", lambda *a, **k: (_ for _ in ()).throw(OSError("gone")))
 
     async def main():
         for i in range(3):

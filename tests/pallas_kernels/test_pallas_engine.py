@@ -87,7 +87,7 @@ def test_pallas_engine_chunked_prefill_matches_xla(default_engine, interpret_def
 # ---- CUDA lowering of the engine's steps (issue 3, item 4) ------------------------------------------------------
 
 def lower_step_for_cuda(engine: Engine, chunks) -> str:
-    """StableHLO text of the runner's forward_sample for `chunks`, with inputs built as ModelRunner._run_group
+    """StableHLO text of the runner's forward_sample for `chunks`, with inputs built as ModelRunner.step_call
     builds them."""
     runner = engine.runner
     batch = build_batch(chunks, runner.page_size, runner.limits, cached_pages_only=not runner.steps.fused)

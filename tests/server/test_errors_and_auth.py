@@ -187,7 +187,7 @@ def test_internal_errors_are_500_without_details(live_server, monkeypatch):
 
 def test_a_failed_step_is_500_then_an_error_event_and_the_server_keeps_serving(live_server, monkeypatch):
     runner = live_server.engine.engine.runner
-    real = runner.execute
+    real = runner.collect
     failing = True
 
     def flaky(*args, **kwargs):
@@ -195,7 +195,7 @@ def test_a_failed_step_is_500_then_an_error_event_and_the_server_keeps_serving(l
             raise RuntimeError("device on fire")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "execute", flaky)
+    monkeypatch.setattr(runner, "collect", flaky)
     body = {"prompt": "fail me", "max_tokens": 3, "ignore_eos": True}
     _error(_post(live_server, "/v1/completions", body), 500)
     failing = False

@@ -18,13 +18,13 @@ def test_a_full_waiting_queue_is_503_with_retry_after(narrow_server, monkeypatch
     import time
 
     runner = narrow_server.engine.engine.runner
-    real = runner.execute
+    real = runner.collect
 
     def slow(*args, **kwargs):  # steps of >= 20 ms: the long request surely outlives the test's checks
         time.sleep(0.02)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "execute", slow)
+    monkeypatch.setattr(runner, "collect", slow)
     long = {"prompt": "busy", "max_tokens": 480, "ignore_eos": True, "stream": True}
     url, headers = f"{narrow_server.v1}/completions", narrow_server.headers
     with httpx.Client(timeout=600) as first, httpx.Client(timeout=600) as second:
@@ -48,7 +48,7 @@ def test_a_dead_engine_makes_health_503_and_requests_503(narrow_server, monkeypa
     def broken(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(narrow_server.engine.engine.runner, "execute", broken)
+    monkeypatch.setattr(narrow_server.engine.engine.runner, "collect", broken)
     url, headers = f"{narrow_server.v1}/completions", narrow_server.headers
     codes = [httpx.post(url, headers=headers, json={"prompt": f"try {i}", "max_tokens": 2}, timeout=600).status_code
              for i in range(3)]
