@@ -86,7 +86,7 @@ def engine_metadata(chunks: list[tuple[int, int]], page_size: int, num_pages: in
     fakes, cursor = [], 0
     for (start, n), count in zip(chunks, total_pages):
         request = types.SimpleNamespace(token_at=lambda i: 0, page_table=list(free[cursor:cursor + count]))
-        fakes.append(types.SimpleNamespace(request=request, num_tokens=n, start=start))
+        fakes.append(types.SimpleNamespace(request=request, num_tokens=n, start=start, pending_tokens=0))
         cursor += count
     host = build_batch(fakes, page_size, limits)
     md = AttentionMetadata(*(jnp.asarray(getattr(host.metadata, f.name))
