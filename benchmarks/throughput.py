@@ -42,17 +42,24 @@ def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[in
     return [rng.integers(100, vocab - 100, size=length).tolist() for _ in range(num)]
 
 
-def run_jvllm(engine, prompts: list[list[int]], output_len: int) -> dict:
+def warm_then_time(engine, prompts: list[list[int]], output_len: int) -> tuple[float, list]:
+    """Greedy fixed-length generation of `prompts`, run once to compile every shape it needs, then timed;
+    -> (seconds, outputs). The prefix cache is emptied before each pass: the timed pass computes every prompt
+    as the warm-up did (so it needs no new shapes) and as transformers does (no KV reused from a pass)."""
     from jvllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     inputs = [{"prompt_token_ids": p} for p in prompts]
-    # The prefix cache is emptied before each pass: the timed pass computes every prompt as the warm-up did
-    # (so it needs no new shapes) and as transformers does (no KV reused from an earlier pass).
     engine.reset_prefix_cache()
-    engine.generate(inputs, params, use_tqdm=False)  # warm-up: compiles every shape this workload needs
+    engine.generate(inputs, params, use_tqdm=False)
     engine.reset_prefix_cache()
-    elapsed = _timed(lambda: engine.generate(inputs, params, use_tqdm=False))
+    started = time.perf_counter()
+    outputs = engine.generate(inputs, params, use_tqdm=False)
+    return time.perf_counter() - started, outputs
+
+
+def run_jvllm(engine, prompts: list[list[int]], output_len: int) -> dict:
+    elapsed, _ = warm_then_time(engine, prompts, output_len)
     out_tokens = len(prompts) * output_len
     return {"seconds": elapsed, "requests_per_s": len(prompts) / elapsed, "output_tokens_per_s": out_tokens / elapsed,
             "total_tokens_per_s": (out_tokens + sum(map(len, prompts))) / elapsed}
@@ -60,13 +67,7 @@ def run_jvllm(engine, prompts: list[list[int]], output_len: int) -> dict:
 
 def run_single_decode(engine, prompt: list[int], output_len: int) -> dict:
     """Decode-only speed of one request: time between the first and the last token."""
-    from jvllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    engine.reset_prefix_cache()
-    engine.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-    engine.reset_prefix_cache()
-    output = engine.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    _, (output,) = warm_then_time(engine, [prompt], output_len)
     decode_seconds = output.metrics.last_token_time - output.metrics.first_token_time
     return {"decode_tokens_per_s": (output_len - 1) / decode_seconds}
 

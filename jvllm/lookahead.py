@@ -12,12 +12,6 @@ from jvllm.request import Request
 from jvllm.scheduler import ScheduledChunk, Scheduler
 
 
-def _needs_host_history(request: Request) -> bool:
-    """Penalties count every output token, so they need the token still on the device."""
-    params = request.params
-    return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0)
-
-
 def _has_next_step(request: Request) -> bool:
     """False when the token being sampled now is the request's last (max_tokens or max_model_len)."""
     return len(request.output_token_ids) + 1 < request.max_output_tokens
@@ -30,8 +24,10 @@ def plan_lookahead(scheduler: Scheduler, current: list[ScheduledChunk]) -> list[
     are short. Never preempts. Requests whose current token is their last are left out: they finish now."""
     if scheduler.waiting or len(current) != len(scheduler.running):
         return None
-    if not all(chunk.samples and not _needs_host_history(chunk.request) for chunk in current):
-        return None  # all or nothing: a request left out would advance only every other step
+    # Penalties count every output token, including the one still on the device. All or nothing: a request
+    # left out of the look-ahead step would advance only every other step.
+    if not all(chunk.samples and not chunk.request.params.uses_penalties for chunk in current):
+        return None
     requests = [chunk.request for chunk in current if _has_next_step(chunk.request)]
     if not requests:
         return None

@@ -170,6 +170,11 @@ class SamplingParams:
         """True when sampling reduces to argmax (temperature 0)."""
         return self.temperature < _SAMPLING_EPS
 
+    @property
+    def uses_penalties(self) -> bool:
+        """True when presence, frequency or repetition penalties apply (they read the whole token history)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
     def clone(self) -> SamplingParams:
         """Independent copy: mutating lists/dicts of the clone leaves self untouched."""
         return copy.deepcopy(self)
