@@ -22,6 +22,7 @@ __all__ = [
     "apply_top_k_top_p_min_p",
     "build_sampling_tensors",
     "process_logits",
+    "row_argmax",
     "sample",
     "sample_jit",
 ]
@@ -91,6 +92,23 @@ def _apply_bias_and_masks(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     allowed = _token_mask(t.allowed_ids, vocab)  # [S, V] bool
     restricted = jnp.any(t.allowed_ids >= 0, axis=-1)  # [S] bool; all -1 => no restriction
     return jnp.where(restricted[:, None] & ~allowed, _NEG_INF, logits)  # [S, V] float32
+
+
+def row_argmax(x: jax.Array, block: int = 128) -> jax.Array:
+    """First index of each row's maximum, like jnp.argmax over the last axis: [S, V] -> [S] int32.
+
+    XLA CPU lowers argmax to a (value, index) reduction that does not vectorize: 8.5 ms over [64, 49152]
+    float32, against 0.4 ms here. Plain max-reductions find the block holding the first maximum, then one
+    small argmax runs inside that block. NaN counts as +inf (XLA CPU's max-reduction skips NaN)."""
+    rows, vocab = x.shape
+    num_blocks = -(-vocab // block)
+    x = jnp.where(jnp.isnan(x), jnp.inf, x)
+    if num_blocks * block != vocab:
+        x = jnp.pad(x, ((0, 0), (0, num_blocks * block - vocab)), constant_values=-jnp.inf)
+    blocks = x.reshape(rows, num_blocks, block)  # [S, NB, B]
+    first_block = jnp.argmax(blocks.max(axis=-1), axis=-1)  # [S]: the first block reaching the row maximum
+    winner = jnp.take_along_axis(blocks, first_block[:, None, None], axis=1)[:, 0]  # [S, B]
+    return (first_block * block + jnp.argmax(winner, axis=-1)).astype(jnp.int32)
 
 
 def process_logits(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags) -> jax.Array:
@@ -166,7 +184,7 @@ def sample(
     logits = logits.astype(jnp.float32)  # [S, V] float32
     vocab = logits.shape[-1]
     processed = process_logits(logits, t, flags)  # [S, V] float32
-    greedy_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # [S] int32
+    greedy_ids = row_argmax(processed)  # [S] int32
 
     if flags.any_random:
         is_greedy = t.temperature < GREEDY_EPS  # [S] bool
@@ -178,7 +196,7 @@ def sample(
         # Gumbel-max: argmax(logits + G) is an exact draw from softmax(logits),
         # with no normalization or cumulative sums needed.
         noise = _gumbel_noise(t.seeds, t.positions, vocab)  # [S, V] float32
-        random_ids = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)  # [S] int32
+        random_ids = row_argmax(scaled + noise)  # [S] int32
         token_ids = jnp.where(is_greedy, greedy_ids, random_ids)  # [S] int32
     else:
         token_ids = greedy_ids  # [S] int32

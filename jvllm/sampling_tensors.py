@@ -79,7 +79,8 @@ def _fill_ragged(rows: list[Sequence[int]], num_rows: int, width: int) -> np.nda
 def build_sampling_tensors(
     rows: list[RowSpec], num_padded_rows: int
 ) -> tuple[SamplingTensors, SamplerFlags]:
-    """Builds the device tensors (one transfer) and static flags for a batch.
+    """Builds the host (numpy) tensors and static flags for a batch; the runner sends them to the device
+    in the one transfer of all the step's inputs.
 
     Rows past len(rows) are padding: greedy with every feature disabled, so they
     cost nothing and never influence the real rows.
@@ -165,7 +166,7 @@ def build_sampling_tensors(
     allowed_ids = _fill_ragged(allowed_rows, s, ka)  # [S, Ka] int32
     blocked_ids = _fill_ragged(blocked_rows, s, kx)  # [S, Kx] int32
 
-    host = SamplingTensors(
+    return SamplingTensors(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
@@ -181,6 +182,4 @@ def build_sampling_tensors(
         bias_values=bias_values,
         allowed_ids=allowed_ids,
         blocked_ids=blocked_ids,
-    )
-    # A single device_put of the whole pytree: one batched host->device transfer.
-    return jax.device_put(host), flags
+    ), flags

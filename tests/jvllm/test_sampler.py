@@ -15,6 +15,7 @@ from jvllm.sampler import (
     SamplerFlags,
     build_sampling_tensors,
     process_logits_jit,
+    row_argmax,
     sample_jit,
 )
 
@@ -78,6 +79,19 @@ def test_greedy_argmax_and_raw_logprob():
     np.testing.assert_array_equal(ids, logits.argmax(-1))
     expect = log_softmax(logits.astype(np.float64))[np.arange(5), ids]
     np.testing.assert_allclose(lps, expect, atol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [1, 127, 128, 300, 49152])
+def test_row_argmax_matches_numpy_first_index(vocab):
+    """Blocked argmax: ties resolve to the first index, -inf and NaN rows as numpy, any vocab size."""
+    rng = np.random.default_rng(vocab)
+    x = rng.normal(size=(6, vocab)).astype(np.float32)  # [6, V] float32
+    x[1] = np.round(x[1])  # many ties at the maximum
+    x[2, :] = -np.inf  # fully masked row
+    x[3, vocab // 2] = np.nan
+    x[4, -1] = 50.0  # maximum in the last (possibly partial) block
+    x[5, :] = 7.0  # every entry tied
+    np.testing.assert_array_equal(np.asarray(jax.jit(row_argmax)(x)), x.argmax(-1))
 
 
 # ---------------------------------------------------------------- statistics
