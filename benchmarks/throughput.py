@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--batched-weight-dtype", default="bfloat16",
-                        help="weights for steps of >= 16 token rows (bf16 matmuls with f32 accumulation are faster on "
+                        help="weights for steps of >= 2 token rows (bf16 matmuls with f32 accumulation are faster on "
                              "CPU at many rows); 'none' keeps one float32 copy")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=64)

@@ -24,6 +24,10 @@ logger = logging.getLogger("jvllm")
 
 
 LONG_CHUNK_TOKENS = 256  # prefill chunks at least this long run as their own group
+# Steps of at least this many token rows take the batched (e.g. bf16) weights. XLA CPU (jax 0.10) runs 2+ row
+# dots through YNNPACK, where bf16 wins from 2 rows (decode step, interleaved: 2 rows 28.0 -> 25.5 ms,
+# 6 rows 30.8 -> 23.5, 16 rows 41.2 -> 32.2); a 1-row bf16 dot is a slow matrix-vector product (~6x f32).
+BATCHED_MIN_ROWS = 2
 
 
 @dataclasses.dataclass
@@ -99,7 +103,7 @@ class ModelRunner:
     """Turns scheduled chunks into device arrays, runs the jitted step, returns sampled ids to the host."""
 
     def __init__(self, loaded: LoadedModel, *, num_pages: int, page_size: int, limits: BucketLimits,
-                 attention_backend: str, batched_weight_dtype: Any = None, batched_min_rows: int = 16,
+                 attention_backend: str, batched_weight_dtype: Any = None, batched_min_rows: int = BATCHED_MIN_ROWS,
                  channel: Any = None):
         """`channel` (multi-host, a jvllm.parallel.distributed.StepChannel): rank 0 sends every step's
         StepCall through it before running it; the other ranks run what they receive (`follow`)."""

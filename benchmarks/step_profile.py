@@ -1,0 +1,110 @@
+"""Where one decode step's device time goes: per-op times from a jax.profiler trace of the jitted step.
+
+Runs `--rows` greedy requests to capture a decode step of that many sequences, replays it under the profiler,
+and prints the step's wall time with the XLA ops (thunks) that took the most time, grouped by kind (the op
+name before its first '.', e.g. `dot`, `ynn_fusion`, `transpose_copy_fusion`, `while`). Ops that run inside a
+`while` (the paged attention loop) also count in that `while`.
+
+    python -m benchmarks.step_profile --rows 64
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+# Trace events that are runtime bookkeeping or Python frames rather than XLA ops.
+_RUNTIME_PREFIXES = ("$", "PjitFunction", "ThunkExecutor", "SlinkyThreadPool", "CommonPjRt", "Handle inputs",
+                     "ParseArguments", "end: ")
+
+
+def capture_decode_call(engine, rows: int, prompt_len: int, output_len: int):
+    """Run `rows` greedy requests; -> the last step call that decoded `rows` sequences (one token each)."""
+    from benchmarks.throughput import random_prompts
+    from jvllm import SamplingParams
+
+    runner = engine.runner
+    calls = []
+    run_call = runner.run_call
+    runner.run_call = lambda call: (calls.append(call), run_call(call))[1]
+    try:
+        prompts = random_prompts(rows, prompt_len, engine.model.config.vocab_size, seed=0)
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        runner.run_call = run_call
+    decodes = [c for c in calls if c.input_ids.shape[0] == c.metadata.block_tables.shape[0]
+               and int((c.metadata.q_lens > 0).sum()) == rows]
+    if not decodes:
+        raise SystemExit(f"no decode step with {rows} sequences was run")
+    return decodes[-1]
+
+
+def op_times(trace_dir: str, steps: int) -> collections.Counter:
+    """-> microseconds per step of each XLA op in the perfetto trace under `trace_dir`."""
+    (path,) = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
+    with gzip.open(path) as f:
+        events = json.load(f)["traceEvents"]
+    totals: collections.Counter = collections.Counter()
+    for event in events:
+        name = event.get("name", "")
+        if event.get("ph") == "X" and not name.startswith(_RUNTIME_PREFIXES) and "::" not in name:
+            totals[name] += event["dur"] / steps
+    return totals
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--rows", type=int, default=1, help="sequences in the profiled decode step")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=40, help="tokens generated before the profiled step")
+    parser.add_argument("--steps", type=int, default=5, help="replays of the step under the profiler")
+    parser.add_argument("--top", type=int, default=15, help="how many single ops to list")
+    parser.add_argument("--batched-weight-dtype", default="bfloat16", help="as in benchmarks.throughput")
+    args = parser.parse_args(argv)
+
+    import jax
+
+    from jvllm import Engine
+
+    engine = Engine(args.model, load_format=args.load_format, max_num_seqs=max(args.rows, 1),
+                    batched_weight_dtype=None if args.batched_weight_dtype == "none" else args.batched_weight_dtype)
+    call = capture_decode_call(engine, args.rows, args.prompt_len, args.output_len)
+    runner = engine.runner
+
+    def one_step() -> float:
+        started = time.perf_counter()
+        jax.block_until_ready((runner.run_call(call), runner.kv_cache))
+        return time.perf_counter() - started
+
+    one_step()
+    walls = [one_step() for _ in range(args.steps)]
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(args.steps):
+                one_step()
+        totals = op_times(trace_dir, args.steps)
+    kinds: collections.Counter = collections.Counter()
+    for name, micros in totals.items():
+        kinds[name.split(".")[0]] += micros
+    print(f"decode step, {args.rows} rows, {call.metadata.block_tables.shape[1]} pages per row: "
+          f"{1e3 * statistics.median(walls):.1f} ms wall (median of {args.steps}, outside the profiler)")
+    print("by kind (ms per step):")
+    for kind, micros in kinds.most_common(12):
+        print(f"  {micros / 1e3:8.2f}  {kind}")
+    print(f"top {args.top} ops (ms per step):")
+    for name, micros in totals.most_common(args.top):
+        print(f"  {micros / 1e3:8.2f}  {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
