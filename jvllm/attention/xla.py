@@ -6,10 +6,11 @@ import jax.numpy as jnp
 
 from jvllm.attention.metadata import AttentionMetadata
 
-# Decode steps of at least this many sequence rows take `decode_attention`. Measured per decode step on
-# SmolLM2 (2-core CPU, interleaved A/B): 1 row 26.4 vs 23.4 ms gathering (the loop's per-iteration cost
-# dominates), 8 rows 38.2 vs 40.7 ms, 32 rows 53.1 vs 64.8 ms, 64 rows 86.7 vs 114.1 ms.
-DECODE_LOOP_MIN_SEQS = 8
+# Decode-only steps take `decode_attention` (the page loop); steps with prefill chunks gather the context.
+# Decode step on SmolLM2, page loop vs gather (2-core CPU, jax 0.10.2, interleaved in one process, median of
+# 16): 1 row x ~100 tokens of context 18.4 vs 18.5 ms, 4 rows 21.5 vs 23.2 ms, 1 row x 1,000 tokens 34.1 vs
+# 39.7 ms, 4 rows x 1,000 tokens 37.2 vs 67.8 ms; at 64 rows 86.7 vs 114.1 ms (session 3). Session 3 found
+# gathering faster at 1 row (23.4 vs 26.4 ms) before YNNPACK dots and 512-bit vectors changed the step.
 _MASKED = -1e30  # finite, so fully padded rows give a harmless uniform softmax rather than NaN
 
 
@@ -54,7 +55,7 @@ def paged_attention(
     With `sliding_window`, a query at position p sees only keys at positions > p - window."""
     kv_heads = k_pages.shape[2]
     seqs, max_q = md.seq_token_index.shape
-    if max_q == 1 and seqs >= DECODE_LOOP_MIN_SEQS:  # decode-only (static): stream pages, gather no context
+    if max_q == 1:  # decode-only (static): stream pages, gather no context
         out = decode_attention(q[md.seq_token_index[:, 0]], k[md.seq_token_index[:, 0]], v[md.seq_token_index[:, 0]],
                                k_pages, v_pages, md.block_tables, md.kv_lens - md.q_lens, scale, sliding_window)
         return out[md.token_seq].astype(q.dtype)  # [T, H, hd]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jvllm.attention.metadata import AttentionMetadata
-from jvllm.attention.xla import DECODE_LOOP_MIN_SEQS, decode_attention, paged_attention
+from jvllm.attention.xla import decode_attention, paged_attention
 from pallas_kernels.reference import decode_attention_reference
 
 
@@ -55,10 +55,15 @@ def test_decode_attention_bf16_pool_is_close_to_f32():
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2, rtol=2e-2)
 
 
-def test_paged_attention_routes_decode_steps_through_the_page_loop():
-    """A decode-only step (one query slot per sequence) with padded token rows: each real token gets its
-    sequence's result, as the general path computes it."""
-    seqs = DECODE_LOOP_MIN_SEQS
+@pytest.mark.parametrize("seqs", [1, 5, 8])
+def test_paged_attention_routes_decode_steps_through_the_page_loop(seqs, monkeypatch):
+    """A decode-only step (one query slot per sequence, from one sequence up) with padded token rows: each
+    real token gets its sequence's result, as the reference computes it."""
+    import jvllm.attention.xla as xla_backend
+
+    loop_calls = []
+    monkeypatch.setattr(xla_backend, "decode_attention",
+                        lambda *args, **kw: loop_calls.append(1) or decode_attention(*args, **kw))
     cached = [9, 0, 20, 31, 1, 16, 15, 30][:seqs]
     q, k, v, kp, vp, k_ref, v_ref, tables, cached_arr = _case(seqs, 6, 3, 16, 8, 4, cached, jnp.float32)
     num_tokens = seqs + 1  # one token per sequence + one padding row
@@ -70,5 +75,6 @@ def test_paged_attention_routes_decode_steps_through_the_page_loop():
         query_start=jnp.arange(seqs, dtype=jnp.int32), q_lens=jnp.ones(seqs, jnp.int32), kv_lens=cached_arr + 1,
         block_tables=tables)
     got = paged_attention(pad(q), pad(k), pad(v), kp, vp, md, 0.25)
+    assert loop_calls == [1]
     want = decode_attention_reference(q, k_ref, v_ref, tables, cached_arr + 1, scale=0.25)
     np.testing.assert_allclose(np.asarray(got[:seqs]), np.asarray(want), atol=2e-5, rtol=2e-5)
