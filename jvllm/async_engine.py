@@ -286,8 +286,13 @@ class AsyncEngine:
         if isinstance(command, _Abort):
             loop = self._loops.pop(command.request_id, None) or command.loop
             self.engine.abort_request(command.request_id)
+            stream = self._streams.get(command.request_id)
+            if stream is not None and stream.closed:
+                # Its reader is gone: forget it here. A loop that is closing (asyncio.run returning right after
+                # a cancel) can drop the callback below, and a stream left behind would hold its request id.
+                self._forget(stream)
             if loop is not None:
-                self._post(loop, self._end, [command.request_id])
+                self._post(loop, self._end_streams, [stream] if stream is not None else [])
             return
         if not command.future.set_running_or_notify_cancel():
             return  # the caller gave up before the request was queued
@@ -379,7 +384,7 @@ class AsyncEngine:
             loop.call_soon_threadsafe(callback, *args)
         except RuntimeError:  # the caller's loop is closed: nobody is listening any more
             for item in args[0]:
-                request_id = item.request_id if isinstance(item, RequestOutput) else item
+                request_id = item if isinstance(item, str) else item.request_id  # an id, output or stream
                 self._loops.pop(request_id, None)
                 self._streams.pop(request_id, None)  # its loop is gone, so no reader can race this
                 self.engine.abort_request(request_id)
@@ -403,12 +408,12 @@ class AsyncEngine:
 
     def _end(self, request_ids: list[str], error: BaseException | None = None) -> None:
         """Requests stopped from outside: observers see them end as "abort"; readers get that, or `error`."""
-        for request_id in request_ids:
-            stream = self._streams.get(request_id)
-            if stream is None:
-                continue
+        self._end_streams([s for s in map(self._streams.get, request_ids) if s is not None], error)
+
+    def _end_streams(self, streams: list[RequestStream], error: BaseException | None = None) -> None:
+        for stream in streams:
             if not stream.done:
-                final = aborted_output(request_id, stream)
+                final = aborted_output(stream.request_id, stream)
                 self._observe(final)
                 stream.put(error or final)
             if stream.closed:

@@ -105,6 +105,27 @@ def test_cancelling_the_task_aborts_the_request(async_engine):
     assert _wait(lambda: _idle(async_engine))
 
 
+def test_a_cancelled_stream_is_forgotten_even_when_its_loop_drops_the_confirmation(async_engine, monkeypatch):
+    """asyncio.run may close its loop right after a cancel, before the abort's confirmation runs there: the
+    engine thread must not leave the stream behind (it would hold the request id forever)."""
+    async def main():
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in async_engine.generate("cancel me", LONG, "dropped"):
+                started.set()
+
+        task = asyncio.ensure_future(consume())
+        await started.wait()
+        monkeypatch.setattr(async_engine, "_post", lambda loop, callback, *args: None)  # a loop that is closing
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert _wait(lambda: _idle(async_engine), timeout=10.0)
+
+
 def test_abort_from_outside_ends_the_stream_with_abort(async_engine):
     async def main():
         outputs = []
