@@ -209,10 +209,9 @@ class ModelRunner:
 
     def _device_inputs(self, call: StepCall) -> tuple:
         """-> (metadata, ids, positions, sampling, prompt targets) as the jitted steps take them."""
-        if self.mesh is None:  # one batched transfer: ~0.2 ms, against ~1.3 ms for numpy arguments passed to the jit
-            return jax.device_put((call.metadata, call.input_ids, call.positions, call.sampling, call.prompt_targets))
-        return put_replicated((call.metadata, call.input_ids, call.positions, call.sampling, call.prompt_targets),
-                              self.mesh)
+        inputs = (call.metadata, call.input_ids, call.positions, call.sampling, call.prompt_targets)
+        # One batched transfer: ~0.2 ms, against ~1.3 ms for numpy arguments passed to the jit.
+        return jax.device_put(inputs) if self.mesh is None else put_replicated(inputs, self.mesh)
 
     def compiled_hlo(self, call: StepCall) -> dict[str, str]:
         """Optimized HLO text of the step `call` would run, and of the pool write (split backends): for

@@ -87,42 +87,37 @@ def test_closing_the_generator_aborts_and_frees_pages(async_engine):
     assert _wait(lambda: _idle(async_engine))
 
 
-def test_cancelling_the_task_aborts_the_request(async_engine):
+def _cancel_after_first_output(async_engine: AsyncEngine, request_id: str, before_cancel=lambda: None) -> None:
+    """Consume a long request in a task and cancel that task once the first output arrived."""
     async def main():
         started = asyncio.Event()
 
         async def consume():
-            async for _ in async_engine.generate("cancel me", LONG, "cancelled"):
+            async for _ in async_engine.generate("cancel me", LONG, request_id):
                 started.set()
 
         task = asyncio.ensure_future(consume())
         await started.wait()
+        before_cancel()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
 
     asyncio.run(main())
+
+
+def test_cancelling_the_task_aborts_the_request(async_engine):
+    _cancel_after_first_output(async_engine, "cancelled")
     assert _wait(lambda: _idle(async_engine))
 
 
 def test_a_cancelled_stream_is_forgotten_even_when_its_loop_drops_the_confirmation(async_engine, monkeypatch):
     """asyncio.run may close its loop right after a cancel, before the abort's confirmation runs there: the
     engine thread must not leave the stream behind (it would hold the request id forever)."""
-    async def main():
-        started = asyncio.Event()
+    def drop_callbacks():  # as a loop that is closing does
+        monkeypatch.setattr(async_engine, "_post", lambda loop, callback, *args: None)
 
-        async def consume():
-            async for _ in async_engine.generate("cancel me", LONG, "dropped"):
-                started.set()
-
-        task = asyncio.ensure_future(consume())
-        await started.wait()
-        monkeypatch.setattr(async_engine, "_post", lambda loop, callback, *args: None)  # a loop that is closing
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    asyncio.run(main())
+    _cancel_after_first_output(async_engine, "dropped", drop_callbacks)
     assert _wait(lambda: _idle(async_engine), timeout=10.0)
 
 
