@@ -18,6 +18,7 @@ from jvllm.parallel.mesh import host_array, named_sharding, put_replicated
 from jvllm.sampling_tensors import RowSpec, build_sampling_tensors
 from jvllm.step_functions import build_step_functions
 from jvllm.scheduler import ScheduledChunk
+from models.llama import out_in_kernel_leaves
 from models.loader import LoadedModel
 
 logger = logging.getLogger("jvllm")
@@ -94,9 +95,11 @@ def prompt_logprob_targets(chunks: list[ScheduledChunk], num_tokens: int) -> tup
     return targets, wanted
 
 
-def cast_matrices(weights: list[jax.Array], dtype: Any) -> list[jax.Array]:
-    """A copy of the weights with every matrix (ndim >= 2) in `dtype`; norms and biases keep theirs."""
-    return [a.astype(dtype) if a.ndim >= 2 else a for a in weights]
+def cast_matrices(weights: list[jax.Array], dtype: Any, out_in: list[bool] | None = None) -> list[jax.Array]:
+    """A copy of the weights with every matrix (ndim >= 2) in `dtype`; norms and biases keep theirs. The
+    leaves flagged in `out_in` (Linear kernels [in, out]) are stored transposed, [out, in]."""
+    flags = out_in or [False] * len(weights)
+    return [(a.T if flip else a).astype(dtype) if a.ndim >= 2 else a for a, flip in zip(weights, flags)]
 
 
 class ModelRunner:
@@ -117,8 +120,8 @@ class ModelRunner:
         self.steps = build_step_functions(loaded.graphdef, treedef, self.backend, self.mesh,
                                           loaded.config.vocab_size)
         self.batched_min_rows = batched_min_rows
-        self.batched_weights = None if batched_weight_dtype is None else cast_matrices(self.weights,
-                                                                                       batched_weight_dtype)
+        self.batched_weights = None if batched_weight_dtype is None else cast_matrices(
+            self.weights, batched_weight_dtype, self._out_in_kernels())
         cfg = loaded.config
         self.kv_cache = self._new_pool(num_pages)
         self._seen_shapes: set[tuple] = set()
@@ -135,6 +138,13 @@ class ModelRunner:
         zeros = jax.jit(lambda: jnp.zeros(shape, self.loaded.dtype),  # each device makes only its KV heads
                         out_shardings=named_sharding(self.mesh, ("pages", "page_slot", "kv_heads", "head_dim")))
         return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
+
+    def _out_in_kernels(self) -> list[bool] | None:
+        """Which weights the batched copy stores [out, in] (see models.llama.stored_out_in): a measured XLA CPU
+        gain, so on one CPU device only; sharded and GPU weights keep the loaded layout."""
+        if self.mesh is not None or jax.default_backend() != "cpu":
+            return None
+        return out_in_kernel_leaves(self.loaded.state)
 
     @staticmethod
     def kv_pool_bytes(cfg: Any, dtype: Any, num_pages: int, page_size: int) -> int:

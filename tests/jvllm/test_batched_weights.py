@@ -1,12 +1,15 @@
 """`batched_weight_dtype`: a bf16 copy of the weight matrices, used for steps of 2+ token rows."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jvllm import Engine, SamplingParams
 from jvllm.model_runner import BATCHED_MIN_ROWS
+from models.llama import OUT_IN_TRANSPOSED_DOT_MAX_ROWS, Linear, out_in_kernel_leaves, stored_out_in
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog", "Paris is the capital of", "One, two, three,"]
 
@@ -26,8 +29,12 @@ def prompt_logprobs(engine: Engine) -> list[np.ndarray]:
 def test_batched_copy_holds_bf16_matrices_and_serves_multi_row_steps(tiny_llama):
     engine = Engine(tiny_llama, max_num_seqs=4, batched_weight_dtype="bfloat16")
     runner = engine.runner
-    for full, batched in zip(runner.weights, runner.batched_weights):
-        assert batched.shape == full.shape
+    out_in = out_in_kernel_leaves(engine.model.state)
+    assert sum(out_in) == 3 * 2  # down_proj, k_proj and v_proj (2 KV heads of 4) in each of the 2 layers
+    for full, batched, flipped in zip(runner.weights, runner.batched_weights, out_in):
+        assert batched.shape == (full.T.shape if flipped else full.shape)
+        np.testing.assert_array_equal(np.asarray(batched, np.float32),
+                                      np.asarray(jnp.asarray(full.T if flipped else full, batched.dtype), np.float32))
         assert batched.dtype == (jnp.bfloat16 if full.ndim >= 2 else full.dtype)  # norms stay float32
     assert BATCHED_MIN_ROWS == 2
     assert runner._weights_for(1) is runner.weights  # a 1-row bf16 dot is a slow matrix-vector product
@@ -42,3 +49,34 @@ def test_bf16_weights_compute_the_same_model_within_bf16_rounding(tiny_llama):
         assert a.shape == b.shape and len(a) > 3
         np.testing.assert_allclose(b, a, atol=5e-3, rtol=0)  # measured <= 1.3e-3; the values spread ~0.1-0.2
         assert not np.array_equal(a, b)  # the bf16 copy was really used
+
+
+@pytest.mark.parametrize("rows", [1, 2, OUT_IN_TRANSPOSED_DOT_MAX_ROWS, OUT_IN_TRANSPOSED_DOT_MAX_ROWS + 1, 300])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_linear_gives_the_same_result_from_an_out_in_kernel(rows, dtype):
+    """Both dot forms of an [out, in] kernel (transposed product up to the row limit, direct above it)."""
+    d_in, d_out = 96, 40
+    assert stored_out_in(d_in, d_out) and not stored_out_in(d_out, d_in)
+    layer = Linear(d_in, d_out, bias=True, dtype=dtype, rngs=nnx.Rngs(0))
+    layer.bias.set_value(jnp.arange(d_out, dtype=dtype) / d_out)
+    x = jax.random.normal(jax.random.key(1), (rows, d_in), jnp.float32)
+    expected = np.asarray(layer(x))  # [rows, out] from the [in, out] kernel
+    layer.kernel.set_value(layer.kernel[...].T)
+    got = np.asarray(layer(x))
+    assert got.shape == (rows, d_out)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_of_more_rows_than_the_transposed_dot_limit_matches_float32(tiny_llama):
+    """A prefill step of > OUT_IN_TRANSPOSED_DOT_MAX_ROWS rows contracts the [out, in] kernels directly."""
+    long_prompt = " ".join(["the cat sat on the mat and looked at the door"] * 10)
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    results = []
+    for dtype in (None, "bfloat16"):
+        (out,) = Engine(tiny_llama, max_num_seqs=4, batched_weight_dtype=dtype).generate(long_prompt, params,
+                                                                                          use_tqdm=False)
+        results.append(np.array([next(iter(e.values())).logprob for e in out.prompt_logprobs[1:]]))
+    exact, rounded = results
+    assert len(exact) > OUT_IN_TRANSPOSED_DOT_MAX_ROWS
+    np.testing.assert_allclose(rounded, exact, atol=5e-3, rtol=0)
+    assert not np.array_equal(rounded, exact)
