@@ -10,6 +10,11 @@ from jvllm.scheduler import ScheduledChunk
 
 
 LINEAR_BUCKETS_FROM = 256  # above this, buckets grow in steps of 256: a 1030-token chunk pads to 1280, not 2048
+# Decode-only steps pad their page tables to cover at least this many tokens, so one decode shape serves every
+# sequence's first 128 tokens: a 6-token prompt + 30 tokens used to need 3 (1, 2 and 4 pages), each traced and
+# compiled, or loaded from the cache, on its own (~1.5 s each on a second start). Both backends' decode
+# attention skips pages past the longest context, so the padding costs no attention work.
+DECODE_MIN_CONTEXT_TOKENS = 128
 
 
 def next_bucket(n: int, cap: int) -> int:
@@ -53,6 +58,8 @@ def build_batch(chunks: list[ScheduledChunk], page_size: int, limits: BucketLimi
     max_q = next_bucket(max(c.num_tokens for c in chunks), limits.max_tokens)
     table_len = [-(-c.start // page_size) if cached_pages_only else len(c.request.page_table) for c in chunks]
     max_pages = next_bucket(max(table_len), limits.max_pages)
+    if max_q == 1:
+        max_pages = max(max_pages, min(-(-DECODE_MIN_CONTEXT_TOKENS // page_size), limits.max_pages))
 
     input_ids = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
