@@ -291,8 +291,8 @@ class AsyncEngine:
                 # Its reader is gone: forget it here. A loop that is closing (asyncio.run returning right after
                 # a cancel) can drop the callback below, and a stream left behind would hold its request id.
                 self._forget(stream)
-            if loop is not None:
-                self._post(loop, self._end_streams, [stream] if stream is not None else [])
+            if loop is not None and stream is not None:  # no stream: nothing to end on the caller's loop
+                self._post(loop, self._end_streams, [stream])
             return
         if not command.future.set_running_or_notify_cancel():
             return  # the caller gave up before the request was queued
