@@ -34,6 +34,15 @@ def test_longer_decode_contexts_and_prefill_keep_the_power_of_two_buckets():
     assert table_width([chunk(40, 4), chunk(30, 1)]) == 4  # a mixed step (max_q > 1) too: 3 pages -> 4
 
 
+def test_first_prefill_chunks_gather_no_context_pages_on_the_split_backend():
+    chunks = [chunk(0, 40), chunk(0, 7)]
+    batch = build_batch(chunks, PAGE, BucketLimits(2048, 64, 256), cached_pages_only=True)
+    assert batch.metadata.block_tables.shape == (2, 0)
+    assert list(batch.metadata.slot_mapping[:3]) == [PAGE, PAGE + 1, PAGE + 2]  # tokens still go to their pages
+    with_cached = build_batch([chunk(0, 40), chunk(20, 7)], PAGE, BucketLimits(2048, 64, 256), cached_pages_only=True)
+    assert with_cached.metadata.block_tables.shape == (2, 2)  # 20 cached tokens: 2 pages
+
+
 def test_the_minimum_never_passes_the_longest_sequence():
     assert table_width([chunk(5, 1)], max_pages=4) == 4
 

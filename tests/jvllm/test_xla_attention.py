@@ -1,6 +1,7 @@
-"""The xla backend's decode path (online softmax over pages) against the gather-everything jnp reference."""
+"""The xla backend against the jnp references: the decode page loop, and steps with prefill chunks."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -78,3 +79,52 @@ def test_paged_attention_routes_decode_steps_through_the_page_loop(seqs, monkeyp
     assert loop_calls == [1]
     want = decode_attention_reference(q, k_ref, v_ref, tables, cached_arr + 1, scale=0.25)
     np.testing.assert_allclose(np.asarray(got[:seqs]), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+STEPS = {  # (cached tokens, new tokens) per scheduled chunk
+    "first_prefill_chunks": [(0, 21), (0, 6), (0, 16)],
+    "mixed": [(0, 13), (35, 1), (17, 9), (3, 1)],
+}
+
+
+@pytest.mark.parametrize("step", list(STEPS))
+@pytest.mark.parametrize("window", [None, 8])
+def test_paged_attention_of_chunk_steps_matches_the_ragged_reference(step, window):
+    """Steps with prefill chunks, built as the runner builds them for this backend (block tables cover only the
+    pages cached before the step: none for first chunks), against the reference over pages holding every token."""
+    import types
+
+    from jvllm.attention.xla import write_kv
+    from jvllm.batch import BucketLimits, build_batch
+    from pallas_kernels.reference import ragged_attention_reference
+
+    page, kv_heads, group, head_dim = 16, 3, 3, 32
+    rng = np.random.default_rng(7)
+    spans = STEPS[step]
+    pages_needed = [-(-(cached + new) // page) for cached, new in spans]
+    num_pages = 1 + sum(pages_needed) + 2
+    free = (rng.permutation(num_pages - 1) + 1).tolist()
+    chunks = []
+    for (cached, new), count in zip(spans, pages_needed):
+        table, free = free[:count], free[count:]
+        request = types.SimpleNamespace(token_at=lambda i: 5, page_table=table)
+        chunks.append(types.SimpleNamespace(request=request, num_tokens=new, start=cached, pending_tokens=0))
+    limits = BucketLimits(max_tokens=64, max_seqs=8, max_pages=8)
+    batch = build_batch(chunks, page, limits, cached_pages_only=True)
+    full = build_batch(chunks, page, limits).metadata  # block tables of every page, for the reference
+    md = jax.tree.map(jnp.asarray, batch.metadata)
+    if step == "first_prefill_chunks":
+        assert md.block_tables.shape[1] == 0
+    tokens = md.slot_mapping.shape[0]
+    pool_shape = (num_pages, page, kv_heads, head_dim)
+    k_pages, v_pages = (jnp.asarray(rng.standard_normal(pool_shape), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((tokens, kv_heads * group, head_dim)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((tokens, kv_heads, head_dim)), jnp.float32) for _ in range(2))
+
+    got = jax.jit(paged_attention, static_argnums=(6, 7))(q, k, v, k_pages, v_pages, md, 0.2, window)
+    want = ragged_attention_reference(
+        q, write_kv(k_pages, k, md.slot_mapping), write_kv(v_pages, v, md.slot_mapping), md.query_start, md.q_lens,
+        md.kv_lens, jnp.asarray(full.block_tables), max_q_len=md.seq_token_index.shape[1], scale=0.2,
+        sliding_window=window)
+    real = sum(new for _, new in spans)
+    np.testing.assert_allclose(np.asarray(got[:real]), np.asarray(want[:real]), atol=2e-5, rtol=2e-5)
