@@ -1,4 +1,4 @@
-"""Where one decode step's device time goes: per-op times from a jax.profiler trace of the jitted step.
+"""Where one decode (or prefill) step's device time goes: per-op times from a jax.profiler trace of the jitted step.
 
 Runs `--rows` greedy requests to capture a decode step of that many sequences, replays it under the profiler,
 and prints the step's wall time with the XLA ops (thunks) that took the most time, grouped by kind (the op
@@ -6,6 +6,7 @@ name before its first '.', e.g. `dot`, `ynn_fusion`, `transpose_copy_fusion`, `w
 `while` (the paged attention loop) also count in that `while`.
 
     python -m benchmarks.step_profile --rows 64
+    python -m benchmarks.step_profile --rows 32 --prefill
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ _RUNTIME_PREFIXES = ("$", "PjitFunction", "ThunkExecutor", "SlinkyThreadPool", "
                      "ParseArguments", "end: ")
 
 
-def capture_decode_call(engine, rows: int, prompt_len: int, output_len: int):
-    """Run `rows` greedy requests; -> the last step call that decoded `rows` sequences (one token each)."""
+def capture_calls(engine, rows: int, prompt_len: int, output_len: int) -> list:
+    """Run `rows` greedy requests of fresh prompts; -> every step call the runner ran, in order."""
     from benchmarks.throughput import random_prompts
     from jvllm import SamplingParams
 
@@ -34,16 +35,27 @@ def capture_decode_call(engine, rows: int, prompt_len: int, output_len: int):
     run_call = runner.run_call
     runner.run_call = lambda call: (calls.append(call), run_call(call))[1]
     try:
+        engine.reset_prefix_cache()
         prompts = random_prompts(rows, prompt_len, engine.model.config.vocab_size, seed=0)
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     finally:
         runner.run_call = run_call
-    decodes = [c for c in calls if c.input_ids.shape[0] == c.metadata.block_tables.shape[0]
-               and int((c.metadata.q_lens > 0).sum()) == rows]
+    return calls
+
+
+def capture_decode_call(engine, rows: int, prompt_len: int, output_len: int):
+    """Run `rows` greedy requests; -> the last step call that decoded `rows` sequences (one token each)."""
+    decodes = [c for c in capture_calls(engine, rows, prompt_len, output_len)
+               if c.input_ids.shape[0] == c.metadata.block_tables.shape[0] and int((c.metadata.q_lens > 0).sum()) == rows]
     if not decodes:
         raise SystemExit(f"no decode step with {rows} sequences was run")
     return decodes[-1]
+
+
+def capture_prefill_call(engine, rows: int, prompt_len: int):
+    """-> the first step call of `rows` fresh prompts: their prefill (as many as max_num_batched_tokens allows)."""
+    return capture_calls(engine, rows, prompt_len, 1)[0]
 
 
 def op_times(trace_dir: str, steps: int) -> collections.Counter:
@@ -63,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: embedded SmolLM2-135M-Instruct")
     parser.add_argument("--load-format", default="auto")
-    parser.add_argument("--rows", type=int, default=1, help="sequences in the profiled decode step")
+    parser.add_argument("--rows", type=int, default=1, help="sequences in the profiled step")
+    parser.add_argument("--prefill", action="store_true",
+                        help="profile the first prefill step of the rows' prompts instead of a decode step")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=40, help="tokens generated before the profiled step")
     parser.add_argument("--steps", type=int, default=5, help="replays of the step under the profiler")
@@ -77,7 +91,10 @@ def main(argv: list[str] | None = None) -> int:
 
     engine = Engine(args.model, load_format=args.load_format, max_num_seqs=max(args.rows, 1),
                     batched_weight_dtype=None if args.batched_weight_dtype == "none" else args.batched_weight_dtype)
-    call = capture_decode_call(engine, args.rows, args.prompt_len, args.output_len)
+    if args.prefill:
+        call = capture_prefill_call(engine, args.rows, args.prompt_len)
+    else:
+        call = capture_decode_call(engine, args.rows, args.prompt_len, args.output_len)
     runner = engine.runner
 
     def one_step() -> float:
@@ -95,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     kinds: collections.Counter = collections.Counter()
     for name, micros in totals.items():
         kinds[name.split(".")[0]] += micros
-    print(f"decode step, {args.rows} rows, {call.metadata.block_tables.shape[1]} pages per row: "
+    kind = "prefill" if args.prefill else "decode"
+    print(f"{kind} step, {call.input_ids.shape[0]} token rows, {call.metadata.block_tables.shape[1]} pages per row: "
           f"{1e3 * statistics.median(walls):.1f} ms wall (median of {args.steps}, outside the profiler)")
     print("by kind (ms per step):")
     for kind, micros in kinds.most_common(12):
