@@ -47,7 +47,8 @@ def capture_calls(engine, rows: int, prompt_len: int, output_len: int) -> list:
 def capture_decode_call(engine, rows: int, prompt_len: int, output_len: int):
     """Run `rows` greedy requests; -> the last step call that decoded `rows` sequences (one token each)."""
     decodes = [c for c in capture_calls(engine, rows, prompt_len, output_len)
-               if c.input_ids.shape[0] == c.metadata.block_tables.shape[0] and int((c.metadata.q_lens > 0).sum()) == rows]
+               if c.input_ids.shape[0] == c.metadata.block_tables.shape[0]
+               and int((c.metadata.q_lens > 0).sum()) == rows]
     if not decodes:
         raise SystemExit(f"no decode step with {rows} sequences was run")
     return decodes[-1]

@@ -1,6 +1,7 @@
 """Offline throughput: jvllm vs transformers' batched generate on the same prompt ids, in the same run.
 
-Scenarios (all greedy, ignore_eos, fixed lengths, prefill included in the timing):
+Scenarios (all greedy, ignore_eos, fixed lengths, prefill included in the timing; each timed --repeats times
+after a warm-up, the median reported):
   batch   N prompts x input-len tokens -> output-len tokens, jvllm and transformers, ratio printed
   single  one request's decode speed vs the memory-bandwidth bound (weight bytes / measured bandwidth)
   wide    64 concurrent requests, output tokens/s
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -42,37 +44,44 @@ def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[in
     return [rng.integers(100, vocab - 100, size=length).tolist() for _ in range(num)]
 
 
-def warm_then_time(engine, prompts: list[list[int]], output_len: int) -> tuple[float, list]:
-    """Greedy fixed-length generation of `prompts`, run once to compile every shape it needs, then timed;
-    -> (seconds, outputs). The prefix cache is emptied before each pass: the timed pass computes every prompt
-    as the warm-up did (so it needs no new shapes) and as transformers does (no KV reused from a pass)."""
+def warm_then_time(engine, prompts: list[list[int]], output_len: int,
+                   repeats: int = 1) -> tuple[list[float], list[list]]:
+    """Greedy fixed-length generation of `prompts`, run once to compile every shape it needs, then timed
+    `repeats` times; -> (seconds of each timed pass, outputs of each). The prefix cache is emptied before
+    each pass: a timed pass computes every prompt as the warm-up did (so it needs no new shapes) and as
+    transformers does (no KV reused from a pass)."""
     from jvllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     inputs = [{"prompt_token_ids": p} for p in prompts]
     engine.reset_prefix_cache()
     engine.generate(inputs, params, use_tqdm=False)
-    engine.reset_prefix_cache()
-    started = time.perf_counter()
-    outputs = engine.generate(inputs, params, use_tqdm=False)
-    return time.perf_counter() - started, outputs
+    passes, outputs = [], []
+    for _ in range(repeats):
+        engine.reset_prefix_cache()
+        started = time.perf_counter()
+        outputs.append(engine.generate(inputs, params, use_tqdm=False))
+        passes.append(time.perf_counter() - started)
+    return passes, outputs
 
 
-def run_jvllm(engine, prompts: list[list[int]], output_len: int) -> dict:
-    elapsed, _ = warm_then_time(engine, prompts, output_len)
+def run_jvllm(engine, prompts: list[list[int]], output_len: int, repeats: int) -> dict:
+    passes, _ = warm_then_time(engine, prompts, output_len, repeats)
+    elapsed = statistics.median(passes)
     out_tokens = len(prompts) * output_len
-    return {"seconds": elapsed, "requests_per_s": len(prompts) / elapsed, "output_tokens_per_s": out_tokens / elapsed,
+    return {"seconds": elapsed, "pass_seconds": passes, "requests_per_s": len(prompts) / elapsed,
+            "output_tokens_per_s": out_tokens / elapsed,
             "total_tokens_per_s": (out_tokens + sum(map(len, prompts))) / elapsed}
 
 
-def run_single_decode(engine, prompt: list[int], output_len: int) -> dict:
-    """Decode-only speed of one request: time between the first and the last token."""
-    _, (output,) = warm_then_time(engine, [prompt], output_len)
-    decode_seconds = output.metrics.last_token_time - output.metrics.first_token_time
-    return {"decode_tokens_per_s": (output_len - 1) / decode_seconds}
+def run_single_decode(engine, prompt: list[int], output_len: int, repeats: int) -> dict:
+    """Decode-only speed of one request: time between the first and the last token (median of the passes)."""
+    _, outputs = warm_then_time(engine, [prompt], output_len, repeats)
+    rates = [(output_len - 1) / (out.metrics.last_token_time - out.metrics.first_token_time) for (out,) in outputs]
+    return {"decode_tokens_per_s": statistics.median(rates), "pass_decode_tokens_per_s": rates}
 
 
-def run_transformers(folder: str, prompts: list[list[int]], output_len: int, threads: int) -> dict:
+def run_transformers(folder: str, prompts: list[list[int]], output_len: int, threads: int, repeats: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -84,9 +93,11 @@ def run_transformers(folder: str, prompts: list[list[int]], output_len: int, thr
     with torch.inference_mode():
         model.generate(ids[:, :8], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4,
                                       "attention_mask": torch.ones_like(ids[:, :8])})
-        elapsed = _timed(lambda: model.generate(ids, **kwargs))
+        passes = [_timed(lambda: model.generate(ids, **kwargs)) for _ in range(repeats)]
+    elapsed = statistics.median(passes)
     out_tokens = len(prompts) * output_len
-    return {"seconds": elapsed, "requests_per_s": len(prompts) / elapsed, "output_tokens_per_s": out_tokens / elapsed}
+    return {"seconds": elapsed, "pass_seconds": passes, "requests_per_s": len(prompts) / elapsed,
+            "output_tokens_per_s": out_tokens / elapsed}
 
 
 def hf_folder_for(model: str | None) -> str:
@@ -112,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--single-output-len", type=int, default=128, help="0 skips the single-request scenario")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                         help="dispatch each decode step before the previous step's tokens reach the host")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed passes of each scenario, for both engines, after a warm-up; the median is reported")
     parser.add_argument("--no-baseline", action="store_true", help="skip transformers")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for the baseline")
     parser.add_argument("--json", default=None, help="write the results here")
@@ -131,18 +144,19 @@ def main(argv: list[str] | None = None) -> int:
         "command": command_line("benchmarks.throughput", argv), "machine": machine_info(),
         "model": engine.served_model_name, "dtype": str(np.dtype(engine.model.dtype)),
         "batched_weight_dtype": args.batched_weight_dtype, "async_scheduling": engine.async_scheduling,
+        "repeats": args.repeats,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "engine_start_seconds": time.perf_counter() - started,
     }
     prompts = random_prompts(args.num_prompts, args.input_len, cfg.vocab_size, seed=0)
     results["batch"] = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-                        "jvllm": run_jvllm(engine, prompts, args.output_len)}
+                        "jvllm": run_jvllm(engine, prompts, args.output_len, args.repeats)}
     print(f"[batch] jvllm: {results['batch']['jvllm']['output_tokens_per_s']:.1f} output tok/s, "
           f"{results['batch']['jvllm']['requests_per_s']:.2f} req/s", flush=True)
     if args.single_output_len:
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.model.state))
         bandwidth = measure_read_bandwidth()
-        single = run_single_decode(engine, prompts[0], args.single_output_len)
+        single = run_single_decode(engine, prompts[0], args.single_output_len, args.repeats)
         bound = bandwidth / weight_bytes
         single.update(weight_bytes=weight_bytes, bandwidth_gb_s=bandwidth / 1e9, bound_tokens_per_s=bound,
                       fraction_of_bound=single["decode_tokens_per_s"] / bound)
@@ -152,12 +166,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * single['fraction_of_bound']:.0f}% of bound", flush=True)
     if args.wide:
         wide_prompts = random_prompts(args.wide, args.input_len, cfg.vocab_size, seed=1)
-        results["wide"] = {"num_prompts": args.wide, "jvllm": run_jvllm(engine, wide_prompts, args.output_len)}
+        results["wide"] = {"num_prompts": args.wide,
+                           "jvllm": run_jvllm(engine, wide_prompts, args.output_len, args.repeats)}
         print(f"[wide] {args.wide} concurrent: {results['wide']['jvllm']['output_tokens_per_s']:.1f} output tok/s",
               flush=True)
     if not args.no_baseline:
         del engine
-        base = run_transformers(hf_folder_for(args.model), prompts, args.output_len, args.threads)
+        base = run_transformers(hf_folder_for(args.model), prompts, args.output_len, args.threads, args.repeats)
         results["batch"]["transformers"] = base
         ratio = results["batch"]["jvllm"]["output_tokens_per_s"] / base["output_tokens_per_s"]
         results["batch"]["ratio_vs_transformers"] = ratio
