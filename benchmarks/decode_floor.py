@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 from benchmarks.common import command_line, machine_info, write_json
-from benchmarks.step_profile import capture_decode_call
+from benchmarks.step_profile import capture_decode_call, replay_seconds
+from benchmarks.throughput import random_prompts, warm_then_time
 
 NO_ATTENTION = "floor-no-attention"
 
@@ -32,29 +32,12 @@ def _register_no_attention_backend() -> None:
     register_backend(NO_ATTENTION, lambda: AttentionBackend(NO_ATTENTION, attend, xla.write_layers))
 
 
-def _step_seconds(engine, call) -> float:
-    import jax
-
-    started = time.perf_counter()
-    jax.block_until_ready((engine.runner.run_call(call), engine.runner.kv_cache))
-    return time.perf_counter() - started
-
-
 def _prefill_seconds(engine, rows: int, prompt_len: int, repeats: int) -> float:
     """Median seconds to prefill `rows` fresh prompts of `prompt_len` tokens (a generate with max_tokens=1:
-    as many steps as max_num_batched_tokens needs)."""
-    from benchmarks.throughput import random_prompts
-    from jvllm import SamplingParams
-
-    prompts = random_prompts(rows, prompt_len, engine.model.config.vocab_size, seed=2)
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    times = []
-    for _ in range(repeats + 1):
-        engine.reset_prefix_cache()
-        started = time.perf_counter()
-        engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times[1:])
+    as many steps as max_num_batched_tokens needs), after a warm-up pass."""
+    passes, _ = warm_then_time(engine, random_prompts(rows, prompt_len, engine.model.config.vocab_size, seed=2), 1,
+                               repeats)
+    return statistics.median(passes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,15 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     calls = {name: capture_decode_call(e, args.rows, args.prompt_len, args.output_len) for name, e in engines.items()}
     times: dict[str, list[float]] = {name: [] for name in engines}
     for name, engine in engines.items():
-        _step_seconds(engine, calls[name])  # warm
+        replay_seconds(engine, calls[name])  # warm
     for _ in range(args.repeats):
         for name, engine in engines.items():
-            times[name].append(_step_seconds(engine, calls[name]))
+            times[name].append(replay_seconds(engine, calls[name]))
     step = {name: statistics.median(t) for name, t in times.items()}
     del engines[NO_ATTENTION]
     prefill = _prefill_seconds(engines["xla"], args.rows, args.prompt_len, repeats=3)
 
-    # The wide scenario: one prefill of every prompt (it samples each first token), then output_len - 1 decodes.
+    # The wide scenario: one prefill of every prompt (it samples each first token), then wide_len - 1 decodes.
     wide_len = 64
     tokens = args.rows * wide_len
 

@@ -59,6 +59,15 @@ def capture_prefill_call(engine, rows: int, prompt_len: int):
     return capture_calls(engine, rows, prompt_len, 1)[0]
 
 
+def replay_seconds(engine, call) -> float:
+    """Run a captured step call once more and wait for its outputs and the K/V pool; -> wall seconds."""
+    import jax
+
+    started = time.perf_counter()
+    jax.block_until_ready((engine.runner.run_call(call), engine.runner.kv_cache))
+    return time.perf_counter() - started
+
+
 def op_times(trace_dir: str, steps: int) -> collections.Counter:
     """-> microseconds per step of each XLA op in the perfetto trace under `trace_dir`."""
     (path,) = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
@@ -96,19 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         call = capture_prefill_call(engine, args.rows, args.prompt_len)
     else:
         call = capture_decode_call(engine, args.rows, args.prompt_len, args.output_len)
-    runner = engine.runner
-
-    def one_step() -> float:
-        started = time.perf_counter()
-        jax.block_until_ready((runner.run_call(call), runner.kv_cache))
-        return time.perf_counter() - started
-
-    one_step()
-    walls = [one_step() for _ in range(args.steps)]
+    replay_seconds(engine, call)
+    walls = [replay_seconds(engine, call) for _ in range(args.steps)]
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             for _ in range(args.steps):
-                one_step()
+                replay_seconds(engine, call)
         totals = op_times(trace_dir, args.steps)
     kinds: collections.Counter = collections.Counter()
     for name, micros in totals.items():
