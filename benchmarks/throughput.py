@@ -2,7 +2,9 @@
 
 Scenarios (all greedy, ignore_eos, fixed lengths, prefill included in the timing; each timed --repeats times
 after a warm-up, the median reported):
-  batch   N prompts x input-len tokens -> output-len tokens, jvllm and transformers, ratio printed
+  batch   N prompts x input-len tokens -> output-len tokens, jvllm and transformers, ratio printed; the two
+          engines' timed passes alternate (jvllm, transformers, jvllm, ...), so a drift of the machine's speed
+          during the run reaches both sides of the ratio
   single  one request's decode speed vs the memory-bandwidth bound (weight bytes / measured bandwidth)
   wide    64 concurrent requests, output tokens/s
 """
@@ -44,34 +46,43 @@ def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[in
     return [rng.integers(100, vocab - 100, size=length).tolist() for _ in range(num)]
 
 
+def _greedy_inputs(prompts: list[list[int]], output_len: int) -> tuple[list[dict], object]:
+    from jvllm import SamplingParams
+
+    return ([{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True))
+
+
+def _jvllm_pass(engine, inputs: list[dict], params) -> tuple[float, list]:
+    """One generate of every prompt with the prefix cache emptied first; -> (seconds, outputs). Every pass
+    computes each prompt as the warm-up did (so it needs no new shapes) and as transformers does (no KV reused)."""
+    engine.reset_prefix_cache()
+    started = time.perf_counter()
+    outputs = engine.generate(inputs, params, use_tqdm=False)
+    return time.perf_counter() - started, outputs
+
+
 def warm_then_time(engine, prompts: list[list[int]], output_len: int,
                    repeats: int = 1) -> tuple[list[float], list[list]]:
     """Greedy fixed-length generation of `prompts`, run once to compile every shape it needs, then timed
-    `repeats` times; -> (seconds of each timed pass, outputs of each). The prefix cache is emptied before
-    each pass: a timed pass computes every prompt as the warm-up did (so it needs no new shapes) and as
-    transformers does (no KV reused from a pass)."""
-    from jvllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    inputs = [{"prompt_token_ids": p} for p in prompts]
-    engine.reset_prefix_cache()
-    engine.generate(inputs, params, use_tqdm=False)
-    passes, outputs = [], []
-    for _ in range(repeats):
-        engine.reset_prefix_cache()
-        started = time.perf_counter()
-        outputs.append(engine.generate(inputs, params, use_tqdm=False))
-        passes.append(time.perf_counter() - started)
-    return passes, outputs
+    `repeats` times; -> (seconds of each timed pass, outputs of each)."""
+    inputs, params = _greedy_inputs(prompts, output_len)
+    _jvllm_pass(engine, inputs, params)
+    timed = [_jvllm_pass(engine, inputs, params) for _ in range(repeats)]
+    return [seconds for seconds, _ in timed], [outputs for _, outputs in timed]
 
 
-def run_jvllm(engine, prompts: list[list[int]], output_len: int, repeats: int) -> dict:
-    passes, _ = warm_then_time(engine, prompts, output_len, repeats)
+def _rates(passes: list[float], prompts: list[list[int]], output_len: int) -> dict:
     elapsed = statistics.median(passes)
     out_tokens = len(prompts) * output_len
     return {"seconds": elapsed, "pass_seconds": passes, "requests_per_s": len(prompts) / elapsed,
             "output_tokens_per_s": out_tokens / elapsed,
             "total_tokens_per_s": (out_tokens + sum(map(len, prompts))) / elapsed}
+
+
+def run_jvllm(engine, prompts: list[list[int]], output_len: int, repeats: int) -> dict:
+    passes, _ = warm_then_time(engine, prompts, output_len, repeats)
+    return _rates(passes, prompts, output_len)
 
 
 def run_single_decode(engine, prompt: list[int], output_len: int, repeats: int) -> dict:
@@ -81,23 +92,52 @@ def run_single_decode(engine, prompt: list[int], output_len: int, repeats: int) 
     return {"decode_tokens_per_s": statistics.median(rates), "pass_decode_tokens_per_s": rates}
 
 
-def run_transformers(folder: str, prompts: list[list[int]], output_len: int, threads: int, repeats: int) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
+class TransformersBaseline:
+    """transformers' batched greedy `generate` (PyTorch, float32) on fixed prompt ids, one timed pass at a time."""
 
-    torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ids = torch.tensor(prompts)
-    kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
-                  attention_mask=torch.ones_like(ids), pad_token_id=0)
-    with torch.inference_mode():
-        model.generate(ids[:, :8], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4,
-                                      "attention_mask": torch.ones_like(ids[:, :8])})
-        passes = [_timed(lambda: model.generate(ids, **kwargs)) for _ in range(repeats)]
-    elapsed = statistics.median(passes)
-    out_tokens = len(prompts) * output_len
-    return {"seconds": elapsed, "pass_seconds": passes, "requests_per_s": len(prompts) / elapsed,
-            "output_tokens_per_s": out_tokens / elapsed}
+    def __init__(self, folder: str, prompts: list[list[int]], output_len: int, threads: int):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(threads)
+        self._torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        self.ids = torch.tensor(prompts)
+        self.kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                           attention_mask=torch.ones_like(self.ids), pad_token_id=0)
+
+    def warm(self) -> None:
+        """A short generate, so the first timed pass does not pay PyTorch's one-time setup."""
+        ids = self.ids[:, :8]
+        with self._torch.inference_mode():
+            self.model.generate(ids, **{**self.kwargs, "max_new_tokens": 4, "min_new_tokens": 4,
+                                        "attention_mask": self._torch.ones_like(ids)})
+
+    def timed_pass(self) -> float:
+        with self._torch.inference_mode():
+            return _timed(lambda: self.model.generate(self.ids, **self.kwargs))
+
+
+def run_batch(engine, baseline: TransformersBaseline | None, prompts: list[list[int]], output_len: int,
+              repeats: int) -> dict:
+    """The batch scenario: both engines warmed up, then their timed passes alternated `repeats` times."""
+    inputs, params = _greedy_inputs(prompts, output_len)
+    _jvllm_pass(engine, inputs, params)
+    if baseline is not None:
+        baseline.warm()
+    jvllm_passes, baseline_passes = [], []
+    for _ in range(repeats):
+        jvllm_passes.append(_jvllm_pass(engine, inputs, params)[0])
+        if baseline is not None:
+            baseline_passes.append(baseline.timed_pass())
+    result = {"jvllm": _rates(jvllm_passes, prompts, output_len)}
+    if baseline is not None:
+        transformers = _rates(baseline_passes, prompts, output_len)
+        result["transformers"] = transformers
+        result["ratio_vs_transformers"] = (result["jvllm"]["output_tokens_per_s"]
+                                           / transformers["output_tokens_per_s"])
+        result["pass_ratios"] = [b / j for j, b in zip(jvllm_passes, baseline_passes)]
+    return result
 
 
 def hf_folder_for(model: str | None) -> str:
@@ -151,10 +191,18 @@ def main(argv: list[str] | None = None) -> int:
         "engine_start_seconds": time.perf_counter() - started,
     }
     prompts = random_prompts(args.num_prompts, args.input_len, cfg.vocab_size, seed=0)
+    baseline = None if args.no_baseline else TransformersBaseline(
+        hf_folder_for(args.model), prompts, args.output_len, args.threads)
+    batch = run_batch(engine, baseline, prompts, args.output_len, args.repeats)
+    del baseline
     results["batch"] = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-                        "jvllm": run_jvllm(engine, prompts, args.output_len, args.repeats)}
-    print(f"[batch] jvllm: {results['batch']['jvllm']['output_tokens_per_s']:.1f} output tok/s, "
-          f"{results['batch']['jvllm']['requests_per_s']:.2f} req/s", flush=True)
+                        **batch}
+    print(f"[batch] jvllm: {batch['jvllm']['output_tokens_per_s']:.1f} output tok/s, "
+          f"{batch['jvllm']['requests_per_s']:.2f} req/s", flush=True)
+    if "transformers" in batch:
+        print(f"[batch] transformers: {batch['transformers']['output_tokens_per_s']:.1f} output tok/s -> jvllm is "
+              f"{batch['ratio_vs_transformers']:.2f}x (pass by pass: "
+              f"{', '.join(f'{r:.2f}x' for r in batch['pass_ratios'])})", flush=True)
     if args.single_output_len:
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.model.state))
         bandwidth = measure_read_bandwidth()
@@ -171,14 +219,6 @@ def main(argv: list[str] | None = None) -> int:
         results["wide"] = {"num_prompts": args.wide,
                            "jvllm": run_jvllm(engine, wide_prompts, args.output_len, args.repeats)}
         print(f"[wide] {args.wide} concurrent: {results['wide']['jvllm']['output_tokens_per_s']:.1f} output tok/s",
-              flush=True)
-    if not args.no_baseline:
-        del engine
-        base = run_transformers(hf_folder_for(args.model), prompts, args.output_len, args.threads, args.repeats)
-        results["batch"]["transformers"] = base
-        ratio = results["batch"]["jvllm"]["output_tokens_per_s"] / base["output_tokens_per_s"]
-        results["batch"]["ratio_vs_transformers"] = ratio
-        print(f"[batch] transformers: {base['output_tokens_per_s']:.1f} output tok/s -> jvllm is {ratio:.2f}x",
               flush=True)
     write_json(args.json, results)
     return 0

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jvllm.attention.metadata import AttentionMetadata
+from jvllm.attention import xla as xla_backend
 from jvllm.attention.xla import decode_attention, paged_attention
 from pallas_kernels.reference import decode_attention_reference
 
@@ -47,6 +48,18 @@ def test_decode_attention_matches_the_gather_reference(heads, kv_heads, max_page
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("max_pages, cached", [(8, 0), (8, 63), (12, 50), (48, 16 * 8 + 3), (48, 48 * 8 - 1)])
+@pytest.mark.parametrize("window", [None, 20])
+def test_single_sequence_decode_reads_many_pages_per_iteration_and_matches_the_reference(max_pages, cached, window):
+    """One sequence takes up to 16 pages per loop iteration (12 pages: 4, 48 pages: 16); every span boundary,
+    the skipped iterations past the context and the window still give the reference attention."""
+    assert xla_backend.pages_per_iteration(1, max_pages) == {8: 8, 12: 4, 48: 16}[max_pages]
+    q, k, v, kp, vp, k_ref, v_ref, tables, cached_arr = _case(1, 6, 2, 16, 8, max_pages, [cached], jnp.float32)
+    got = decode_attention(q, k, v, kp, vp, tables, cached_arr, 0.25, window)
+    want = decode_attention_reference(q, k_ref, v_ref, tables, cached_arr + 1, scale=0.25, sliding_window=window)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
 def test_decode_attention_bf16_pool_is_close_to_f32():
     cached = [3, 17, 30]
     q, k, v, kp, vp, k_ref, v_ref, tables, cached_arr = _case(3, 8, 2, 64, 16, 2, cached, jnp.bfloat16)
@@ -60,7 +73,6 @@ def test_decode_attention_bf16_pool_is_close_to_f32():
 def test_paged_attention_routes_decode_steps_through_the_page_loop(seqs, monkeypatch):
     """A decode-only step (one query slot per sequence, from one sequence up) with padded token rows: each
     real token gets its sequence's result, as the reference computes it."""
-    import jvllm.attention.xla as xla_backend
 
     loop_calls = []
     monkeypatch.setattr(xla_backend, "decode_attention",
