@@ -211,6 +211,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # jvllm never downloads weights at run time
+    # transformers (tokenizers, chat templates) otherwise greets a torch-free install with "PyTorch was not
+    # found. Models won't be available": true of transformers' models, misleading for jvllm's.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "generate":

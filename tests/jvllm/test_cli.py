@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 
@@ -26,6 +27,14 @@ def test_help_lists_generate_and_its_flags():
                          check=True)
     for flag in ("--model", "--max-tokens", "--temperature", "--top-p", "--chat"):
         assert flag in sub.stdout
+
+
+def test_the_command_line_silences_transformers_torch_advice(monkeypatch, capsys):
+    """jvllm needs no torch: transformers' "PyTorch was not found" advice must not greet a torch-free install."""
+    monkeypatch.delenv("TRANSFORMERS_NO_ADVISORY_WARNINGS", raising=False)
+    assert main([]) == 0
+    assert os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] == "1"
+    assert "generate" in capsys.readouterr().out
 
 
 def test_generate_prints_the_same_completion_as_the_engine(default_engine, capsys):
