@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jvllm.attention.metadata import AttentionMetadata
 from jvllm.attention import xla as xla_backend
+from jvllm.attention.metadata import AttentionMetadata
 from jvllm.attention.xla import decode_attention, paged_attention
 from pallas_kernels.reference import decode_attention_reference
 
@@ -73,7 +73,6 @@ def test_decode_attention_bf16_pool_is_close_to_f32():
 def test_paged_attention_routes_decode_steps_through_the_page_loop(seqs, monkeypatch):
     """A decode-only step (one query slot per sequence, from one sequence up) with padded token rows: each
     real token gets its sequence's result, as the reference computes it."""
-
     loop_calls = []
     monkeypatch.setattr(xla_backend, "decode_attention",
                         lambda *args, **kw: loop_calls.append(1) or decode_attention(*args, **kw))
@@ -108,7 +107,6 @@ def test_paged_attention_of_chunk_steps_matches_the_ragged_reference(step, windo
     bf16 also checks that XLA CPU can run the einsums' layouts (one order compiled to a dot it cannot run)."""
     import types
 
-    from jvllm.attention.xla import write_kv
     from jvllm.batch import BucketLimits, build_batch
     from pallas_kernels.reference import ragged_attention_reference
 
@@ -137,7 +135,8 @@ def test_paged_attention_of_chunk_steps_matches_the_ragged_reference(step, windo
 
     got = jax.jit(paged_attention, static_argnums=(6, 7))(q, k, v, k_pages, v_pages, md, 0.2, window)
     want = ragged_attention_reference(
-        q, write_kv(k_pages, k, md.slot_mapping), write_kv(v_pages, v, md.slot_mapping), md.query_start, md.q_lens,
+        q, xla_backend.write_kv(k_pages, k, md.slot_mapping), xla_backend.write_kv(v_pages, v, md.slot_mapping),
+        md.query_start, md.q_lens,
         md.kv_lens, jnp.asarray(full.block_tables), max_q_len=md.seq_token_index.shape[1], scale=0.2,
         sliding_window=window)
     real = sum(new for _, new in spans)
