@@ -56,8 +56,7 @@ class StepResult:
     its logprob stats and the prompt logprobs of prompt tokens prompt_start, prompt_start + 1, ..."""
 
     token_id: int | None
-    logprob: float
-    token_logprobs: TokenLogprobs | None
+    token_logprobs: TokenLogprobs | None  # the sampled token's logprob, rank and top-k, when the request asked
     prompt_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     prompt_start: int = 1
 
@@ -262,14 +261,14 @@ class ModelRunner:
         chunks, call, prompt_rows, out = group.chunks, group.call, group.prompt_rows, group.out
         if self.mesh is not None and jax.process_count() > 1:
             out = jax.tree.map(host_array, out)  # replicated over every host's devices: read the local copy
-        token_ids, logprobs = np.asarray(out["token_ids"]), np.asarray(out["logprobs"])
+        token_ids = np.asarray(out["token_ids"])
         sample_stats = host_rows(out["sample_stats"], list(range(len(chunks)))) if call.num_logprobs is not None \
             else None
         results: dict[str, StepResult] = {}
         for row, chunk in enumerate(chunks):
             if chunk.samples:
                 results[chunk.request.request_id] = StepResult(
-                    int(token_ids[row]), float(logprobs[row]), sample_stats[row] if sample_stats else None)
+                    int(token_ids[row]), sample_stats[row] if sample_stats else None)
         if call.num_prompt_logprobs is not None:
             self._attach_prompt_logprobs(chunks, prompt_rows, out["prompt_stats"], results)
         return results
@@ -284,7 +283,7 @@ class ModelRunner:
             if request in wanted:
                 last = min(chunk.start + chunk.num_tokens, request.num_prompt_tokens - 1)  # positions with a target
                 entries = host_rows(stats, list(range(cursor, cursor + max(last - chunk.start, 0))))
-                result = results.setdefault(request.request_id, StepResult(None, 0.0, None))
+                result = results.setdefault(request.request_id, StepResult(None, None))
                 result.prompt_logprobs, result.prompt_start = entries, chunk.start + 1
             cursor += chunk.num_tokens
 

@@ -53,7 +53,8 @@ class Request:
         self.max_total_tokens = max_total_tokens  # prompt + output never exceeds this (max_model_len)
         self.eos_token_ids = eos_token_ids
         self.output_token_ids: list[int] = []
-        self.cumulative_logprob = 0.0
+        # summed only when logprobs are asked for, as in vLLM: otherwise None and no step computes them
+        self.cumulative_logprob: float | None = None if params.logprobs is None else 0.0
         self.logprobs: list[dict] = []  # one {token_id: Logprob} per output token when params.logprobs is set
         # filled as prompt chunks run, if asked; the first prompt token has nothing before it
         self.prompt_logprobs: list[dict | None] | None = None if params.prompt_logprobs is None else [None]

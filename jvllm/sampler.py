@@ -99,16 +99,21 @@ def row_argmax(x: jax.Array, block: int = 128) -> jax.Array:
 
     XLA CPU lowers argmax to a (value, index) reduction that does not vectorize: 8.5 ms over [64, 49152]
     float32, against 0.7 ms here. Plain max-reductions find the block holding the first maximum, then one
-    small argmax runs inside that block. NaN counts as +inf (XLA CPU's max-reduction skips NaN)."""
+    small argmax runs inside that block. NaN counts as +inf (XLA CPU's max-reduction skips NaN); it is
+    replaced inside the reductions and in the winning block only, so the [S, V] input is never copied."""
     rows, vocab = x.shape
     num_blocks = -(-vocab // block)
-    x = jnp.where(jnp.isnan(x), jnp.inf, x)
     if num_blocks * block != vocab:
         x = jnp.pad(x, ((0, 0), (0, num_blocks * block - vocab)), constant_values=-jnp.inf)
     blocks = x.reshape(rows, num_blocks, block)  # [S, NB, B]
-    first_block = jnp.argmax(blocks.max(axis=-1), axis=-1)  # [S]: the first block reaching the row maximum
-    winner = jnp.take_along_axis(blocks, first_block[:, None, None], axis=1)[:, 0]  # [S, B]
+    block_max = _nan_as_inf(blocks).max(axis=-1)  # [S, NB]
+    first_block = jnp.argmax(block_max, axis=-1)  # [S]: the first block reaching the row maximum
+    winner = _nan_as_inf(jnp.take_along_axis(blocks, first_block[:, None, None], axis=1)[:, 0])  # [S, B]
     return (first_block * block + jnp.argmax(winner, axis=-1)).astype(jnp.int32)
+
+
+def _nan_as_inf(x: jax.Array) -> jax.Array:
+    return jnp.where(jnp.isnan(x), jnp.inf, x)
 
 
 def process_logits(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags) -> jax.Array:
@@ -172,38 +177,29 @@ def _gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab: int) -> jax.Arr
     return jax.vmap(row_noise)(seeds, positions)  # [S, V] float32
 
 
-def sample(
-    logits: jax.Array, t: SamplingTensors, flags: SamplerFlags
-) -> tuple[jax.Array, jax.Array]:
-    """Samples one token per row.
+def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags) -> jax.Array:
+    """Samples one token per row: logits [S, V] -> token_ids [S] int32. `flags` must be static under jit.
 
-    logits [S, V] -> (token_ids [S] int32, logprob of each chosen token under the
-    raw model distribution, i.e. log_softmax of the unprocessed logits, [S] float32).
-    `flags` must be static under jit.
-    """
+    The chosen token's logprob is not computed here: a full-vocab log-softmax costs ~4 ms per 64-row step on
+    CPU, so only requests asking for logprobs pay it (`jvllm.logprobs.logprob_stats`), as in vLLM."""
     logits = logits.astype(jnp.float32)  # [S, V] float32
     vocab = logits.shape[-1]
     processed = process_logits(logits, t, flags)  # [S, V] float32
     greedy_ids = row_argmax(processed)  # [S] int32
+    if not flags.any_random:
+        return greedy_ids
 
-    if flags.any_random:
-        is_greedy = t.temperature < GREEDY_EPS  # [S] bool
-        # Greedy rows divide by 1 to stay finite; their result is replaced below.
-        temp = jnp.where(is_greedy, 1.0, t.temperature)  # [S] float32
-        scaled = processed / temp[:, None]  # [S, V] float32
-        if flags.any_top_k_p:
-            scaled = apply_top_k_top_p_min_p(scaled, t)  # [S, V] float32
-        # Gumbel-max: argmax(logits + G) is an exact draw from softmax(logits),
-        # with no normalization or cumulative sums needed.
-        noise = _gumbel_noise(t.seeds, t.positions, vocab)  # [S, V] float32
-        random_ids = row_argmax(scaled + noise)  # [S] int32
-        token_ids = jnp.where(is_greedy, greedy_ids, random_ids)  # [S] int32
-    else:
-        token_ids = greedy_ids  # [S] int32
-
-    log_norm = jax.nn.logsumexp(logits, axis=-1)  # [S] float32
-    chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0]  # [S] float32
-    return token_ids, chosen - log_norm
+    is_greedy = t.temperature < GREEDY_EPS  # [S] bool
+    # Greedy rows divide by 1 to stay finite; their result is replaced below.
+    temp = jnp.where(is_greedy, 1.0, t.temperature)  # [S] float32
+    scaled = processed / temp[:, None]  # [S, V] float32
+    if flags.any_top_k_p:
+        scaled = apply_top_k_top_p_min_p(scaled, t)  # [S, V] float32
+    # Gumbel-max: argmax(logits + G) is an exact draw from softmax(logits),
+    # with no normalization or cumulative sums needed.
+    noise = _gumbel_noise(t.seeds, t.positions, vocab)  # [S, V] float32
+    random_ids = row_argmax(scaled + noise)  # [S] int32
+    return jnp.where(is_greedy, greedy_ids, random_ids)  # [S] int32
 
 
 # Standalone jitted entry point (the engine usually calls `sample` inside its own jit).

@@ -42,7 +42,7 @@ def layer_attention(backend: AttentionBackend, mesh: Mesh | None = None) -> Laye
 @dataclasses.dataclass(frozen=True)
 class StepFunctions:
     """forward_sample(weights, kv_cache, ids, positions, md, sampling, prompt_targets, flags=, num_logprobs=,
-    num_prompt_logprobs=) -> ({token_ids [S], logprobs [S], sample_stats?, prompt_stats?}, kv); `kv` is the new
+    num_prompt_logprobs=) -> ({token_ids [S], sample_stats?, prompt_stats?}, kv); `kv` is the new
     pool when `fused`, else the step's K/V for `write_pool(kv_cache, kv, md)`.
     all_logits(weights, kv_cache, ids, positions, md) -> ([T, V] float32, kv)."""
 
@@ -82,8 +82,8 @@ def build_step_functions(graphdef: Any, treedef: Any, backend: AttentionBackend,
         hidden, layer_kv = model(input_ids, positions, kv_cache, md, attention, embed)  # [T, D]
         compute_logits = logits_of(model)
         logits = compute_logits(hidden[md.last_token_index])  # [S, V] float32
-        token_ids, logprobs = sample(logits, sampling, flags)
-        out = {"token_ids": token_ids, "logprobs": logprobs}
+        token_ids = sample(logits, sampling, flags)  # [S] int32
+        out = {"token_ids": token_ids}
         if num_logprobs is not None:
             out["sample_stats"] = logprob_stats(logits, token_ids, num_logprobs)
         if num_prompt_logprobs is not None:

@@ -87,6 +87,7 @@ def test_prompt_logprobs_survive_chunked_prefill(default_engine):
 def test_logprobs_off_by_default_and_limited(default_engine):
     output = default_engine.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)[0]
     assert output.outputs[0].logprobs is None and output.prompt_logprobs is None
+    assert output.outputs[0].cumulative_logprob is None  # as vLLM: summed only when logprobs are asked for
     single = default_engine.generate(["Hi"], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
     assert len(single.prompt_logprobs) == len(single.prompt_token_ids)
     with pytest.raises(ValueError, match="logprobs=21 exceeds the maximum of 20"):

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from jvllm.logprobs import logprob_stats
 from jvllm.sampler import (
     RowSpec,
     SamplerFlags,
@@ -58,8 +59,15 @@ def run(logits: np.ndarray, rows: list[RowSpec], pad: int | None = None, force: 
         flags = dataclasses.replace(flags, **force)
     full = np.zeros((pad, logits.shape[1]), np.float32)  # [S, V] float32
     full[: len(rows)] = logits
-    ids, lps = sample_jit(full, t, flags)
+    ids = sample_jit(full, t, flags)
+    # The engine's logprob of a sampled token, for requests that ask: under the raw (unprocessed) logits.
+    lps = _raw_logprob(full, ids)
     return np.asarray(ids)[: len(rows)], np.asarray(lps)[: len(rows)], t, flags
+
+
+@jax.jit
+def _raw_logprob(logits: jax.Array, ids: jax.Array) -> jax.Array:
+    return logprob_stats(logits, ids, 0).target_logprob  # [S] float32
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
