@@ -180,7 +180,7 @@ def _gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab: int) -> jax.Arr
 def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags) -> jax.Array:
     """Samples one token per row: logits [S, V] -> token_ids [S] int32. `flags` must be static under jit.
 
-    The chosen token's logprob is not computed here: a full-vocab log-softmax costs ~4 ms per 64-row step on
+    The chosen token's logprob is not computed here: a full-vocab log-softmax costs 2-4 ms per 64-row step on
     CPU, so only requests asking for logprobs pay it (`jvllm.logprobs.logprob_stats`), as in vLLM."""
     logits = logits.astype(jnp.float32)  # [S, V] float32
     vocab = logits.shape[-1]
