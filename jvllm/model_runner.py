@@ -129,14 +129,15 @@ class ModelRunner:
                     self.kv_pool_bytes(cfg, loaded.dtype, num_pages, page_size) / 2**20)
 
     def _new_pool(self, num_pages: int) -> list[tuple[jax.Array, jax.Array]]:
+        """Every layer's zeroed K and V pages from one jitted call, which returns at once: the pages are filled
+        while the engine goes on starting (eager zeros per layer held the start ~2 s for SmolLM2's 1 GiB pool)."""
         cfg = self.loaded.config
         shape = (num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)  # [N, page, KVH, hd]
-        if self.mesh is None:
-            return [(jnp.zeros(shape, self.loaded.dtype), jnp.zeros(shape, self.loaded.dtype))
-                    for _ in range(cfg.num_layers)]
-        zeros = jax.jit(lambda: jnp.zeros(shape, self.loaded.dtype),  # each device makes only its KV heads
-                        out_shardings=named_sharding(self.mesh, ("pages", "page_slot", "kv_heads", "head_dim")))
-        return [(zeros(), zeros()) for _ in range(cfg.num_layers)]
+        sharding = None if self.mesh is None else named_sharding(  # each device makes only its KV heads
+            self.mesh, ("pages", "page_slot", "kv_heads", "head_dim"))
+        zeros = jax.jit(lambda: [(jnp.zeros(shape, self.loaded.dtype), jnp.zeros(shape, self.loaded.dtype))
+                                 for _ in range(cfg.num_layers)], out_shardings=sharding)
+        return zeros()
 
     def _out_in_kernels(self) -> list[bool] | None:
         """Which weights the batched copy stores [out, in] (see models.llama.stored_out_in): a measured XLA CPU
