@@ -43,3 +43,23 @@ def test_unknown_load_format_and_dtype_are_clear_errors(tiny_model_factory):
 def test_dtype_auto_is_float32_on_cpu():
     assert jax.default_backend() == "cpu"
     assert np.dtype(resolve_dtype("auto")) == np.float32
+
+
+def test_read_safetensors_keeps_values_and_dtypes(tmp_path):
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    from models.loader import read_safetensors
+
+    rng = np.random.default_rng(0)
+    arrays = {"bf16": rng.normal(size=(3, 5)).astype(ml_dtypes.bfloat16),
+              "f16": rng.normal(size=(4,)).astype(np.float16), "f32": rng.normal(size=(2, 2)).astype(np.float32)}
+    save_file({"f32": arrays["f32"]}, str(tmp_path / "a.safetensors"))
+    save_file({k: arrays[k] for k in ("bf16", "f16")}, str(tmp_path / "b.safetensors"))
+    got = read_safetensors(tmp_path)
+    assert sorted(got) == sorted(arrays)
+    for name, expected in arrays.items():
+        assert got[name].dtype == expected.dtype
+        np.testing.assert_array_equal(got[name].astype(np.float32), expected.astype(np.float32))
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        read_safetensors(tmp_path / "missing")
