@@ -23,14 +23,17 @@ _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 }
 
 
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Param:
+def _normal(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Param:
+    """Random N(0, 0.02) weights, or with `rngs=None` only their shape (weights to be loaded)."""
+    if rngs is None:
+        return nnx.Param(jax.ShapeDtypeStruct(shape, dtype))
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * 0.02).astype(dtype))
 
 
 class Dense(nnx.Module):
     """y = x @ kernel + bias over the last axis; kernel [in, out], float32 accumulation."""
 
-    def __init__(self, d_in: int, d_out: int, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, d_in: int, d_out: int, dtype: jnp.dtype, rngs: nnx.Rngs | None):
         self.kernel = _normal(rngs, (d_in, d_out), dtype)
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype))
 
@@ -59,7 +62,7 @@ class LayerNorm(nnx.Module):
 class SelfAttention(nnx.Module):
     """Multi-head attention in which every real token sees every real token of its row (no causal mask)."""
 
-    def __init__(self, cfg: EncoderConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: EncoderConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
         d = cfg.hidden_size
         self.query = Dense(d, d, dtype, rngs)
         self.key = Dense(d, d, dtype, rngs)
@@ -86,7 +89,7 @@ class SelfAttention(nnx.Module):
 class EncoderLayer(nnx.Module):
     """Post-LayerNorm transformer block: x = LN(x + attn(x)); x = LN(x + ffn(x))."""
 
-    def __init__(self, cfg: EncoderConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: EncoderConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.attention = SelfAttention(cfg, dtype, rngs)
         self.attention_output = Dense(d, d, dtype, rngs)
@@ -106,7 +109,7 @@ class EncoderLayer(nnx.Module):
 class BertModel(nnx.Module):
     """Embeddings (word + absolute position + token type, LayerNorm) and N encoder layers; no pooler."""
 
-    def __init__(self, cfg: EncoderConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: EncoderConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
         d = cfg.hidden_size
         self.config = cfg
         self.word_embeddings = _normal(rngs, (cfg.vocab_size, d), dtype)

@@ -20,7 +20,11 @@ EmbedLookup = Callable[[jax.Array, jax.Array], jax.Array]  # (table [V, D], ids 
 HFParameter = tuple[nnx.Param, str, bool, tuple[str | None, ...]]
 
 
-def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Param:
+def _init(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Param:
+    """Random N(0, 0.02) weights, or with `rngs=None` only their shape, for weights loaded afterwards
+    (models.loader.abstract_module)."""
+    if rngs is None:
+        return nnx.Param(jax.ShapeDtypeStruct(shape, dtype))
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * 0.02).astype(dtype))
 
 
@@ -48,7 +52,7 @@ class Linear(nnx.Module):
     """y = x @ kernel (+ bias), accumulation in float32. The kernel is [in, out], or [out, in] in the runner's
     batched copy when `stored_out_in` (told apart by shape: such a kernel is never square)."""
 
-    def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs | None):
         self.kernel = _init(rngs, (d_in, d_out), dtype)
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
         self.d_in, self.d_out = d_in, d_out
@@ -88,7 +92,7 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
         d, hd = cfg.hidden_size, cfg.head_dim
         self.q_proj = Linear(d, cfg.num_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
         self.k_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
@@ -110,7 +114,7 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
@@ -121,7 +125,7 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -136,7 +140,7 @@ class DecoderLayer(nnx.Module):
 class LlamaForCausalLM(nnx.Module):
     """Per-layer weights in a Python list: the layer loop unrolls at trace time (see docs/design.md)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
         self.config = cfg
         self.embed_tokens = _init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
         self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])

@@ -129,6 +129,12 @@ def read_safetensors(folder: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
+def abstract_module(model_cls: Any, config: Any, dtype: Any) -> Any:
+    """The module with every parameter a jax.ShapeDtypeStruct, for loading weights into. `rngs=None` makes the
+    random initializers return shapes only: SmolLM2 in 0.13 s instead of 1.0-1.2 s of tracing them."""
+    return nnx.eval_shape(lambda: model_cls(config, dtype, None))
+
+
 def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_format: str = "auto",
                tokenizer: str | None = None, served_model_name: str | None = None, seed: int = 0,
                tensor_parallel_size: int = 1) -> LoadedModel:
@@ -152,7 +158,7 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
     if load_format == "dummy":
         module = model_cls(config, jdtype, nnx.Rngs(seed))
     else:
-        module = nnx.eval_shape(lambda: model_cls(config, jdtype, nnx.Rngs(0)))
+        module = abstract_module(model_cls, config, jdtype)
         module.load_hf_weights(read_safetensors(folder), jdtype)
     graphdef, state = nnx.split(module)
     return LoadedModel(config, graphdef, state, tok, served_model_name or name, jdtype, folder)
@@ -172,7 +178,7 @@ def _load_sharded(config: Any, model_cls: Any, jdtype: Any, folder: Path, load_f
     plan = TensorParallelPlan.for_model(config, tp)
     mesh = make_mesh(tp)
     sharded_config = plan.model_config(config)
-    module = nnx.eval_shape(lambda: model_cls(sharded_config, jdtype, nnx.Rngs(0)))
+    module = abstract_module(model_cls, sharded_config, jdtype)
     with contextlib.ExitStack() as stack:
         if load_format == "dummy":  # the same random weights as tp=1, drawn on the host CPU
             with jax.default_device(jax.local_devices(backend="cpu")[0]):
