@@ -35,9 +35,8 @@ def _register_no_attention_backend() -> None:
 def _prefill_seconds(engine, rows: int, prompt_len: int, repeats: int) -> float:
     """Median seconds to prefill `rows` fresh prompts of `prompt_len` tokens (a generate with max_tokens=1:
     as many steps as max_num_batched_tokens needs), after a warm-up pass."""
-    passes, _ = warm_then_time(engine, random_prompts(rows, prompt_len, engine.model.config.vocab_size, seed=2), 1,
-                               repeats)
-    return statistics.median(passes)
+    prompts = random_prompts(rows, prompt_len, engine.model.config.vocab_size, seed=2)
+    return statistics.median(warm_then_time(engine, prompts, 1, repeats))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,11 +50,14 @@ def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[in
     return [rng.integers(100, vocab - 100, size=length).tolist() for _ in range(num)]
 
 
-def _greedy_inputs(prompts: list[list[int]], output_len: int) -> tuple[list[dict], object]:
+def _warmed_inputs(engine, prompts: list[list[int]], output_len: int) -> tuple[list[dict], object]:
+    """Greedy fixed-length inputs for `prompts`, after one untimed pass that compiles every shape they need."""
     from jvllm import SamplingParams
 
-    return ([{"prompt_token_ids": p} for p in prompts],
-            SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True))
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    _jvllm_pass(engine, inputs, params)
+    return inputs, params
 
 
 def _jvllm_pass(engine, inputs: list[dict], params) -> tuple[float, list]:
@@ -66,14 +69,11 @@ def _jvllm_pass(engine, inputs: list[dict], params) -> tuple[float, list]:
     return time.perf_counter() - started, outputs
 
 
-def warm_then_time(engine, prompts: list[list[int]], output_len: int,
-                   repeats: int = 1) -> tuple[list[float], list[list]]:
+def warm_then_time(engine, prompts: list[list[int]], output_len: int, repeats: int = 1) -> list[float]:
     """Greedy fixed-length generation of `prompts`, run once to compile every shape it needs, then timed
-    `repeats` times; -> (seconds of each timed pass, outputs of each)."""
-    inputs, params = _greedy_inputs(prompts, output_len)
-    _jvllm_pass(engine, inputs, params)
-    timed = [_jvllm_pass(engine, inputs, params) for _ in range(repeats)]
-    return [seconds for seconds, _ in timed], [outputs for _, outputs in timed]
+    `repeats` times; -> seconds of each timed pass."""
+    inputs, params = _warmed_inputs(engine, prompts, output_len)
+    return [_jvllm_pass(engine, inputs, params)[0] for _ in range(repeats)]
 
 
 def _rates(passes: list[float], prompts: list[list[int]], output_len: int) -> dict:
@@ -85,16 +85,14 @@ def _rates(passes: list[float], prompts: list[list[int]], output_len: int) -> di
 
 
 def run_jvllm(engine, prompts: list[list[int]], output_len: int, repeats: int) -> dict:
-    passes, _ = warm_then_time(engine, prompts, output_len, repeats)
-    return _rates(passes, prompts, output_len)
+    return _rates(warm_then_time(engine, prompts, output_len, repeats), prompts, output_len)
 
 
 def run_single_decode(engine, prompt: list[int], output_len: int, repeats: int, weight_bytes: int) -> dict:
     """Decode-only speed of one request (time between its first and last token, median of the passes) against
     the bandwidth bound. The VM's read bandwidth drifts (32-63 GB/s between runs), so a probe runs right
     before each pass, and the bound uses the fastest probe of the run: the fraction errs low, never high."""
-    inputs, params = _greedy_inputs([prompt], output_len)
-    _jvllm_pass(engine, inputs, params)
+    inputs, params = _warmed_inputs(engine, [prompt], output_len)
     probe = ReadBandwidthProbe()
     bandwidths, rates = [], []
     for _ in range(repeats):
@@ -137,8 +135,7 @@ class TransformersBaseline:
 def run_batch(engine, baseline: TransformersBaseline | None, prompts: list[list[int]], output_len: int,
               repeats: int) -> dict:
     """The batch scenario: both engines warmed up, then their timed passes alternated `repeats` times."""
-    inputs, params = _greedy_inputs(prompts, output_len)
-    _jvllm_pass(engine, inputs, params)
+    inputs, params = _warmed_inputs(engine, prompts, output_len)
     if baseline is not None:
         baseline.warm()
     jvllm_passes, baseline_passes = [], []

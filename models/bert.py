@@ -9,6 +9,7 @@ import numpy as np
 from flax import nnx
 
 from models.config import EncoderConfig
+from models.params import normal_param
 
 _MASKED = -1e30  # finite: a fully padded row softmaxes to a harmless uniform instead of NaN
 
@@ -23,18 +24,11 @@ _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 }
 
 
-def _normal(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Param:
-    """Random N(0, 0.02) weights, or with `rngs=None` only their shape (weights to be loaded)."""
-    if rngs is None:
-        return nnx.Param(jax.ShapeDtypeStruct(shape, dtype))
-    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * 0.02).astype(dtype))
-
-
 class Dense(nnx.Module):
     """y = x @ kernel + bias over the last axis; kernel [in, out], float32 accumulation."""
 
     def __init__(self, d_in: int, d_out: int, dtype: jnp.dtype, rngs: nnx.Rngs | None):
-        self.kernel = _normal(rngs, (d_in, d_out), dtype)
+        self.kernel = normal_param(rngs, (d_in, d_out), dtype)
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -112,9 +106,9 @@ class BertModel(nnx.Module):
     def __init__(self, cfg: EncoderConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
         d = cfg.hidden_size
         self.config = cfg
-        self.word_embeddings = _normal(rngs, (cfg.vocab_size, d), dtype)
-        self.position_embeddings = _normal(rngs, (cfg.max_position_embeddings, d), dtype)
-        self.token_type_embeddings = _normal(rngs, (max(cfg.type_vocab_size, 1), d), dtype)
+        self.word_embeddings = normal_param(rngs, (cfg.vocab_size, d), dtype)
+        self.position_embeddings = normal_param(rngs, (cfg.max_position_embeddings, d), dtype)
+        self.token_type_embeddings = normal_param(rngs, (max(cfg.type_vocab_size, 1), d), dtype)
         self.embeddings_norm = LayerNorm(d, cfg.layer_norm_eps, dtype)
         self.layers = nnx.List([EncoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
 

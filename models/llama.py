@@ -10,6 +10,7 @@ from flax import nnx
 
 from jvllm.attention import AttentionMetadata
 from models.config import ModelConfig
+from models.params import normal_param
 from models.rope import apply_rotary, inverse_frequencies, rotary_tables
 
 LayerAttention = Callable[..., tuple[jax.Array, tuple[jax.Array, jax.Array]]]  # see jvllm.step_functions
@@ -18,14 +19,6 @@ NewKV = list[tuple[jax.Array, jax.Array]]  # per layer: this step's (k, v), each
 EmbedLookup = Callable[[jax.Array, jax.Array], jax.Array]  # (table [V, D], ids [T]) -> [T, D]
 # (parameter, HF tensor name, stored transposed vs. the HF tensor, logical axis of each dimension)
 HFParameter = tuple[nnx.Param, str, bool, tuple[str | None, ...]]
-
-
-def _init(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Param:
-    """Random N(0, 0.02) weights, or with `rngs=None` only their shape, for weights loaded afterwards
-    (models.loader.abstract_module)."""
-    if rngs is None:
-        return nnx.Param(jax.ShapeDtypeStruct(shape, dtype))
-    return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * 0.02).astype(dtype))
 
 
 # Up to this many token rows, a kernel stored [out, in] is applied as (kernel @ x^T)^T; more rows contract x with
@@ -53,7 +46,7 @@ class Linear(nnx.Module):
     batched copy when `stored_out_in` (told apart by shape: such a kernel is never square)."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs | None):
-        self.kernel = _init(rngs, (d_in, d_out), dtype)
+        self.kernel = normal_param(rngs, (d_in, d_out), dtype)
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
         self.d_in, self.d_out = d_in, d_out
 
@@ -142,10 +135,11 @@ class LlamaForCausalLM(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
         self.config = cfg
-        self.embed_tokens = _init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
+        self.embed_tokens = normal_param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
         self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else _init(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else normal_param(
+            rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache, md: AttentionMetadata,
                  attention: LayerAttention, embed: EmbedLookup | None = None) -> tuple[jax.Array, NewKV]:
