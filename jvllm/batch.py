@@ -35,6 +35,7 @@ class BucketLimits:
     max_tokens: int  # max_num_batched_tokens
     max_seqs: int  # max_num_seqs
     max_pages: int  # pages of one max_model_len sequence
+    min_rows: int = 1  # token and sequence buckets at least this big (up to the caps)
 
 
 @dataclasses.dataclass
@@ -57,8 +58,8 @@ def build_batch(chunks: list[ScheduledChunk], page_size: int, limits: BucketLimi
     """With `cached_pages_only` the block tables cover only tokens cached before this step (enough for a
     backend that attends to the step's own K/V directly): a first prefill chunk then gathers no context."""
     total = sum(c.num_tokens for c in chunks)
-    num_tokens = next_bucket(total, limits.max_tokens)
-    num_seqs = next_bucket(len(chunks), limits.max_seqs)
+    num_tokens = max(next_bucket(total, limits.max_tokens), min(limits.min_rows, limits.max_tokens))
+    num_seqs = max(next_bucket(len(chunks), limits.max_seqs), min(limits.min_rows, limits.max_seqs))
     max_q = next_bucket(max(c.num_tokens for c in chunks), limits.max_tokens)
     table_len = [-(-c.start // page_size) if cached_pages_only else len(c.request.page_table) for c in chunks]
     max_pages = next_bucket(max(table_len), limits.max_pages)

@@ -121,6 +121,8 @@ class ModelRunner:
         self.batched_min_rows = batched_min_rows
         self.batched_weights = None if batched_weight_dtype is None else cast_matrices(
             self.weights, batched_weight_dtype, self._out_in_kernels())
+        if self._one_row_dots_slow():
+            self.limits = dataclasses.replace(limits, min_rows=2)
         cfg = loaded.config
         self.kv_cache = self._new_pool(num_pages)
         self._seen_shapes: set[tuple] = set()
@@ -136,8 +138,9 @@ class ModelRunner:
         shape = (num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)  # [N, page, KVH, hd]
         sharding = None if self.mesh is None else named_sharding(  # each device makes only its KV heads
             self.mesh, ("pages", "page_slot", "kv_heads", "head_dim"))
-        zeros = jax.jit(lambda: [(jnp.zeros(shape, self.loaded.dtype), jnp.zeros(shape, self.loaded.dtype))
-                                 for _ in range(cfg.num_layers)], out_shardings=sharding)
+        dtype = self.backend.pool_storage_dtype(self.loaded.dtype)
+        zeros = jax.jit(lambda: [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)],
+                        out_shardings=sharding)
         return zeros()
 
     def _out_in_kernels(self) -> list[bool] | None:
@@ -146,6 +149,14 @@ class ModelRunner:
         if self.mesh is not None or jax.default_backend() != "cpu":
             return None
         return out_in_kernel_leaves(self.loaded.state)
+
+    def _one_row_dots_slow(self) -> bool:
+        """XLA CPU (jax 0.10) multiplies one row by a 16-bit matrix ~10x slower than by a float32 one, and two
+        rows as fast as one float32 row (YNNPACK); so with 16-bit weights for 1-row steps, every step gets at
+        least 2 rows. SmolLM2 at dtype=bfloat16, single-request decode: see docs/design.md."""
+        return jax.default_backend() == "cpu" and any(
+            w.ndim >= 2 and jnp.issubdtype(w.dtype, jnp.floating) and w.dtype.itemsize == 2
+            for w in self._weights_for(1))
 
     @staticmethod
     def kv_pool_bytes(cfg: Any, dtype: Any, num_pages: int, page_size: int) -> int:

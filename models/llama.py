@@ -9,6 +9,7 @@ import numpy as np
 from flax import nnx
 
 from jvllm.attention import AttentionMetadata
+from jvllm.attention.pool_storage import value_dtype
 from models.config import ModelConfig
 from models.params import normal_param
 from models.rope import apply_rotary, inverse_frequencies, rotary_tables
@@ -146,10 +147,10 @@ class LlamaForCausalLM(nnx.Module):
         """input_ids, positions [T] int32 -> (final hidden states [T, D], each layer's new (k, v)).
         `embed` replaces the table lookup (tensor parallelism: a vocab-parallel lookup).
 
-        Activations take the KV pool's dtype, whatever the weights' dtype (see ModelRunner's batched
-        weights). Each layer's K/V result is the new K/V (split backends: the runner writes it into the pool
+        Activations take the dtype of the KV pool's values, whatever the weights' dtype (see ModelRunner's
+        batched weights). Each layer's K/V result is the new K/V (split backends: the runner writes it into the pool
         in a separate donated jit) or the updated pages (fused backends)."""
-        activation_dtype = kv_cache[0][0].dtype
+        activation_dtype = value_dtype(kv_cache[0][0].dtype)
         table = self.embed_tokens[...]
         x = (table[input_ids] if embed is None else embed(table, input_ids)).astype(activation_dtype)  # [T, D]
         cfg = self.config  # static: the frequencies become trace-time constants, not state

@@ -3,7 +3,7 @@ writes that K/V into the pool (the runner calls the write in a separate jit with
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import jax
 
@@ -35,6 +35,10 @@ class AttentionBackend:
     attend: AttendFn | None  # (q [T,H,hd], k/v [T,KVH,hd], pages [N,page,KVH,hd], md, scale) -> [T,H,hd]
     write: WriteFn | None  # (per-layer pages, per-layer (k, v) [T,KVH,hd], md) -> per-layer pages
     write_and_attend: WriteAttendFn | None = None  # (q, k, v, k_pages, v_pages, md, scale) -> (out, k_pages, v_pages)
+    pool_dtype: Callable[[Any], Any] | None = None  # model dtype -> the dtype its pool is stored in (None: the same)
+
+    def pool_storage_dtype(self, dtype: Any) -> Any:
+        return dtype if self.pool_dtype is None else self.pool_dtype(dtype)
 
     @property
     def fused(self) -> bool:
@@ -50,9 +54,9 @@ def register_backend(name: str, loader: Callable[[], AttentionBackend]) -> None:
 
 
 def _load_xla() -> AttentionBackend:
-    from jvllm.attention import xla
+    from jvllm.attention import pool_storage, xla
 
-    return AttentionBackend("xla", xla.paged_attention, xla.write_layers)
+    return AttentionBackend("xla", xla.paged_attention, xla.write_layers, pool_dtype=pool_storage.storage_dtype)
 
 
 def _load_pallas() -> AttentionBackend:

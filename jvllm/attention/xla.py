@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from jvllm.attention.metadata import AttentionMetadata
+from jvllm.attention.pool_storage import as_stored, as_values
 
 # Decode-only steps take `decode_attention` (the page loop); steps with prefill chunks gather the context.
 # Decode step on SmolLM2, page loop vs gather (2-core CPU, jax 0.10.2, interleaved in one process, median of
@@ -18,10 +19,11 @@ def write_kv(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.A
     """pages [N, page, KVH, hd], new [T, KVH, hd], slot_mapping [T] -> pages with the tokens written.
 
     Token-major pages make this a row scatter over the leading axis, which XLA CPU does in place on a
-    donated pool; a head-major pool was turned into a whole-pool copy per layer (measured ~200x slower)."""
+    donated pool; a head-major pool was turned into a whole-pool copy per layer (measured ~200x slower).
+    A bfloat16 pool may be stored as its bits (jvllm.attention.pool_storage)."""
     num_pages, page_size, kv_heads, head_dim = pages.shape
     flat = pages.reshape(num_pages * page_size, kv_heads, head_dim)
-    return flat.at[slot_mapping].set(new.astype(pages.dtype)).reshape(pages.shape)
+    return flat.at[slot_mapping].set(as_stored(new, pages.dtype)).reshape(pages.shape)
 
 
 def write_layers(kv_cache: list, new_kv: list, md: AttentionMetadata) -> list:
@@ -38,7 +40,7 @@ def gather_context(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
     tokens, in the order of their outputs."""
     _, page_size, kv_heads, head_dim = pages.shape
     seqs, max_pages = block_tables.shape
-    context = pages[block_tables].reshape(seqs, max_pages * page_size, kv_heads, head_dim)
+    context = as_values(pages[block_tables]).reshape(seqs, max_pages * page_size, kv_heads, head_dim)
     return context.transpose(0, 2, 1, 3)
 
 
@@ -64,8 +66,9 @@ def paged_attention(
     q_padded = q[md.seq_token_index].reshape(seqs, max_q, kv_heads, group, head_dim)  # [S, Q, KVH, G, hd]
     chunk_k = k[md.seq_token_index].transpose(0, 2, 1, 3)  # [S, KVH, Q, hd]
     chunk_v = v[md.seq_token_index].transpose(0, 2, 1, 3)  # [S, KVH, Q, hd]
-    keys = jnp.concatenate([gather_context(k_pages, md.block_tables), chunk_k.astype(k_pages.dtype)], axis=2)
-    values = jnp.concatenate([gather_context(v_pages, md.block_tables), chunk_v.astype(v_pages.dtype)], axis=2)
+    context_k, context_v = gather_context(k_pages, md.block_tables), gather_context(v_pages, md.block_tables)
+    keys = jnp.concatenate([context_k, chunk_k.astype(context_k.dtype)], axis=2)  # [S, KVH, C + Q, hd]
+    values = jnp.concatenate([context_v, chunk_v.astype(context_v.dtype)], axis=2)
     context_len = keys.shape[2] - max_q  # C: padded cached context, then Q chunk slots
     cached = md.kv_lens - md.q_lens  # [S] tokens already in the pages
     q_idx = jnp.arange(max_q)
@@ -137,8 +140,8 @@ def decode_attention(
     def one_span(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]):
         running_max, denom, acc = carry  # [S, KVH, G], [S, KVH, G], [S, KVH, G, hd]
         pages = jax.lax.dynamic_slice_in_dim(block_tables, i * per_iter, per_iter, axis=1)  # [S, per]
-        keys = k_pages[pages].reshape(seqs, span, kv_heads, head_dim)  # [S, span, KVH, hd]
-        values = v_pages[pages].reshape(seqs, span, kv_heads, head_dim)
+        keys = as_values(k_pages[pages]).reshape(seqs, span, kv_heads, head_dim)  # [S, span, KVH, hd]
+        values = as_values(v_pages[pages]).reshape(seqs, span, kv_heads, head_dim)
         scores = jnp.einsum("skgd,spkd->skgp", qg, keys, preferred_element_type=jnp.float32)  # [S, KVH, G, span]
         pos = i * span + jnp.arange(span)  # [span]
         visible = (pos[None, :] < cached[:, None]) & (pos[None, :] >= lowest[:, None])  # [S, span]

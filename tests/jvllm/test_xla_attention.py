@@ -98,17 +98,13 @@ STEPS = {  # (cached tokens, new tokens) per scheduled chunk
 }
 
 
-@pytest.mark.parametrize("step", list(STEPS))
-@pytest.mark.parametrize("window", [None, 8])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_paged_attention_of_chunk_steps_matches_the_ragged_reference(step, window, dtype):
-    """Steps with prefill chunks, built as the runner builds them for this backend (block tables cover only the
-    pages cached before the step: none for first chunks), against the reference over pages holding every token.
-    bf16 also checks that XLA CPU can run the einsums' layouts (one order compiled to a dot it cannot run)."""
+def _chunk_step(step: str, dtype):
+    """A step of STEPS[step] built as the runner builds it for this backend (block tables cover only the pages
+    cached before the step: none for first chunks); -> (q, k, v, k_pages, v_pages, md, block tables of every
+    page for the reference)."""
     import types
 
     from jvllm.batch import BucketLimits, build_batch
-    from pallas_kernels.reference import ragged_attention_reference
 
     page, kv_heads, group, head_dim = 16, 3, 3, 32
     rng = np.random.default_rng(7)
@@ -123,23 +119,69 @@ def test_paged_attention_of_chunk_steps_matches_the_ragged_reference(step, windo
         chunks.append(types.SimpleNamespace(request=request, num_tokens=new, start=cached, pending_tokens=0))
     limits = BucketLimits(max_tokens=64, max_seqs=8, max_pages=8)
     batch = build_batch(chunks, page, limits, cached_pages_only=True)
-    full = build_batch(chunks, page, limits).metadata  # block tables of every page, for the reference
+    full = build_batch(chunks, page, limits).metadata
     md = jax.tree.map(jnp.asarray, batch.metadata)
-    if step == "first_prefill_chunks":
-        assert md.block_tables.shape[1] == 0
     tokens = md.slot_mapping.shape[0]
     pool_shape = (num_pages, page, kv_heads, head_dim)
     k_pages, v_pages = (jnp.asarray(rng.standard_normal(pool_shape), dtype) for _ in range(2))
     q = jnp.asarray(rng.standard_normal((tokens, kv_heads * group, head_dim)), dtype)
     k, v = (jnp.asarray(rng.standard_normal((tokens, kv_heads, head_dim)), dtype) for _ in range(2))
+    return q, k, v, k_pages, v_pages, md, jnp.asarray(full.block_tables)
+
+
+@pytest.mark.parametrize("step", list(STEPS))
+@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_paged_attention_of_chunk_steps_matches_the_ragged_reference(step, window, dtype):
+    """Steps with prefill chunks against the reference over pages holding every token. bf16 also checks that
+    XLA CPU can run the einsums' layouts (one order compiled to a dot it cannot run)."""
+    from pallas_kernels.reference import ragged_attention_reference
+
+    q, k, v, k_pages, v_pages, md, full_tables = _chunk_step(step, dtype)
+    if step == "first_prefill_chunks":
+        assert md.block_tables.shape[1] == 0
 
     got = jax.jit(paged_attention, static_argnums=(6, 7))(q, k, v, k_pages, v_pages, md, 0.2, window)
     want = ragged_attention_reference(
         q, xla_backend.write_kv(k_pages, k, md.slot_mapping), xla_backend.write_kv(v_pages, v, md.slot_mapping),
-        md.query_start, md.q_lens,
-        md.kv_lens, jnp.asarray(full.block_tables), max_q_len=md.seq_token_index.shape[1], scale=0.2,
+        md.query_start, md.q_lens, md.kv_lens, full_tables, max_q_len=md.seq_token_index.shape[1], scale=0.2,
         sliding_window=window)
-    real = sum(new for _, new in spans)
+    real = sum(new for _, new in STEPS[step])
     tolerance = 2e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(got[:real], np.float32), np.asarray(want[:real], np.float32),
                                atol=tolerance, rtol=tolerance)
+
+
+def _bits(pages: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(pages, jnp.uint16)
+
+
+def test_a_bf16_pool_stored_as_bits_gives_the_bf16_results():
+    """The pool of a bf16 model is stored as uint16 bits (jvllm.attention.pool_storage): writing, a step with
+    prefill chunks and the decode loop give exactly what the same pool in bfloat16 gives."""
+    q, k, v, k_pages, v_pages, md, _ = _chunk_step("mixed", jnp.bfloat16)
+    written = xla_backend.write_kv(_bits(k_pages), k, md.slot_mapping)
+    assert written.dtype == jnp.uint16
+    np.testing.assert_array_equal(np.asarray(written), np.asarray(_bits(xla_backend.write_kv(k_pages, k,
+                                                                                              md.slot_mapping))))
+    step = jax.jit(paged_attention, static_argnums=(6,))
+    np.testing.assert_array_equal(np.asarray(step(q, k, v, _bits(k_pages), _bits(v_pages), md, 0.2), np.float32),
+                                  np.asarray(step(q, k, v, k_pages, v_pages, md, 0.2), np.float32))
+
+    q, k, v, kp, vp, _, _, tables, cached = _case(3, 8, 2, 64, 16, 2, [3, 17, 30], jnp.bfloat16)
+    loop = jax.jit(decode_attention, static_argnums=(7,))
+    np.testing.assert_array_equal(np.asarray(loop(q, k, v, _bits(kp), _bits(vp), tables, cached, 0.125)),
+                                  np.asarray(loop(q, k, v, kp, vp, tables, cached, 0.125)))
+
+
+def test_a_bits_pool_round_trips_its_values_and_leaves_float32_alone():
+    from jvllm.attention import pool_storage
+
+    values = jnp.asarray(np.random.default_rng(0).standard_normal((4, 8)), jnp.bfloat16)
+    assert pool_storage.storage_dtype(jnp.bfloat16) == jnp.uint16
+    assert pool_storage.value_dtype(jnp.uint16) == jnp.bfloat16
+    stored = pool_storage.as_stored(values.astype(jnp.float32), jnp.uint16)
+    assert stored.dtype == jnp.uint16
+    np.testing.assert_array_equal(np.asarray(pool_storage.as_values(stored), np.float32), np.asarray(values, np.float32))
+    assert pool_storage.storage_dtype(jnp.float32) == pool_storage.value_dtype(jnp.float32) == jnp.float32
+    assert pool_storage.as_stored(values, jnp.float32).dtype == jnp.float32
