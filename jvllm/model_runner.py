@@ -138,7 +138,7 @@ class ModelRunner:
         shape = (num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)  # [N, page, KVH, hd]
         sharding = None if self.mesh is None else named_sharding(  # each device makes only its KV heads
             self.mesh, ("pages", "page_slot", "kv_heads", "head_dim"))
-        dtype = self.backend.pool_storage_dtype(self.loaded.dtype)
+        dtype = self.backend.pool_dtype(self.loaded.dtype)
         zeros = jax.jit(lambda: [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)],
                         out_shardings=sharding)
         return zeros()

@@ -35,10 +35,7 @@ class AttentionBackend:
     attend: AttendFn | None  # (q [T,H,hd], k/v [T,KVH,hd], pages [N,page,KVH,hd], md, scale) -> [T,H,hd]
     write: WriteFn | None  # (per-layer pages, per-layer (k, v) [T,KVH,hd], md) -> per-layer pages
     write_and_attend: WriteAttendFn | None = None  # (q, k, v, k_pages, v_pages, md, scale) -> (out, k_pages, v_pages)
-    pool_dtype: Callable[[Any], Any] | None = None  # model dtype -> the dtype its pool is stored in (None: the same)
-
-    def pool_storage_dtype(self, dtype: Any) -> Any:
-        return dtype if self.pool_dtype is None else self.pool_dtype(dtype)
+    pool_dtype: Callable[[Any], Any] = lambda dtype: dtype  # model dtype -> the dtype its pool is stored in
 
     @property
     def fused(self) -> bool:
