@@ -14,7 +14,7 @@ from jvllm.engine import Engine, PromptType
 from jvllm.outputs import RequestOutput
 from jvllm.embed_batcher import EmbeddingBatcher
 from jvllm.embedding import embed_unsupported
-from jvllm.engine_status import EngineDeadError, EngineStats, EngineStepError, QueueFullError
+from jvllm.engine_status import EngineDeadError, EngineShutDownError, EngineStats, EngineStepError, QueueFullError
 from jvllm.outputs import EmbeddingRequestOutput
 from jvllm.request_stream import RequestStream, aborted_output
 from jvllm.sampling_params import SamplingParams
@@ -207,7 +207,7 @@ class AsyncEngine:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead_error}") from self.dead_error
         if self._stopping or not self._thread.is_alive():
-            raise EngineDeadError("the engine is shut down")
+            raise EngineShutDownError("the engine is shut down")
 
     def _submit(self, command: _Add | _Abort) -> None:
         with self._cv:
@@ -236,7 +236,7 @@ class AsyncEngine:
                 for command in commands:
                     self._apply(command)
                 if stopping:
-                    self._abort_all(EngineDeadError("the engine is shut down"))
+                    self._abort_all(EngineShutDownError("the engine is shut down"))
                     return
                 stepped = self.engine.has_unfinished_requests()
                 if stepped:
@@ -297,11 +297,12 @@ class AsyncEngine:
         if not command.future.set_running_or_notify_cancel():
             return  # the caller gave up before the request was queued
         try:
-            # Requests that the next step can still admit do not count as waiting.
+            # The limit counts sequences (n per prompt); those the next step can still admit do not wait.
             scheduler = self.engine.scheduler
             waiting = len(scheduler.waiting) - max(scheduler.max_num_seqs - len(scheduler.running), 0)
-            if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
-                raise QueueFullError(f"the waiting queue is full ({waiting} requests); retry later")
+            if self.max_waiting_requests is not None and waiting + command.params.n > self.max_waiting_requests:
+                raise QueueFullError(f"the waiting queue is full ({max(waiting, 0)} sequences waiting, "
+                                     f"{command.params.n} more asked); retry later")
             self.engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time)
         except Exception as error:
             command.future.set_exception(error)

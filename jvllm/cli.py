@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -18,6 +19,17 @@ def human_int(text: str) -> int:
         return int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer like 512, 4k or 32K, got {text!r}") from None
+
+
+def json_list(text: str) -> list[str]:
+    """CORS flags take a JSON list of strings, e.g. '["https://example.com"]', as vLLM's do."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings like '[\"*\"]', got {text!r}") from None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -123,6 +135,23 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     net.add_argument("--enable-log-requests", action="store_true",
                      help="log prompts, parameters and outputs (off by default: they may be private)")
     net.add_argument("--disable-access-log", action="store_true", help="no per-request access log lines")
+    limits = serve.add_argument_group("admission limits (a request over one is refused with 400/413 before any work)")
+    limits.add_argument("--max-n", type=human_int, default=None,
+                        help="largest n (completions per prompt) a request may ask (default and maximum: "
+                             "--max-num-seqs)")
+    limits.add_argument("--max-prompt-chars", type=human_int, default=None,
+                        help="longest prompt text in characters, checked before tokenizing (default: max-model-len "
+                             "x the longest token's characters, so only prompts that cannot fit are refused)")
+    limits.add_argument("--max-request-body-bytes", type=human_int, default=None,
+                        help="largest request body; larger ones get 413 (default 32m)")
+    limits.add_argument("--trust-request-chat-template", action="store_true",
+                        help="accept a `chat_template` in requests (refused by default: a template is code the "
+                             "server runs; even trusted ones get a time bound)")
+    cors = serve.add_argument_group("CORS (as vLLM's flags; values are JSON lists)")
+    cors.add_argument("--allowed-origins", type=json_list, default=["*"], help='allowed origins (default ["*"])')
+    cors.add_argument("--allowed-methods", type=json_list, default=["*"], help='allowed methods (default ["*"])')
+    cors.add_argument("--allowed-headers", type=json_list, default=["*"], help='allowed headers (default ["*"])')
+    cors.add_argument("--allow-credentials", action="store_true", help="allow credentials (cookies, auth headers)")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                      help="server log level (default info)")
     add_engine_args(serve)
@@ -198,11 +227,17 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"jvllm: error: MODEL {args.model_tag!r} and --model {args.model!r} disagree", file=sys.stderr)
         return 2
     args.model = args.model_tag or args.model
+    settings = dict(served_model_names=args.served_model_name, api_key=args.api_key,
+                    enable_log_requests=args.enable_log_requests, chat_template=args.chat_template,
+                    max_logprobs=args.max_logprobs, max_n=args.max_n, max_prompt_chars=args.max_prompt_chars,
+                    trust_request_chat_template=args.trust_request_chat_template,
+                    allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+                    allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
+    if args.max_request_body_bytes is not None:
+        settings["max_request_body_bytes"] = args.max_request_body_bytes
     try:
-        return run_server(engine_kwargs(args), host=args.host, port=args.port, api_key=args.api_key,
-                          served_model_names=args.served_model_name, enable_log_requests=args.enable_log_requests,
+        return run_server(engine_kwargs(args), settings, host=args.host, port=args.port,
                           max_waiting_requests=args.max_waiting_requests, shutdown_timeout=args.shutdown_timeout,
-                          chat_template=args.chat_template, max_logprobs=args.max_logprobs,
                           log_level=args.log_level, access_log=not args.disable_access_log)
     except (ValueError, FileNotFoundError) as error:
         print(f"jvllm: error: {error}", file=sys.stderr)

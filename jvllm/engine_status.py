@@ -8,6 +8,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped (fatal error or shutdown); no request can be served any more."""
 
 
+class EngineShutDownError(EngineDeadError):
+    """The engine was shut down on purpose (server stop) while the request was queued or running."""
+
+
 class EngineStepError(RuntimeError):
     """A model step failed while this request was running; the request was aborted."""
 
@@ -29,4 +33,4 @@ class EngineStats:
     num_steps: int = 0  # cumulative
 
 
-__all__ = ["EngineDeadError", "EngineStats", "EngineStepError", "QueueFullError"]
+__all__ = ["EngineDeadError", "EngineShutDownError", "EngineStats", "EngineStepError", "QueueFullError"]

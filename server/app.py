@@ -1,39 +1,50 @@
 """The FastAPI application: OpenAI-compatible /v1 routes, tokenizer routes, health, version, metrics."""
 from __future__ import annotations
 
+import logging
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import Response
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import jvllm
 from jvllm.async_engine import AsyncEngine
 from server.auth import check_api_key
+from server.blocking import BlockingWork, json_in_pieces
+from server.body_limit import BodySizeLimit
 from server.chat import create_chat_completion, render_chat
 from server.completions import create_completion
 from server.embeddings import create_embedding
 from server.errors import APIError, ClientGone, bad_request, error_response, install_error_handlers, to_api_error
+from server.limits import AdmissionLimits
 from server.metrics import ServerMetrics
+from server.openapi_streams import document_event_streams, streamed
 from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                              TokenizeRequest)
-from server.responses import (ChatCompletionResponse, CompletionResponse, DetokenizeResponse, EmbeddingResponse,
-                              ErrorResponse, ModelCard,
-                              ModelList, TokenizeResponse)
+from server.responses import (ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, DetokenizeResponse,
+                              EmbeddingResponse, ErrorResponse, ModelCard, ModelList, TokenizeResponse)
 from server.sampling import check_model
 from server.settings import ServerSettings
 from server.state import ServerState, state_of
 from server.tokens import TokenText
 
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 500, 503)}
-_STREAM_DOC = {"text/event-stream": {"schema": {"type": "string", "description": "SSE when stream=true"}}}
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 500, 503)}
 
 
-async def _guarded(work) -> Response:
-    """Run a handler; errors become OpenAI error bodies without a traceback reaching the client."""
+access_logger = logging.getLogger("uvicorn.access")
+
+
+async def _guarded(request: Request, work: Awaitable[Response]) -> Response:
+    """Run a handler; errors become OpenAI error bodies without a traceback reaching the client. A client
+    that left gets no response: its line in the access log says 499, as nginx logs one."""
     try:
         return await work
     except ClientGone:
+        client = request.client
+        access_logger.info('%s - "%s %s HTTP/%s" %d', f"{client.host}:{client.port}" if client else "-",
+                           request.method, request.url.path, request.scope.get("http_version", "1.1"), 499)
         return Response(status_code=499)
     except Exception as error:
         return error_response(to_api_error(error))
@@ -53,45 +64,64 @@ def _protected_routes() -> APIRouter:
         check_model(model, state.settings)
         return _card(state, model)
 
-    @router.post("/v1/completions", responses={200: {"model": CompletionResponse, "content": _STREAM_DOC}, **_ERRORS})
+    @router.post("/v1/completions", responses={200: {"model": CompletionResponse}, **_ERRORS},
+                 openapi_extra=streamed(CompletionResponse))
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _guarded(create_completion(body, request, state_of(request)))
+        return await _guarded(request, create_completion(body, request, state_of(request)))
 
-    @router.post("/v1/chat/completions",
-                 responses={200: {"model": ChatCompletionResponse, "content": _STREAM_DOC}, **_ERRORS})
+    @router.post("/v1/chat/completions", responses={200: {"model": ChatCompletionResponse}, **_ERRORS},
+                 openapi_extra=streamed(ChatCompletionChunk))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _guarded(create_chat_completion(body, request, state_of(request)))
+        return await _guarded(request, create_chat_completion(body, request, state_of(request)))
 
     @router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-        return await _guarded(create_embedding(body, request, state_of(request)))
+        return await _guarded(request, create_embedding(body, request, state_of(request)))
 
     @router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
-    async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
-        state = state_of(request)
-        check_model(body.model, state.settings)
-        if (body.prompt is None) == (body.messages is None):
-            raise bad_request("give exactly one of prompt or messages", "prompt")
-        if body.messages is not None:
-            text = render_chat(state, body.messages, template=body.chat_template or state.settings.chat_template,
-                               add_generation_prompt=body.add_generation_prompt,
-                               continue_final_message=body.continue_final_message)
-            ids = state.engine.tokenize(text, add_special_tokens=False)
-        else:
-            ids = state.engine.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
-        strs = [state.names.text(i) for i in ids] if body.return_token_strs else None
-        return TokenizeResponse(count=len(ids), max_model_len=state.engine.max_model_len, tokens=ids, token_strs=strs)
+    async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+        return await _guarded(request, _tokenize(body, state_of(request)))
 
     @router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
-    async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
-        state = state_of(request)
-        check_model(body.model, state.settings)
-        vocab = len(state.engine.tokenizer)
-        if any(t < 0 or t >= vocab for t in body.tokens):
-            raise bad_request(f"token ids must be in [0, {vocab})", "tokens")
-        return DetokenizeResponse(prompt=state.engine.detokenize(body.tokens))
+    async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+        return await _guarded(request, _detokenize(body, state_of(request)))
 
     return router
+
+
+async def _tokenize(body: TokenizeRequest, state: ServerState) -> Response:
+    check_model(body.model, state.settings)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt or messages", "prompt")
+    if body.messages is not None:
+        text = await render_chat(state, body.messages, request_template=body.chat_template,
+                                 add_generation_prompt=body.add_generation_prompt,
+                                 continue_final_message=body.continue_final_message)
+        ids = await state.tokenize(text, add_special_tokens=False)
+    else:
+        ids = await state.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
+
+    def encode() -> bytes:  # a million ids encode in a few hundred ms: on the pool, in pieces
+        strs = [state.names.text(i) for i in ids] if body.return_token_strs else None
+        return json_in_pieces(dict(count=len(ids), max_model_len=state.engine.max_model_len, tokens=ids,
+                                   token_strs=strs))
+
+    return Response(await state.blocking.run(encode), media_type="application/json")
+
+
+async def _detokenize(body: DetokenizeRequest, state: ServerState) -> Response:
+    check_model(body.model, state.settings)
+    vocab = len(state.engine.tokenizer)
+
+    def decode() -> str | None:
+        if any(t < 0 or t >= vocab for t in body.tokens):
+            return None
+        return state.engine.detokenize(body.tokens)
+
+    text = await state.blocking.run(decode)
+    if text is None:
+        raise bad_request(f"token ids must be in [0, {vocab})", "tokens")
+    return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
 
 def _card(state: ServerState, name: str) -> ModelCard:
@@ -102,7 +132,9 @@ def _card(state: ServerState, name: str) -> ModelCard:
 def _public_routes() -> APIRouter:
     router = APIRouter()
 
-    @router.get("/health")
+    @router.get("/health", response_class=Response,
+                responses={200: {"description": "the engine is running (empty body)", "content": {}},
+                           503: {"model": ErrorResponse}})
     async def health(request: Request) -> Response:
         if not state_of(request).engine.is_running:
             raise APIError(503, "the engine is not running", code="engine_dead")
@@ -112,7 +144,9 @@ def _public_routes() -> APIRouter:
     async def version() -> dict:
         return {"version": jvllm.__version__}
 
-    @router.get("/metrics")
+    @router.get("/metrics", response_class=PlainTextResponse,
+                responses={200: {"description": "Prometheus text format",
+                                 "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics(request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -125,17 +159,27 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     """An app serving `engine`; shutting the app down (lifespan end) stops the engine thread."""
     metrics = ServerMetrics(engine, settings.model_name)
     engine.observers.append(metrics.observe)
+    config = engine.engine.config
+    limits = AdmissionLimits.resolve(max_num_seqs=config.max_num_seqs, max_waiting_requests=engine.max_waiting_requests,
+                                     max_model_len=config.max_model_len, tokenizer=engine.tokenizer,
+                                     max_n=settings.max_n, max_prompt_chars=settings.max_prompt_chars)
+    blocking = BlockingWork()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         await engine.shutdown()
+        blocking.close()
 
     app = FastAPI(title="jvllm OpenAI-compatible server", version=jvllm.__version__, lifespan=lifespan)
-    app.state.jvllm = ServerState(engine, settings, metrics, TokenText(engine.tokenizer))
+    app.state.jvllm = ServerState(engine, settings, metrics, TokenText(engine.tokenizer), limits, blocking)
     app.state.settings = settings
     install_error_handlers(app)
     app.include_router(_protected_routes())
     app.include_router(_public_routes())
+    app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
+                       allow_methods=settings.allowed_methods, allow_headers=settings.allowed_headers,
+                       allow_credentials=settings.allow_credentials)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_body_bytes)
+    document_event_streams(app)
     return app
-

@@ -12,11 +12,13 @@ from jvllm.async_engine import RequestStream
 from jvllm.outputs import CompletionOutput, RequestOutput
 from server.errors import bad_request
 from server.logprobs import chat_logprobs
-from server.protocol import ChatCompletionRequest, ChatMessage
+from server.blocking import TemplateTimeout, with_deadline
+from server.protocol import ChatCompletionRequest, ChatMessage, invalid_text_path
 from server.responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
                               ChatMessageOut, DeltaMessage, UsageInfo)
 from server.sampling import (check_fits, check_generates, check_logprobs, check_model, check_unsupported, sampling_params,
                              warn_unknown_fields)
+from server.settings import REQUEST_TEMPLATE_TIMEOUT_S
 from server.state import ServerState
 from server.streaming import DONE, sse, sse_response, unless_disconnected
 
@@ -35,19 +37,38 @@ def conversation(messages: list[ChatMessage]) -> list[dict]:
     return result
 
 
-def render_chat(state: ServerState, messages: list[ChatMessage], *, template: str | None,
-                add_generation_prompt: bool, continue_final_message: bool, extra: dict | None = None) -> str:
-    """The prompt text; a template that refuses the conversation is the client's error (400)."""
+async def render_chat(state: ServerState, messages: list[ChatMessage], *, request_template: str | None,
+                      add_generation_prompt: bool, continue_final_message: bool, extra: dict | None = None) -> str:
+    """The prompt text, rendered on the blocking-work pool; a template that refuses the conversation is the
+    client's error (400). A request's own template needs --trust-request-chat-template and a time bound."""
     if add_generation_prompt and continue_final_message:
         raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
                           "continue_final_message")
+    if request_template is not None and not state.settings.trust_request_chat_template:
+        raise bad_request("a chat_template in the request is refused: the server runs without "
+                          "--trust-request-chat-template", "chat_template")
+    state.limits.check_chars(sum(len(message.text()) for message in messages), "messages")
     kwargs = {k: v for k, v in (extra or {}).items() if k not in _RESERVED_TEMPLATE_ARGS}
-    try:
-        return state.engine.apply_chat_template(conversation(messages), chat_template=template,
+
+    def render() -> str:
+        return state.engine.apply_chat_template(conversation(messages),
+                                                chat_template=request_template or state.settings.chat_template,
                                                 add_generation_prompt=add_generation_prompt,
                                                 continue_final_message=continue_final_message, **kwargs)
+
+    try:
+        if request_template is None:
+            text = await state.blocking.run(render)
+        else:
+            text = await state.blocking.run(with_deadline, render, REQUEST_TEMPLATE_TIMEOUT_S)
+    except TemplateTimeout as error:
+        raise bad_request(str(error), "chat_template") from None
     except Exception as error:  # jinja2 errors (e.g. `raise_exception` in a template) and ValueError
         raise bad_request(f"could not apply the chat template: {error}", "messages") from None
+    state.limits.check_chars(len(text), "messages")
+    if invalid_text_path(text) is not None:  # e.g. a surrogate made by the template from its arguments
+        raise bad_request("the rendered chat is not valid UTF-8 text", "messages")
+    return text
 
 
 class _Chat:
@@ -123,7 +144,7 @@ class _Chat:
 
 def _check_request(body: ChatCompletionRequest, state: ServerState) -> int | None:
     """-> top logprobs per token (None: no logprobs)."""
-    check_unsupported(body)
+    check_unsupported(body, state.limits)
     if body.tools and body.tool_choice != "none":
         raise bad_request("tool calling is not supported", "tools")
     if body.response_format and body.response_format.get("type", "text") != "text":
@@ -142,10 +163,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     model = check_model(body.model, state.settings)
     check_generates(model, state)
     num_top = _check_request(body, state)
-    text = render_chat(state, body.messages, template=body.chat_template or state.settings.chat_template,
-                       add_generation_prompt=body.add_generation_prompt,
-                       continue_final_message=body.continue_final_message, extra=body.chat_template_kwargs)
-    ids = state.engine.tokenize(text, add_special_tokens=body.add_special_tokens)
+    text = await render_chat(state, body.messages, request_template=body.chat_template,
+                             add_generation_prompt=body.add_generation_prompt,
+                             continue_final_message=body.continue_final_message, extra=body.chat_template_kwargs)
+    ids = await state.tokenize(text, add_special_tokens=body.add_special_tokens)
     wanted = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = sampling_params(body, max_tokens=check_fits(len(ids), wanted, state.engine.max_model_len),
                              logprobs=num_top, prompt_logprobs=body.prompt_logprobs)

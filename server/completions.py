@@ -27,7 +27,7 @@ class Prompt:
     token_ids: list[int]
 
 
-def _prompts(body: CompletionRequest, state: ServerState) -> list[Prompt]:
+def _raw_prompts(body: CompletionRequest) -> list[str | list[int]]:
     raw = body.prompt
     if isinstance(raw, str):
         raw = [raw]
@@ -35,11 +35,18 @@ def _prompts(body: CompletionRequest, state: ServerState) -> list[Prompt]:
         raw = [raw]
     if not raw:
         raise bad_request("prompt must not be empty", "prompt")
+    return raw  # type: ignore[return-value]
+
+
+async def _prompts(raw: list[str | list[int]], body: CompletionRequest, state: ServerState) -> list[Prompt]:
+    """Text prompts are length-checked, then tokenized off the event loop; token id prompts are taken as is."""
+    for i, item in enumerate(raw):
+        if isinstance(item, str):
+            state.limits.check_chars(len(item), "prompt" if len(raw) == 1 else f"prompt.{i}")
     prompts = []
     for item in raw:
         if isinstance(item, str):
-            ids = state.engine.tokenize(item, add_special_tokens=body.add_special_tokens)
-            prompts.append(Prompt(item, ids))
+            prompts.append(Prompt(item, await state.tokenize(item, add_special_tokens=body.add_special_tokens)))
         else:
             prompts.append(Prompt(None, list(item)))
         if not prompts[-1].token_ids:
@@ -166,12 +173,14 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     warn_unknown_fields(body, "/v1/completions")
     model = check_model(body.model, state.settings)
     check_generates(model, state)
-    check_unsupported(body)
+    check_unsupported(body, state.limits)
+    raw = _raw_prompts(body)
+    state.limits.check_sequences(len(raw), body.n)
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
     check_logprobs(body.logprobs, state.settings, "logprobs")
     check_logprobs(body.prompt_logprobs, state.settings, "prompt_logprobs")
-    prompts = _prompts(body, state)
+    prompts = await _prompts(raw, body, state)
     prompt_logprobs = body.prompt_logprobs
     if body.echo and body.logprobs is not None:
         prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)

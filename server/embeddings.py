@@ -16,18 +16,22 @@ from server.sampling import check_model
 from server.state import ServerState
 
 
-def embedding_prompts(body: EmbeddingRequest, state: ServerState) -> list[str | dict]:
+async def embedding_prompts(body: EmbeddingRequest, state: ServerState) -> list[str | dict]:
     """OpenAI's input forms (a string, strings, token ids, lists of token ids) -> Engine.embed prompts."""
     raw = body.input
     if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
         raw = [raw]  # type: ignore[list-item]
     if not raw:
         raise bad_request("input must not be empty", "input")
+    if body.truncate_prompt_tokens is None:  # otherwise long inputs are cut to the limit, as asked
+        for i, item in enumerate(raw):
+            if isinstance(item, str):
+                state.limits.check_chars(len(item), "input" if len(raw) == 1 else f"input.{i}")
     prompts: list[str | dict] = []
     for item in raw:
         if isinstance(item, str):
             if not body.add_special_tokens:
-                item = {"prompt": item, "prompt_token_ids": state.engine.tokenize(item, add_special_tokens=False)}
+                item = {"prompt": item, "prompt_token_ids": await state.tokenize(item, add_special_tokens=False)}
             prompts.append(item)
         elif not item:
             raise bad_request("a token id list in input must not be empty", "input")
@@ -53,7 +57,7 @@ async def create_embedding(body: EmbeddingRequest, request: Request, state: Serv
         raise bad_request(f"{model} does not support matryoshka representations: dimensions= cannot shorten "
                           "its embeddings", "dimensions")
     request_id = f"embd-{uuid.uuid4().hex}"
-    prompts = embedding_prompts(body, state)
+    prompts = await embedding_prompts(body, state)
     state.log_request(request_id, "embeddings", f"{len(prompts)} inputs:", prompts)
     try:
         outputs = await engine.embed(prompts, truncate=False, truncate_prompt_tokens=body.truncate_prompt_tokens,

@@ -8,7 +8,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jvllm.async_engine import EngineDeadError, EngineStepError, QueueFullError
+from jvllm.async_engine import EngineDeadError, EngineShutDownError, EngineStepError, QueueFullError
 from jvllm.embed_batcher import EmbedderClosedError
 
 logger = logging.getLogger("jvllm.server")
@@ -54,6 +54,8 @@ def to_api_error(error: BaseException) -> APIError:
         return APIError(499, "the client closed the request")
     if isinstance(error, QueueFullError):
         return APIError(503, str(error), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if isinstance(error, EngineShutDownError):
+        return APIError(503, "the server is shutting down; retry on another replica or later", code="shutting_down")
     if isinstance(error, (EngineDeadError, EmbedderClosedError)):
         return APIError(503, "the engine is not running", code="engine_dead")
     if isinstance(error, EngineStepError):
@@ -74,6 +76,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     for item in exc.errors():
         loc = [str(x) for x in item.get("loc", ()) if x != "body"]
         where = ".".join(loc)
+        if item.get("type") == "invalid_text":  # raised for the whole body: the message names the field
+            param = param or item.get("ctx", {}).get("path")
+            parts.append(str(item.get("msg")))
+            continue
         param = param or (where or None)
         if not where and item.get("type") in ("model_attributes_type", "dict_type"):
             parts.append("the request body must be a JSON object (send Content-Type: application/json)")

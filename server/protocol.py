@@ -3,14 +3,58 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 TokenIds = list[int]
+# vLLM's bounds for `seed`: a signed 64-bit integer.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 class OpenAIModel(BaseModel):
     # Unknown fields are kept (and logged) rather than refused: clients of newer API versions still work.
-    model_config = ConfigDict(extra="allow")
+    # Strict types, as OpenAI's API: "2" is not an integer and 1.5 is not a token id.
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+def invalid_text_path(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first string (value or key) in parsed JSON that is not valid UTF-8 text (a lone
+    surrogate from a `\\ud800` escape), or None when every string is valid."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and invalid_text_path(key, where) is not None:
+                return path or "body"
+            found = invalid_text_path(item, where)
+            if found is not None:
+                return found
+    elif isinstance(value, list) and value and not isinstance(value[0], (int, float)):  # not a token id list
+        for index, item in enumerate(value):
+            found = invalid_text_path(item, f"{path}.{index}" if path else str(index))
+            if found is not None:
+                return found
+    return None
+
+
+class RequestBody(OpenAIModel):
+    """A route's whole JSON body: strings in it must be valid UTF-8 (lone surrogates are refused)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_invalid_text(cls, data: Any) -> Any:
+        path = invalid_text_path(data)
+        if path is not None:
+            raise PydanticCustomError("invalid_text", "{path}: the text is not valid UTF-8 (it contains a lone "
+                                                      "surrogate such as \\ud800)", {"path": path})
+        return data
 
 
 class StreamOptions(OpenAIModel):
@@ -18,7 +62,7 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
 
-class SamplingFields(OpenAIModel):
+class SamplingFields(RequestBody):
     """Fields shared by completions and chat; names and defaults follow vLLM's server."""
 
     model: str | None = None
@@ -32,7 +76,7 @@ class SamplingFields(OpenAIModel):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     user: str | None = None
     # vLLM extras
     top_k: int | None = None
@@ -101,7 +145,7 @@ class ChatCompletionRequest(SamplingFields):
     return_tokens_as_token_ids: bool = False
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(RequestBody):
     """POST /tokenize: a prompt, or chat messages rendered with the chat template."""
 
     model: str | None = None
@@ -114,14 +158,14 @@ class TokenizeRequest(OpenAIModel):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestBody):
     """POST /detokenize."""
 
     model: str | None = None
     tokens: TokenIds
 
 
-class EmbeddingRequest(OpenAIModel):
+class EmbeddingRequest(RequestBody):
     """POST /v1/embeddings: OpenAI's fields plus vLLM's truncate_prompt_tokens."""
 
     model: str | None = None

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from jvllm.sampling_params import SamplingParams
 from server.errors import APIError, bad_request
+from server.limits import AdmissionLimits
 from server.protocol import SamplingFields
 from server.settings import ServerSettings
 
@@ -49,13 +50,12 @@ def check_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: in
     return max_tokens
 
 
-def check_unsupported(body: SamplingFields) -> None:
+def check_unsupported(body: SamplingFields, limits: AdmissionLimits) -> None:
     if body.use_beam_search:
         raise bad_request("beam search is not supported", "use_beam_search")
+    limits.check_n(body.n, body.best_of)
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request(f"best_of ({body.best_of}) other than n ({body.n}) is not supported", "best_of")
-    if body.n < 1:
-        raise bad_request(f"n must be >= 1, got {body.n}", "n")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
@@ -84,5 +84,6 @@ def sampling_params(body: SamplingFields, *, max_tokens: int, logprobs: int | No
             spaces_between_special_tokens=body.spaces_between_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output, logit_bias=body.logit_bias,
             allowed_token_ids=body.allowed_token_ids)
-    except ValueError as error:
-        raise bad_request(str(error)) from None
+    except ValueError as error:  # SamplingParams' messages start with the field's name
+        field = str(error).split(" ", 1)[0]
+        raise bad_request(str(error), field if field in SamplingParams.__dataclass_fields__ else None) from None

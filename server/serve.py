@@ -1,16 +1,25 @@
 """`jvllm serve`: load the engine, start uvicorn, drain in-flight requests on SIGTERM, exit 0."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import pathlib
 import signal
+import socket
 import sys
 from typing import Any
+
+import uvicorn
+
+from jvllm.async_engine import AsyncEngine
 
 # The engine thread holds the GIL for its host-side work; a waiting event-loop thread would get it only
 # after the default 5 ms switch interval. A shorter interval keeps streaming latency low.
 GIL_SWITCH_INTERVAL_S = 0.001
+# uvicorn's own deadline comes this long after the drain deadline: by then every request has been ended by
+# the drain, so uvicorn never has to cancel a running response (which logs a traceback per request).
+UVICORN_BACKSTOP_S = 10.0
 
 logger = logging.getLogger("jvllm.server")
 
@@ -28,13 +37,31 @@ def load_chat_template(value: str | None) -> str | None:
     return value
 
 
-def run_server(engine_kwargs: dict[str, Any], *, host: str, port: int, api_key: str | None,
-               served_model_names: list[str] | None, enable_log_requests: bool, max_waiting_requests: int | None,
-               shutdown_timeout: float, chat_template: str | None, max_logprobs: int, log_level: str,
-               access_log: bool) -> int:
-    import uvicorn
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a drain deadline of its own. After SIGTERM (or `should_exit`) it stops accepting
+    connections and lets open requests finish for `drain_timeout` seconds; then it shuts the engine down, so
+    each open stream ends with an error event and `[DONE]` and each waiting response answers 503."""
 
-    from jvllm.async_engine import AsyncEngine
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float) -> None:
+        config.timeout_graceful_shutdown = drain_timeout + UVICORN_BACKSTOP_S
+        super().__init__(config)
+        self.engine = engine
+        self.drain_timeout = drain_timeout
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        timer = asyncio.get_running_loop().call_later(self.drain_timeout, self._end_open_requests)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    def _end_open_requests(self) -> None:
+        logger.warning("shutdown timeout (%gs) reached: ending the requests still open", self.drain_timeout)
+        asyncio.ensure_future(self.engine.shutdown())
+
+
+def run_server(engine_kwargs: dict[str, Any], settings_kwargs: dict[str, Any], *, host: str, port: int,
+               max_waiting_requests: int | None, shutdown_timeout: float, log_level: str, access_log: bool) -> int:
     from jvllm.engine import Engine
     from server.app import build_app
     from server.settings import ServerSettings
@@ -45,23 +72,22 @@ def run_server(engine_kwargs: dict[str, Any], *, host: str, port: int, api_key: 
         engine.follow()
         return 0
     async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests)
-    settings = ServerSettings(served_model_names or [engine.served_model_name], api_key=api_key,
-                              enable_log_requests=enable_log_requests, max_logprobs=max_logprobs,
-                              chat_template=load_chat_template(chat_template),
-                              model_root=engine_kwargs.get("model") or engine.served_model_name)
+    names = settings_kwargs.pop("served_model_names", None) or [engine.served_model_name]
+    settings = ServerSettings(names, model_root=engine_kwargs.get("model") or engine.served_model_name,
+                              **settings_kwargs)
+    settings.chat_template = load_chat_template(settings.chat_template)
     app = build_app(async_engine, settings)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                            timeout_graceful_shutdown=shutdown_timeout, server_header=False)
-    server = uvicorn.Server(config)
-    # uvicorn catches SIGTERM/SIGINT, stops accepting, lets open responses finish (up to the timeout,
-    # then cancels them, which aborts their requests), stops the engine, and finally re-raises the
-    # signal. With no-op handlers underneath, that re-raise ends in a clean exit 0.
+                            server_header=False)
+    server = DrainingServer(config, async_engine, shutdown_timeout)
+    # uvicorn catches SIGTERM/SIGINT, stops accepting, and shuts down (see DrainingServer), stops the engine,
+    # and finally re-raises the signal. With no-op handlers underneath, that re-raise ends in a clean exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    auth = "on" if api_key else "off"
+    auth = "on" if settings.api_key else "off"
     logger.info("serving %s on http://%s:%d (API key %s, pid %d)", settings.model_name, host, port, auth,
-                   os.getpid())
+                os.getpid())
     server.run()  # returns after the lifespan shutdown stopped the engine thread
     engine.shutdown()  # multi-host: release the followers
     return 0

@@ -3,6 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+
+# A request-supplied chat template (only with trust_request_chat_template) must render within this time.
+REQUEST_TEMPLATE_TIMEOUT_S = 0.5
+
 
 @dataclasses.dataclass
 class ServerSettings:
@@ -12,6 +17,16 @@ class ServerSettings:
     max_logprobs: int = 20
     chat_template: str | None = None  # overrides the tokenizer's template when set
     model_root: str | None = None  # where the weights came from, shown by /v1/models
+    # admission limits (None: derived from the engine, see server.limits)
+    max_n: int | None = None
+    max_prompt_chars: int | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    trust_request_chat_template: bool = False  # vLLM's flag: a request's own `chat_template` is refused otherwise
+    # CORS, as vLLM's --allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials
+    allowed_origins: list[str] = dataclasses.field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = dataclasses.field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = dataclasses.field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

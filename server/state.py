@@ -8,6 +8,8 @@ import time
 from fastapi import Request
 
 from jvllm.async_engine import AsyncEngine
+from server.blocking import BlockingWork
+from server.limits import AdmissionLimits
 from server.metrics import ServerMetrics
 from server.settings import ServerSettings
 from server.tokens import TokenText
@@ -21,6 +23,8 @@ class ServerState:
     settings: ServerSettings
     metrics: ServerMetrics
     names: TokenText
+    limits: AdmissionLimits
+    blocking: BlockingWork
     started: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     def log_request(self, request_id: str, what: str, *details: object) -> None:
@@ -29,6 +33,10 @@ class ServerState:
             request_logger.info("%s %s: %s", request_id, what, " ".join(map(str, details)))
         else:
             request_logger.debug("%s %s", request_id, what)
+
+    async def tokenize(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """Token ids of request text, computed on the blocking-work pool."""
+        return await self.blocking.run(self.engine.tokenize, text, add_special_tokens=add_special_tokens)
 
 
 def state_of(request: Request) -> ServerState:

@@ -87,15 +87,17 @@ async def _disconnected(request: Request) -> None:
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, but cancel it (aborting its requests) if the client hangs up first."""
+    """Await `work`, but cancel it (aborting its requests) and raise ClientGone if the client hangs up first."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        watcher.cancel()
         if not task.done():
             task.cancel()
-        watcher.cancel()
+    if not task.done():  # the client left: let the cancellation run its cleanup (it aborts the requests)
+        await asyncio.wait({task})
     if task.cancelled():
         raise ClientGone()
     return task.result()

@@ -166,6 +166,25 @@ def test_a_full_waiting_queue_raises_queue_full(async_engine, monkeypatch):
     assert _wait(lambda: _idle(async_engine))
 
 
+def test_the_waiting_limit_counts_every_sequence_of_a_request(async_engine, monkeypatch):
+    runner = async_engine.engine.runner
+    real = runner.collect
+    monkeypatch.setattr(runner, "collect", lambda *a, **k: (time.sleep(0.05), real(*a, **k))[1])
+
+    async def main():
+        # 8 sequences fill the batch; the waiting queue holds 2 sequences: n=3 does not fit, n=2 does.
+        first = await async_engine.add_request("fill", SamplingParams(n=8, temperature=0.8, max_tokens=400,
+                                                                      ignore_eos=True), "fill")
+        with pytest.raises(QueueFullError, match="3 more asked"):
+            await async_engine.add_request("three", SamplingParams(n=3, max_tokens=4), "three")
+        fits = await async_engine.add_request("two", SamplingParams(n=2, max_tokens=4), "two")
+        for stream in (first, fits):
+            stream.close()
+
+    asyncio.run(main())
+    assert _wait(lambda: _idle(async_engine))
+
+
 def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(async_engine, monkeypatch):
     runner = async_engine.engine.runner
     real = runner.collect

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jvllm.cli import human_int, main
+from jvllm.cli import build_parser, human_int, json_list, main
 
 
 def test_human_int_accepts_suffixes():
@@ -18,6 +18,16 @@ def test_human_int_accepts_suffixes():
     assert human_int("1m") == 1 << 20
     with pytest.raises(argparse.ArgumentTypeError):
         human_int("lots")
+
+
+def test_cors_flags_take_json_lists_of_strings(capsys):
+    assert json_list('["https://a.example", "http://b"]') == ["https://a.example", "http://b"]
+    for bad in ("*", '{"a": 1}', "[1]"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            json_list(bad)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--allowed-origins", "*"])
+    assert "JSON list" in capsys.readouterr().err
 
 
 def test_help_lists_generate_and_its_flags():

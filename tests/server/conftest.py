@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import socket
 import threading
 import time
@@ -36,23 +37,25 @@ class LiveServer:
 
 
 def start_server(model_dir, *, max_waiting_requests: int | None = 1000, served_model_names: list[str] | None = None,
-                 engine_args: dict | None = None, **engine_overrides) -> LiveServer:
+                 engine_args: dict | None = None, settings: dict | None = None, drain_timeout: float = 10.0,
+                 **engine_overrides) -> LiveServer:
     import uvicorn
 
     from jvllm import Engine
     from jvllm.async_engine import AsyncEngine
     from server.app import build_app
+    from server.serve import DrainingServer
     from server.settings import ServerSettings
 
     args = {**(ENGINE_ARGS if engine_args is None else engine_args), **engine_overrides}
     engine = AsyncEngine(Engine(model=str(model_dir), **args), max_waiting_requests=max_waiting_requests)
     app = build_app(engine, ServerSettings(served_model_names or [MODEL, "alias"], api_key=API_KEY,
-                                           model_root=str(model_dir)))
+                                           model_root=str(model_dir), **(settings or {})))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10))
+    server = DrainingServer(uvicorn.Config(app, log_level="warning"), engine, drain_timeout)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -106,3 +109,32 @@ def idle(engine) -> bool:
     pages = engine.engine.pages
     return (stats.num_running == 0 and stats.num_waiting == 0 and not engine._streams
             and pages.num_free_pages == pages.num_usable_pages)
+
+
+class LogRecords(logging.Handler):
+    """Keeps the records of `level` and above that the server's loggers emit while attached."""
+
+    LOGGERS = ("uvicorn.error", "jvllm.server", "jvllm.async_engine")
+
+    def __init__(self, level: int = logging.ERROR) -> None:
+        super().__init__(level)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def __enter__(self) -> list[logging.LogRecord]:
+        for name in self.LOGGERS:
+            logging.getLogger(name).addHandler(self)
+        return self.records
+
+    def __exit__(self, *exc: Any) -> None:
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeHandler(self)
+
+
+@pytest.fixture
+def server_errors():
+    """ERROR records (tracebacks among them) of the server's loggers during the test."""
+    with LogRecords() as records:
+        yield records

@@ -1,13 +1,16 @@
 """`jvllm serve` as a real process (SIGTERM drains open streams, exit 0) and `jvllm chat` both ways."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pathlib
 import signal
 import socket
 import subprocess
 import sys
 import threading
+from typing import Iterator
 
 import httpx
 import pytest
@@ -25,7 +28,10 @@ def _free_port() -> int:
 def test_serve_and_chat_help_explain_their_flags():
     for command, flags in (("serve", ["--host", "--port", "--api-key", "--served-model-name", "--max-model-len",
                                       "--max-num-seqs", "--max-num-batched-tokens", "--tensor-parallel-size",
-                                      "--dtype", "--shutdown-timeout", "--enable-log-requests", "MODEL"]),
+                                      "--dtype", "--shutdown-timeout", "--enable-log-requests", "MODEL",
+                                      "--max-n", "--max-prompt-chars", "--max-request-body-bytes",
+                                      "--trust-request-chat-template", "--allowed-origins", "--allowed-methods",
+                                      "--allowed-headers", "--allow-credentials"]),
                            ("chat", ["--url", "--api-key", "--system", "--max-tokens", "--quick", "--model"])):
         out = subprocess.run([sys.executable, "-m", "jvllm.cli", command, "--help"], capture_output=True, text=True,
                              check=True).stdout
@@ -39,16 +45,27 @@ def _read_stream(reply: httpx.Response, sink: list) -> None:
             sink.append(line[6:])
 
 
+@contextlib.contextmanager
+def _serve(model_dir, port: int, log_path: pathlib.Path, *flags: str,
+           env: dict | None = None) -> Iterator[subprocess.Popen]:
+    """`jvllm serve` of the tiny model in a subprocess, its output in `log_path`; killed if still running."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jvllm.cli", "serve", str(model_dir), "--port", str(port), "--max-num-seqs",
+             "8", "--kv-cache-memory-bytes", "64M", "--max-model-len", "512", "--served-model-name", MODEL, *flags],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
 def test_sigterm_lets_open_streams_finish_then_exits_0(tiny_llama, tmp_path):
     port = _free_port()
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jvllm.cli", "serve", str(tiny_llama), "--port", str(port), "--max-num-seqs", "8",
-         "--kv-cache-memory-bytes", "64M", "--max-model-len", "512", "--served-model-name", MODEL,
-         "--shutdown-timeout", "120", "--disable-access-log"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "JVLLM_API_KEY": API_KEY})
     url = f"http://127.0.0.1:{port}"
-    try:
+    with _serve(tiny_llama, port, tmp_path / "serve.log", "--shutdown-timeout", "120", "--disable-access-log",
+                env={"JVLLM_API_KEY": API_KEY}) as proc:
         assert wait_until(lambda: _healthy(url), timeout=180), (tmp_path / "serve.log").read_text()
         headers = {"Authorization": f"Bearer {API_KEY}"}
         assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401  # the env key is in force
@@ -74,10 +91,41 @@ def test_sigterm_lets_open_streams_finish_then_exits_0(tiny_llama, tmp_path):
             assert last["choices"][0]["finish_reason"] == "length"  # finished, not aborted
         assert proc.wait(timeout=120) == 0
         client.close()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
+
+
+def test_past_the_shutdown_timeout_open_requests_end_cleanly_and_the_server_exits_0(tiny_llama, tmp_path):
+    port = _free_port()
+    log_path = tmp_path / "serve.log"
+    url = f"http://127.0.0.1:{port}"
+    with _serve(tiny_llama, port, log_path, "--shutdown-timeout", "2") as proc:
+        assert wait_until(lambda: _healthy(url), timeout=180), log_path.read_text()
+        client = httpx.Client(timeout=600)
+        endless = {"prompt": "go on", "max_tokens": 500, "ignore_eos": True}
+        sinks, threads = [], []
+        for i in range(4):
+            reply = client.send(client.build_request("POST", f"{url}/v1/completions",
+                                                     json={**endless, "stream": True}), stream=True)
+            sink: list[str] = []
+            threads.append(threading.Thread(target=_read_stream, args=(reply, sink)))
+            threads[-1].start()
+            sinks.append(sink)
+        whole: dict = {}
+        threads.append(threading.Thread(target=lambda: whole.update(
+            reply=httpx.post(f"{url}/v1/completions", json=endless, timeout=600))))
+        threads[-1].start()
+        assert wait_until(lambda: all(sinks), timeout=300)
+        proc.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(timeout=120)
+        for sink in sinks:  # an error event, then [DONE]: the client knows the stream did not just stop
+            assert sink[-1] == "[DONE]"
+            assert json.loads(sink[-2])["error"]["code"] == "shutting_down"
+        assert whole["reply"].status_code == 503 and whole["reply"].json()["error"]["code"] == "shutting_down"
+        assert proc.wait(timeout=60) == 0
+        client.close()
+    text = log_path.read_text()
+    assert "Traceback" not in text and "Exception in ASGI application" not in text, text[-3000:]
+    assert "shutdown timeout (2s) reached" in text
 
 
 def _healthy(url: str) -> bool:
