@@ -23,13 +23,13 @@ NO_ATTENTION = "floor-no-attention"
 
 def _register_no_attention_backend() -> None:
     """An attention backend that returns q unchanged (reads no pages) and writes K/V as `xla` does."""
-    from jvllm.attention import AttentionBackend, register_backend
+    from jvllm.attention import SeparateWrite, register_backend
     from jvllm.attention import xla
 
     def attend(q, k, v, k_pages, v_pages, md, scale, sliding_window=None):  # noqa: ARG001 (AttendFn signature)
         return q
 
-    register_backend(NO_ATTENTION, lambda: AttentionBackend(NO_ATTENTION, attend, xla.write_layers))
+    register_backend(NO_ATTENTION, lambda: SeparateWrite(NO_ATTENTION, attend, xla.write_layers))
 
 
 def _prefill_seconds(engine, rows: int, prompt_len: int, repeats: int) -> float:

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{jv['mean_tokens']:.1f} tokens per sentence; first run incl. compiles {jv['first_run_seconds']:.1f}s)",
           flush=True)
     if not args.no_baseline:
-        from models.loader import resolve_model_path
+        from jvllm.model_loader.loader import resolve_model_path
 
         st, st_vectors = run_sentence_transformers(resolve_model_path(args.model)[0], sentences, args)
         cosine = np.sum(jv_vectors * st_vectors, axis=1) / (

@@ -83,7 +83,7 @@ class _ServerTimes:
 def start_server(engine, model: str):
     import uvicorn
 
-    from jvllm.async_engine import AsyncEngine
+    from jvllm.engine.async_engine import AsyncEngine
     from server.app import build_app
     from server.serve import GIL_SWITCH_INTERVAL_S
     from server.settings import ServerSettings

@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
 
     port = _free_port()
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-    command = [sys.executable, "-m", "jvllm.cli", "serve", *([args.model] if args.model else []), "--port",
+    command = [sys.executable, "-m", "entrypoints.cli", "serve", *([args.model] if args.model else []), "--port",
                str(port), "--max-num-seqs", "32", "--max-model-len", "2048", "--kv-cache-memory-bytes",
                args.kv_cache_memory_bytes, "--max-request-body-bytes", str(args.max_request_body_bytes),
                "--max-waiting-requests", "64", "--max-prompt-chars", str(MAX_PROMPT_CHARS), "--shutdown-timeout", "20",

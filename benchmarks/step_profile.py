@@ -47,7 +47,7 @@ def capture_calls(engine, rows: int, prompt_len: int, output_len: int) -> list:
 def capture_decode_call(engine, rows: int, prompt_len: int, output_len: int):
     """Run `rows` greedy requests; -> the last step call that decoded `rows` sequences (one token each)."""
     decodes = [c for c in capture_calls(engine, rows, prompt_len, output_len)
-               if c.input_ids.shape[0] == c.metadata.block_tables.shape[0]
+               if c.input_ids.shape[0] == c.metadata.page_tables.shape[0]
                and int((c.metadata.q_lens > 0).sum()) == rows]
     if not decodes:
         raise SystemExit(f"no decode step with {rows} sequences was run")
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, micros in totals.items():
         kinds[name.split(".")[0]] += micros
     kind = "prefill" if args.prefill else "decode"
-    print(f"{kind} step, {call.input_ids.shape[0]} token rows, {call.metadata.block_tables.shape[1]} pages per row: "
+    print(f"{kind} step, {call.input_ids.shape[0]} token rows, {call.metadata.page_tables.shape[1]} pages per row: "
           f"{1e3 * statistics.median(walls):.1f} ms wall (median of {args.steps}, outside the profiler)")
     print("by kind (ms per step):")
     for kind, micros in kinds.most_common(12):

@@ -4,20 +4,20 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from jvllm.xla_flags import apply_cpu_defaults
+from jvllm.worker.xla_flags import apply_cpu_defaults
 
 __version__ = "0.1.0"
 apply_cpu_defaults()  # before anything starts a JAX backend
 
 _EXPORTS = {
-    "Engine": "jvllm.engine",
-    "LLM": "jvllm.engine",
+    "Engine": "jvllm.engine.llm",
+    "LLM": "jvllm.engine.llm",
     "SamplingParams": "jvllm.sampling_params",
     "RequestOutput": "jvllm.outputs",
     "CompletionOutput": "jvllm.outputs",
     "EmbeddingRequestOutput": "jvllm.outputs",
     "EmbeddingOutput": "jvllm.outputs",
-    "AsyncEngine": "jvllm.async_engine",
+    "AsyncEngine": "jvllm.engine.async_engine",
 }
 
 

@@ -5,6 +5,7 @@ import dataclasses
 
 import jax
 
+from jvllm.utils import cdiv
 from models.config import ModelConfig
 
 _CPU_KV_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in float32
@@ -12,19 +13,20 @@ _CPU_KV_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in float32
 
 @dataclasses.dataclass
 class EngineConfig:
+    """The limits an engine runs with. A KV page is vLLM's "block": `page_size` is the `block_size` argument."""
+
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
-    block_size: int
+    page_size: int  # tokens per KV page
     num_pages: int
-    attention_backend: str
 
     @property
     def max_pages_per_seq(self) -> int:
-        return -(-self.max_model_len // self.block_size)
+        return cdiv(self.max_model_len, self.page_size)
 
 
-def _positive(name: str, value: int | None) -> None:
+def check_positive(name: str, value: int | None) -> None:
     if value is not None and (not isinstance(value, int) or value < 1):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
@@ -40,8 +42,7 @@ def _default_kv_bytes(num_devices: int = 1) -> int:
 
 def build_engine_config(model: ModelConfig, dtype_bytes: int, *, max_model_len: int | None,
                         max_num_seqs: int | None, max_num_batched_tokens: int | None, block_size: int,
-                        kv_cache_memory_bytes: int | None, attention_backend: str,
-                        tensor_parallel_size: int = 1) -> EngineConfig:
+                        kv_cache_memory_bytes: int | None, tensor_parallel_size: int = 1) -> EngineConfig:
     """Validate the user's limits and fill in defaults (pool size from the memory budget).
 
     kv_cache_memory_bytes is per device, as in vLLM. With tensor parallelism each device holds
@@ -50,7 +51,7 @@ def build_engine_config(model: ModelConfig, dtype_bytes: int, *, max_model_len: 
     for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens), ("block_size", block_size),
                         ("kv_cache_memory_bytes", kv_cache_memory_bytes)):
-        _positive(name, value)
+        check_positive(name, value)
     if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     if max_model_len is not None and max_model_len > model.max_position_embeddings:
@@ -68,5 +69,4 @@ def build_engine_config(model: ModelConfig, dtype_bytes: int, *, max_model_len: 
     max_model_len = max_model_len or min(model.max_position_embeddings, pool_tokens)
     max_num_seqs = max_num_seqs or (64 if on_cpu else 256)
     max_num_batched_tokens = max_num_batched_tokens or (2048 if on_cpu else 8192)
-    return EngineConfig(max_model_len, max_num_seqs, max_num_batched_tokens, block_size, int(num_pages),
-                        attention_backend)
+    return EngineConfig(max_model_len, max_num_seqs, max_num_batched_tokens, block_size, int(num_pages))

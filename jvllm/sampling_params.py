@@ -7,9 +7,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-# Temperatures below this are numerically indistinguishable from argmax, and
-# dividing logits by them overflows, so they are treated as greedy decoding.
-_SAMPLING_EPS = 1e-5
+# Temperatures below this are numerically indistinguishable from argmax, and dividing logits by them
+# overflows: they become 0 here, the one place that decides greedy (downstream, greedy is temperature == 0).
+GREEDY_TEMPERATURE_EPS = 1e-5
 # Same clamp as OpenAI/vLLM: beyond +-100 a bias already forces/forbids a token.
 _MAX_ABS_LOGIT_BIAS = 100.0
 
@@ -123,7 +123,7 @@ class SamplingParams:
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must be non-empty when given (or None).")
 
-        if self.temperature < _SAMPLING_EPS:
+        if self.temperature < GREEDY_TEMPERATURE_EPS:
             # Greedy: argmax is unaffected by truncation filters, so reset them to
             # neutral values; downstream code can then rely on temperature == 0.
             self.temperature = 0.0
@@ -164,11 +164,6 @@ class SamplingParams:
             bias = _as_float(f"logit_bias[{key}]", value)
             normalized[key] = min(max(bias, -_MAX_ABS_LOGIT_BIAS), _MAX_ABS_LOGIT_BIAS)
         self.logit_bias = normalized
-
-    @property
-    def is_greedy(self) -> bool:
-        """True when sampling reduces to argmax (temperature 0)."""
-        return self.temperature < _SAMPLING_EPS
 
     @property
     def uses_penalties(self) -> bool:

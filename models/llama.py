@@ -8,30 +8,25 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jvllm.attention import AttentionMetadata
-from jvllm.attention.pool_storage import value_dtype
+from models.attention import AttentionMetadata, KVCache, LayerAttention, value_dtype
 from models.config import ModelConfig
 from models.params import normal_param
 from models.rope import apply_rotary, inverse_frequencies, rotary_tables
 
-LayerAttention = Callable[..., tuple[jax.Array, tuple[jax.Array, jax.Array]]]  # see jvllm.step_functions
-KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: (k_pages, v_pages), each [N, page, KVH, hd]
-NewKV = list[tuple[jax.Array, jax.Array]]  # per layer: this step's (k, v), each [T, KVH, hd]
+LayerResults = list  # per layer: what the attention call returned beside its output
 EmbedLookup = Callable[[jax.Array, jax.Array], jax.Array]  # (table [V, D], ids [T]) -> [T, D]
 # (parameter, HF tensor name, stored transposed vs. the HF tensor, logical axis of each dimension)
 HFParameter = tuple[nnx.Param, str, bool, tuple[str | None, ...]]
 
 
-# Up to this many token rows, a kernel stored [out, in] is applied as (kernel @ x^T)^T; more rows contract x with
-# it directly. XLA CPU (jax 0.10, YNNPACK, bf16) on SmolLM2's 1536 -> 576 projection at 64 rows: ~230 GFLOP/s
-# for x @ W[in, out], ~380-470 for W[out, in] @ x^T; at 2048 rows the second form is the slower one.
+# Up to this many token rows, a kernel stored [out, in] is applied as (kernel @ x^T)^T, which XLA CPU runs faster
+# at few rows; more rows contract x with it directly (docs/design.md).
 OUT_IN_TRANSPOSED_DOT_MAX_ROWS = 64
 
 
 def stored_out_in(d_in: int, d_out: int) -> bool:
-    """Whether ModelRunner's batched CPU weight copy keeps a d_in -> d_out kernel as [out, in]: the projections
-    that narrow (down_proj, and k/v_proj under GQA). SmolLM2 decode step at 64 rows, interleaved medians in one
-    process: 108.2 -> 96.0 ms; 4-32 rows and a 2048-row prefill within noise (docs/design.md)."""
+    """Whether the batched CPU weight copy keeps a d_in -> d_out kernel as [out, in]: the projections that
+    narrow (down_proj, and k/v_proj under GQA), which XLA CPU multiplies faster that way (docs/design.md)."""
     return d_in > d_out
 
 
@@ -97,7 +92,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, pages: tuple[jax.Array, jax.Array],
                  md: AttentionMetadata, attention: LayerAttention) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        """x [T, D] -> (out [T, D], the attention's per-layer K/V result: see jvllm.step_functions)."""
+        """x [T, D] -> (out [T, D], the attention call's per-layer result)."""
         tokens = x.shape[0]
         q = self.q_proj(x).reshape(tokens, self.num_heads, self.head_dim)  # [T, H, hd]
         k = self.k_proj(x).reshape(tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
@@ -143,7 +138,7 @@ class LlamaForCausalLM(nnx.Module):
             rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache, md: AttentionMetadata,
-                 attention: LayerAttention, embed: EmbedLookup | None = None) -> tuple[jax.Array, NewKV]:
+                 attention: LayerAttention, embed: EmbedLookup | None = None) -> tuple[jax.Array, LayerResults]:
         """input_ids, positions [T] int32 -> (final hidden states [T, D], each layer's new (k, v)).
         `embed` replaces the table lookup (tensor parallelism: a vocab-parallel lookup).
 
@@ -156,7 +151,7 @@ class LlamaForCausalLM(nnx.Module):
         cfg = self.config  # static: the frequencies become trace-time constants, not state
         inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
         cos, sin = rotary_tables(positions, inv_freq)  # [T, hd] each
-        new_kv: NewKV = []
+        new_kv: LayerResults = []
         for layer, pages in zip(self.layers, kv_cache):
             x, layer_kv = layer(x, cos, sin, pages, md, attention)
             new_kv.append(layer_kv)

@@ -8,7 +8,7 @@ from flax import nnx
 
 def normal_param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Param:
     """Random N(0, 0.02) weights, or with `rngs=None` only their shape, for weights loaded afterwards
-    (models.loader.abstract_module)."""
+    (by the model loader)."""
     if rngs is None:
         return nnx.Param(jax.ShapeDtypeStruct(shape, dtype))
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * 0.02).astype(dtype))

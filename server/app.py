@@ -10,7 +10,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import jvllm
-from jvllm.async_engine import AsyncEngine
+from jvllm.engine.async_engine import AsyncEngine
 from server.auth import check_api_key
 from server.blocking import BlockingWork, json_in_pieces
 from server.body_limit import BodySizeLimit

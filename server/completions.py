@@ -9,7 +9,7 @@ from typing import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from jvllm.async_engine import RequestStream
+from jvllm.engine.request_stream import RequestStream
 from jvllm.outputs import CompletionOutput, RequestOutput
 from server.errors import bad_request
 from server.logprobs import completion_logprobs

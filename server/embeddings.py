@@ -8,7 +8,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from jvllm.embedding import InputTooLongError
+from jvllm.pooling.embedder import InputTooLongError
 from server.errors import bad_request
 from server.protocol import EmbeddingRequest
 from server.responses import EmbeddingData, EmbeddingResponse, EmbeddingUsage

@@ -8,8 +8,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jvllm.async_engine import EngineDeadError, EngineShutDownError, EngineStepError, QueueFullError
-from jvllm.embed_batcher import EmbedderClosedError
+from jvllm.engine.status import EngineDeadError, EngineShutDownError, EngineStepError, QueueFullError
+from jvllm.pooling.async_batcher import EmbedderClosedError
 
 logger = logging.getLogger("jvllm.server")
 

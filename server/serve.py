@@ -12,7 +12,7 @@ from typing import Any
 
 import uvicorn
 
-from jvllm.async_engine import AsyncEngine
+from jvllm.engine.async_engine import AsyncEngine
 
 # The engine thread holds the GIL for its host-side work; a waiting event-loop thread would get it only
 # after the default 5 ms switch interval. A shorter interval keeps streaming latency low.
@@ -62,7 +62,7 @@ class DrainingServer(uvicorn.Server):
 
 def run_server(engine_kwargs: dict[str, Any], settings_kwargs: dict[str, Any], *, host: str, port: int,
                max_waiting_requests: int | None, shutdown_timeout: float, log_level: str, access_log: bool) -> int:
-    from jvllm.engine import Engine
+    from jvllm.engine.llm import Engine
     from server.app import build_app
     from server.settings import ServerSettings
 

@@ -7,7 +7,7 @@ import time
 
 from fastapi import Request
 
-from jvllm.async_engine import AsyncEngine
+from jvllm.engine.async_engine import AsyncEngine
 from server.blocking import BlockingWork
 from server.limits import AdmissionLimits
 from server.metrics import ServerMetrics

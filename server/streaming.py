@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from jvllm.async_engine import RequestStream
+from jvllm.engine.request_stream import RequestStream
 from jvllm.outputs import RequestOutput
 from server.errors import ClientGone, error_body, to_api_error
 

@@ -79,7 +79,7 @@ def hf_smollm():
     import torch
     import transformers
 
-    from models.default_model import default_model_path
+    from jvllm.model_loader.default_model import default_model_path
 
     folder, name = os.path.split(default_model_path())
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)

@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from jvllm.utils import next_power_of_2
+
 logger = logging.getLogger("jvllm")
 
 ENV_NUM_HOSTS, ENV_HOST_RANK, ENV_COORDINATOR = "JVLLM_NUM_HOSTS", "JVLLM_HOST_RANK", "JVLLM_COORDINATOR"
@@ -70,11 +72,6 @@ def broadcast_from_leader(value: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.broadcast_one_to_all(value))
 
 
-def _bucket(n: int) -> int:
-    """Sizes of the rare second broadcast: powers of two, so few shapes (each a compile)."""
-    return 1 << max(n - 1, 1).bit_length()
-
-
 class StepChannel:
     """Rank 0 `send`s each step's host inputs (any picklable object; None = shut down), the other ranks
     `receive` them in the same order. A message is one broadcast of a fixed _FIRST-byte uint8 buffer (header
@@ -98,7 +95,7 @@ class StepChannel:
         broadcast_from_leader(first)
         rest = payload[len(head):]
         if rest:
-            buffer = np.zeros(_bucket(len(rest)), np.uint8)
+            buffer = np.zeros(next_power_of_2(len(rest)), np.uint8)
             buffer[:len(rest)] = np.frombuffer(rest, np.uint8)
             broadcast_from_leader(buffer)
 
@@ -125,13 +122,22 @@ class StepChannel:
         payload = first[_HEADER:_HEADER + length].tobytes()
         if length > len(payload):
             rest = length - len(payload)
-            payload += broadcast_from_leader(np.zeros(_bucket(rest), np.uint8))[:rest].tobytes()
+            payload += broadcast_from_leader(np.zeros(next_power_of_2(rest), np.uint8))[:rest].tobytes()
         return pickle.loads(payload)
 
     def shutdown(self) -> None:
         """Rank 0: tell the followers to stop (idempotent)."""
         if self.is_leader and not self.closed:
             self.send(None)
+
+
+def follow(channel: StepChannel, run: Any) -> int:
+    """On a follower host: `run` every step rank 0 sends until it sends shutdown; -> steps run."""
+    steps = 0
+    while (call := channel.receive()) is not None:
+        run(call)
+        steps += 1
+    return steps
 
 
 def agree_on_int(value: int) -> int:

@@ -28,10 +28,10 @@ REPLICATED = PartitionSpec()
 VOCAB_AXIS = LOGICAL_AXIS_RULES["vocab"]
 
 
-def sharded_layer_attention(attention: Callable, mesh: Mesh, fused: bool) -> Callable:
+def sharded_layer_attention(attention: Callable, mesh: Mesh, result: Any) -> Callable:
     """Run a layer's attention on each device's own heads: q by heads, k/v and pages by KV heads, the
-    metadata replicated. Nothing is gathered: each shard's query heads use only that shard's KV heads."""
-    result = (PAGES, PAGES) if fused else (KV, KV)  # fused: the updated pages; split: the step's k/v
+    metadata replicated. Nothing is gathered: each shard's query heads use only that shard's KV heads.
+    `result`: the partition specs of the attention's per-layer result (new pages, or the step's k/v)."""
 
     def call(q, k, v, pages, md, scale, sliding_window=None):
         def local(q, k, v, pages, md):

@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jvllm.parallel.mesh import PADDABLE_AXES, check_tensor_parallel_size, named_sharding
+from jvllm.utils import cdiv
 from models.config import ModelConfig
 
 
@@ -36,7 +37,7 @@ class TensorParallelPlan:
         check_tensor_parallel_size(tp, cfg.num_heads, cfg.num_kv_heads)
         repeat = tp // cfg.num_kv_heads if tp > cfg.num_kv_heads else 1
         sizes = {"vocab": cfg.vocab_size, "mlp": cfg.intermediate_size}
-        padded = {axis: -(-size // tp) * tp for axis, size in sizes.items() if size % tp}
+        padded = {axis: cdiv(size, tp) * tp for axis, size in sizes.items() if size % tp}
         return cls(tp, repeat, cfg.head_dim, padded)
 
     def model_config(self, cfg: ModelConfig) -> ModelConfig:

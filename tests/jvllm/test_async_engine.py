@@ -7,7 +7,7 @@ import time
 import pytest
 
 from jvllm import SamplingParams
-from jvllm.async_engine import AsyncEngine, EngineDeadError, EngineStepError, QueueFullError
+from jvllm.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError, QueueFullError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)

@@ -104,7 +104,7 @@ def test_abort_while_a_lookahead_step_is_in_flight(default_engine):
             for out in engine.step():
                 seen[out.request_id] = out.outputs[0].token_ids
         assert engine._ahead is not None and lookaheads, "a look-ahead step should be in flight"
-        aborted = engine._groups["ahead-1"][0]
+        aborted = engine._request_groups["ahead-1"][0]
         engine.abort_request("ahead-1")
         assert aborted.page_table == []
         frozen = list(seen["ahead-1"])

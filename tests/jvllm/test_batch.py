@@ -1,25 +1,25 @@
 """build_batch's buckets: decode-only steps pad their page tables to DECODE_MIN_CONTEXT_TOKENS."""
 from __future__ import annotations
 
-import types
-
 import pytest
 
 from jvllm import Engine, SamplingParams
-from jvllm.batch import DECODE_MIN_CONTEXT_TOKENS, BucketLimits, build_batch
+from jvllm.attention import get_backend
+from jvllm.utils import cdiv
+from jvllm.worker.batch import DECODE_MIN_CONTEXT_TOKENS, BucketLimits, ChunkRow, build_batch
 
 PAGE = 16
+IN_STEP_WRITE = get_backend("pallas").table_pages  # tables list every page of the chunk
+SEPARATE_WRITE = get_backend("xla").table_pages  # tables list only the pages cached before the step
 
 
-def chunk(cached: int, new: int) -> types.SimpleNamespace:
-    """A scheduled chunk of `new` tokens after `cached` ones, with the pages it needs (ids from 1)."""
-    pages = list(range(1, -(-(cached + new) // PAGE) + 1))
-    request = types.SimpleNamespace(token_at=lambda i: 7, page_table=pages)
-    return types.SimpleNamespace(request=request, num_tokens=new, start=cached, pending_tokens=0)
+def chunk(cached: int, new: int) -> ChunkRow:
+    """A chunk of `new` tokens after `cached` ones, with the pages it needs (ids from 1)."""
+    return ChunkRow([7] * new, cached, list(range(1, cdiv(cached + new, PAGE) + 1)))
 
 
 def table_width(chunks: list, max_pages: int = 256) -> int:
-    return build_batch(chunks, PAGE, BucketLimits(2048, 64, max_pages)).metadata.block_tables.shape[1]
+    return build_batch(chunks, PAGE, BucketLimits(2048, 64, max_pages), IN_STEP_WRITE).metadata.page_tables.shape[1]
 
 
 def test_a_decode_step_covers_the_minimum_context_whatever_its_length():
@@ -36,11 +36,11 @@ def test_longer_decode_contexts_and_prefill_keep_the_power_of_two_buckets():
 
 def test_first_prefill_chunks_gather_no_context_pages_on_the_split_backend():
     chunks = [chunk(0, 40), chunk(0, 7)]
-    batch = build_batch(chunks, PAGE, BucketLimits(2048, 64, 256), cached_pages_only=True)
-    assert batch.metadata.block_tables.shape == (2, 0)
+    batch = build_batch(chunks, PAGE, BucketLimits(2048, 64, 256), SEPARATE_WRITE)
+    assert batch.metadata.page_tables.shape == (2, 0)
     assert list(batch.metadata.slot_mapping[:3]) == [PAGE, PAGE + 1, PAGE + 2]  # tokens still go to their pages
-    with_cached = build_batch([chunk(0, 40), chunk(20, 7)], PAGE, BucketLimits(2048, 64, 256), cached_pages_only=True)
-    assert with_cached.metadata.block_tables.shape == (2, 2)  # 20 cached tokens: 2 pages
+    with_cached = build_batch([chunk(0, 40), chunk(20, 7)], PAGE, BucketLimits(2048, 64, 256), SEPARATE_WRITE)
+    assert with_cached.metadata.page_tables.shape == (2, 2)  # 20 cached tokens: 2 pages
 
 
 def test_the_minimum_never_passes_the_longest_sequence():

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from jvllm import Engine, SamplingParams
-from jvllm.model_runner import BATCHED_MIN_ROWS
+from jvllm.worker.weights import BATCHED_MIN_ROWS
 from models.llama import OUT_IN_TRANSPOSED_DOT_MAX_ROWS, Linear, out_in_kernel_leaves, stored_out_in
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog", "Paris is the capital of", "One, two, three,"]
@@ -37,8 +37,8 @@ def test_batched_copy_holds_bf16_matrices_and_serves_multi_row_steps(tiny_llama)
                                       np.asarray(jnp.asarray(full.T if flipped else full, batched.dtype), np.float32))
         assert batched.dtype == (jnp.bfloat16 if full.ndim >= 2 else full.dtype)  # norms stay float32
     assert BATCHED_MIN_ROWS == 2
-    assert runner._weights_for(1) is runner.weights  # a 1-row bf16 dot is a slow matrix-vector product
-    assert runner._weights_for(BATCHED_MIN_ROWS) is runner.batched_weights
+    assert runner.step_weights.for_rows(1) is runner.weights  # a 1-row bf16 dot is a slow matrix-vector product
+    assert runner.step_weights.for_rows(BATCHED_MIN_ROWS) is runner.batched_weights
 
 
 def test_bf16_weights_compute_the_same_model_within_bf16_rounding(tiny_llama):

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from jvllm import Engine, SamplingParams
+from tests.step_hlo import compiled_step_hlo
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -41,7 +42,7 @@ def test_the_pool_holds_bits_and_a_decode_step_converts_none_of_it(bf16_engine):
     assert all(k.dtype == v.dtype == jnp.uint16 for k, v in runner.kv_cache)
     _, calls = run_and_capture(bf16_engine, ["The capital of France is"])
     decode = [c for c in calls if c.metadata.seq_token_index.shape[1] == 1][-1]
-    hlo = runner.compiled_hlo(decode)["forward_sample"]
+    hlo = compiled_step_hlo(runner, decode)["forward_sample"]
     pool_shape = "[" + ",".join(map(str, runner.kv_cache[0][0].shape)) + "]"
     assert f"u16{pool_shape}" in hlo
     for dtype in ("f32", "bf16"):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jvllm.cli import build_parser, human_int, json_list, main
+from entrypoints.cli import build_parser, human_int, json_list, main
 
 
 def test_human_int_accepts_suffixes():
@@ -31,9 +31,9 @@ def test_cors_flags_take_json_lists_of_strings(capsys):
 
 
 def test_help_lists_generate_and_its_flags():
-    top = subprocess.run([sys.executable, "-m", "jvllm.cli", "--help"], capture_output=True, text=True, check=True)
+    top = subprocess.run([sys.executable, "-m", "entrypoints.cli", "--help"], capture_output=True, text=True, check=True)
     assert "generate" in top.stdout
-    sub = subprocess.run([sys.executable, "-m", "jvllm.cli", "generate", "--help"], capture_output=True, text=True,
+    sub = subprocess.run([sys.executable, "-m", "entrypoints.cli", "generate", "--help"], capture_output=True, text=True,
                          check=True)
     for flag in ("--model", "--max-tokens", "--temperature", "--top-p", "--chat"):
         assert flag in sub.stdout

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from jvllm.detokenizer import IncrementalDetokenizer
+from jvllm.engine.detokenizer import IncrementalDetokenizer
 from jvllm.sampling_params import SamplingParams
 
 _WORDS = [

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jvllm import Engine
-from jvllm.embed_batching import plan_batches
+from jvllm.pooling.batching import plan_batches
 from jvllm.outputs import EmbeddingRequestOutput
 
 MODEL = "all-MiniLM-L6-v2"

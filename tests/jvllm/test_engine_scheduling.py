@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from jvllm import SamplingParams
-from jvllm.request import RequestStatus
+from jvllm.core.request import RequestStatus
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def _record_plans(engine) -> list:
 
     def schedule():
         plan = original()
-        plans.append([(c.request.request_id, c.start, c.num_tokens, c.samples) for c in plan.chunks])
+        plans.append([(c.request.request_id, c.start, c.num_tokens, c.samples) for c in plan])
         return plan
 
     engine.scheduler.schedule = schedule
@@ -124,7 +124,7 @@ def test_no_page_leak_after_finished_aborted_and_preempted_requests(small_engine
     short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"leak-{i}", prompt, short if i == 1 else GREEDY)
-    members = {rid: reqs[0] for rid, reqs in engine._groups.items() if rid.startswith("leak-")}
+    members = {rid: reqs[0] for rid, reqs in engine._request_groups.items() if rid.startswith("leak-")}
     finished: dict[str, list[int]] = {}
 
     def run_step():
@@ -163,14 +163,14 @@ def test_no_page_leak_after_finished_aborted_and_preempted_requests(small_engine
             assert request.status.finish_reason == "length"
             assert finished[rid] == reference[i][: len(finished[rid])]
             assert len(finished[rid]) == (3 if i == 1 else NUM_OUT)
-    assert not engine._groups  # every prompt's bookkeeping is gone
+    assert not engine._request_groups  # every prompt's bookkeeping is gone
 
 
 def test_n_completions_share_the_prompt_pages(default_engine):
     """n > 1 members fork the full prompt pages their first sibling computed instead of recomputing them."""
     engine = default_engine
     ids = engine.get_tokenizer().encode("The history of the printing press begins in the fifteenth century, " * 3)
-    page = engine.config.block_size
+    page = engine.config.page_size
     assert len(ids) > 2 * page
     shared = (len(ids) - 1) // page * page
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

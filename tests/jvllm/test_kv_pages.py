@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jvllm.kv_pages import OutOfPages, PageManager
+from jvllm.core.kv_pages import OutOfPages, PageManager
 
 
 def test_fresh_pool_has_every_page_but_the_reserved_one_free():

@@ -1,11 +1,11 @@
 """Async scheduling's planning, no model: which requests look ahead, page reservation, commit after the fact."""
 from __future__ import annotations
 
-from jvllm.kv_pages import PageManager
-from jvllm.lookahead import plan_lookahead, settle_lookahead
-from jvllm.request import Request, RequestStatus
+from jvllm.core.kv_pages import PageManager
+from jvllm.core.lookahead import plan_lookahead, settle_lookahead
+from jvllm.core.request import Request, RequestStatus
 from jvllm.sampling_params import SamplingParams
-from jvllm.scheduler import Scheduler
+from jvllm.core.scheduler import Scheduler
 
 PAGE = 4
 
@@ -19,9 +19,9 @@ def _running(scheduler: Scheduler, prompt_len: int, rid: str, **params) -> Reque
 
 
 def _dispatch_once(scheduler: Scheduler) -> list:
-    plan = scheduler.schedule()
-    scheduler.commit(plan)
-    return plan.chunks
+    chunks = scheduler.schedule()
+    scheduler.commit(chunks)
+    return chunks
 
 
 def test_every_running_request_looks_ahead_with_a_page_for_its_pending_token():

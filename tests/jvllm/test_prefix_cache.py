@@ -34,7 +34,7 @@ def test_shared_system_prompt_is_computed_once_and_outputs_do_not_change(default
     rest = default_engine.generate(prompts, GREEDY, use_tqdm=False)  # a mixed batch of hits
     assert _tokens(first) == want[:1] and _tokens(rest) == want
     shared = len(default_engine.get_tokenizer().encode(SYSTEM))
-    page = default_engine.config.block_size
+    page = default_engine.config.page_size
     assert all(o.num_cached_tokens >= (shared // page - 1) * page for o in rest)
     assert all(o.num_cached_tokens == 0 for o in uncached_engine.generate(prompts, GREEDY, use_tqdm=False))
     hits, queries = default_engine.scheduler.prefix_cache_hits, default_engine.scheduler.prefix_cache_queries

@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from jvllm.request import Request, RequestStatus
+from jvllm.core.request import Request, RequestStatus
 from jvllm.sampling_params import SamplingParams
 
 S = RequestStatus

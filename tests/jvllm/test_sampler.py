@@ -10,15 +10,12 @@ import jax
 import numpy as np
 import pytest
 
-from jvllm.logprobs import logprob_stats
-from jvllm.sampler import (
-    RowSpec,
-    SamplerFlags,
-    build_sampling_tensors,
-    process_logits_jit,
-    row_argmax,
-    sample_jit,
-)
+from jvllm.sample.logprobs import logprob_stats
+from jvllm.sampling_params import SamplingParams
+from jvllm.sample.sampler import RowSpec, SamplerFlags, build_sampling_tensors, process_logits, row_argmax, sample
+
+sample_jit = jax.jit(sample, static_argnames=("flags",))
+process_logits_jit = jax.jit(process_logits, static_argnames=("flags",))
 
 V = 64  # vocab size for the non-statistical tests
 
@@ -81,7 +78,7 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 def test_greedy_argmax_and_raw_logprob():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(5, V)).astype(np.float32) * 3  # [5, V] float32
-    rows = [row(params(temperature=0.0)) for _ in range(4)] + [row(params(temperature=1e-6))]
+    rows = [row(params(temperature=0.0)) for _ in range(4)] + [row(SamplingParams(temperature=1e-6))]  # -> 0
     ids, lps, _, flags = run(logits, rows, pad=8)
     assert not flags.any_random and not flags.any_top_k_p
     np.testing.assert_array_equal(ids, logits.argmax(-1))

@@ -32,7 +32,7 @@ def test_defaults_match_vllm() -> None:
     assert p.include_stop_str_in_output is False
     assert p.logit_bias is None
     assert p.allowed_token_ids is None
-    assert not p.is_greedy
+    assert p.temperature > 0
 
 
 def test_default_lists_are_not_shared() -> None:
@@ -143,14 +143,13 @@ def test_logit_bias_keys_converted_and_values_clamped() -> None:
 @pytest.mark.parametrize("temperature", [0.0, 1e-6, 9.9e-6])
 def test_greedy_resets_truncation_filters(temperature: float) -> None:
     p = SamplingParams(temperature=temperature, top_p=0.5, top_k=10, min_p=0.2)
-    assert p.is_greedy
     assert p.temperature == 0.0
     assert (p.top_p, p.top_k, p.min_p) == (1.0, 0, 0.0)
 
 
 def test_small_but_nongreedy_temperature_kept() -> None:
     p = SamplingParams(temperature=1e-4, top_k=10)
-    assert not p.is_greedy
+    assert p.temperature > 0
     assert p.top_k == 10
 
 

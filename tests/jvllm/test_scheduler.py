@@ -2,16 +2,17 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from jvllm.kv_pages import PageManager
-from jvllm.request import Request, RequestStatus
+from jvllm.core.kv_pages import PageManager
+from jvllm.core.request import Request, RequestStatus
 from jvllm.sampling_params import SamplingParams
-from jvllm.scheduler import Scheduler, SchedulerOutput
+from jvllm.core.scheduler import ScheduledChunk, Scheduler
 
 S = RequestStatus
 FAKE_TOKEN = 42
@@ -33,7 +34,20 @@ def make_request(prompt_len: int, max_tokens: int | None = 4, max_total: int = 1
                    max_total_tokens=max_total)
 
 
-def check_output(sched: Scheduler, out: SchedulerOutput, budget_before_unfinished: bool) -> None:
+@dataclasses.dataclass
+class StepOutput:
+    chunks: list[ScheduledChunk]
+    preempted: list[Request]  # requests the step preempted (their preemption count went up)
+
+
+def schedule(sched: Scheduler) -> StepOutput:
+    before = {id(r): r.num_preemptions for r in [*sched.running, *sched.waiting]}
+    candidates = list(sched.running)
+    chunks = sched.schedule()
+    return StepOutput(chunks, [r for r in candidates if r.num_preemptions > before[id(r)]])
+
+
+def check_output(sched: Scheduler, out: StepOutput, budget_before_unfinished: bool) -> None:
     """Invariants of one schedule() result, checked before commit()."""
     requests = [c.request for c in out.chunks]
     assert len(set(map(id, requests))) == len(requests), "a request was scheduled twice in one step"
@@ -81,12 +95,12 @@ def check_state(sched: Scheduler) -> None:
     assert len(sched.running) <= sched.max_num_seqs
 
 
-def step(sched: Scheduler) -> SchedulerOutput:
+def step(sched: Scheduler) -> StepOutput:
     """One engine step with a fake model: schedule, commit, append a token per sampling chunk."""
     had_work = sched.has_unfinished()
-    out = sched.schedule()
+    out = schedule(sched)
     check_output(sched, out, had_work)
-    sched.commit(out)
+    sched.commit(out.chunks)
     for chunk in out.chunks:
         if chunk.samples:
             request = chunk.request
@@ -97,7 +111,7 @@ def step(sched: Scheduler) -> SchedulerOutput:
     return out
 
 
-def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> list[SchedulerOutput]:
+def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> list[StepOutput]:
     outs = []
     while sched.has_unfinished():
         outs.append(step(sched))
@@ -290,7 +304,7 @@ def test_abort_waiting_and_running_requests_frees_pages():
     assert not sched.has_unfinished()
     assert running.status.finish_reason == waiting.status.finish_reason == "abort"
     assert sched.pages.num_free_pages == sched.pages.num_usable_pages
-    assert sched.schedule().is_empty
+    assert not sched.schedule()
 
 
 def test_finishing_an_already_finished_request_raises():

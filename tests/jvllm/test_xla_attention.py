@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jvllm.attention import xla as xla_backend
-from jvllm.attention.metadata import AttentionMetadata
+from models.attention import AttentionMetadata
 from jvllm.attention.xla import decode_attention, paged_attention
 from pallas_kernels.reference import decode_attention_reference
 
@@ -85,7 +85,7 @@ def test_paged_attention_routes_decode_steps_through_the_page_loop(seqs, monkeyp
         token_seq=jnp.concatenate([jnp.arange(seqs, dtype=jnp.int32), jnp.zeros(1, jnp.int32)]),
         token_offset=jnp.zeros(num_tokens, jnp.int32), seq_token_index=jnp.arange(seqs, dtype=jnp.int32)[:, None],
         query_start=jnp.arange(seqs, dtype=jnp.int32), q_lens=jnp.ones(seqs, jnp.int32), kv_lens=cached_arr + 1,
-        block_tables=tables)
+        page_tables=tables)
     got = paged_attention(pad(q), pad(k), pad(v), kp, vp, md, 0.25)
     assert loop_calls == [1]
     want = decode_attention_reference(q, k_ref, v_ref, tables, cached_arr + 1, scale=0.25)
@@ -102,9 +102,8 @@ def _chunk_step(step: str, dtype):
     """A step of STEPS[step] built as the runner builds it for this backend (block tables cover only the pages
     cached before the step: none for first chunks); -> (q, k, v, k_pages, v_pages, md, block tables of every
     page for the reference)."""
-    import types
-
-    from jvllm.batch import BucketLimits, build_batch
+    from jvllm.attention import get_backend
+    from jvllm.worker.batch import BucketLimits, ChunkRow, build_batch
 
     page, kv_heads, group, head_dim = 16, 3, 3, 32
     rng = np.random.default_rng(7)
@@ -115,18 +114,17 @@ def _chunk_step(step: str, dtype):
     chunks = []
     for (cached, new), count in zip(spans, pages_needed):
         table, free = free[:count], free[count:]
-        request = types.SimpleNamespace(token_at=lambda i: 5, page_table=table)
-        chunks.append(types.SimpleNamespace(request=request, num_tokens=new, start=cached, pending_tokens=0))
+        chunks.append(ChunkRow([5] * new, cached, table))
     limits = BucketLimits(max_tokens=64, max_seqs=8, max_pages=8)
-    batch = build_batch(chunks, page, limits, cached_pages_only=True)
-    full = build_batch(chunks, page, limits).metadata
+    batch = build_batch(chunks, page, limits, get_backend("xla").table_pages)
+    full = build_batch(chunks, page, limits, get_backend("pallas").table_pages).metadata
     md = jax.tree.map(jnp.asarray, batch.metadata)
     tokens = md.slot_mapping.shape[0]
     pool_shape = (num_pages, page, kv_heads, head_dim)
     k_pages, v_pages = (jnp.asarray(rng.standard_normal(pool_shape), dtype) for _ in range(2))
     q = jnp.asarray(rng.standard_normal((tokens, kv_heads * group, head_dim)), dtype)
     k, v = (jnp.asarray(rng.standard_normal((tokens, kv_heads, head_dim)), dtype) for _ in range(2))
-    return q, k, v, k_pages, v_pages, md, jnp.asarray(full.block_tables)
+    return q, k, v, k_pages, v_pages, md, jnp.asarray(full.page_tables)
 
 
 @pytest.mark.parametrize("step", list(STEPS))
@@ -139,7 +137,7 @@ def test_paged_attention_of_chunk_steps_matches_the_ragged_reference(step, windo
 
     q, k, v, k_pages, v_pages, md, full_tables = _chunk_step(step, dtype)
     if step == "first_prefill_chunks":
-        assert md.block_tables.shape[1] == 0
+        assert md.page_tables.shape[1] == 0
 
     got = jax.jit(paged_attention, static_argnums=(6, 7))(q, k, v, k_pages, v_pages, md, 0.2, window)
     want = ragged_attention_reference(

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from jvllm.xla_flags import CPU_DEFAULTS, apply_cpu_defaults
+from jvllm.worker.xla_flags import CPU_DEFAULTS, apply_cpu_defaults
 
 
 def test_defaults_join_existing_flags():

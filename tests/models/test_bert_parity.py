@@ -13,8 +13,8 @@ import transformers
 from flax import nnx
 
 from models.bert import attention_bias
-from models.embedded_models import embedded_model_path, find_embedded_model
-from models.loader import load_model
+from jvllm.model_loader.embedded_models import embedded_model_path, find_embedded_model
+from jvllm.model_loader.loader import load_model
 
 TINY = dict(vocab_size=30522, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             max_position_embeddings=64, type_vocab_size=2)

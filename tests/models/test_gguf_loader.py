@@ -10,9 +10,9 @@ import gguf  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from models import default_model  # noqa: E402
-from models.default_model import default_model_path  # noqa: E402
-from models.gguf_loader import (  # noqa: E402
+from jvllm.model_loader import default_model  # noqa: E402
+from jvllm.model_loader.default_model import default_model_path  # noqa: E402
+from jvllm.model_loader.gguf import (  # noqa: E402
     _llama3_rope_scaling,
     _unpermute_rope_rows,
     gguf_tokenizer,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jvllm import Engine, SamplingParams
-from models.loader import _converted_folder, load_model, resolve_dtype
+from jvllm.model_loader.loader import _converted_folder, load_model, resolve_dtype
 
 
 def test_dummy_weights_have_the_real_shapes_but_random_values(tiny_model_factory):
@@ -26,7 +26,7 @@ def test_dummy_engine_generates_requested_token_count(tiny_model_factory):
 
 
 def test_gguf_conversion_is_cached_for_the_next_start(default_engine):
-    from models.default_model import default_model_path
+    from jvllm.model_loader.default_model import default_model_path
 
     folder = _converted_folder(default_model_path())
     assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
@@ -49,7 +49,7 @@ def test_read_safetensors_keeps_values_and_dtypes(tmp_path):
     import ml_dtypes
     from safetensors.numpy import save_file
 
-    from models.loader import read_safetensors
+    from jvllm.model_loader.loader import read_safetensors
 
     rng = np.random.default_rng(0)
     arrays = {"bf16": rng.normal(size=(3, 5)).astype(ml_dtypes.bfloat16),

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
-import types
 
 import jax.numpy as jnp
 import numpy as np
 
-from jvllm.attention.metadata import AttentionMetadata
-from jvllm.batch import BucketLimits, build_batch
+from jvllm.attention import get_backend
+from jvllm.worker.batch import BucketLimits, ChunkRow, build_batch
+from models.attention import AttentionMetadata
 
 TOLERANCE = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
@@ -83,12 +83,11 @@ def engine_metadata(chunks: list[tuple[int, int]], page_size: int, num_pages: in
     total_pages = [-(-(start + n) // page_size) for start, n in chunks]
     free = rng.permutation(np.arange(1, num_pages))
     assert sum(total_pages) <= len(free)
-    fakes, cursor = [], 0
+    rows, cursor = [], 0
     for (start, n), count in zip(chunks, total_pages):
-        request = types.SimpleNamespace(token_at=lambda i: 0, page_table=list(free[cursor:cursor + count]))
-        fakes.append(types.SimpleNamespace(request=request, num_tokens=n, start=start, pending_tokens=0))
+        rows.append(ChunkRow([0] * n, start, [int(p) for p in free[cursor:cursor + count]]))
         cursor += count
-    host = build_batch(fakes, page_size, limits)
+    host = build_batch(rows, page_size, limits, get_backend("pallas").table_pages)
     md = AttentionMetadata(*(jnp.asarray(getattr(host.metadata, f.name))
                              for f in dataclasses.fields(AttentionMetadata)))
     return md, sum(n for _, n in chunks)

@@ -11,7 +11,7 @@ from pallas_inputs import TOLERANCE, engine_metadata, random_array
 
 from jvllm.attention import get_backend
 from jvllm.attention import xla
-from jvllm.batch import BucketLimits
+from jvllm.worker.batch import BucketLimits
 from pallas_kernels.kv_write import write_kv
 from pallas_kernels.reference import write_kv_reference
 
@@ -56,7 +56,7 @@ def test_write_and_attend_matches_xla_backend(dtype, step, sliding_window):
     scale = head_dim ** -0.5
 
     backend = get_backend("pallas")
-    assert backend.name == "pallas" and backend.fused
+    assert backend.name == "pallas" and backend.step_donates_pool
     out, k_new, v_new = jax.jit(backend.write_and_attend, static_argnums=(6, 7))(
         q, k, v, k_pages, v_pages, md, scale, sliding_window)
     expected = xla.paged_attention(q, k, v, k_pages, v_pages, md, scale, sliding_window)

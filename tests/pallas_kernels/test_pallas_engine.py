@@ -11,9 +11,9 @@ from jax._src.lib import triton
 from jax._src.lib import version as jaxlib_version
 
 from jvllm import Engine, SamplingParams
-from jvllm.batch import build_batch
-from jvllm.model_runner import prompt_logprob_targets
-from jvllm.sampling_tensors import build_sampling_tensors
+from jvllm.worker.batch import build_batch, chunk_rows
+from jvllm.worker.model_runner import prompt_logprob_targets
+from jvllm.sample.tensors import build_sampling_tensors
 
 # SmolLM2-135M: 30 layers, 3 KV heads of 64, float32 on CPU -> 16 tokens of KV per page take this many bytes
 PAGE_BYTES_F32 = 2 * 30 * 3 * 64 * 4 * 16
@@ -35,7 +35,7 @@ def pallas_engine(**overrides) -> Engine:
                     max_num_seqs=4)
     settings.update(overrides)
     engine = Engine(**settings)
-    assert engine.runner.backend.name == "pallas" and engine.runner.steps.fused
+    assert engine.runner.backend.name == "pallas" and engine.runner.backend.step_donates_pool
     return engine
 
 
@@ -62,7 +62,7 @@ def interpret_default(monkeypatch):
 def test_pallas_engine_matches_xla_greedy_tokens(default_engine, interpret_default):
     engine = pallas_engine()
     lengths = [len(engine.tokenizer.encode(p)) for p in PROMPTS]
-    assert min(lengths) == 1 and max(lengths) > 2 * engine.config.block_size
+    assert min(lengths) == 1 and max(lengths) > 2 * engine.config.page_size
     got = engine.generate(PROMPTS, GREEDY, use_tqdm=False)
     expected = default_engine.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert_same_generations(got, expected)
@@ -90,7 +90,7 @@ def lower_step_for_cuda(engine: Engine, chunks) -> str:
     """StableHLO text of the runner's forward_sample for `chunks`, with inputs built as ModelRunner.step_call
     builds them."""
     runner = engine.runner
-    batch = build_batch(chunks, runner.page_size, runner.limits, cached_pages_only=not runner.steps.fused)
+    batch = build_batch(chunk_rows(chunks), runner.page_size, runner.limits, runner.backend.table_pages)
     sampling, flags = build_sampling_tensors([runner._row_spec(c) for c in chunks], batch.metadata.q_lens.shape[0])
     prompt_targets, _ = prompt_logprob_targets(chunks, batch.input_ids.shape[0])
     as_spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
@@ -141,17 +141,17 @@ def test_engine_steps_lower_for_cuda(monkeypatch, step, block_size):
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     for index, length in enumerate([5, 21, 40]):
         engine.add_request(str(index), {"prompt_token_ids": list(range(100, 100 + length))}, greedy)
-    plan = engine.scheduler.schedule()  # the three whole prompts: one prefill step
+    chunks = engine.scheduler.schedule()  # the three whole prompts: one prefill step
     if step == "decode":
-        engine.scheduler.commit(plan)  # pretend the prefill ran and sampled one token per request
-        for chunk in plan.chunks:
+        engine.scheduler.commit(chunks)  # pretend the prefill ran and sampled one token per request
+        for chunk in chunks:
             chunk.request.output_token_ids.append(7)
-        plan = engine.scheduler.schedule()
-        assert [c.num_tokens for c in plan.chunks] == [1, 1, 1]
+        chunks = engine.scheduler.schedule()
+        assert [c.num_tokens for c in chunks] == [1, 1, 1]
     else:
-        assert [c.num_tokens for c in plan.chunks] == [5, 21, 40]
+        assert [c.num_tokens for c in chunks] == [5, 21, 40]
 
-    text = lower_step_for_cuda(engine, plan.chunks)
+    text = lower_step_for_cuda(engine, chunks)
     assert triton_calls(text) == model.num_layers  # one attention kernel per layer
     kernel = "jvllm_decode_attention" if step == "decode" else "jvllm_ragged_paged_attention"
     assert kernel in text

@@ -95,8 +95,8 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
     wrong shard, head order or bias moves the logits far above the tolerance) with SmolLM2's tokenizer."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from models.default_model import default_model_path
-    from models.loader import _gguf_as_hf_folder
+    from jvllm.model_loader.default_model import default_model_path
+    from jvllm.model_loader.loader import _gguf_as_hf_folder
 
     tokenizer_folder = _gguf_as_hf_folder(default_model_path())
     classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -231,7 +231,7 @@ def test_decode_step_collectives(tiny_models, backend, tp):
     weight_shapes = {tuple(s) for s in out["weight_shapes"]}
     assert not any(tuple(s) in weight_shapes for c in out["decode"] for s in c["shapes"])
     if backend == "xla":
-        assert out["write_pool"] == [], out["write_pool"]
+        assert out["store_kv"] == [], out["store_kv"]
 
 
 @pytest.mark.slow
@@ -239,8 +239,8 @@ def test_smollm2_tp3_greedy_tokens_match_tp1():
     """The default model (9 heads, 3 KV heads, 30 layers): 4 prompts of ~16 tokens, submitted together."""
     from transformers import AutoTokenizer
 
-    from models.default_model import default_model_path
-    from models.loader import _gguf_as_hf_folder
+    from jvllm.model_loader.default_model import default_model_path
+    from jvllm.model_loader.loader import _gguf_as_hf_folder
 
     tok = AutoTokenizer.from_pretrained(str(_gguf_as_hf_folder(default_model_path())))
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -338,7 +338,7 @@ def test_cli_generate_and_serve_across_two_hosts_match_one(tiny_models):
     prompt = "The quick brown fox"
     engine_flags = ["--model", tiny_models["llama_gqa"], "--dtype", "float32", "--kv-cache-memory-bytes", "4m",
                     "--max-model-len", "128"]
-    base = [sys.executable, "-m", "jvllm.cli", "generate", prompt, "--max-tokens", "8", *engine_flags]
+    base = [sys.executable, "-m", "entrypoints.cli", "generate", prompt, "--max-tokens", "8", *engine_flags]
     single = run_together([base], devices=1)[0]
     assert single[2] == 0, single[1][-3000:]
     assert single[0].strip()
@@ -354,7 +354,7 @@ def test_cli_generate_and_serve_across_two_hosts_match_one(tiny_models):
     assert ranks[0][0].endswith(single[0]) and single[0].strip() not in ranks[1][0]
 
     coordinator, http_port = f"127.0.0.1:{free_port()}", free_port()
-    serve = [sys.executable, "-m", "jvllm.cli", "serve", *engine_flags, "--port", str(http_port)]
+    serve = [sys.executable, "-m", "entrypoints.cli", "serve", *engine_flags, "--port", str(http_port)]
     text, codes = _serve_once(lambda rank: serve + multihost(rank, coordinator), prompt, http_port)
     assert text == single[0].rstrip("\n")
     assert codes == [0, 0]

@@ -7,6 +7,7 @@ step), generate (greedy tokens of one engine), multihost (one rank of a multi-pr
 from __future__ import annotations
 
 import json
+import pathlib
 import re
 import sys
 import time
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 
 RESULT_PREFIX = "TP_WORKER_RESULT "
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository root, for tests.step_hlo
 
 
 def engine(model: str | None, tp: int, **kwargs: Any):
@@ -105,11 +107,12 @@ def hlo(args: dict[str, Any]) -> dict[str, Any]:
     eng = engine(args["model"], args["tp"], attention_backend=args.get("backend", "xla"))
     eng.add_request("r", {"prompt_token_ids": args["prompts"][0]}, SamplingParams(max_tokens=4, temperature=0.0))
     eng.step()  # the prefill; the next plan is one decode chunk
-    plan = eng.scheduler.schedule()
-    call, _ = eng.runner.step_call(plan.chunks)
-    lowered = eng.runner.compiled_hlo(call)
+    call, _ = eng.runner.step_call(eng.scheduler.schedule())
+    from tests.step_hlo import compiled_step_hlo
+
+    lowered = compiled_step_hlo(eng.runner, call)
     out = {"decode": collectives(lowered["forward_sample"]),
-           "write_pool": collectives(lowered["write_pool"]) if "write_pool" in lowered else None,
+           "store_kv": collectives(lowered["store_kv"]) if "store_kv" in lowered else None,
            "weight_shapes": sorted({tuple(w.shape) for w in eng.runner.weights if w.ndim == 2}),
            "tokens": int(call.input_ids.shape[0]), "seqs": int(call.metadata.q_lens.shape[0]),
            "vocab": eng.model.config.vocab_size, "num_layers": eng.model.config.num_layers}

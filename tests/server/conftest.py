@@ -42,7 +42,7 @@ def start_server(model_dir, *, max_waiting_requests: int | None = 1000, served_m
     import uvicorn
 
     from jvllm import Engine
-    from jvllm.async_engine import AsyncEngine
+    from jvllm.engine.async_engine import AsyncEngine
     from server.app import build_app
     from server.serve import DrainingServer
     from server.settings import ServerSettings
@@ -114,7 +114,7 @@ def idle(engine) -> bool:
 class LogRecords(logging.Handler):
     """Keeps the records of `level` and above that the server's loggers emit while attached."""
 
-    LOGGERS = ("uvicorn.error", "jvllm.server", "jvllm.async_engine")
+    LOGGERS = ("uvicorn.error", "jvllm.server", "jvllm.engine.async_engine")
 
     def __init__(self, level: int = logging.ERROR) -> None:
         super().__init__(level)

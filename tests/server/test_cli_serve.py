@@ -15,7 +15,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from jvllm.cli import main
+from entrypoints.cli import main
 from tests.server.conftest import API_KEY, MODEL, wait_until
 
 
@@ -33,7 +33,7 @@ def test_serve_and_chat_help_explain_their_flags():
                                       "--trust-request-chat-template", "--allowed-origins", "--allowed-methods",
                                       "--allowed-headers", "--allow-credentials"]),
                            ("chat", ["--url", "--api-key", "--system", "--max-tokens", "--quick", "--model"])):
-        out = subprocess.run([sys.executable, "-m", "jvllm.cli", command, "--help"], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-m", "entrypoints.cli", command, "--help"], capture_output=True, text=True,
                              check=True).stdout
         for flag in flags:
             assert flag in out, (command, flag)
@@ -51,7 +51,7 @@ def _serve(model_dir, port: int, log_path: pathlib.Path, *flags: str,
     """`jvllm serve` of the tiny model in a subprocess, its output in `log_path`; killed if still running."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "jvllm.cli", "serve", str(model_dir), "--port", str(port), "--max-num-seqs",
+            [sys.executable, "-m", "entrypoints.cli", "serve", str(model_dir), "--port", str(port), "--max-num-seqs",
              "8", "--kv-cache-memory-bytes", "64M", "--max-model-len", "512", "--served-model-name", MODEL, *flags],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         try:
@@ -171,7 +171,7 @@ def test_chat_in_process_matches_engine_chat(tiny_llama, offline_engine, capsys)
 def test_the_chat_loop_keeps_the_conversation_until_cleared(lines, expected):
     import asyncio
 
-    from server.chat_client import converse
+    from entrypoints.chat_client import converse
 
     seen: list[list[dict]] = []
 

@@ -53,7 +53,7 @@ def test_metrics_count_tokens_and_finished_requests(live_server):
 
     generated = sample("jvllm:generation_tokens_total")
     finished = sample('jvllm:request_success_total{finished_reason="length"')
-    reply = httpx.post(f"{live_server.v1}/completions", headers=live_server.headers,
+    reply = httpx.post(f"{live_server.v1}/completions", headers=live_server.headers, timeout=120,
                        json={"prompt": "count me", "max_tokens": 7, "ignore_eos": True})
     assert reply.status_code == 200
     assert sample("jvllm:generation_tokens_total") == generated + 7

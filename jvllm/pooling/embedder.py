@@ -10,20 +10,22 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from jvllm.config import EngineConfig
-from jvllm.embed_batching import EmbedBatch, pack_arrays, plan_batches, pow2_at_least
-from jvllm.embed_forward import build_causal_forward, build_encoder_forward
-from jvllm.model_runner import cast_matrices
+from jvllm.config import EngineConfig, check_positive
+from jvllm.utils import next_power_of_2
+from jvllm.pooling.batching import EmbedBatch, pack_arrays, plan_batches
+from jvllm.pooling.forward import build_causal_forward, build_encoder_forward
+from jvllm.worker.weights import cast_matrices
 from jvllm.outputs import EmbeddingOutput, EmbeddingRequestOutput
-from models.loader import LoadedModel
+from jvllm.model_loader.loader import LoadedModel
 from models.pooling import PoolingConfig, read_sentence_transformers_config, resolve_pooling
 
 logger = logging.getLogger("jvllm")
 PromptType = str | dict[str, Any]
 
-# CPU defaults: an encoder step is cheap, so batches are wider than generation's (measured: benchmarks/embed.py)
+# An encoder step is cheap, so its batches are wider than generation's (chosen with benchmarks/embed.py:
+# benchmarks/results/embed_cpu.md)
 _ENCODER_MAX_NUM_SEQS = 256
-_ENCODER_MAX_NUM_BATCHED_TOKENS = 1024  # measured best on the 2-core CPU (1024: 1170/s, 2048: 1070/s, 4096: 840/s)
+_ENCODER_MAX_NUM_BATCHED_TOKENS = 1024
 _BATCHED_MIN_TOKENS = 512  # batches of at least this many padded tokens use the batched (e.g. bf16) weights
 
 
@@ -57,8 +59,7 @@ def encoder_engine_config(loaded: LoadedModel, *, max_model_len: int | None, max
     """Limits of an encoder engine: no KV pool (two placeholder pages keep the page manager valid)."""
     for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens)):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_positive(name, value)
     table = loaded.config.max_tokens
     if max_model_len is not None and max_model_len > table:
         raise ValueError(f"max_model_len {max_model_len} exceeds the {table} positions of {loaded.served_name}")
@@ -67,8 +68,7 @@ def encoder_engine_config(loaded: LoadedModel, *, max_model_len: int | None, max
     if max_num_batched_tokens < max_model_len:
         raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_model_len "
                          f"({max_model_len}): an embedding input is never split across forwards")
-    return EngineConfig(max_model_len, max_num_seqs or _ENCODER_MAX_NUM_SEQS, max_num_batched_tokens, block_size, 2,
-                        "none")
+    return EngineConfig(max_model_len, max_num_seqs or _ENCODER_MAX_NUM_SEQS, max_num_batched_tokens, block_size, 2)
 
 
 def build_embedder(loaded: LoadedModel, config: EngineConfig, *, pooling: str | None, normalize: bool | None,
@@ -95,7 +95,7 @@ class Embedder:
             batched_weights = cast_matrices(self.weights, batched_weight_dtype)
         self.batched_weights = batched_weights
         cfg = loaded.config
-        self.num_slots = pow2_at_least(config.max_num_seqs)  # outputs per forward: a static shape
+        self.num_slots = next_power_of_2(config.max_num_seqs)  # outputs per forward: a static shape
         if loaded.is_encoder:
             self.forward = build_encoder_forward(loaded.graphdef, treedef, pooling, self.num_slots)
         else:

@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return run_serve(args)
     if args.command == "chat":
-        from server.chat_client import run_chat
+        from entrypoints.chat_client import run_chat
 
         return run_chat(args, engine_kwargs(args))
     parser.print_help()

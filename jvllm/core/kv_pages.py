@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from jvllm.utils import cdiv
+
 
 class OutOfPages(Exception):
     """Raised when an allocation needs more free pages than the pool has."""
@@ -46,7 +48,7 @@ class PageManager:
         return 1.0 - self.num_free_pages / self.num_usable_pages
 
     def pages_for_tokens(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        return cdiv(num_tokens, self.page_size)
 
     def allocate(self, count: int) -> list[int]:
         """Fresh pages for new tokens, evicting the least recently used cached pages if needed."""

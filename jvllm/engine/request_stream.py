@@ -3,30 +3,27 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Any, Callable
 
 from jvllm.outputs import CompletionOutput, RequestOutput
-
-if TYPE_CHECKING:
-    from jvllm.async_engine import AsyncEngine
-    from jvllm.engine import PromptType
 
 
 class RequestStream:
     """One request's outputs, read on the caller's event loop: `async for output in stream`.
 
     Outputs are cumulative snapshots, so an unread one is replaced by a newer one without losing
-    anything: a slow reader gets fewer, larger updates. `close()` before the end aborts the request."""
+    anything: a slow reader gets fewer, larger updates. `close()` before the end calls `on_close`, which
+    aborts the request."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, prompt: PromptType,
-                 loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, request_id: str, prompt: Any, loop: asyncio.AbstractEventLoop,
+                 on_close: Callable[[RequestStream], None]) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.last: RequestOutput | None = None
         self.done = False  # a final output or an error was delivered
         self.closed = False  # the reader went away
-        self._engine = engine
-        self._loop = loop
+        self.loop = loop  # the reader's event loop
+        self._on_close = on_close
         self._item: RequestOutput | BaseException | None = None
         self._event = asyncio.Event()
         self._returned_final = False
@@ -71,7 +68,7 @@ class RequestStream:
         if self.closed:
             return
         self.closed = True
-        self._engine._stream_closed(self)
+        self._on_close(self)
 
     async def aclose(self) -> None:
         self.close()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import jax
 
-from models.loader import cache_root
+from jvllm.model_loader.loader import cache_root
 
 _enabled = False
 

@@ -5,15 +5,15 @@ import dataclasses
 import time
 from collections import deque
 
-from jvllm.kv_pages import PageManager
-from jvllm.prefix_cache import request_page_keys
-from jvllm.request import Request, RequestStatus
+from jvllm.core.kv_pages import PageManager
+from jvllm.core.prefix_cache import request_page_keys
+from jvllm.core.request import Request, RequestStatus
 
 
 @dataclasses.dataclass
 class ScheduledChunk:
     """`num_tokens` tokens of `request`, starting at its `num_computed_tokens`, run this step. A `lookahead`
-    chunk computes the token the previous step is still sampling on the device (see jvllm.lookahead)."""
+    chunk computes the token the previous step is still sampling on the device (see jvllm.core.lookahead)."""
 
     request: Request
     num_tokens: int
@@ -29,16 +29,6 @@ class ScheduledChunk:
     def pending_tokens(self) -> int:
         """Tokens of the request sampled on the device but not yet known on the host (0 or 1)."""
         return 1 if self.lookahead else 0
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk]
-    preempted: list[Request]
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
 
 
 class Scheduler:
@@ -76,15 +66,19 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> list[ScheduledChunk]:
+        """This step's chunks: running requests first (preempting from the back when pages run out), then
+        waiting ones in FCFS order while the token budget, the sequence limit and free pages allow."""
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        preempted: list[Request] = []
+        preempted = False
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             count = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._reserve_pages(request, count, preempted):
+            reserved, evicted = self._reserve_pages(request, count)
+            preempted |= evicted
+            if not reserved:
                 break  # `request` itself was preempted; it was the last one running
             chunks.append(ScheduledChunk(request, count))
             budget -= count
@@ -109,7 +103,7 @@ class Scheduler:
             self.running.append(request)
             chunks.append(ScheduledChunk(request, count))
             budget -= count
-        return SchedulerOutput(chunks, preempted)
+        return chunks
 
     def _fork_prompt_pages(self, request: Request) -> bool:
         """An n > 1 member shares the full prompt pages its sibling already computed (read-only: both write
@@ -160,17 +154,19 @@ class Scheduler:
     def reset_prefix_cache(self) -> None:
         self.pages.reset_prefix_cache()
 
-    def _reserve_pages(self, request: Request, count: int, preempted: list[Request]) -> bool:
-        """Give `request` pages for `count` more tokens, preempting from the back of the running list."""
+    def _reserve_pages(self, request: Request, count: int) -> tuple[bool, bool]:
+        """Give `request` pages for `count` more tokens, preempting from the back of the running list.
+        -> (whether `request` got them, whether anything was preempted)."""
         needed = self.pages.pages_for_tokens(request.num_computed_tokens + count) - len(request.page_table)
+        preempted = False
         while needed > self.pages.num_free_pages:
             victim = self.running[-1]
             self._preempt(victim)
-            preempted.append(victim)
+            preempted = True
             if victim is request:
-                return False
+                return False, True
         request.page_table += self.pages.allocate(max(needed, 0))
-        return True
+        return True, preempted
 
     def _preempt(self, request: Request) -> None:
         """Drop the request's KV; it rejoins the front of the queue and recomputes its tokens later."""
@@ -184,11 +180,8 @@ class Scheduler:
         request.set_status(RequestStatus.WAITING)
         self.waiting.appendleft(request)
 
-    def commit(self, output: SchedulerOutput) -> None:
+    def commit(self, chunks: list[ScheduledChunk]) -> None:
         """Once the step is dispatched: the scheduled tokens have (or will have, in device order) KV in the pool."""
-        self.commit_chunks(output.chunks)
-
-    def commit_chunks(self, chunks: list[ScheduledChunk]) -> None:
         for chunk in chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
             if self.enable_prefix_caching:

@@ -8,8 +8,8 @@ A request that the current step finishes (EOS, a stop string) computed one token
 Pure Python (no JAX), like the scheduler."""
 from __future__ import annotations
 
-from jvllm.request import Request
-from jvllm.scheduler import ScheduledChunk, Scheduler
+from jvllm.core.request import Request
+from jvllm.core.scheduler import ScheduledChunk, Scheduler
 
 
 def _has_next_step(request: Request) -> bool:
@@ -48,5 +48,5 @@ def settle_lookahead(scheduler: Scheduler, chunks: list[ScheduledChunk]) -> list
     alive = [chunk for chunk in chunks if not chunk.request.is_finished]
     for chunk in alive:
         assert chunk.start == chunk.request.num_tokens - 1, "a look-ahead chunk computes the last known token"
-    scheduler.commit_chunks(alive)
+    scheduler.commit(alive)
     return alive

@@ -9,22 +9,22 @@ import random
 import time
 from typing import Any, Iterable, Sequence
 
-from jvllm.batch import BucketLimits
-from jvllm.compile_cache import enable_compilation_cache
+from jvllm.worker.batch import BucketLimits
+from jvllm.worker.compile_cache import enable_compilation_cache
 from jvllm.config import EngineConfig, build_engine_config
-from jvllm.detokenizer import IncrementalDetokenizer
-from jvllm.embedding import embed_unsupported, generate_unsupported
-from jvllm.kv_pages import PageManager
-from jvllm.lookahead import plan_lookahead, settle_lookahead
-from jvllm.model_runner import DispatchedGroup, ModelRunner
-from jvllm.logprobs import MAX_LOGPROBS
+from jvllm.engine.detokenizer import IncrementalDetokenizer
+from jvllm.pooling.embedder import embed_unsupported, generate_unsupported
+from jvllm.core.kv_pages import PageManager
+from jvllm.core.lookahead import plan_lookahead, settle_lookahead
+from jvllm.worker.model_runner import DispatchedGroup, ModelRunner
+from jvllm.sample.logprobs import MAX_LOGPROBS
 from jvllm.parallel import distributed
-from jvllm.output_processor import append_token, record_prompt_logprobs, request_output
+from jvllm.engine.output_processor import append_token, record_prompt_logprobs, request_output
 from jvllm.outputs import EmbeddingRequestOutput, RequestOutput
-from jvllm.progress import GenerateProgress
-from jvllm.request import Request, RequestStatus
+from jvllm.engine.progress import GenerateProgress
+from jvllm.core.request import Request, RequestStatus
 from jvllm.sampling_params import SamplingParams
-from jvllm.scheduler import ScheduledChunk, Scheduler
+from jvllm.core.scheduler import ScheduledChunk, Scheduler
 
 logger = logging.getLogger("jvllm")
 PromptType = str | dict[str, Any]
@@ -53,8 +53,8 @@ class Engine:
         host work (detokenizing, stop checks, building the next batch) overlaps the device's; one device only
         (tensor parallelism and several hosts run synchronously)."""
         from jvllm.attention import resolve_backend_name
-        from jvllm.embedding import build_embedder, encoder_engine_config
-        from models.loader import load_model, resolve_dtype
+        from jvllm.pooling.embedder import build_embedder, encoder_engine_config
+        from jvllm.model_loader.loader import load_model, resolve_dtype
 
         hosts = distributed.HostSettings.resolve(num_hosts, host_rank, coordinator)
         distributed.initialize(hosts)  # before any other JAX call
@@ -81,20 +81,20 @@ class Engine:
             self.config = build_engine_config(
                 self.model.config, jnp.dtype(self.model.dtype).itemsize, max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=backend,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
                 tensor_parallel_size=tensor_parallel_size)
             if hosts.multi_host:  # every host must build the same pool: rank 0's page count wins
                 self.config.num_pages = distributed.agree_on_int(self.config.num_pages)
         self.enable_prefix_caching = enable_prefix_caching
         cfg = self.config
-        self.pages = PageManager(cfg.num_pages, cfg.block_size)
+        self.pages = PageManager(cfg.num_pages, cfg.page_size)
         self.scheduler = Scheduler(self.pages, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    enable_prefix_caching=enable_prefix_caching)
         limits = BucketLimits(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_pages_per_seq)
         batched_dtype = resolve_dtype(batched_weight_dtype) if batched_weight_dtype else None
         self.channel = distributed.StepChannel() if hosts.multi_host else None
         self.runner = None if self.model.is_encoder else ModelRunner(
-            self.model, num_pages=cfg.num_pages, page_size=cfg.block_size, limits=limits, attention_backend=backend,
+            self.model, num_pages=cfg.num_pages, page_size=cfg.page_size, limits=limits, attention_backend=backend,
             batched_weight_dtype=batched_dtype, channel=self.channel)
         if self.channel is not None and self.channel.is_leader:
             atexit.register(self.shutdown)  # followers must not wait forever for the next step
@@ -105,7 +105,7 @@ class Engine:
         self._ahead: list[DispatchedGroup] | None = None  # the look-ahead step in flight, if any
         self._rng = random.Random(seed)
         self._counter = itertools.count()
-        self._groups: dict[str, list[Request]] = {}
+        self._request_groups: dict[str, list[Request]] = {}
         self.eos_token_ids = self._eos_ids()
         self._token_text: dict[int, str] = {}
         logger.info("engine ready: %s (%s, %s attention, max_model_len %d, tensor_parallel_size %d) in %.1fs",
@@ -122,7 +122,7 @@ class Engine:
         """On a follower host (rank > 0): run rank 0's steps until it shuts down; -> steps run."""
         if self.is_leader:
             raise RuntimeError("follow() is for hosts of rank > 0; rank 0 generates and calls shutdown()")
-        steps = self.runner.follow()
+        steps = distributed.follow(self.channel, self.runner.run_call)
         logger.info("rank 0 shut down after %d steps", steps)
         return steps
 
@@ -175,7 +175,7 @@ class Engine:
             raise generate_unsupported(self.model.served_name)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if request_id in self._groups:
+        if request_id in self._request_groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize_prompt(prompt)
         params.validate_for_vocab(self.model.config.vocab_size)
@@ -196,7 +196,7 @@ class Engine:
             members.append(request)
         for request in members:
             self.scheduler.add(request)
-        self._groups[request_id] = members
+        self._request_groups[request_id] = members
 
     def _tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -222,7 +222,7 @@ class Engine:
         """Stop requests now and free their pages; unknown ids are ignored, as in vLLM."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            for request in self._groups.pop(rid, []):
+            for request in self._request_groups.pop(rid, []):
                 if not request.is_finished:
                     self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
         if self._ahead is not None and all(c.request.is_finished for c in self._ahead[0].chunks):
@@ -243,24 +243,27 @@ class Engine:
         """Schedule, run the model once, process results; -> outputs of every prompt that advanced.
 
         With async scheduling, the next decode step is dispatched before this one's ids are read (see
-        jvllm.lookahead), and the following call starts from it instead of scheduling."""
-        current, self._ahead = self._ahead, None
-        if current is None:
-            plan = self.scheduler.schedule()
-            if plan.is_empty:
-                return []
-            current = self.runner.dispatch(plan.chunks)
-            self.scheduler.commit(plan)
+        jvllm.core.lookahead), and the following call starts from it instead of scheduling."""
+        current, self._ahead = self._ahead or self._schedule_and_dispatch(), None
+        if not current:
+            return []
         try:
             self._ahead = self._dispatch_ahead(current)
             results = self.runner.collect(current)
             outputs = self._process_results([c for group in current for c in group.chunks], results)
-            if self._ahead is not None:
-                self._settle_ahead()
+            self._settle_ahead()
         except BaseException:
             self._ahead = None
             raise
         return outputs
+
+    def _schedule_and_dispatch(self) -> list[DispatchedGroup]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        dispatched = self.runner.dispatch(chunks)
+        self.scheduler.commit(chunks)
+        return dispatched
 
     def _dispatch_ahead(self, current: list[DispatchedGroup]) -> list[DispatchedGroup] | None:
         if not (self.async_scheduling and len(current) == 1):
@@ -272,7 +275,7 @@ class Engine:
     def _settle_ahead(self) -> None:
         """Commit the look-ahead rows whose request goes on (the others' results are skipped when collected);
         with none left, nothing needs the step's results."""
-        if not settle_lookahead(self.scheduler, self._ahead[0].chunks):
+        if self._ahead is not None and not settle_lookahead(self.scheduler, self._ahead[0].chunks):
             self._ahead = None
 
     def _process_results(self, chunks: list[ScheduledChunk], results: dict) -> list[RequestOutput]:
@@ -291,12 +294,12 @@ class Engine:
             advanced[request.group_id] = None
         outputs = []
         for group_id in advanced:
-            members = self._groups.get(group_id)
+            members = self._request_groups.get(group_id)
             if members is None:
                 continue
             output = request_output(group_id, members)
             if output.finished:
-                del self._groups[group_id]
+                del self._request_groups[group_id]
             outputs.append(output)
         return outputs
 

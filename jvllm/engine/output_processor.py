@@ -5,10 +5,10 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from jvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jvllm.request import Request, RequestStatus
+from jvllm.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from jvllm.model_runner import StepResult
+    from jvllm.worker.model_runner import StepResult
 
 
 def record_prompt_logprobs(request: Request, result: StepResult, decode: Callable[[int], str]) -> None:

@@ -9,10 +9,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jvllm.embedding import Embedder, PromptType
+from jvllm.pooling.embedder import Embedder, PromptType
 from jvllm.outputs import EmbeddingRequestOutput
 
-logger = logging.getLogger("jvllm.async_engine")
+logger = logging.getLogger("jvllm.engine.async_engine")
 
 
 class EmbedderClosedError(RuntimeError):

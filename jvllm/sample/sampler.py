@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
-from jvllm.sampling_tensors import (
-    GREEDY_EPS,
+from jvllm.utils import cdiv
+
+from jvllm.sample.tensors import (
     RowSpec,
     SamplerFlags,
     SamplingTensors,
@@ -24,7 +23,6 @@ __all__ = [
     "process_logits",
     "row_argmax",
     "sample",
-    "sample_jit",
 ]
 
 _NEG_INF = -jnp.inf
@@ -102,7 +100,7 @@ def row_argmax(x: jax.Array, block: int = 128) -> jax.Array:
     small argmax runs inside that block. NaN counts as +inf (XLA CPU's max-reduction skips NaN); it is
     replaced inside the reductions and in the winning block only, so the [S, V] input is never copied."""
     rows, vocab = x.shape
-    num_blocks = -(-vocab // block)
+    num_blocks = cdiv(vocab, block)
     if num_blocks * block != vocab:
         x = jnp.pad(x, ((0, 0), (0, num_blocks * block - vocab)), constant_values=-jnp.inf)
     blocks = x.reshape(rows, num_blocks, block)  # [S, NB, B]
@@ -119,8 +117,7 @@ def _nan_as_inf(x: jax.Array) -> jax.Array:
 def process_logits(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags) -> jax.Array:
     """Applies the temperature-independent processors: [S, V] float32 -> [S, V] float32.
 
-    This is what greedy rows take the argmax of; exposed for testing.
-    """
+    This is what greedy rows take the argmax of."""
     logits = logits.astype(jnp.float32)  # [S, V] float32
     if flags.any_penalties:
         logits = _apply_penalties(logits, t)
@@ -181,7 +178,7 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags) -> jax.Ar
     """Samples one token per row: logits [S, V] -> token_ids [S] int32. `flags` must be static under jit.
 
     The chosen token's logprob is not computed here: a full-vocab log-softmax costs 2-4 ms per 64-row step on
-    CPU, so only requests asking for logprobs pay it (`jvllm.logprobs.logprob_stats`), as in vLLM."""
+    CPU, so only requests asking for logprobs pay it (`jvllm.sample.logprobs.logprob_stats`), as in vLLM."""
     logits = logits.astype(jnp.float32)  # [S, V] float32
     vocab = logits.shape[-1]
     processed = process_logits(logits, t, flags)  # [S, V] float32
@@ -189,7 +186,7 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags) -> jax.Ar
     if not flags.any_random:
         return greedy_ids
 
-    is_greedy = t.temperature < GREEDY_EPS  # [S] bool
+    is_greedy = t.temperature == 0  # [S] bool
     # Greedy rows divide by 1 to stay finite; their result is replaced below.
     temp = jnp.where(is_greedy, 1.0, t.temperature)  # [S] float32
     scaled = processed / temp[:, None]  # [S, V] float32
@@ -201,9 +198,3 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags) -> jax.Ar
     random_ids = row_argmax(scaled + noise)  # [S] int32
     return jnp.where(is_greedy, greedy_ids, random_ids)  # [S] int32
 
-
-# Standalone jitted entry point (the engine usually calls `sample` inside its own jit).
-sample_jit = jax.jit(sample, static_argnames=("flags",))
-
-# Jitted processor, handy for tests and debugging.
-process_logits_jit = functools.partial(jax.jit, static_argnames=("flags",))(process_logits)

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import os
 
-# LLVM otherwise prefers 256-bit vectors even on AVX-512 machines. Measured on the 2-core Zen 5 VM (median of
-# 3 interleaved runs, SmolLM2-135M): decode step at 1 row 23.1 -> 19.9 ms, at 32 rows 55.0 -> 51.0 ms, a 32 x 64
-# prefill step 1404 -> 1031 ms. Machines without AVX-512 keep their widest vectors; GPU compiles ignore it.
+# LLVM otherwise prefers 256-bit vectors even on AVX-512 machines (the gain is in docs/design.md). Machines
+# without AVX-512 keep their widest vectors; GPU compiles ignore the flag.
 CPU_DEFAULTS = {"xla_cpu_prefer_vector_width": "512"}
 
 

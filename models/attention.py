@@ -1,9 +1,25 @@
-"""Per-step attention metadata: where a flat, ragged token batch lives in the paged KV pool."""
+"""The host-kernel contract: per-step attention metadata, the per-layer attention call a model makes, and
+how a KV pool's dtype tells the values it holds."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
+
+# A bfloat16 pool may be stored as its uint16 bits (the `xla` backend does, see jvllm.attention.pool_storage).
+BF16_BITS = jnp.dtype(jnp.uint16)
+
+KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: (k_pages, v_pages), each [N, page, KVH, hd]
+# (q [T, H, hd], k/v [T, KVH, hd], (k_pages, v_pages), md, scale, sliding_window) -> (out [T, H, hd], layer result):
+# the layer result is whatever the backend needs after the step (its new pages, or the K/V still to write).
+LayerAttention = Callable[..., tuple[jax.Array, Any]]
+
+
+def value_dtype(pool_dtype: Any) -> jnp.dtype:
+    """The dtype of the values a pool of `pool_dtype` holds (the model computes in it)."""
+    return jnp.dtype(jnp.bfloat16) if jnp.dtype(pool_dtype) == BF16_BITS else jnp.dtype(pool_dtype)
 
 
 @jax.tree_util.register_dataclass
@@ -19,9 +35,9 @@ class AttentionMetadata:
     query_start: jax.Array  # [S] int32: flat index of each sequence's first token (cu_q_lens[:-1])
     q_lens: jax.Array  # [S] int32: tokens computed this step (0 for padded rows)
     kv_lens: jax.Array  # [S] int32: context length after this step (cached + new)
-    block_tables: jax.Array  # [S, P] int32: page ids of each sequence (0 when padded)
+    page_tables: jax.Array  # [S, P] int32: page ids of each sequence (0 when padded)
 
     @property
     def last_token_index(self) -> jax.Array:
         """[S] int32 flat index of each sequence's last token this step (its logits are sampled)."""
-        return self.query_start + jax.numpy.maximum(self.q_lens - 1, 0)
+        return self.query_start + jnp.maximum(self.q_lens - 1, 0)

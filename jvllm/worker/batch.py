@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import numpy as np
 
-from jvllm.attention.metadata import AttentionMetadata
-from jvllm.scheduler import ScheduledChunk
+from models.attention import AttentionMetadata
+from jvllm.core.scheduler import ScheduledChunk
+from jvllm.utils import cdiv, next_power_of_2
 
 
 LINEAR_BUCKETS_FROM = 256  # above this, buckets grow in steps of 256: a 1030-token chunk pads to 1280, not 2048
@@ -24,9 +26,9 @@ def next_bucket(n: int, cap: int) -> int:
     if n == 0:
         return 0
     if n > LINEAR_BUCKETS_FROM:
-        bucket = -(-n // LINEAR_BUCKETS_FROM) * LINEAR_BUCKETS_FROM
+        bucket = cdiv(n, LINEAR_BUCKETS_FROM) * LINEAR_BUCKETS_FROM
     else:
-        bucket = 1 << (n - 1).bit_length()
+        bucket = next_power_of_2(n)
     return max(n, min(bucket, cap))
 
 
@@ -50,21 +52,42 @@ class HostBatch:
     @property
     def shape_key(self) -> tuple[int, int, int, int]:
         md = self.metadata
-        return (self.input_ids.shape[0], *md.seq_token_index.shape, md.block_tables.shape[1])
+        return (self.input_ids.shape[0], *md.seq_token_index.shape, md.page_tables.shape[1])
 
 
-def build_batch(chunks: list[ScheduledChunk], page_size: int, limits: BucketLimits, *,
-                cached_pages_only: bool = False) -> HostBatch:
-    """With `cached_pages_only` the block tables cover only tokens cached before this step (enough for a
-    backend that attends to the step's own K/V directly): a first prefill chunk then gathers no context."""
-    total = sum(c.num_tokens for c in chunks)
+@dataclasses.dataclass
+class ChunkRow:
+    """What a step needs of one chunk: its input ids (0 where a look-ahead token comes from the device),
+    the position of the first, and the sequence's page table."""
+
+    token_ids: list[int]
+    start: int
+    page_table: list[int]
+
+
+def chunk_rows(chunks: list[ScheduledChunk]) -> list[ChunkRow]:
+    rows = []
+    for chunk in chunks:
+        request, start = chunk.request, chunk.start
+        ids = [request.token_at(i) for i in range(start, start + chunk.num_tokens - chunk.pending_tokens)]
+        rows.append(ChunkRow(ids + [0] * chunk.pending_tokens, start, request.page_table))
+    return rows
+
+
+TablePages = Callable[[int, int, int], int]  # (cached tokens, step tokens, page size) -> pages the table lists
+
+
+def build_batch(rows: list[ChunkRow], page_size: int, limits: BucketLimits, table_pages: TablePages) -> HostBatch:
+    """Pack chunk rows into bucketed arrays; each page table lists the pages `table_pages` says the attention
+    backend reads (a backend that attends to the step's own K/V directly needs only the cached ones)."""
+    total = sum(len(r.token_ids) for r in rows)
     num_tokens = max(next_bucket(total, limits.max_tokens), min(limits.min_rows, limits.max_tokens))
-    num_seqs = max(next_bucket(len(chunks), limits.max_seqs), min(limits.min_rows, limits.max_seqs))
-    max_q = next_bucket(max(c.num_tokens for c in chunks), limits.max_tokens)
-    table_len = [-(-c.start // page_size) if cached_pages_only else len(c.request.page_table) for c in chunks]
+    num_seqs = max(next_bucket(len(rows), limits.max_seqs), min(limits.min_rows, limits.max_seqs))
+    max_q = next_bucket(max(len(r.token_ids) for r in rows), limits.max_tokens)
+    table_len = [table_pages(r.start, len(r.token_ids), page_size) for r in rows]
     max_pages = next_bucket(max(table_len), limits.max_pages)
     if max_q == 1:
-        max_pages = max(max_pages, min(-(-DECODE_MIN_CONTEXT_TOKENS // page_size), limits.max_pages))
+        max_pages = max(max_pages, min(cdiv(DECODE_MIN_CONTEXT_TOKENS, page_size), limits.max_pages))
 
     input_ids = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
@@ -75,26 +98,25 @@ def build_batch(chunks: list[ScheduledChunk], page_size: int, limits: BucketLimi
     query_start = np.zeros(num_seqs, np.int32)
     q_lens = np.zeros(num_seqs, np.int32)
     kv_lens = np.zeros(num_seqs, np.int32)
-    block_tables = np.zeros((num_seqs, max_pages), np.int32)
+    page_tables = np.zeros((num_seqs, max_pages), np.int32)
 
     cursor = 0
-    for row, chunk in enumerate(chunks):
-        request, n, start = chunk.request, chunk.num_tokens, chunk.start
+    for index, row in enumerate(rows):
+        n, start = len(row.token_ids), row.start
         span = slice(cursor, cursor + n)
         pos = np.arange(start, start + n, dtype=np.int32)
-        input_ids[span] = [request.token_at(i) for i in range(start, start + n - chunk.pending_tokens)] + \
-            [0] * chunk.pending_tokens  # the runner fills a look-ahead token from the device
+        input_ids[span] = row.token_ids
         positions[span] = pos
-        pages = np.asarray(request.page_table, np.int32)
+        pages = np.asarray(row.page_table, np.int32)
         slot_mapping[span] = pages[pos // page_size] * page_size + pos % page_size
-        token_seq[span] = row
+        token_seq[span] = index
         token_offset[span] = np.arange(n)
-        seq_token_index[row, :n] = np.arange(cursor, cursor + n)
-        query_start[row] = cursor
-        q_lens[row] = n
-        kv_lens[row] = start + n
-        block_tables[row, : table_len[row]] = pages[: table_len[row]]
+        seq_token_index[index, :n] = np.arange(cursor, cursor + n)
+        query_start[index] = cursor
+        q_lens[index] = n
+        kv_lens[index] = start + n
+        page_tables[index, : table_len[index]] = pages[: table_len[index]]
         cursor += n
     md = AttentionMetadata(slot_mapping, token_seq, token_offset, seq_token_index, query_start, q_lens, kv_lens,
-                           block_tables)
-    return HostBatch(input_ids, positions, md, len(chunks))
+                           page_tables)
+    return HostBatch(input_ids, positions, md, len(rows))

@@ -1,17 +1,18 @@
 """Prefix-cache keys: each full page's key chains its parent page's key with the page's token ids (xxhash)."""
 from __future__ import annotations
 
-import numpy as np
+import struct
+
 import xxhash
 
-from jvllm.request import Request
+from jvllm.core.request import Request
 
 _ROOT = 0  # the parent key of a sequence's first page
 
 
 def chain_key(parent: int, token_ids: list[int], salt: bytes = b"") -> int:
     """64-bit key of one page: equal keys mean equal token prefixes (and salts), up to hash collisions."""
-    payload = parent.to_bytes(8, "little") + np.asarray(token_ids, np.int64).tobytes() + salt
+    payload = parent.to_bytes(8, "little") + struct.pack(f"<{len(token_ids)}q", *token_ids) + salt
     return xxhash.xxh3_64_intdigest(payload)
 
 

@@ -8,8 +8,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-# Temperatures below this are treated as greedy (argmax), as in vLLM.
-GREEDY_EPS = 1e-5
+from jvllm.utils import next_power_of_2
 
 
 @jax.tree_util.register_dataclass
@@ -54,11 +53,6 @@ class RowSpec:
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     blocked_ids: Sequence[int] = ()
-
-
-def _pow2(n: int) -> int:
-    """Smallest power of two >= max(n, 1): bounds the number of distinct compiled shapes."""
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def _param(params: Any, name: str, default: Any) -> Any:
@@ -111,7 +105,7 @@ def build_sampling_tensors(
     for i, row in enumerate(rows):
         p = row.params
         temp = float(_param(p, "temperature", 1.0))
-        if temp >= GREEDY_EPS:
+        if temp > 0:  # SamplingParams sets greedy requests' temperature to exactly 0
             temperature[i] = temp
             # Truncation only matters for random rows; zeroing it on greedy rows
             # keeps any_top_k_p (and the sort) off for all-greedy batches.
@@ -147,11 +141,11 @@ def build_sampling_tensors(
 
     # Token-history arrays are only shipped when penalties need them; otherwise a
     # [S, 1] all -1 placeholder keeps the pytree structure fixed.
-    lo = _pow2(max((len(r) for r in output_rows), default=0)) if flags.any_penalties else 1
-    lp = _pow2(max((len(r) for r in prompt_rows), default=0)) if need_prompt else 1
-    kb = _pow2(max((len(r) for r in bias_ids_rows), default=0))
-    ka = _pow2(max((len(r) for r in allowed_rows), default=0))
-    kx = _pow2(max((len(r) for r in blocked_rows), default=0))
+    lo = next_power_of_2(max((len(r) for r in output_rows), default=0)) if flags.any_penalties else 1
+    lp = next_power_of_2(max((len(r) for r in prompt_rows), default=0)) if need_prompt else 1
+    kb = next_power_of_2(max((len(r) for r in bias_ids_rows), default=0))
+    ka = next_power_of_2(max((len(r) for r in allowed_rows), default=0))
+    kx = next_power_of_2(max((len(r) for r in blocked_rows), default=0))
 
     output_ids = (
         _fill_ragged(output_rows, s, lo) if flags.any_penalties else np.full((s, 1), -1, np.int32)

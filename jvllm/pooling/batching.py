@@ -8,22 +8,16 @@ from typing import Sequence
 
 import numpy as np
 
+from jvllm.utils import next_power_of_2, prev_power_of_2
+
 MIN_WIDTH = 8
 PACK_WIDTH = 64  # rows of many short inputs are this wide; attention per token grows with it, but stays
 # ~1% of the layer matmuls at 64 (4 * W * D vs ~24 * D^2 multiply-adds per token for BERT shapes)
 
 
-def pow2_at_least(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def pow2_at_most(n: int) -> int:
-    return 1 << (max(n, 1).bit_length() - 1)
-
-
 def width_for(n: int) -> int:
     """Row width that holds a sequence of n tokens: a power of two, at least MIN_WIDTH."""
-    return max(pow2_at_least(n), MIN_WIDTH)
+    return max(next_power_of_2(n), MIN_WIDTH)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +61,8 @@ def _row_groups(count: int, cap: int) -> list[int]:
     groups = []
     while count > 0:
         take = min(count, cap)
-        if take < cap and pow2_at_least(take) - take > max(1, take // 4):
-            take = pow2_at_most(take)
+        if take < cap and next_power_of_2(take) - take > max(1, take // 4):
+            take = prev_power_of_2(take)
         groups.append(take)
         count -= take
     return groups
@@ -93,7 +87,7 @@ def plan_batches(lengths: Sequence[int], *, max_num_seqs: int, max_num_batched_t
             rows = _pack_rows(items, width, max_num_seqs)
         else:
             rows = [[(index, 0)] for index, _ in sorted(items, key=lambda item: (item[1], item[0]))]
-        cap = min(max(pow2_at_most(max_num_batched_tokens // width), 1), pow2_at_most(max_num_seqs))
+        cap = min(max(prev_power_of_2(max_num_batched_tokens // width), 1), prev_power_of_2(max_num_seqs))
         start = 0
         for take in _row_groups(len(rows), cap):
             group = rows[start: start + take]
@@ -122,7 +116,7 @@ def _batch(rows: list[list[tuple[int, int]]], width: int, lengths: Sequence[int]
     placements = tuple((index, r, column) for r, row in enumerate(rows) for index, column in row)
     if len(rows) == 1:
         width = min(width, width_for(sum(lengths[index] for index, _ in rows[0])))
-    return EmbedBatch(placements, pow2_at_least(len(rows)), width)
+    return EmbedBatch(placements, next_power_of_2(len(rows)), width)
 
 
 def pack_arrays(token_lists: Sequence[Sequence[int]], batch: EmbedBatch, pad_id: int = 0

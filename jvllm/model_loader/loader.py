@@ -65,8 +65,8 @@ def cache_root() -> Path:
 
 def resolve_model_path(model: str | None) -> tuple[str, str]:
     """-> (path of an HF folder or .gguf file, served model name)."""
-    from models.default_model import DEFAULT_MODEL_NAME, default_model_path
-    from models.embedded_models import embedded_model_names, embedded_model_path, find_embedded_model
+    from jvllm.model_loader.default_model import DEFAULT_MODEL_NAME, default_model_path
+    from jvllm.model_loader.embedded_models import embedded_model_names, embedded_model_path, find_embedded_model
 
     if model is None or model == DEFAULT_MODEL_NAME:
         return default_model_path(), DEFAULT_MODEL_NAME
@@ -99,7 +99,7 @@ def _gguf_as_hf_folder(gguf_path: str) -> Path:
         return folder
     from safetensors.numpy import save_file
 
-    from models.gguf_loader import gguf_tokenizer, load_gguf_tensors, read_gguf_config
+    from jvllm.model_loader.gguf import gguf_tokenizer, load_gguf_tensors, read_gguf_config
 
     logger.info("converting %s into %s (first start only)", gguf_path, folder)
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")

@@ -14,42 +14,23 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jvllm.attention import AttentionBackend
-from jvllm.attention.metadata import AttentionMetadata
-from jvllm.logprobs import blocked_logprob_stats, logprob_stats
+from jvllm.attention.backend import StoreFn
+from models.attention import AttentionMetadata
+from jvllm.sample.logprobs import blocked_logprob_stats, logprob_stats
 from jvllm.parallel import ops
-from jvllm.sampler import sample
-from jvllm.sampling_tensors import SamplerFlags, SamplingTensors
-
-# (q [T,H,hd], k/v [T,KVH,hd], (k_pages, v_pages) [N,page,KVH,hd], md, scale, window) -> (out [T,H,hd], per-layer
-# result): a split backend returns this step's (k, v) for the writer, a fused one the updated pages.
-LayerAttention = Callable[..., tuple[jax.Array, tuple[jax.Array, jax.Array]]]
-
-
-def layer_attention(backend: AttentionBackend, mesh: Mesh | None = None) -> LayerAttention:
-    """Adapt a backend to the one call the model makes per layer (per shard with a tensor-parallel mesh)."""
-    if backend.fused:
-        def fused(q, k, v, pages, md, scale, sliding_window=None):
-            out, k_pages, v_pages = backend.write_and_attend(q, k, v, pages[0], pages[1], md, scale, sliding_window)
-            return out, (k_pages, v_pages)
-        attention = fused
-    else:
-        def split(q, k, v, pages, md, scale, sliding_window=None):
-            return backend.attend(q, k, v, pages[0], pages[1], md, scale, sliding_window), (k, v)
-        attention = split
-    return attention if mesh is None else ops.sharded_layer_attention(attention, mesh, backend.fused)
-
+from jvllm.sample.sampler import sample
+from jvllm.sample.tensors import SamplerFlags, SamplingTensors
 
 @dataclasses.dataclass(frozen=True)
 class StepFunctions:
     """forward_sample(weights, kv_cache, ids, positions, md, sampling, prompt_targets, flags=, num_logprobs=,
-    num_prompt_logprobs=) -> ({token_ids [S], sample_stats?, prompt_stats?}, kv); `kv` is the new
-    pool when `fused`, else the step's K/V for `write_pool(kv_cache, kv, md)`.
-    all_logits(weights, kv_cache, ids, positions, md) -> ([T, V] float32, kv)."""
+    num_prompt_logprobs=) -> ({token_ids [S], sample_stats?, prompt_stats?}, layer results);
+    all_logits(weights, kv_cache, ids, positions, md) -> ([T, V] float32, layer results);
+    store_kv(kv_cache, layer results, md) -> the pool holding the step's K/V (call it after every step)."""
 
     forward_sample: Callable[..., Any]
-    write_pool: Callable[..., Any] | None
     all_logits: Callable[..., Any]
-    fused: bool
+    store_kv: StoreFn
 
 
 def build_step_functions(graphdef: Any, treedef: Any, backend: AttentionBackend, mesh: Mesh | None = None,
@@ -57,11 +38,11 @@ def build_step_functions(graphdef: Any, treedef: Any, backend: AttentionBackend,
     """With a mesh (tensor parallelism), weights and pool arrive sharded: attention and the pool write run
     per shard, the embedding lookup is vocab-parallel, and logits are replicated (and stripped of any vocab
     padding, past `vocab_size`) before sampling. Without one, the single-device steps are unchanged."""
-    attention = layer_attention(backend, mesh)
+    attention = backend.layer_attention(mesh)
     embed = None if mesh is None else ops.vocab_parallel_lookup(mesh)
     gather = (lambda x: x) if mesh is None else ops.replicate(mesh)
     gather_logits = None if mesh is None else ops.gather_vocab(mesh)
-    donate = ("kv_cache",) if backend.fused else ()
+    donate = ("kv_cache",) if backend.step_donates_pool else ()
 
     def model_of(weights: list[jax.Array]) -> Any:
         return nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
@@ -91,15 +72,6 @@ def build_step_functions(graphdef: Any, treedef: Any, backend: AttentionBackend,
                                                         compute_logits)
         return gather(out), layer_kv
 
-    write_pool = None
-    if not backend.fused:
-        write = backend.write if mesh is None else ops.sharded_pool_write(backend.write, mesh)
-
-        @functools.partial(jax.jit, donate_argnames=("kv_cache",))
-        def write_pool(kv_cache: list, new_kv: list, md: AttentionMetadata) -> list:
-            """Scatter a step's K/V into the donated pool, in place (its own jit: see attention/xla.py)."""
-            return write(kv_cache, new_kv, md)
-
     @functools.partial(jax.jit, donate_argnames=donate)
     def all_logits(weights: list[jax.Array], kv_cache: list, input_ids: jax.Array, positions: jax.Array,
                    md: AttentionMetadata):
@@ -107,4 +79,4 @@ def build_step_functions(graphdef: Any, treedef: Any, backend: AttentionBackend,
         hidden, layer_kv = model(input_ids, positions, kv_cache, md, attention, embed)
         return logits_of(model)(hidden), layer_kv
 
-    return StepFunctions(forward_sample, write_pool, all_logits, backend.fused)
+    return StepFunctions(forward_sample, all_logits, backend.store(mesh))

@@ -11,24 +11,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from jvllm.attention import get_backend
-from jvllm.attention.metadata import AttentionMetadata
-from jvllm.batch import BucketLimits, build_batch
-from jvllm.logprobs import TokenLogprobs, bucket_k, host_rows
+from jvllm.core.scheduler import ScheduledChunk
+from jvllm.model_loader.loader import LoadedModel
 from jvllm.parallel.mesh import host_array, named_sharding, put_replicated
-from jvllm.sampling_tensors import RowSpec, build_sampling_tensors
-from jvllm.step_functions import build_step_functions
-from jvllm.scheduler import ScheduledChunk
-from models.llama import out_in_kernel_leaves
-from models.loader import LoadedModel
+from jvllm.sample.logprobs import TokenLogprobs, bucket_k, host_rows
+from jvllm.sample.tensors import RowSpec, build_sampling_tensors
+from jvllm.utils import cdiv
+from jvllm.worker.batch import BucketLimits, ChunkRow, build_batch, chunk_rows
+from jvllm.worker.step_functions import build_step_functions
+from jvllm.worker.weights import BATCHED_MIN_ROWS, StepWeights
+from models.attention import AttentionMetadata
 
 logger = logging.getLogger("jvllm")
 
 
 LONG_CHUNK_TOKENS = 256  # prefill chunks at least this long run as their own group
-# Steps of at least this many token rows take the batched (e.g. bf16) weights. XLA CPU (jax 0.10) runs 2+ row
-# dots through YNNPACK, where bf16 wins from 2 rows (decode step, interleaved: 2 rows 28.0 -> 25.5 ms,
-# 6 rows 30.8 -> 23.5, 16 rows 41.2 -> 32.2); a 1-row bf16 dot is a slow matrix-vector product (~6x f32).
-BATCHED_MIN_ROWS = 2
 
 
 @dataclasses.dataclass
@@ -94,13 +91,6 @@ def prompt_logprob_targets(chunks: list[ScheduledChunk], num_tokens: int) -> tup
     return targets, wanted
 
 
-def cast_matrices(weights: list[jax.Array], dtype: Any, out_in: list[bool] | None = None) -> list[jax.Array]:
-    """A copy of the weights with every matrix (ndim >= 2) in `dtype`; norms and biases keep theirs. The
-    leaves flagged in `out_in` (Linear kernels [in, out]) are stored transposed, [out, in]."""
-    flags = out_in or [False] * len(weights)
-    return [(a.T if flip else a).astype(dtype) if a.ndim >= 2 else a for a, flip in zip(weights, flags)]
-
-
 class ModelRunner:
     """Turns scheduled chunks into device arrays, runs the jitted step, returns sampled ids to the host."""
 
@@ -108,21 +98,17 @@ class ModelRunner:
                  attention_backend: str, batched_weight_dtype: Any = None, batched_min_rows: int = BATCHED_MIN_ROWS,
                  channel: Any = None):
         """`channel` (multi-host, a jvllm.parallel.distributed.StepChannel): rank 0 sends every step's
-        StepCall through it before running it; the other ranks run what they receive (`follow`)."""
+        StepCall through it before running it; the other ranks run what they receive."""
         self.loaded = loaded
         self.page_size = page_size
-        self.limits = limits
         self.mesh = loaded.mesh
         self.channel = channel
         self.backend = get_backend(attention_backend)
-        self.weights, treedef = jax.tree.flatten(loaded.state)  # flattened once: NNX state is slow to flatten
-        self.steps = build_step_functions(loaded.graphdef, treedef, self.backend, self.mesh,
+        self.step_weights = StepWeights(loaded.state, batched_dtype=batched_weight_dtype,
+                                        sharded=self.mesh is not None, batched_min_rows=batched_min_rows)
+        self.steps = build_step_functions(loaded.graphdef, self.step_weights.treedef, self.backend, self.mesh,
                                           loaded.config.vocab_size)
-        self.batched_min_rows = batched_min_rows
-        self.batched_weights = None if batched_weight_dtype is None else cast_matrices(
-            self.weights, batched_weight_dtype, self._out_in_kernels())
-        if self._one_row_dots_slow():
-            self.limits = dataclasses.replace(limits, min_rows=2)
+        self.limits = dataclasses.replace(limits, min_rows=2) if self.step_weights.one_row_dots_slow else limits
         cfg = loaded.config
         self.kv_cache = self._new_pool(num_pages)
         self._seen_shapes: set[tuple] = set()
@@ -130,10 +116,16 @@ class ModelRunner:
         logger.info("KV pool: %d pages x %d tokens, %.1f MiB", num_pages, page_size,
                     self.kv_pool_bytes(cfg, loaded.dtype, num_pages, page_size) / 2**20)
 
+    @property
+    def weights(self) -> list[jax.Array]:
+        return self.step_weights.weights
+
+    @property
+    def batched_weights(self) -> list[jax.Array] | None:
+        return self.step_weights.batched
+
     def _new_pool(self, num_pages: int) -> list[tuple[jax.Array, jax.Array]]:
-        """Every layer's zeroed K and V pages from one jitted call: SmolLM2's 1 GiB pool in 0.6-1.3 s on the
-        2-core CPU, against 0.9-1.8 s for 60 eager zeros (fresh processes, alternating). Most of it is the
-        first touch of the memory, which the start of an engine pays once."""
+        """Every layer's zeroed K and V pages from one jitted call (faster than one eager zeros per array)."""
         cfg = self.loaded.config
         shape = (num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)  # [N, page, KVH, hd]
         sharding = None if self.mesh is None else named_sharding(  # each device makes only its KV heads
@@ -143,30 +135,10 @@ class ModelRunner:
                         out_shardings=sharding)
         return zeros()
 
-    def _out_in_kernels(self) -> list[bool] | None:
-        """Which weights the batched copy stores [out, in] (see models.llama.stored_out_in): a measured XLA CPU
-        gain, so on one CPU device only; sharded and GPU weights keep the loaded layout."""
-        if self.mesh is not None or jax.default_backend() != "cpu":
-            return None
-        return out_in_kernel_leaves(self.loaded.state)
-
-    def _one_row_dots_slow(self) -> bool:
-        """XLA CPU (jax 0.10) multiplies one row by a 16-bit matrix ~10x slower than by a float32 one, and two
-        rows as fast as one float32 row (YNNPACK); so with 16-bit weights for 1-row steps, every step gets at
-        least 2 rows. SmolLM2 at dtype=bfloat16, single-request decode: see docs/design.md."""
-        return jax.default_backend() == "cpu" and any(
-            w.ndim >= 2 and jnp.issubdtype(w.dtype, jnp.floating) and w.dtype.itemsize == 2
-            for w in self._weights_for(1))
-
     @staticmethod
     def kv_pool_bytes(cfg: Any, dtype: Any, num_pages: int, page_size: int) -> int:
         """The whole pool, all devices together (each holds num_kv_heads / tp of the heads)."""
         return 2 * cfg.num_layers * cfg.num_kv_heads * num_pages * page_size * cfg.head_dim * jnp.dtype(dtype).itemsize
-
-    def execute(self, chunks: list[ScheduledChunk]) -> dict[str, StepResult]:
-        """Run decode chunks (1 token) and prefill chunks as two bucketed calls; -> {request_id: result} for every
-        chunk that samples a token or asked for prompt logprobs."""
-        return self.collect(self.dispatch(chunks))
 
     @property
     def can_look_ahead(self) -> bool:
@@ -178,19 +150,20 @@ class ModelRunner:
         group), `chunks` are look-ahead chunks of its requests: one call, each input token taken on the device
         from the id `source` sampled for the same request."""
         if source is None:
-            return [self._dispatch_group(group) for group in self._groups(chunks)]
+            return [self._dispatch_group(group) for group in self._chunk_groups(chunks)]
         rows = {id(chunk.request): row for row, chunk in enumerate(source.chunks)}
         return [self._dispatch_group(chunks, source.out["token_ids"], [rows[id(c.request)] for c in chunks])]
 
     def collect(self, dispatched: list[DispatchedGroup]) -> dict[str, StepResult]:
-        """Wait for dispatched steps; -> {request_id: result} (see execute)."""
+        """Wait for dispatched steps; -> {request_id: result} for every chunk that samples a token or asked for
+        prompt logprobs."""
         results: dict[str, StepResult] = {}
         for group in dispatched:
             results.update(self._group_results(group))
         return results
 
     @staticmethod
-    def _groups(chunks: list[ScheduledChunk]) -> list[list[ScheduledChunk]]:
+    def _chunk_groups(chunks: list[ScheduledChunk]) -> list[list[ScheduledChunk]]:
         """Decodes together; short prefill chunks together; each long chunk alone. A padded group costs
         seqs x max_q x (context + max_q) in attention, so one 1k-token chunk must not pad its neighbours."""
         decodes = [c for c in chunks if c.num_tokens == 1]
@@ -200,7 +173,7 @@ class ModelRunner:
 
     def step_call(self, chunks: list[ScheduledChunk]) -> tuple[StepCall, list]:
         """The host inputs of one group's step, and the requests that asked for prompt logprobs."""
-        batch = build_batch(chunks, self.page_size, self.limits, cached_pages_only=not self.steps.fused)
+        batch = build_batch(chunk_rows(chunks), self.page_size, self.limits, self.backend.table_pages)
         num_rows = batch.metadata.q_lens.shape[0]
         rows = [self._row_spec(c) for c in chunks]
         sampling, flags = build_sampling_tensors(rows, num_rows)
@@ -224,9 +197,9 @@ class ModelRunner:
             logits, _ = self.steps.all_logits(self.weights, self.kv_cache, ids, positions, md)
             return logits
         out, layer_kv = self.steps.forward_sample(
-            self._weights_for(call.input_ids.shape[0]), self.kv_cache, ids, positions, md, sampling, targets,
-            flags=call.flags, num_logprobs=call.num_logprobs, num_prompt_logprobs=call.num_prompt_logprobs)
-        self._store_kv(layer_kv, md)
+            self.step_weights.for_rows(call.input_ids.shape[0]), self.kv_cache, ids, positions, md, sampling,
+            targets, flags=call.flags, num_logprobs=call.num_logprobs, num_prompt_logprobs=call.num_prompt_logprobs)
+        self.kv_cache = self.steps.store_kv(self.kv_cache, layer_kv, md)
         return out
 
     def _device_inputs(self, call: StepCall) -> tuple:
@@ -234,31 +207,6 @@ class ModelRunner:
         inputs = (call.metadata, call.input_ids, call.positions, call.sampling, call.prompt_targets)
         # One batched transfer: ~0.2 ms, against ~1.3 ms for numpy arguments passed to the jit.
         return jax.device_put(inputs) if self.mesh is None else put_replicated(inputs, self.mesh)
-
-    def compiled_hlo(self, call: StepCall) -> dict[str, str]:
-        """Optimized HLO text of the step `call` would run, and of the pool write (split backends): for
-        checking which collectives a sharded step does."""
-        md, ids, positions, sampling, targets = self._device_inputs(call)
-        step = self.steps.forward_sample.lower(
-            self._weights_for(call.input_ids.shape[0]), self.kv_cache, ids, positions, md, sampling, targets,
-            flags=call.flags, num_logprobs=call.num_logprobs, num_prompt_logprobs=call.num_prompt_logprobs)
-        texts = {"forward_sample": step.compile().as_text()}
-        if self.steps.write_pool is not None:
-            cfg = self.loaded.config
-            shape = (call.input_ids.shape[0], cfg.num_kv_heads, cfg.head_dim)  # [T, KVH, hd]
-            sharding = None if self.mesh is None else named_sharding(self.mesh, ("tokens", "kv_heads", "head_dim"))
-            new = jax.ShapeDtypeStruct(shape, self.loaded.dtype, sharding=sharding)
-            write = self.steps.write_pool.lower(self.kv_cache, [(new, new)] * cfg.num_layers, md)
-            texts["write_pool"] = write.compile().as_text()
-        return texts
-
-    def follow(self) -> int:
-        """On a follower host: run every step rank 0 sends until it sends shutdown; -> steps run."""
-        steps = 0
-        while (call := self.channel.receive()) is not None:
-            self.run_call(call)
-            steps += 1
-        return steps
 
     def _dispatch_group(self, chunks: list[ScheduledChunk], source_ids: jax.Array | None = None,
                         source_rows: list[int] | None = None) -> DispatchedGroup:
@@ -300,16 +248,6 @@ class ModelRunner:
                 result.prompt_logprobs, result.prompt_start = entries, chunk.start + 1
             cursor += chunk.num_tokens
 
-    def _store_kv(self, layer_kv: list, md: AttentionMetadata) -> None:
-        """A fused step returned the updated pool; a split one the K/V still to write."""
-        self.kv_cache = layer_kv if self.steps.fused else self.steps.write_pool(self.kv_cache, layer_kv, md)
-
-    def _weights_for(self, rows: int) -> list[jax.Array]:
-        """The weights for a step of `rows` token rows: the batched copy (e.g. bf16) for big steps, if any."""
-        if self.batched_weights is not None and rows >= self.batched_min_rows:
-            return self.batched_weights
-        return self.weights
-
     @staticmethod
     def _row_spec(chunk: ScheduledChunk) -> RowSpec:
         """A look-ahead chunk samples the token after the one still on the device."""
@@ -331,25 +269,14 @@ class ModelRunner:
         return set(self._seen_shapes)
 
     def prompt_logits(self, token_ids: list[int]) -> np.ndarray:
-        """Logits [T, V] at every position of one prompt, computed through the paged path (one chunk).
-        Split backends only: the chunk attends to itself and nothing is written to the pool."""
-        if self.steps.fused:
-            raise NotImplementedError("prompt_logits needs a split attention backend (xla)")
+        """Logits [T, V] at every position of one prompt, through the paged path as one fresh chunk. Nothing is
+        written to the pool (pages listed are the reserved page 0, never read: the chunk is its whole context)."""
         n = len(token_ids)
-        pages_needed = -(-n // self.page_size)
-        page_table = [0] * pages_needed  # nothing cached: the pages are never read, the chunk is attended directly
-
-        class _Prompt:  # the minimal request view build_batch reads
-            num_computed_tokens = 0
-            num_tokens = n
-            page_table: list[int] = []
-            token_at = staticmethod(lambda i: token_ids[i])
-
-        fake = _Prompt()
-        fake.page_table = page_table
-        chunk = ScheduledChunk(fake, n)  # type: ignore[arg-type]
-        batch = build_batch([chunk], self.page_size, BucketLimits(max(n, 1), 1, max(pages_needed, 1)))
-        started = time.perf_counter()
-        logits = self.run_call(StepCall(batch.input_ids, batch.positions, batch.metadata))
-        logger.debug("prompt_logits for %d tokens took %.2fs", n, time.perf_counter() - started)
+        if self.backend.table_pages(0, n, self.page_size):
+            raise NotImplementedError(f"prompt_logits needs a backend that attends to a fresh chunk's own K/V "
+                                      f"(xla), not {self.backend.name}")
+        row = ChunkRow(token_ids=list(token_ids), start=0, page_table=[0] * cdiv(n, self.page_size))
+        limits = BucketLimits(max(n, 1), 1, max(len(row.page_table), 1))
+        batch = build_batch([row], self.page_size, limits, self.backend.table_pages)
+        logits = self.run_call(StepCall(batch.input_ids, batch.positions, batch.metadata))  # on every host
         return (host_array(logits) if self.mesh is not None else np.asarray(logits))[:n]

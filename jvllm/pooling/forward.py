@@ -11,12 +11,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jvllm.attention import get_backend
-from jvllm.attention.metadata import AttentionMetadata
-from jvllm.step_functions import layer_attention
+from models.attention import AttentionMetadata
 from models.pooling import PoolingConfig, l2_normalize, pool
 
 # (flat weights, input_ids, positions, segments [R, W] int32) -> embeddings [num_slots, D] float32. segments
-# holds 1 + the output slot of each token's sequence (0 = padding): see jvllm.embed_batching.pack_arrays.
+# holds 1 + the output slot of each token's sequence (0 = padding): see jvllm.pooling.batching.pack_arrays.
 EmbedFn = Callable[[list[jax.Array], jax.Array, jax.Array, jax.Array], jax.Array]
 
 
@@ -54,14 +53,14 @@ def padded_prefill_metadata(segments: jax.Array) -> AttentionMetadata:
         query_start=jnp.arange(rows, dtype=jnp.int32) * width,
         q_lens=q_lens,
         kv_lens=q_lens,
-        block_tables=jnp.zeros((rows, 1), jnp.int32),
+        page_tables=jnp.zeros((rows, 1), jnp.int32),
     )
 
 
 def build_causal_forward(graphdef: Any, treedef: Any, pooling: PoolingConfig, num_slots: int, num_layers: int,
                          num_kv_heads: int, head_dim: int, dtype: Any) -> EmbedFn:
     """One sequence per row (plan with share_rows=False): the paged attention masks by sequence, not segment."""
-    attention = layer_attention(get_backend("xla"))
+    attention = get_backend("xla").layer_attention()
 
     @jax.jit
     def forward(weights: list[jax.Array], input_ids: jax.Array, positions: jax.Array,

@@ -3,23 +3,22 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
 import threading
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable
 
-from jvllm.engine import Engine, PromptType
-from jvllm.outputs import RequestOutput
-from jvllm.embed_batcher import EmbeddingBatcher
-from jvllm.embedding import embed_unsupported
-from jvllm.engine_status import EngineDeadError, EngineShutDownError, EngineStats, EngineStepError, QueueFullError
-from jvllm.outputs import EmbeddingRequestOutput
-from jvllm.request_stream import RequestStream, aborted_output
+from jvllm.engine.commands import Abort, Add, Command, CommandQueue
+from jvllm.engine.llm import Engine, PromptType
+from jvllm.engine.request_stream import RequestStream, aborted_output
+from jvllm.engine.status import EngineDeadError, EngineShutDownError, EngineStats, EngineStepError, QueueFullError
+from jvllm.outputs import EmbeddingRequestOutput, RequestOutput
+from jvllm.pooling.async_batcher import EmbeddingBatcher
+from jvllm.pooling.embedder import embed_unsupported
 from jvllm.sampling_params import SamplingParams
 
-logger = logging.getLogger("jvllm.async_engine")
+logger = logging.getLogger("jvllm.engine.async_engine")
 
 # After this many step failures in a row (with no good step between) the engine counts as dead.
 _MAX_CONSECUTIVE_STEP_FAILURES = 3
@@ -34,22 +33,6 @@ BURST_WAIT_STEP_FRACTION = 0.25
 
 
 OutputObserver = Callable[[RequestOutput], None]
-
-
-@dataclasses.dataclass
-class _Add:
-    request_id: str
-    prompt: PromptType
-    params: SamplingParams
-    arrival_time: float
-    loop: asyncio.AbstractEventLoop
-    future: concurrent.futures.Future
-
-
-@dataclasses.dataclass
-class _Abort:
-    request_id: str
-    loop: asyncio.AbstractEventLoop | None = None  # the reader's loop, told when the abort is done
 
 
 class AsyncEngine:
@@ -76,10 +59,8 @@ class AsyncEngine:
         self.dead_error: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}  # owned by the callers' event loops
         self._loops: dict[str, asyncio.AbstractEventLoop] = {}  # owned by the engine thread
-        self._commands: list[_Add | _Abort] = []
-        self._cv = threading.Condition()
-        self._stopping = False
-        self._exited = False  # set by the engine thread, under the lock, as its last act
+        self._commands = CommandQueue()
+        self._embedder_lock = threading.Lock()
         self._failures = 0
         self._embedder: EmbeddingBatcher | None = None  # started on the first embed()
         self._thread = threading.Thread(target=self._run, name="jvllm-engine", daemon=True)
@@ -122,11 +103,11 @@ class AsyncEngine:
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(self, request_id, prompt, loop)
+        stream = RequestStream(request_id, prompt, loop, self._stream_closed)
         self._streams[request_id] = stream
         future: concurrent.futures.Future = concurrent.futures.Future()
         try:
-            self._submit(_Add(request_id, prompt, params or SamplingParams(), arrival_time or time.time(), loop,
+            self._submit(Add(request_id, prompt, params or SamplingParams(), arrival_time or time.time(), loop,
                               future))
             await asyncio.wrap_future(future)
         except Exception:
@@ -160,7 +141,7 @@ class AsyncEngine:
         self._check_alive()
         if self.engine.embedder is None:
             raise embed_unsupported(self.engine.model.served_name)
-        with self._cv:
+        with self._embedder_lock:
             if self._embedder is None:
                 self._embedder = EmbeddingBatcher(self.engine.embedder)
             batcher = self._embedder
@@ -177,7 +158,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its stream ends with finish_reason "abort"."""
-        self._submit(_Abort(request_id))
+        self._submit(Abort(request_id))
 
     async def shutdown(self) -> None:
         """Abort every request (their streams raise EngineDeadError) and stop the engine thread."""
@@ -185,9 +166,8 @@ class AsyncEngine:
 
     def close(self) -> None:
         """Blocking `shutdown` for code without an event loop."""
-        with self._cv:
-            self._stopping = True
-            self._cv.notify()
+        self._commands.stop()
+        with self._embedder_lock:
             embedder, self._embedder = self._embedder, None
         self._thread.join()
         if embedder is not None:
@@ -201,38 +181,26 @@ class AsyncEngine:
         if stream.done:
             self._forget(stream)
         else:  # closed early; the abort's confirmation removes the stream
-            self._submit(_Abort(stream.request_id, stream._loop))
+            self._submit(Abort(stream.request_id, stream.loop))
 
     def _check_alive(self) -> None:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead_error}") from self.dead_error
-        if self._stopping or not self._thread.is_alive():
+        if self._commands.stopping or not self._thread.is_alive():
             raise EngineShutDownError("the engine is shut down")
 
-    def _submit(self, command: _Add | _Abort) -> None:
-        with self._cv:
-            if self._exited:
-                if isinstance(command, _Add):
-                    raise EngineDeadError("the engine is not running")
-                return  # nothing left to abort
-            self._commands.append(command)
-            self._cv.notify()
+    def _submit(self, command: Command) -> None:
+        self._commands.submit(command)
 
     # ---- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
         try:
             while True:
-                idle = not self.engine.has_unfinished_requests()
-                with self._cv:
-                    while idle and not self._commands and not self._stopping:
-                        # Multi-host: an idle rank 0 pings its followers now and then, so they never sit
-                        # in one collective long enough for the transport to time out.
-                        if not self._cv.wait(timeout=self.engine.heartbeat_interval_s):
-                            self.engine.heartbeat()
-                    if idle:
-                        self._gather_burst()
-                    commands, self._commands = self._commands, []
-                    stopping = self._stopping
+                # Multi-host: an idle rank 0 pings its followers now and then (heartbeat), so they never sit
+                # in one collective long enough for the transport to time out.
+                commands, stopping = self._commands.take(
+                    idle=not self.engine.has_unfinished_requests(), heartbeat_s=self.engine.heartbeat_interval_s,
+                    heartbeat=self.engine.heartbeat, burst_cap_s=self._burst_cap_s(), burst_gap_s=self.burst_gap_s)
                 for command in commands:
                     self._apply(command)
                 if stopping:
@@ -250,40 +218,23 @@ class AsyncEngine:
         finally:
             self._exit()
 
-    def _gather_burst(self) -> None:
-        """(Lock held, engine idle, commands queued.) Wait while more requests keep arriving, so that
-        they are scheduled together; returns at the first quiet gap, the cap, or a stop."""
-        if not any(isinstance(c, _Add) for c in self._commands):
-            return
-        cap = self.max_burst_wait_s
-        if self._step_seconds is not None:
-            cap = min(cap, BURST_WAIT_STEP_FRACTION * self._step_seconds)
-        gap = min(self.burst_gap_s, cap)
-        deadline = time.monotonic() + cap
-        seen = len(self._commands)
-        while not self._stopping:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            self._cv.wait(timeout=min(gap, remaining))
-            if len(self._commands) == seen:
-                return  # a quiet gap: the burst is over
-            seen = len(self._commands)
+    def _burst_cap_s(self) -> float:
+        """How long an idle engine may wait for a burst of requests: a fraction of a recent step, capped."""
+        if self._step_seconds is None:
+            return self.max_burst_wait_s
+        return min(self.max_burst_wait_s, BURST_WAIT_STEP_FRACTION * self._step_seconds)
 
     def _exit(self) -> None:
         """Refuse what was queued after the last look at the command list; nothing will apply it now."""
-        with self._cv:
-            self._exited = True
-            leftover, self._commands = self._commands, []
-        for command in leftover:
-            if isinstance(command, _Add):
+        for command in self._commands.close():
+            if isinstance(command, Add):
                 if command.future.set_running_or_notify_cancel():
                     command.future.set_exception(EngineDeadError("the engine is not running"))
             elif command.loop is not None:
                 self._post(command.loop, self._end, [command.request_id])
 
-    def _apply(self, command: _Add | _Abort) -> None:
-        if isinstance(command, _Abort):
+    def _apply(self, command: Command) -> None:
+        if isinstance(command, Abort):
             loop = self._loops.pop(command.request_id, None) or command.loop
             self.engine.abort_request(command.request_id)
             stream = self._streams.get(command.request_id)

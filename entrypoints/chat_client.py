@@ -131,7 +131,7 @@ async def _run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
         except httpx.HTTPError as error:
             raise ChatError(f"cannot talk to {url}: {error}") from None
         return
-    from jvllm.async_engine import AsyncEngine
+    from jvllm.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine.from_engine_args(**engine_kwargs)
     try:

@@ -1,0 +1,1 @@
+"""The request path's pure-Python core: requests, the scheduler, KV pages and the prefix cache (no JAX)."""

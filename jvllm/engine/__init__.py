@@ -1,0 +1,1 @@
+"""Front ends: Engine (LLM), AsyncEngine and their request streams, detokenizing and output processing."""

@@ -1,0 +1,1 @@
+"""The embedding path: pooled forwards over padded batches, offline and for asyncio callers."""

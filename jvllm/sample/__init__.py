@@ -1,0 +1,1 @@
+"""On-device sampling: per-row sampling tensors, the sampler and log-probabilities."""

@@ -1,0 +1,1 @@
+"""The device side: batches of step inputs, the jitted step functions and the model runner."""

@@ -1,0 +1,46 @@
+"""The weights a step runs with: the loaded ones, and an optional low-precision copy for steps of many rows."""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from models.llama import out_in_kernel_leaves
+
+# Steps of at least this many token rows take the batched (e.g. bf16) copy. XLA CPU runs dots of 2+ rows through
+# YNNPACK, where bf16 is faster from 2 rows; a 1-row bf16 dot is a slow matrix-vector product (docs/design.md).
+BATCHED_MIN_ROWS = 2
+
+
+def cast_matrices(weights: list[jax.Array], dtype: Any, out_in: list[bool] | None = None) -> list[jax.Array]:
+    """A copy of the weights with every matrix (ndim >= 2) in `dtype`; norms and biases keep theirs. The
+    leaves flagged in `out_in` (Linear kernels [in, out]) are stored transposed, [out, in]."""
+    flags = out_in or [False] * len(weights)
+    return [(a.T if flip else a).astype(dtype) if a.ndim >= 2 else a for a, flip in zip(weights, flags)]
+
+
+class StepWeights:
+    """`for_rows(rows)` picks the weights of a step with `rows` token rows."""
+
+    def __init__(self, state: Any, *, batched_dtype: Any = None, sharded: bool = False,
+                 batched_min_rows: int = BATCHED_MIN_ROWS) -> None:
+        self.weights, self.treedef = jax.tree.flatten(state)  # flattened once: NNX state is slow to flatten
+        self.batched_min_rows = batched_min_rows
+        # The batched copy keeps narrowing projections [out, in] on one CPU device, where YNNPACK multiplies
+        # them faster (models.llama.stored_out_in); sharded and GPU weights keep the loaded layout.
+        out_in = out_in_kernel_leaves(state) if not sharded and jax.default_backend() == "cpu" else None
+        self.batched = None if batched_dtype is None else cast_matrices(self.weights, batched_dtype, out_in)
+
+    def for_rows(self, rows: int) -> list[jax.Array]:
+        if self.batched is not None and rows >= self.batched_min_rows:
+            return self.batched
+        return self.weights
+
+    @property
+    def one_row_dots_slow(self) -> bool:
+        """XLA CPU multiplies one row by a 16-bit matrix ~10x slower than by a float32 one, and two rows as fast
+        as one float32 row: with 16-bit weights for 1-row steps, every step should get at least 2 rows."""
+        return jax.default_backend() == "cpu" and any(
+            w.ndim >= 2 and jnp.issubdtype(w.dtype, jnp.floating) and w.dtype.itemsize == 2
+            for w in self.for_rows(1))
