@@ -7,11 +7,8 @@ import jax.numpy as jnp
 from models.attention import AttentionMetadata
 from jvllm.attention.pool_storage import as_stored, as_values
 
-# Decode-only steps take `decode_attention` (the page loop); steps with prefill chunks gather the context.
-# Decode step on SmolLM2, page loop vs gather (2-core CPU, jax 0.10.2, interleaved in one process, median of
-# 16): 1 row x ~100 tokens of context 18.4 vs 18.5 ms, 4 rows 21.5 vs 23.2 ms, 1 row x 1,000 tokens 34.1 vs
-# 39.7 ms, 4 rows x 1,000 tokens 37.2 vs 67.8 ms; at 64 rows 86.7 vs 114.1 ms (session 3). Session 3 found
-# gathering faster at 1 row (23.4 vs 26.4 ms) before YNNPACK dots and 512-bit vectors changed the step.
+# Decode-only steps take `decode_attention` (a loop over pages, faster than gathering whole contexts at every
+# batch size measured: docs/design.md); steps with prefill chunks gather the context.
 _MASKED = -1e30  # finite, so fully padded rows give a harmless uniform softmax rather than NaN
 
 
@@ -19,7 +16,7 @@ def write_kv(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.A
     """pages [N, page, KVH, hd], new [T, KVH, hd], slot_mapping [T] -> pages with the tokens written.
 
     Token-major pages make this a row scatter over the leading axis, which XLA CPU does in place on a
-    donated pool; a head-major pool was turned into a whole-pool copy per layer (measured ~200x slower).
+    donated pool; a head-major pool becomes a whole-pool copy per layer (docs/design.md).
     A bfloat16 pool may be stored as its bits (jvllm.attention.pool_storage)."""
     num_pages, page_size, kv_heads, head_dim = pages.shape
     flat = pages.reshape(num_pages * page_size, kv_heads, head_dim)
@@ -80,13 +77,10 @@ def paged_attention(
         k_pos = jnp.concatenate([jnp.broadcast_to(jnp.arange(context_len), (seqs, context_len)),
                                  cached[:, None] + q_idx[None, :]], axis=1)  # [S, C + Q]
         visible &= q_pos[:, :, None] - k_pos[:, None, :] < sliding_window
-    # Scores rows in (q, g) order, and K/V batched (seq, kv_head) as the outputs are: XLA CPU then moves only
-    # q's KVH axis ahead of Q (a copy of contiguous [G, hd] runs). With (g, q) rows and head-major K/V, that
-    # copy was a per-element transposing gather of ~8 ms per layer. SmolLM2 prefill step of 32 x 64 fresh
-    # tokens, one process, interleaved, median of 14: 1305 -> 1158 ms (1125 -> 984 ms with the output as below).
-    # The output keeps the (seq, kv_head, q, g) order and is transposed afterwards: written straight as
-    # [S, Q, KVH, G, hd], XLA CPU compiled a bf16 x bf16 dot its runtime cannot run ("Unsupported element type
-    # for DotThunk"), which test_xla_attention's bf16 chunk steps catch.
+    # Score rows in (q, g) order and K/V batched (seq, kv_head) as the outputs are: XLA CPU then moves only q's
+    # KVH axis ahead of Q, a copy of contiguous [G, hd] runs (docs/design.md). The output keeps the
+    # (seq, kv_head, q, g) order and is transposed afterwards: written straight as [S, Q, KVH, G, hd], XLA CPU
+    # compiles a bf16 x bf16 dot its runtime cannot run ("Unsupported element type for DotThunk").
     scores = jnp.einsum("sqkgd,skcd->skqgc", q_padded, keys, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(visible[:, None, :, None, :], scores, _MASKED)  # [S, KVH, Q, G, C + Q]
     probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
@@ -101,11 +95,9 @@ SINGLE_SEQUENCE_PAGES_PER_ITERATION = 16
 def pages_per_iteration(seqs: int, max_pages: int) -> int:
     """Pages of each sequence that one `decode_attention` loop iteration reads (a divisor of max_pages).
 
-    Two for a batch: each iteration's pages of every sequence stay in cache (4 or 8 were slower at 64 rows).
-    Up to 16 for a single sequence, whose pages are few bytes, so that the loop's fixed cost per iteration
-    (~10 small XLA ops) is paid a few times per layer rather than once per 2 pages. SmolLM2 single-request
-    decode, one process, interleaved: 39.4 -> 42.5 tok/s (128 tokens after a 64-token prompt); the 1-row
-    decode step over 1,008 tokens of context 43.8 -> 40.5 ms. At 4 rows it was no better (or slower)."""
+    Two for a batch: each iteration's pages of every sequence stay in cache. Up to 16 for a single sequence,
+    whose pages are few bytes, so that the loop's fixed cost per iteration (~10 small XLA ops) is paid a few
+    times per layer rather than once per 2 pages (measurements in docs/design.md)."""
     per_iter = SINGLE_SEQUENCE_PAGES_PER_ITERATION if seqs == 1 else 2
     while max_pages % per_iter:
         per_iter //= 2
