@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -54,20 +55,33 @@ def cdiv(a, b):
     return (a + b - 1) // b
 
 
+def dot_precision(dtype) -> jax.lax.Precision:
+    """float32 operands ask for full float32 products (Triton `inputPrecision = ieee`); the default would be
+    TF32 on a GPU (10-bit mantissa, errors ~4e-4). 16-bit operands keep the default: their products are exact
+    in the float32 accumulator either way."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
 def online_softmax_step(
     carry: tuple[jax.Array, jax.Array, jax.Array],  # o [R, hd] f32, m [R] f32, l [R] f32
-    q: jax.Array,  # [R, hd]
-    k: jax.Array,  # [BK, hd]
+    q: Sequence[jax.Array],  # chunks of the head dim: [R, hd / chunks] each
+    k: Sequence[jax.Array],  # the same chunks of the keys: [BK, hd / chunks] each
     v: jax.Array,  # [BK, hd]
     visible: jax.Array,  # [R, BK] bool
     scale: float,
     soft_cap: float | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One flash-attention block: scores, mask, rescale the running max/sum/output, accumulate p @ v."""
+    """One flash-attention block: scores (summed over the head-dim chunks), mask, rescale the running
+    max/sum/output, accumulate p @ v."""
     o, m, l = carry
-    if k.dtype != q.dtype:  # e.g. f32 activations over a bf16 pool: tl.dot wants one operand type
-        k = k.astype(q.dtype)
-    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+    s = None
+    for q_chunk, k_chunk in zip(q, k, strict=True):
+        if k_chunk.dtype != q_chunk.dtype:  # e.g. f32 activations over a bf16 pool: tl.dot wants one type
+            k_chunk = k_chunk.astype(q_chunk.dtype)
+        part = jax.lax.dot_general(q_chunk, k_chunk, (((1,), (1,)), ((), ())),
+                                   precision=dot_precision(q_chunk.dtype), preferred_element_type=jnp.float32)
+        s = part if s is None else s + part
+    s = s * scale
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     s = jnp.where(visible, s, MASK_VALUE)
@@ -76,7 +90,8 @@ def online_softmax_step(
     # zero masked probabilities explicitly: a row whose keys so far are all masked has m_new == MASK_VALUE
     p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
     l = l * correction + jnp.sum(p, axis=1)
-    pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=dot_precision(v.dtype),
+                             preferred_element_type=jnp.float32)
     return o * correction[:, None] + pv, m_new, l
 
 
@@ -87,12 +102,17 @@ def load_kv_block(
     kv_head,  # scalar
     block: jax.Array,  # scalar: index of the block of `pages_per_block` pages in the sequence
     pages_per_block: int,
-    valid: jax.Array,  # [BK] bool: key slots that hold real tokens
+    valid: jax.Array | None,  # [BK] bool: key slots that hold real tokens; None keeps every slot as loaded
+    columns: slice = slice(None),  # a static or pl.ds range of the head dim
 ) -> jax.Array:
-    """Gather `pages_per_block` pages of one KV head -> [BK, hd], zeroing slots past the sequence so stale
-    (even NaN) pool contents never reach p @ v (0 * NaN is NaN)."""
+    """Gather `pages_per_block` pages of one KV head -> [BK, hd] (or its `columns`). With `valid`, slots past
+    the sequence are zeroed, so stale (even NaN) pool contents never reach p @ v (0 * NaN is NaN). Keys need
+    no zeroing: the scores of invisible slots are replaced by MASK_VALUE before use (and skipping the select
+    saves float32 kernels a spill)."""
     page_ids = block_table_ref[seq, pl.ds(block * pages_per_block, pages_per_block)]  # [ppb]
-    tile = pages_ref[page_ids, :, kv_head, :]  # [ppb, page, hd]
+    tile = pages_ref[page_ids, :, kv_head, columns]  # [ppb, page, hd or columns]
     tile = tile.reshape(tile.shape[0] * tile.shape[1], tile.shape[2])
+    if valid is None:
+        return tile
     return jnp.where(valid[:, None], tile, jnp.zeros_like(tile))
 

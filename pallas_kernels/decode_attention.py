@@ -8,9 +8,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import common
+from pallas_kernels import common, launch
 
-_TARGET_PROGRAMS = 512  # enough (seq, kv_head, split) programs to fill ~132 SMs a few times over
+# (seq, kv_head, split) programs to aim for: an H100 holds 132 SMs x 4 decode CTAs (head dim <= 128) = 528 at
+# once, so 512 programs run as one wave (docs/pallas.md, roofline); more splits would add partial-output bytes
+_TARGET_PROGRAMS = 512
 
 
 def _decode_kernel(
@@ -54,10 +56,10 @@ def _decode_kernel(
         valid = k_pos < length
         if sliding_window is not None:
             valid &= q_pos - k_pos < sliding_window
-        k = common.load_kv_block(k_pages_ref, block_tables_ref, seq, kv_head, block, pages_per_block, valid)
+        k = common.load_kv_block(k_pages_ref, block_tables_ref, seq, kv_head, block, pages_per_block, None)
         v = common.load_kv_block(v_pages_ref, block_tables_ref, seq, kv_head, block, pages_per_block, valid)
         visible = jnp.broadcast_to(valid[None, :], (rows, block_k))
-        return common.online_softmax_step(carry, q, k, v, visible, scale, soft_cap)
+        return common.online_softmax_step(carry, (q,), (k,), v, visible, scale, soft_cap)
 
     init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), common.MASK_VALUE, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
@@ -67,13 +69,11 @@ def _decode_kernel(
     l_ref[split, seq, kv_head, :] = l
 
 
-def default_blocks(page_size: int, max_pages: int, num_seqs: int, kv_heads: int) -> tuple[int, int]:
-    """(pages_per_block, num_splits): ~128-token key blocks; split the pages until the grid has enough
-    programs for the GPU, but never into splits with no block."""
-    pages_per_block = min(max(1, 128 // page_size), common.next_pow2(max_pages))
+def default_splits(pages_per_block: int, max_pages: int, num_seqs: int, kv_heads: int) -> int:
+    """Split the pages until the grid has enough programs for the GPU, but never into splits with no block."""
     num_blocks = common.cdiv(max_pages, pages_per_block)
     wanted = common.cdiv(_TARGET_PROGRAMS, num_seqs * kv_heads)
-    return pages_per_block, max(1, min(common.next_pow2(wanted), num_blocks))
+    return max(1, min(common.next_pow2(wanted), num_blocks))
 
 
 def combine_splits(
@@ -101,22 +101,25 @@ def decode_attention(
     soft_cap: float | None = None,
     pages_per_block: int | None = None,
     num_splits: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     interpret: bool | None = None,
     out_fill: float | None = None,
 ) -> jax.Array:
     """Attention of each sequence's query (at position length - 1) over its first `length` cached keys
-    -> [S, H, hd] in q.dtype. `out_fill` pre-fills the kernel's partial outputs (tests pass NaN so an
+    -> [S, H, hd] in q.dtype. Block size, warps and stages default to `launch.decode_launch` for the
+    operand dtypes and head dim. `out_fill` pre-fills the kernel's partial outputs (tests pass NaN so an
     element the kernel forgot to write shows up)."""
     seqs, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     group = heads // kv_heads
     rows = max(16, common.next_pow2(group))
     max_pages = block_tables.shape[1]
-    default_ppb, default_splits = default_blocks(page_size, max_pages, seqs, kv_heads)
-    pages_per_block = pages_per_block or default_ppb
-    num_splits = num_splits or default_splits
+    defaults = launch.decode_launch(q.dtype, k_pages.dtype, head_dim)
+    pages_per_block = pages_per_block or launch.pages_per_block(defaults.block_tokens, page_size, max_pages)
+    num_splits = num_splits or default_splits(pages_per_block, max_pages, seqs, kv_heads)
+    num_warps = num_warps or defaults.num_warps
+    num_stages = num_stages or defaults.num_stages
     common.check_pow2(page_size=page_size, head_dim=head_dim, pages_per_block=pages_per_block, rows=rows)
 
     # pad the block table so every split owns the same whole number of blocks; padded pages are masked

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import common
+from pallas_kernels import common, launch
 
 
 def _ragged_kernel(
@@ -24,6 +24,7 @@ def _ragged_kernel(
     group_rows: int,
     block_q: int,
     pages_per_block: int,
+    qk_chunks: int,
     scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
@@ -47,7 +48,12 @@ def _ragged_kernel(
         if group_rows != group:
             row_ok = row_ok & (jnp.arange(group_rows) < group)[None, :, None]
         io_mask = jnp.broadcast_to(row_ok, (block_q, group_rows, head_dim))
-        q = pltriton.load(q_ref.at[tokens, heads, :], mask=io_mask, other=0).reshape(rows, head_dim)
+        # q (and each key block below) in `qk_chunks` head-dim slices, loaded separately: [R, hd / qk_chunks]
+        width = head_dim // qk_chunks
+        columns = [pl.ds(c * width, width) for c in range(qk_chunks)]
+        chunk_mask = jnp.broadcast_to(row_ok, (block_q, group_rows, width))
+        q = [pltriton.load(q_ref.at[tokens, heads, cols], mask=chunk_mask, other=0).reshape(rows, width)
+             for cols in columns]
         q_pos = cached + first_q + jax.lax.div(jnp.arange(rows), group_rows)  # [R] absolute positions
 
         last_pos = cached + jnp.minimum(first_q + block_q, q_len) - 1
@@ -59,7 +65,8 @@ def _ragged_kernel(
         def body(block, carry):
             k_pos = block * block_k + jnp.arange(block_k)  # [BK]
             valid = k_pos < kv_len
-            k = common.load_kv_block(k_pages_ref, block_tables_ref, seq, kv_head, block, pages_per_block, valid)
+            k = [common.load_kv_block(k_pages_ref, block_tables_ref, seq, kv_head, block, pages_per_block, None, cols)
+                 for cols in columns]
             v = common.load_kv_block(v_pages_ref, block_tables_ref, seq, kv_head, block, pages_per_block, valid)
             visible = (k_pos[None, :] <= q_pos[:, None]) & valid[None, :]  # [R, BK]
             if sliding_window is not None:
@@ -74,7 +81,7 @@ def _ragged_kernel(
         pltriton.store(out_ref.at[tokens, heads, :], out, mask=io_mask)
 
 
-def default_block_q(group_rows: int, max_q_len: int, target_rows: int = 128) -> int:
+def default_block_q(group_rows: int, max_q_len: int, target_rows: int) -> int:
     """Query tokens per program: ~`target_rows` rows of (token, head), at least 16 rows for tl.dot, but not
     many more tokens than the longest query chunk."""
     block_q = max(1, target_rows // group_rows)
@@ -97,13 +104,15 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     block_q: int | None = None,
     pages_per_block: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    qk_chunks: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     interpret: bool | None = None,
     out_fill: float | None = 0.0,
 ) -> jax.Array:
     """Causal attention of every sequence's query chunk over its pages, query i at position
-    kv_len - q_len + i -> [T, H, hd] in q.dtype. `max_q_len` (static) bounds q_lens. Rows of tokens that
+    kv_len - q_len + i -> [T, H, hd] in q.dtype. `max_q_len` (static) bounds q_lens. Block sizes, `qk_chunks`,
+    warps and stages default to `launch.ragged_launch` for the operand dtypes and head dim. Rows of tokens that
     belong to no sequence are never written: they keep `out_fill` (None leaves them uninitialized;
     tests pass NaN)."""
     num_tokens, heads, head_dim = q.shape
@@ -111,10 +120,14 @@ def ragged_paged_attention(
     seqs, max_pages = block_tables.shape
     group = heads // kv_heads
     group_rows = common.next_pow2(group)
-    block_q = block_q or default_block_q(group_rows, max_q_len)
-    if pages_per_block is None:
-        pages_per_block = min(max(1, 64 // page_size), common.next_pow2(max_pages))
-    common.check_pow2(page_size=page_size, head_dim=head_dim, block_q=block_q, pages_per_block=pages_per_block)
+    defaults = launch.ragged_launch(q.dtype, k_pages.dtype, head_dim)
+    block_q = block_q or default_block_q(group_rows, max_q_len, defaults.block_rows)
+    pages_per_block = pages_per_block or launch.pages_per_block(defaults.block_tokens, page_size, max_pages)
+    qk_chunks = qk_chunks or defaults.qk_chunks
+    num_warps = num_warps or defaults.num_warps
+    num_stages = num_stages or defaults.num_stages
+    common.check_pow2(page_size=page_size, head_dim=head_dim, block_q=block_q, pages_per_block=pages_per_block,
+                      qk_chunk_width=head_dim // qk_chunks)
     common.check_min_rows(block_q * group_rows)
 
     padded_pages = common.cdiv(max_pages, pages_per_block) * pages_per_block
@@ -127,7 +140,7 @@ def ragged_paged_attention(
         inputs.append(jnp.full(q.shape, out_fill, q.dtype))
     kernel = functools.partial(
         _ragged_kernel, group=group, group_rows=group_rows, block_q=block_q, pages_per_block=pages_per_block,
-        scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        qk_chunks=qk_chunks, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((num_tokens, heads, head_dim), q.dtype),

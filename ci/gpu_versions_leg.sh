@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Second test leg: tests/pallas_kernels on the GPU image's versions (Python 3.12, jax 0.11.2 with the CPU jaxlib,
+# triton 3.6 for its compiler and bundled ptxas), no GPU needed: interpret-mode numerics, CUDA lowering, and the
+# sm_90 register / spill / shared-memory checks. Creates or updates .venv-gpu-versions (PYTHON312 picks the
+# interpreter; default: python3.12 on PATH, else pyenv's 3.12). Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python="${PYTHON312:-}"
+if [ -z "$python" ]; then
+  # a pyenv shim for python3.12 may exist without selecting 3.12, so each candidate has to run
+  for candidate in python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python; do
+    if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then
+      python="$candidate"; break
+    fi
+  done
+fi
+[ -n "$python" ] || { echo "no Python 3.12 found; set PYTHON312" >&2; exit 1; }
+
+venv=.venv-gpu-versions
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+# jvllm itself is installed because tests/pallas_kernels/pallas_inputs.py builds engine metadata
+"$venv/bin/python" -m pip install -q -e . "jax==0.11.2" "jaxlib==0.11.2" "triton==3.6.0" "pytest>=8" \
+  "pytest-xdist>=3.5,<4"
+
+# test_pallas_engine.py drives the whole engine (default model, engine-step lowering): the main leg runs it.
+# JVLLM_REQUIRE_TRITON=1 turns a missing triton into a failure instead of a skip.
+JVLLM_REQUIRE_TRITON=1 "$venv/bin/python" -m pytest -q -n 2 --dist loadfile tests/pallas_kernels \
+  --ignore=tests/pallas_kernels/test_pallas_engine.py "$@"
