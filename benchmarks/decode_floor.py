@@ -29,7 +29,7 @@ def _register_no_attention_backend() -> None:
     def attend(q, k, v, k_pages, v_pages, md, scale, sliding_window=None):  # noqa: ARG001 (AttendFn signature)
         return q
 
-    register_backend(NO_ATTENTION, lambda: SeparateWrite(NO_ATTENTION, attend, xla.write_layers))
+    register_backend(NO_ATTENTION, lambda: SeparateWrite(NO_ATTENTION, xla.class_layout, attend, xla.write_layers))
 
 
 def _prefill_seconds(engine, rows: int, prompt_len: int, repeats: int) -> float:

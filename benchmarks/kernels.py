@@ -24,7 +24,7 @@ import numpy as np
 
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.kv_write import write_kv
-from pallas_kernels.ragged_attention import ragged_paged_attention
+from pallas_kernels.ragged_attention import ragged_block_q, ragged_items, ragged_paged_attention
 from pallas_kernels.reference import decode_attention_reference, ragged_attention_reference
 
 KV_HEADS = 8  # Llama-3-8B-like: 8 KV heads; query heads = KV_HEADS * gqa
@@ -186,16 +186,24 @@ def bench_prefill(case: PrefillCase, ceilings: dict, args: argparse.Namespace, i
     lens = jnp.full((case.seqs,), case.tokens_per_seq, jnp.int32)
     starts = jnp.arange(case.seqs, dtype=jnp.int32) * case.tokens_per_seq
     fn_args = (q, k_pages, v_pages, starts, lens, lens, tables)
-    common = dict(max_q_len=case.tokens_per_seq, scale=case.head_dim ** -0.5)
-    impls = {"pallas": jax.jit(functools.partial(ragged_paged_attention, interpret=interpret, **common))}
+    scale = case.head_dim ** -0.5
+
+    def items(block_q: int) -> tuple[jax.Array, jax.Array]:
+        """The kernel's work items for this batch at `block_q`, built on the host as the engine does."""
+        return tuple(jnp.asarray(a) for a in ragged_items(np.asarray(lens), block_q, tokens, case.seqs))
+
+    block_q = ragged_block_q(q.dtype, k_pages.dtype, heads, case.kv_heads, case.head_dim)
+    impls = {"pallas": (jax.jit(functools.partial(ragged_paged_attention, interpret=interpret, scale=scale)),
+                        fn_args + items(block_q))}
     if args.sweep:
         for block_q, ppb in ((16, 4), (32, 4), (32, 8)):
-            impls[f"pallas[block_q={block_q},pages_per_block={ppb}]"] = jax.jit(functools.partial(
+            impls[f"pallas[block_q={block_q},pages_per_block={ppb}]"] = (jax.jit(functools.partial(
                 ragged_paged_attention, interpret=interpret, block_q=block_q, pages_per_block=ppb, num_warps=8,
-                **common))
-    impls["jnp_reference"] = jax.jit(functools.partial(ragged_attention_reference, **common))
+                scale=scale)), fn_args + items(block_q))
+    impls["jnp_reference"] = (jax.jit(functools.partial(ragged_attention_reference, scale=scale,
+                                                        max_q_len=case.tokens_per_seq)), fn_args)
     flops = prefill_flops(case)
-    rows = _timed_rows({name: (fn, fn_args) for name, fn in impls.items()}, args,
+    rows = _timed_rows(impls, args,
                        {"kind": "prefill", **dataclasses.asdict(case), "flops": flops},
                        lambda s: dict(tflop_per_s=flops / s / 1e12,
                                       frac_of_matmul=flops / s / ceilings["bf16_matmul_flops"]))

@@ -149,9 +149,16 @@ def offline(engine, prompts: list[list[int]], output_lens: list[int]) -> dict:
     return {"seconds": seconds, "requests_per_s": len(prompts) / seconds, "output_tokens_per_s": tokens / seconds}
 
 
-def workload(num: int, input_len: int, output_len: int, ratio: float, vocab: int, seed: int):
+def workload(num: int, input_len: int, output_len: int, ratio: float, vocab: int, seed: int, varied: bool = False):
+    """(prompts, output lengths): lengths uniform within len*(1 +- ratio), or with `varied` long-tailed (prompts
+    16-1,024 tokens, outputs 16-256) with the same totals (benchmarks.workloads.varied)."""
     import numpy as np
 
+    from benchmarks import workloads
+
+    if varied:
+        mix = workloads.varied(num, num * input_len, num * output_len, vocab, seed)
+        return mix.prompts, mix.output_lens
     rng = np.random.default_rng(seed)
 
     def lengths(mean: int) -> list[int]:
@@ -181,7 +188,8 @@ def markdown(results: dict) -> str:
         f"# Serving benchmark ({results['machine']['backend']})", "",
         f"- Command: `{results['command']}`",
         f"- Model: {results['model']}; {results['num_prompts']} prompts, {results['concurrency']} concurrent streams, "
-        f"input {results['input_len']} / output {results['output_len']} tokens (range ratio {results['range_ratio']})",
+        f"input {results['input_len']} / output {results['output_len']} tokens (range ratio "
+        f"{results['range_ratio']}{', varied' if results.get('varied') else ''})",
         f"- Machine: {results['machine']['platform']}, {results['machine']['cpus']} CPUs, "
         f"jax {results['machine']['jax']}",
         "", "| throughput | HTTP (streaming) | offline Engine.generate | ratio |", "|---|---|---|---|",
@@ -202,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1 +- ratio)")
+    parser.add_argument("--varied", action="store_true",
+                        help="long-tailed lengths (prompts 16-1024, outputs 16-256) with the same totals")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="default: --concurrency (same for both)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -219,10 +229,11 @@ def main(argv: list[str] | None = None) -> int:
                     batched_weight_dtype=None if args.batched_weight_dtype == "none" else args.batched_weight_dtype)
     vocab = engine.model.config.vocab_size
     model = engine.served_model_name
-    prompts, lens = workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab, seed=0)
+    prompts, lens = workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab, seed=0,
+                             varied=args.varied)
     warm_prompts, warm_lens = workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab,
-                                       seed=1)
-    offline(engine, warm_prompts, warm_lens)  # compiles the shapes of this workload
+                                       seed=1, varied=args.varied)
+    offline(engine, warm_prompts, warm_lens)  # a warm-up on other prompts of the same kind
     offline_before = offline(engine, prompts, lens)
     print(f"[offline] {offline_before['output_tokens_per_s']:.1f} output tok/s", flush=True)
     url, server, thread, recorder, timed_app = start_server(engine, model)
@@ -243,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "command": command_line("benchmarks.serve", argv), "machine": machine_info(),
         "model": model, "num_prompts": args.num_prompts, "concurrency": args.concurrency,
-        "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio,
+        "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio, "varied": args.varied,
         "max_num_seqs": engine.config.max_num_seqs, "prefix_caching": args.enable_prefix_caching,
         "offline": offline_result, "serve": serve_result, "http_over_offline": ratio,
     }

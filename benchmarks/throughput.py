@@ -1,7 +1,9 @@
 """Offline throughput: jvllm vs transformers' batched generate on the same prompt ids, in the same run.
 
-Scenarios (all greedy, ignore_eos, fixed lengths, prefill included in the timing; each timed --repeats times
-after a warm-up, the median reported):
+The engine is `Engine()` with default settings (options only where flags say). Scenarios (all greedy,
+ignore_eos, prefill included in the timing; each timed --repeats times after a warm-up, the median reported):
+  chat     uneven chat prompts x output-len tokens, jvllm vs transformers, each pass on new prompts
+  traffic  fixed-length vs long-tailed prompt and output lengths with the same totals (benchmarks/traffic.py)
   batch   N prompts x input-len tokens -> output-len tokens, jvllm and transformers, ratio printed; the two
           engines' timed passes alternate (jvllm, transformers, jvllm, ...), so a drift of the machine's speed
           during the run reaches both sides of the ratio
@@ -107,7 +109,8 @@ def run_single_decode(engine, prompt: list[int], output_len: int, repeats: int, 
 
 
 class TransformersBaseline:
-    """transformers' batched greedy `generate` (PyTorch, float32) on fixed prompt ids, one timed pass at a time."""
+    """transformers' batched greedy `generate` (PyTorch, float32), one timed pass at a time. Prompts of uneven
+    length are left-padded with an attention mask, as transformers' docs do for batched generation."""
 
     def __init__(self, folder: str, prompts: list[list[int]], output_len: int, threads: int):
         import torch
@@ -116,16 +119,24 @@ class TransformersBaseline:
         torch.set_num_threads(threads)
         self._torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        self.ids = torch.tensor(prompts)
-        self.kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
-                           attention_mask=torch.ones_like(self.ids), pad_token_id=0)
+        self.output_len = output_len
+        self.use(prompts)
+
+    def use(self, prompts: list[list[int]]) -> None:
+        """Take these prompts for the next passes."""
+        torch = self._torch
+        width = max(map(len, prompts))
+        self.ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        self.kwargs = dict(max_new_tokens=self.output_len, min_new_tokens=self.output_len, do_sample=False,
+                           attention_mask=mask, pad_token_id=0)
 
     def warm(self) -> None:
         """A short generate, so the first timed pass does not pay PyTorch's one-time setup."""
-        ids = self.ids[:, :8]
+        ids = self.ids[:, -8:]
         with self._torch.inference_mode():
             self.model.generate(ids, **{**self.kwargs, "max_new_tokens": 4, "min_new_tokens": 4,
-                                        "attention_mask": self._torch.ones_like(ids)})
+                                        "attention_mask": self.kwargs["attention_mask"][:, -8:]})
 
     def timed_pass(self) -> float:
         with self._torch.inference_mode():
@@ -166,14 +177,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="default: embedded SmolLM2-135M-Instruct")
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--batched-weight-dtype", default="bfloat16",
-                        help="weights for steps of >= 2 token rows (bf16 matmuls with f32 accumulation are faster on "
-                             "CPU at many rows); 'none' keeps one float32 copy")
+    parser.add_argument("--batched-weight-dtype", default=None,
+                        help="weights for steps of >= 2 token rows, e.g. bfloat16 (default: the engine's default)")
+    parser.add_argument("--scenarios", default="chat,traffic,batch,single,wide",
+                        help="comma-separated: chat (uneven chat prompts vs transformers), traffic (fixed vs varied "
+                             "lengths), batch (equal-length random prompts vs transformers), single, wide")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--wide", type=int, default=64, help="concurrent requests of the 'wide' scenario (0 = skip)")
-    parser.add_argument("--single-output-len", type=int, default=128, help="0 skips the single-request scenario")
+    parser.add_argument("--wide", type=int, default=64, help="concurrent requests of the 'wide' scenario")
+    parser.add_argument("--single-output-len", type=int, default=128)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                         help="dispatch each decode step before the previous step's tokens reach the host")
     parser.add_argument("--repeats", type=int, default=3,
@@ -184,53 +197,83 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    scenarios = set(args.scenarios.split(","))
 
     import jax
 
+    from benchmarks import traffic, workloads
     from jvllm import Engine
+    from jvllm.worker.compile_watch import compile_watch
 
     started = time.perf_counter()
+    options = {} if args.batched_weight_dtype is None else {"batched_weight_dtype": args.batched_weight_dtype}
     engine = Engine(args.model, dtype=args.dtype, load_format=args.load_format,
-                    max_num_seqs=max(args.num_prompts, args.wide, 1), max_model_len=4096,
-                    batched_weight_dtype=None if args.batched_weight_dtype == "none" else args.batched_weight_dtype,
-                    async_scheduling=args.async_scheduling)
+                    async_scheduling=args.async_scheduling, **options)
     cfg = engine.model.config
     results: dict = {
         "command": command_line("benchmarks.throughput", argv), "machine": machine_info(),
         "model": engine.served_model_name, "dtype": str(np.dtype(engine.model.dtype)),
-        "batched_weight_dtype": args.batched_weight_dtype, "async_scheduling": engine.async_scheduling,
-        "repeats": args.repeats,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "batched_weight_dtype": None if engine.runner.batched_weights is None else str(next(
+            w.dtype for w in engine.runner.batched_weights if w.ndim == 2)),
+        "async_scheduling": engine.async_scheduling, "repeats": args.repeats,
+        "step_shapes": len(engine.step_shapes()), "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "engine_start_seconds": time.perf_counter() - started,
     }
-    prompts = random_prompts(args.num_prompts, args.input_len, cfg.vocab_size, seed=0)
+    print(f"engine start (precompile of {results['step_shapes']} step shapes included): "
+          f"{results['engine_start_seconds']:.1f} s", flush=True)
     baseline = None if args.no_baseline else TransformersBaseline(
-        hf_folder_for(args.model), prompts, args.output_len, args.threads)
-    batch = run_batch(engine, baseline, prompts, args.output_len, args.repeats)
+        hf_folder_for(args.model), random_prompts(1, 8, cfg.vocab_size, 0), args.output_len, args.threads)
+    if "chat" in scenarios:
+        chat = results["chat"] = traffic.chat_vs_transformers(engine, baseline, args.num_prompts, args.output_len,
+                                                              args.repeats)
+        print(f"[chat] {args.num_prompts} chat prompts ({min(map(min, chat['prompt_lens']))}-"
+              f"{max(map(max, chat['prompt_lens']))} tokens) x {args.output_len}: jvllm "
+              f"{chat['jvllm']['output_tokens_per_s']:.1f} out tok/s", flush=True)
+        if baseline is not None:
+            print(f"[chat] transformers {chat['transformers']['output_tokens_per_s']:.1f} out tok/s -> jvllm is "
+                  f"{chat['ratio_vs_transformers']:.2f}x (pass by pass: "
+                  f"{', '.join(f'{r:.2f}x' for r in chat['pass_ratios'])})", flush=True)
+    if "traffic" in scenarios:
+        total_in, total_out = args.num_prompts * args.input_len, args.num_prompts * args.output_len
+        make = {"fixed": lambda seed: workloads.fixed(args.num_prompts, args.input_len, args.output_len,
+                                                      cfg.vocab_size, 100 + seed),
+                "varied": lambda seed: workloads.varied(args.num_prompts, total_in, total_out, cfg.vocab_size,
+                                                        200 + seed)}
+        mix = results["traffic"] = traffic.fixed_vs_varied(engine, make, args.repeats)
+        print(f"[traffic] fixed {mix['fixed']['output_tokens_per_s']:.1f} out tok/s, varied (prompts 16-1024, "
+              f"outputs 16-256, same totals) {mix['varied']['output_tokens_per_s']:.1f} -> varied/fixed "
+              f"{mix['varied_over_fixed']:.2f}", flush=True)
+    if "batch" in scenarios:
+        prompts = random_prompts(args.num_prompts, args.input_len, cfg.vocab_size, seed=0)
+        if baseline is not None:
+            baseline.use(prompts)
+        batch = run_batch(engine, baseline, prompts, args.output_len, args.repeats)
+        results["batch"] = {"num_prompts": args.num_prompts, "input_len": args.input_len,
+                            "output_len": args.output_len, **batch}
+        print(f"[batch] jvllm: {batch['jvllm']['output_tokens_per_s']:.1f} output tok/s, "
+              f"{batch['jvllm']['requests_per_s']:.2f} req/s", flush=True)
+        if "transformers" in batch:
+            print(f"[batch] transformers: {batch['transformers']['output_tokens_per_s']:.1f} output tok/s -> jvllm "
+                  f"is {batch['ratio_vs_transformers']:.2f}x (pass by pass: "
+                  f"{', '.join(f'{r:.2f}x' for r in batch['pass_ratios'])})", flush=True)
     del baseline
-    results["batch"] = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-                        **batch}
-    print(f"[batch] jvllm: {batch['jvllm']['output_tokens_per_s']:.1f} output tok/s, "
-          f"{batch['jvllm']['requests_per_s']:.2f} req/s", flush=True)
-    if "transformers" in batch:
-        print(f"[batch] transformers: {batch['transformers']['output_tokens_per_s']:.1f} output tok/s -> jvllm is "
-              f"{batch['ratio_vs_transformers']:.2f}x (pass by pass: "
-              f"{', '.join(f'{r:.2f}x' for r in batch['pass_ratios'])})", flush=True)
-    if args.single_output_len:
+    if "single" in scenarios:
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.model.state))
-        single = run_single_decode(engine, prompts[0], args.single_output_len, args.repeats, weight_bytes)
+        prompt = random_prompts(1, args.input_len, cfg.vocab_size, seed=0)[0]
+        single = run_single_decode(engine, prompt, args.single_output_len, args.repeats, weight_bytes)
         results["single"] = single
         print(f"[single] decode {single['decode_tokens_per_s']:.1f} tok/s; bound {single['bound_tokens_per_s']:.1f} "
               f"tok/s ({weight_bytes / 1e6:.0f} MB weights / {single['bandwidth_gb_s']:.1f} GB/s, the fastest of "
               f"the probes {', '.join(f'{b:.1f}' for b in single['pass_bandwidth_gb_s'])}) -> "
-              f"{100 * single['fraction_of_bound']:.0f}% of bound (each pass against its own probe: "
-              f"{', '.join(f'{100 * f:.0f}%' for f in single['pass_fractions_of_own_probe'])})", flush=True)
-    if args.wide:
+              f"{100 * single['fraction_of_bound']:.0f}% of bound", flush=True)
+    if "wide" in scenarios:
         wide_prompts = random_prompts(args.wide, args.input_len, cfg.vocab_size, seed=1)
         results["wide"] = {"num_prompts": args.wide,
                            "jvllm": run_jvllm(engine, wide_prompts, args.output_len, args.repeats)}
         print(f"[wide] {args.wide} concurrent: {results['wide']['jvllm']['output_tokens_per_s']:.1f} output tok/s",
               flush=True)
+    results["compilations_after_start"] = compile_watch().unexpected
+    print(f"XLA compilations after start-up: {results['compilations_after_start']}", flush=True)
     write_json(args.json, results)
     return 0
 

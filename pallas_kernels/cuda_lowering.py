@@ -32,6 +32,18 @@ def lower_for_cuda(fn: Callable, *args: Any, donate_argnums: tuple[int, ...] = (
         return jax.jit(fn, donate_argnums=donate_argnums).trace(*args).lower(lowering_platforms=("cuda",))
 
 
+def lower_jitted_for_cuda(jitted: Any, *args: Any, **static: Any) -> jax.stages.Lowered:
+    """A function already wrapped in jax.jit (its donation and static arguments kept) traced on the abstract
+    values of `args` (arrays become ShapeDtypeStructs, so arrays placed on the CPU lower too) and `static`
+    keyword arguments, and lowered for CUDA."""
+    def abstract(leaf: Any) -> Any:
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) if hasattr(leaf, "shape") else leaf
+
+    specs = jax.tree.map(abstract, args)
+    with abstract_gpu():
+        return jitted.trace(*specs, **static).lower(lowering_platforms=("cuda",))
+
+
 @dataclasses.dataclass(frozen=True)
 class Dot:
     """One tt.dot of a kernel: operand and result tensor types as printed ("16x128xbf16") and its input

@@ -1,10 +1,14 @@
-"""Ragged paged attention (prefill / mixed): a flat batch of sequences' query chunks, causal over their pages."""
+"""Ragged paged attention (prefill / mixed): a flat batch of sequences' query chunks, causal over their pages.
+
+The grid walks work items, each `block_q` query tokens of one sequence, listed by the host (`ragged_items`): a
+step of T tokens and S sequences has at most cdiv(T, block_q) + S of them, so the grid depends on (T, S) alone."""
 from __future__ import annotations
 
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -19,6 +23,8 @@ def _ragged_kernel(
     query_start_ref,  # [S]
     q_lens_ref,  # [S]
     kv_lens_ref,  # [S]
+    item_seq_ref,  # [NB] the sequence of each work item
+    item_first_ref,  # [NB] its first query's offset in the sequence's chunk (>= q_len: nothing to do)
     *refs,  # optional aliased initial output, then out [T, H, hd]
     group: int,
     group_rows: int,
@@ -30,9 +36,10 @@ def _ragged_kernel(
     soft_cap: float | None,
 ):
     out_ref = refs[-1]
-    seq, kv_head, q_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    item, kv_head = pl.program_id(0), pl.program_id(1)
+    seq = item_seq_ref[item]
     q_len = q_lens_ref[seq]
-    first_q = q_block * block_q  # this program's first query offset within the sequence
+    first_q = pl.multiple_of(item_first_ref[item], block_q)  # this program's first query offset within the sequence
 
     @pl.when(first_q < q_len)
     def _():
@@ -81,12 +88,27 @@ def _ragged_kernel(
         pltriton.store(out_ref.at[tokens, heads, :], out, mask=io_mask)
 
 
-def default_block_q(group_rows: int, max_q_len: int, target_rows: int) -> int:
-    """Query tokens per program: ~`target_rows` rows of (token, head), at least 16 rows for tl.dot, but not
-    many more tokens than the longest query chunk."""
-    block_q = max(1, target_rows // group_rows)
-    block_q = min(block_q, common.next_pow2(max_q_len))
-    return max(block_q, max(1, 16 // group_rows))
+def ragged_block_q(q_dtype, kv_dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """Query tokens per program: the launch table's rows of (token, head) over the padded GQA group, and at
+    least 16 rows for tl.dot."""
+    group_rows = common.next_pow2(num_heads // num_kv_heads)
+    target_rows = launch.ragged_launch(q_dtype, kv_dtype, head_dim).block_rows
+    return max(1, target_rows // group_rows, 16 // group_rows)
+
+
+def ragged_items(q_lens, block_q: int, num_tokens: int, num_seqs: int) -> tuple[np.ndarray, np.ndarray]:
+    """Host side: (item_seq, item_first) [cdiv(num_tokens, block_q) + num_seqs] int32, one item per block_q
+    queries of each sequence with q_lens[s] > 0; unused items have item_first = num_tokens (never runs)."""
+    num_items = common.cdiv(num_tokens, block_q) + num_seqs
+    item_seq = np.zeros(num_items, np.int32)
+    item_first = np.full(num_items, num_tokens, np.int32)
+    cursor = 0
+    for seq, q_len in enumerate(np.asarray(q_lens)):
+        firsts = np.arange(0, int(q_len), block_q, dtype=np.int32)
+        item_seq[cursor:cursor + len(firsts)] = seq
+        item_first[cursor:cursor + len(firsts)] = firsts
+        cursor += len(firsts)
+    return item_seq, item_first
 
 
 def ragged_paged_attention(
@@ -97,8 +119,9 @@ def ragged_paged_attention(
     q_lens: jax.Array,  # [S] int32 query tokens per sequence (0 for padded rows)
     kv_lens: jax.Array,  # [S] int32 keys per sequence, its query tokens included
     block_tables: jax.Array,  # [S, P] int32 page ids (0 when padded)
+    item_seq: jax.Array,  # [NB] int32 work items (`ragged_items`)
+    item_first: jax.Array,  # [NB] int32
     *,
-    max_q_len: int,
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
@@ -111,7 +134,8 @@ def ragged_paged_attention(
     out_fill: float | None = 0.0,
 ) -> jax.Array:
     """Causal attention of every sequence's query chunk over its pages, query i at position
-    kv_len - q_len + i -> [T, H, hd] in q.dtype. `max_q_len` (static) bounds q_lens. Block sizes, `qk_chunks`,
+    kv_len - q_len + i -> [T, H, hd] in q.dtype. The items must be built with this call's `block_q`
+    (`ragged_block_q` by default). Block sizes, `qk_chunks`,
     warps and stages default to `launch.ragged_launch` for the operand dtypes and head dim. Rows of tokens that
     belong to no sequence are never written: they keep `out_fill` (None leaves them uninitialized;
     tests pass NaN)."""
@@ -121,7 +145,7 @@ def ragged_paged_attention(
     group = heads // kv_heads
     group_rows = common.next_pow2(group)
     defaults = launch.ragged_launch(q.dtype, k_pages.dtype, head_dim)
-    block_q = block_q or default_block_q(group_rows, max_q_len, defaults.block_rows)
+    block_q = block_q or ragged_block_q(q.dtype, k_pages.dtype, heads, kv_heads, head_dim)
     pages_per_block = pages_per_block or launch.pages_per_block(defaults.block_tokens, page_size, max_pages)
     qk_chunks = qk_chunks or defaults.qk_chunks
     num_warps = num_warps or defaults.num_warps
@@ -133,7 +157,7 @@ def ragged_paged_attention(
     padded_pages = common.cdiv(max_pages, pages_per_block) * pages_per_block
     block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))
     inputs = [q, k_pages, v_pages, block_tables,
-              *(x.astype(jnp.int32) for x in (query_start, q_lens, kv_lens))]
+              *(x.astype(jnp.int32) for x in (query_start, q_lens, kv_lens, item_seq, item_first))]
     aliases = {}
     if out_fill is not None:
         aliases = {len(inputs): 0}
@@ -144,7 +168,7 @@ def ragged_paged_attention(
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((num_tokens, heads, head_dim), q.dtype),
-        grid=(seqs, kv_heads, common.cdiv(max_q_len, block_q)),
+        grid=(item_seq.shape[0], kv_heads),
         input_output_aliases=aliases,
         interpret=common.resolve_interpret(interpret),
         compiler_params=common.compiler_params(num_warps, num_stages),

@@ -69,15 +69,16 @@ def ragged_attention_reference(
     kv_lens: jax.Array,  # [S]
     block_tables: jax.Array,  # [S, P]
     *,
-    max_q_len: int,
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    max_q_len: int | None = None,
 ) -> jax.Array:
     """Query i of sequence s sits at position kv_len - q_len + i and sees keys at positions <= its own
-    -> [T, H, hd]; tokens that belong to no sequence give zeros."""
+    -> [T, H, hd]; tokens that belong to no sequence give zeros. Each sequence's queries are padded to
+    `max_q_len` (static, >= every q_len; default T, which always holds them)."""
     num_tokens = q.shape[0]
-    offsets = jnp.arange(max_q_len)[None, :]  # [1, Q]
+    offsets = jnp.arange(max_q_len or num_tokens)[None, :]  # [1, Q]
     real = offsets < q_lens[:, None]  # [S, Q]
     flat = jnp.where(real, query_start[:, None] + offsets, num_tokens)  # [S, Q]; num_tokens = out of range
     q_seq = q.astype(jnp.float32)[jnp.minimum(flat, num_tokens - 1)]  # [S, Q, H, hd]

@@ -8,9 +8,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import common
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.kv_write import write_kv
-from pallas_kernels.ragged_attention import ragged_paged_attention
+from pallas_kernels.ragged_attention import ragged_block_q, ragged_paged_attention
 
 KERNELS = ("decode", "ragged", "kv_write")
 HEAD_DIMS = (64, 128, 256)
@@ -56,11 +57,12 @@ class Variant:
                         _spec(DECODE_SEQS, max_pages), _spec(DECODE_SEQS))
         if self.kernel == "ragged":
             max_pages = PREFILL_TOKENS // self.page_size
-            fn = functools.partial(ragged_paged_attention, max_q_len=PREFILL_TOKENS, scale=scale, interpret=False,
-                                   **options)
+            block_q = ragged_block_q(dtype, dtype, heads, KV_HEADS, self.head_dim)
+            items = _spec(common.cdiv(PREFILL_TOKENS, block_q) + PREFILL_SEQS)  # item_seq, item_first
+            fn = functools.partial(ragged_paged_attention, scale=scale, interpret=False, **options)
             return fn, (_spec(PREFILL_TOKENS, heads, self.head_dim, dtype=dtype), pool, pool,
                         _spec(PREFILL_SEQS), _spec(PREFILL_SEQS), _spec(PREFILL_SEQS),
-                        _spec(PREFILL_SEQS, max_pages))
+                        _spec(PREFILL_SEQS, max_pages), items, items)
         new = _spec(PREFILL_TOKENS, KV_HEADS, self.head_dim, dtype=dtype)
         fn = functools.partial(write_kv, method="kernel", interpret=False)
         return fn, (pool, pool, new, new, _spec(PREFILL_TOKENS))

@@ -9,6 +9,7 @@ from prometheus_client.registry import Collector
 
 from jvllm.engine.async_engine import AsyncEngine
 from jvllm.outputs import RequestOutput
+from jvllm.worker.compile_watch import compile_watch
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0)
@@ -33,6 +34,9 @@ class _EngineStateCollector(Collector):
             family.add_metric([self.model_name], value)
             yield family
         for name, doc, value in (
+                ("jvllm:xla_compilations", "XLA executables compiled (or loaded) after start-up: every step shape "
+                                           "is compiled at start, so this stays 0 unless something is wrong.",
+                 compile_watch().unexpected),
                 ("jvllm:num_preemptions", "Preemptions (recompute) so far.", stats.num_preemptions),
                 ("jvllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                  stats.prefix_cache_queries),

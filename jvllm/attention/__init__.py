@@ -18,13 +18,15 @@ def register_backend(name: str, loader: Callable[[], AttentionBackend]) -> None:
 def _load_xla() -> AttentionBackend:
     from jvllm.attention import pool_storage, xla
 
-    return SeparateWrite("xla", xla.paged_attention, xla.write_layers, storage_dtype=pool_storage.storage_dtype)
+    return SeparateWrite("xla", xla.class_layout, xla.paged_attention, xla.write_layers,
+                         storage_dtype=pool_storage.storage_dtype)
 
 
 def _load_pallas() -> AttentionBackend:
     from jvllm.attention import pallas
 
-    return InStepWrite("pallas", pallas.write_and_attend)
+    return InStepWrite("pallas", pallas.layout_for(1, 1, 128, "bfloat16"), pallas.write_and_attend,
+                       layout_for=pallas.layout_for)
 
 
 register_backend("xla", _load_xla)

@@ -11,10 +11,11 @@ import dataclasses
 from typing import Any, Callable, Protocol
 
 import jax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+
+import numpy as np
 
 from jvllm.parallel import ops
-from jvllm.utils import cdiv
 from models.attention import AttentionMetadata, KVCache, LayerAttention
 
 
@@ -34,6 +35,9 @@ class WriteAttendFn(Protocol):
 
 
 StoreFn = Callable[[KVCache, list, AttentionMetadata], KVCache]
+# (q_lens [n], query_start [n], cached_lens [n], num_tokens T, num_seqs S) -> the backend's work arrays for one
+# prefill step (AttentionMetadata.layout): numpy, fixed shapes for a given (T, S).
+PrefillLayout = Callable[[np.ndarray, np.ndarray, np.ndarray, int, int], dict[str, np.ndarray]]
 
 
 def _same_dtype(dtype: Any) -> Any:
@@ -43,6 +47,7 @@ def _same_dtype(dtype: Any) -> Any:
 @dataclasses.dataclass(frozen=True)
 class AttentionBackend(abc.ABC):
     name: str
+    prefill_layout: PrefillLayout  # the host builds the backend's work arrays of each prefill step with it
 
     @abc.abstractmethod
     def layer_attention(self, mesh: Mesh | None = None) -> LayerAttention:
@@ -59,18 +64,27 @@ class AttentionBackend(abc.ABC):
         """Whether the step's jit takes the pool donated (it returns the new pool itself)."""
 
     @abc.abstractmethod
-    def table_pages(self, cached_tokens: int, step_tokens: int, page_size: int) -> int:
-        """How many of a sequence's pages its page table must list for a chunk of `step_tokens` after
-        `cached_tokens` (pages past the ones listed are never read this step)."""
+    def layer_result_sharding(self, mesh: Mesh) -> Any:
+        """How a layer's attention result is laid out over a tensor-parallel mesh (by KV head)."""
 
     def pool_dtype(self, dtype: Any) -> Any:
         """The dtype a pool holding values of the model's `dtype` is stored in."""
         return dtype
 
+    def for_model(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: Any) -> AttentionBackend:
+        """This backend set up for a model's attention shapes (a backend whose work layout depends on them)."""
+        return self
+
 
 @dataclasses.dataclass(frozen=True)
 class InStepWrite(AttentionBackend):
     write_and_attend: WriteAttendFn  # (q, k, v, k_pages, v_pages, md, scale, window) -> (out, k_pages, v_pages)
+    layout_for: Callable[..., PrefillLayout] | None = None  # (heads, kv_heads, head_dim, dtype) -> prefill layout
+
+    def for_model(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: Any) -> AttentionBackend:
+        if self.layout_for is None:
+            return self
+        return dataclasses.replace(self, prefill_layout=self.layout_for(num_heads, num_kv_heads, head_dim, dtype))
 
     def layer_attention(self, mesh: Mesh | None = None) -> LayerAttention:
         def attention(q, k, v, pages, md, scale, sliding_window=None):
@@ -85,8 +99,8 @@ class InStepWrite(AttentionBackend):
     def step_donates_pool(self) -> bool:
         return True
 
-    def table_pages(self, cached_tokens: int, step_tokens: int, page_size: int) -> int:
-        return cdiv(cached_tokens + step_tokens, page_size)
+    def layer_result_sharding(self, mesh: Mesh) -> Any:
+        return (NamedSharding(mesh, ops.PAGES), NamedSharding(mesh, ops.PAGES))  # the layer's new pages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,11 +122,12 @@ class SeparateWrite(AttentionBackend):
     def step_donates_pool(self) -> bool:
         return False
 
-    def table_pages(self, cached_tokens: int, step_tokens: int, page_size: int) -> int:
-        return cdiv(cached_tokens, page_size)  # the step's own K/V is attended to directly
+    def layer_result_sharding(self, mesh: Mesh) -> Any:
+        return (NamedSharding(mesh, ops.KV), NamedSharding(mesh, ops.KV))  # the step's k, v
 
     def pool_dtype(self, dtype: Any) -> Any:
         return self.storage_dtype(dtype)
 
 
-__all__ = ["AttendFn", "AttentionBackend", "InStepWrite", "SeparateWrite", "StoreFn", "WriteAttendFn", "WriteFn"]
+__all__ = ["AttendFn", "AttentionBackend", "InStepWrite", "PrefillLayout", "SeparateWrite", "StoreFn", "WriteAttendFn",
+           "WriteFn"]

@@ -1,12 +1,16 @@
 """The `pallas` backend: write the step's K/V into the pages, then attend over pages only with Pallas kernels."""
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import jax
+import numpy as np
 
 from models.attention import AttentionMetadata
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.kv_write import write_kv
-from pallas_kernels.ragged_attention import ragged_paged_attention
+from pallas_kernels.ragged_attention import ragged_block_q, ragged_items, ragged_paged_attention
 
 
 def write_and_attend(
@@ -21,18 +25,28 @@ def write_and_attend(
     *,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """-> (out [T, H, hd] in q.dtype, k_pages, v_pages). A Q bucket of 1 (every q_len <= 1, known at trace
-    time) takes the decode kernel; anything else the ragged kernel. `interpret` defaults to True off GPU
+    """-> (out [T, H, hd] in q.dtype, k_pages, v_pages). Decode steps (row s is token s) take the decode kernel,
+    the others the ragged kernel over the host's work items. `interpret` defaults to True off GPU
     (JVLLM_PALLAS_INTERPRET=1/0 forces it on/off)."""
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping, interpret=interpret)
-    max_q = md.seq_token_index.shape[1]
-    if max_q == 1:
-        q_seq = q[md.seq_token_index[:, 0]]  # [S, H, hd]; padded rows read token 0 and have kv_len 0
-        out_seq = decode_attention(q_seq, k_pages, v_pages, md.page_tables, md.kv_lens, scale=scale,
-                                   sliding_window=sliding_window, interpret=interpret)
-        out = out_seq[md.token_seq]  # [T, H, hd]
+    if md.decode:
+        out = decode_attention(q, k_pages, v_pages, md.page_tables, md.kv_lens, scale=scale,
+                               sliding_window=sliding_window, interpret=interpret)
     else:
         out = ragged_paged_attention(q, k_pages, v_pages, md.query_start, md.q_lens, md.kv_lens, md.page_tables,
-                                     max_q_len=max_q, scale=scale, sliding_window=sliding_window,
-                                     interpret=interpret)
+                                     md.layout["item_seq"], md.layout["item_first"], scale=scale,
+                                     sliding_window=sliding_window, interpret=interpret)
     return out.astype(q.dtype), k_pages, v_pages
+
+
+def ragged_layout(q_lens: np.ndarray, query_start: np.ndarray, cached: np.ndarray, num_tokens: int, num_seqs: int,
+                  *, block_q: int) -> dict[str, np.ndarray]:
+    """Host side of a prefill step: the ragged kernel's work items (`block_q` queries of one sequence each)."""
+    del query_start, cached  # the kernel reads them from the metadata
+    item_seq, item_first = ragged_items(q_lens, block_q, num_tokens, num_seqs)
+    return {"item_seq": item_seq, "item_first": item_first}
+
+
+def layout_for(num_heads: int, num_kv_heads: int, head_dim: int, dtype: Any) -> Any:
+    """The prefill layout of a model: items of the block size the ragged kernel will launch with."""
+    return functools.partial(ragged_layout, block_q=ragged_block_q(dtype, dtype, num_heads, num_kv_heads, head_dim))

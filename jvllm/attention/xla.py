@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from models.attention import AttentionMetadata
 from jvllm.attention.pool_storage import as_stored, as_values
+from models.attention import AttentionMetadata
 
-# Decode-only steps take `decode_attention` (a loop over pages, faster than gathering whole contexts at every
-# batch size measured: docs/design.md); steps with prefill chunks gather the context.
+# Decode steps take `decode_attention`, a loop over pages (faster than gathering whole contexts at every batch
+# size measured: docs/design.md). Prefill steps put chunks of similar length side by side, one per row
+# (`class_attention`), so that a step's shape depends on its token count alone.
+MIN_CLASS_WIDTH = 16
 _MASKED = -1e30  # finite, so fully padded rows give a harmless uniform softmax rather than NaN
 
 
@@ -30,15 +33,16 @@ def write_layers(kv_cache: list, new_kv: list, md: AttentionMetadata) -> list:
             for (k_pages, v_pages), (k, v) in zip(kv_cache, new_kv)]
 
 
-def gather_context(pages: jax.Array, page_tables: jax.Array) -> jax.Array:
-    """pages [N, page, KVH, hd], page_tables [S, P] -> [S, KVH, P * page, hd] contiguous context.
-
-    Sequence- then head-major context makes the attention einsums batch over (seq, kv_head) with contiguous
-    tokens, in the order of their outputs."""
-    _, page_size, kv_heads, head_dim = pages.shape
-    seqs, max_pages = page_tables.shape
-    context = as_values(pages[page_tables]).reshape(seqs, max_pages * page_size, kv_heads, head_dim)
-    return context.transpose(0, 2, 1, 3)
+def online_softmax_step(running_max: jax.Array, denom: jax.Array, acc: jax.Array, scores: jax.Array,
+                        values: jax.Array, pv_spec: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Folds one span of masked scores [..., span] and its values into the running (max, denom, acc)."""
+    new_max = jnp.maximum(running_max, scores.max(axis=-1))
+    rescale = jnp.exp(running_max - new_max)
+    probs = jnp.exp(scores - new_max[..., None])
+    denom = denom * rescale + probs.sum(axis=-1)
+    acc = acc * rescale[..., None] + jnp.einsum(pv_spec, probs.astype(values.dtype), values,
+                                                preferred_element_type=jnp.float32)
+    return new_max, denom, acc
 
 
 def paged_attention(
@@ -53,40 +57,119 @@ def paged_attention(
 ) -> jax.Array:
     """Causal attention of each query over its sequence's cached pages plus this step's chunk -> [T, H, hd].
     With `sliding_window`, a query at position p sees only keys at positions > p - window."""
-    kv_heads = k_pages.shape[2]
-    seqs, max_q = md.seq_token_index.shape
-    if max_q == 1:  # decode-only (static): stream pages, gather no context
-        out = decode_attention(q[md.seq_token_index[:, 0]], k[md.seq_token_index[:, 0]], v[md.seq_token_index[:, 0]],
-                               k_pages, v_pages, md.page_tables, md.kv_lens - md.q_lens, scale, sliding_window)
-        return out[md.token_seq].astype(q.dtype)  # [T, H, hd]
-    group, head_dim = q.shape[1] // kv_heads, q.shape[2]
-    q_padded = q[md.seq_token_index].reshape(seqs, max_q, kv_heads, group, head_dim)  # [S, Q, KVH, G, hd]
-    chunk_k = k[md.seq_token_index].transpose(0, 2, 1, 3)  # [S, KVH, Q, hd]
-    chunk_v = v[md.seq_token_index].transpose(0, 2, 1, 3)  # [S, KVH, Q, hd]
-    context_k, context_v = gather_context(k_pages, md.page_tables), gather_context(v_pages, md.page_tables)
-    keys = jnp.concatenate([context_k, chunk_k.astype(context_k.dtype)], axis=2)  # [S, KVH, C + Q, hd]
-    values = jnp.concatenate([context_v, chunk_v.astype(context_v.dtype)], axis=2)
-    context_len = keys.shape[2] - max_q  # C: padded cached context, then Q chunk slots
-    cached = md.kv_lens - md.q_lens  # [S] tokens already in the pages
-    q_idx = jnp.arange(max_q)
-    sees_context = jnp.arange(context_len)[None, None, :] < cached[:, None, None]  # [S, 1, C]
-    sees_chunk = (q_idx[None, None, :] <= q_idx[None, :, None]) & (q_idx[None, None, :] < md.q_lens[:, None, None])
-    visible = jnp.concatenate([jnp.broadcast_to(sees_context, (seqs, max_q, context_len)), sees_chunk], axis=2)
+    if md.decode:  # one token per row, row s is token s
+        out = decode_attention(q, k, v, k_pages, v_pages, md.page_tables, md.cached_lens, scale, sliding_window)
+        return out.astype(q.dtype)
+    out = jnp.zeros(q.shape, jnp.float32)  # [T, H, hd]
+    for width in sorted(int(key[len("index"):]) for key in md.layout if key.startswith("index")):
+        index, rows, count = md.layout[f"index{width}"], md.layout[f"rows{width}"], md.layout[f"count{width}"]
+
+        def attend(out: jax.Array, index: jax.Array = index, rows: jax.Array = rows) -> jax.Array:
+            found = class_attention(q, k, v, k_pages, v_pages, md, index, rows, scale, sliding_window)
+            return out.at[index.reshape(-1)].set(found, mode="drop")  # padding slots index T: dropped
+
+        out = jax.lax.cond(count > 0, attend, lambda out: out, out)  # a class no chunk uses costs nothing
+    return out.astype(q.dtype)
+
+
+def class_attention(
+    q: jax.Array,  # [T, H, hd]
+    k: jax.Array,  # [T, KVH, hd]
+    v: jax.Array,  # [T, KVH, hd]
+    k_pages: jax.Array,  # [N, page, KVH, hd]
+    v_pages: jax.Array,  # [N, page, KVH, hd]
+    md: AttentionMetadata,
+    index: jax.Array,  # [R, W] int32 flat token of each chunk's w-th query (T where a row is shorter or unused)
+    rows: jax.Array,  # [R] int32 the metadata row (sequence) of each chunk
+    scale: float,
+    sliding_window: int | None,
+) -> jax.Array:
+    """Attention of R chunks of up to W tokens, one per row -> [R * W, H, hd] float32 (rows in `index` order).
+
+    Each chunk attends to itself densely (causal) and to its cached pages in a loop over page spans, with
+    one online softmax over both. Scores are laid out (seq, kv_head) x (query, group) x keys, the order
+    of the outputs, so XLA CPU only moves whole [G, hd] runs."""
+    num_tokens, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    num_rows, width = index.shape
+    valid = index < num_tokens  # [R, W]
+    safe = jnp.minimum(index, num_tokens - 1)
+    q_rows = q[safe].reshape(num_rows, width, kv_heads, group, head_dim)  # [R, W, KVH, G, hd]
+    own_k = k[safe].transpose(0, 2, 1, 3)  # [R, KVH, W, hd]
+    own_v = v[safe].transpose(0, 2, 1, 3)
+    cached = jnp.where(valid[:, 0], md.cached_lens[rows], 0)  # [R]
+    offset = jnp.arange(width)
+    visible = (offset[None, :] <= offset[:, None])[None] & valid[:, None, :]  # [R, W (query), W (key)]
     if sliding_window is not None:
-        q_pos = cached[:, None] + q_idx[None, :]  # [S, Q]
-        k_pos = jnp.concatenate([jnp.broadcast_to(jnp.arange(context_len), (seqs, context_len)),
-                                 cached[:, None] + q_idx[None, :]], axis=1)  # [S, C + Q]
-        visible &= q_pos[:, :, None] - k_pos[:, None, :] < sliding_window
-    # Score rows in (q, g) order and K/V batched (seq, kv_head) as the outputs are: XLA CPU then moves only q's
-    # KVH axis ahead of Q, a copy of contiguous [G, hd] runs (docs/design.md). The output keeps the
-    # (seq, kv_head, q, g) order and is transposed afterwards: written straight as [S, Q, KVH, G, hd], XLA CPU
-    # compiles a bf16 x bf16 dot its runtime cannot run ("Unsupported element type for DotThunk").
-    scores = jnp.einsum("sqkgd,skcd->skqgc", q_padded, keys, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(visible[:, None, :, None, :], scores, _MASKED)  # [S, KVH, Q, G, C + Q]
-    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    out = jnp.einsum("skqgc,skcd->skqgd", probs, values, preferred_element_type=jnp.float32)  # [S, KVH, Q, G, hd]
-    out = out.transpose(0, 2, 1, 3, 4).reshape(seqs, max_q, kv_heads * group, head_dim)  # [S, Q, H, hd]
-    return out[md.token_seq, md.token_offset].astype(q.dtype)  # [T, H, hd]
+        visible &= (offset[:, None] - offset[None, :] < sliding_window)[None]
+    scores = jnp.einsum("rqkgd,rkcd->rkqgc", q_rows, own_k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(visible[:, None, :, None, :], scores, _MASKED)  # [R, KVH, W, G, W]
+    running_max = scores.max(axis=-1)  # [R, KVH, W, G]: the own key is always visible
+    probs = jnp.exp(scores - running_max[..., None])
+    denom = probs.sum(axis=-1)
+    acc = jnp.einsum("rkqgc,rkcd->rkqgd", probs.astype(own_v.dtype), own_v, preferred_element_type=jnp.float32)
+
+    tables = md.page_tables[rows]  # [R, P]
+    per_iter = pages_per_iteration(num_rows, tables.shape[1])
+    _, page_size, _, _ = k_pages.shape
+    span = per_iter * page_size
+    q_pos = cached[:, None] + offset[None, :]  # [R, W]
+
+    def one_span(i: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]):
+        running_max, denom, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(tables, i * per_iter, per_iter, axis=1)  # [R, per]
+        keys = as_values(k_pages[pages]).reshape(num_rows, span, kv_heads, head_dim)  # [R, span, KVH, hd]
+        values = as_values(v_pages[pages]).reshape(num_rows, span, kv_heads, head_dim)
+        k_pos = i * span + jnp.arange(span)  # [span]
+        seen = (k_pos[None, None, :] < cached[:, None, None]) & valid[:, :, None]  # [R, W, span]
+        if sliding_window is not None:
+            seen &= q_pos[:, :, None] - k_pos[None, None, :] < sliding_window
+        scores = jnp.einsum("rqkgd,rpkd->rkqgp", q_rows, keys, preferred_element_type=jnp.float32) * scale
+        scores = jnp.where(seen[:, None, :, None, :], scores, _MASKED)  # [R, KVH, W, G, span]
+        return online_softmax_step(running_max, denom, acc, scores, values, "rkqgp,rpkd->rkqgd")
+
+    num_spans = (jnp.max(cached) + span - 1) // span  # dynamic: no iteration for chunks without context
+    _, denom, acc = jax.lax.fori_loop(0, num_spans, one_span, (running_max, denom, acc))
+    out = acc / denom[..., None]  # [R, KVH, W, G, hd]
+    return out.transpose(0, 2, 1, 3, 4).reshape(num_rows * width, heads, head_dim)
+
+
+def chunk_classes(num_tokens: int) -> list[int]:
+    """The chunk widths of a prefill step of `num_tokens` tokens: a chunk of n tokens goes to the smallest
+    width >= n (powers of two from 16, the last num_tokens itself)."""
+    widths, width = [], min(MIN_CLASS_WIDTH, num_tokens)
+    while width < num_tokens:
+        widths.append(width)
+        width *= 2
+    return widths + [num_tokens]
+
+
+def class_capacity(width: int, narrowest: int, num_tokens: int, num_seqs: int) -> int:
+    """Rows of a class: every chunk of a class but the narrowest is longer than half its width."""
+    if width == narrowest:
+        return min(num_seqs, num_tokens)
+    return max(1, min(num_seqs, num_tokens // (width // 2 + 1)))
+
+
+def class_layout(q_lens: np.ndarray, query_start: np.ndarray, cached: np.ndarray, num_tokens: int,
+                 num_seqs: int) -> dict[str, np.ndarray]:
+    """Host side of `paged_attention` for a prefill step: per chunk class, each chunk's flat tokens in a row."""
+    del cached  # the attention reads it from the metadata
+    widths = chunk_classes(num_tokens)
+    chosen = np.searchsorted(np.asarray(widths), q_lens)  # the class of each chunk
+    layout: dict[str, np.ndarray] = {}
+    for c, width in enumerate(widths):
+        capacity = class_capacity(width, widths[0], num_tokens, num_seqs)
+        members = np.flatnonzero(chosen == c)
+        index = np.full((capacity, width), num_tokens, np.int32)
+        rows = np.zeros(capacity, np.int32)
+        for r, member in enumerate(members):
+            index[r, : q_lens[member]] = query_start[member] + np.arange(q_lens[member])
+            rows[r] = member
+        layout[f"index{width}"], layout[f"rows{width}"] = index, rows
+        layout[f"count{width}"] = np.asarray(len(members), np.int32)
+    return layout
 
 
 SINGLE_SEQUENCE_PAGES_PER_ITERATION = 16
@@ -138,13 +221,7 @@ def decode_attention(
         pos = i * span + jnp.arange(span)  # [span]
         visible = (pos[None, :] < cached[:, None]) & (pos[None, :] >= lowest[:, None])  # [S, span]
         scores = jnp.where(visible[:, None, None, :], scores, _MASKED)
-        new_max = jnp.maximum(running_max, scores.max(axis=-1))
-        rescale = jnp.exp(running_max - new_max)
-        probs = jnp.exp(scores - new_max[..., None])
-        denom = denom * rescale + probs.sum(axis=-1)
-        acc = acc * rescale[..., None] + jnp.einsum("skgp,spkd->skgd", probs.astype(values.dtype), values,
-                                                    preferred_element_type=jnp.float32)
-        return new_max, denom, acc
+        return online_softmax_step(running_max, denom, acc, scores, values, "skgp,spkd->skgd")
 
     num_spans = (jnp.max(cached) + span - 1) // span  # dynamic: padded pages past the longest context are skipped
     _, denom, acc = jax.lax.fori_loop(0, num_spans, one_span, (own, jnp.ones_like(own), acc0))

@@ -9,19 +9,20 @@ import random
 import time
 from typing import Any, Iterable, Sequence
 
-from jvllm.worker.batch import BucketLimits
 from jvllm.worker.compile_cache import enable_compilation_cache
+from jvllm.worker.compile_watch import during_start_up
 from jvllm.config import EngineConfig, build_engine_config
 from jvllm.engine.detokenizer import IncrementalDetokenizer
 from jvllm.pooling.embedder import embed_unsupported, generate_unsupported
 from jvllm.core.kv_pages import PageManager
 from jvllm.core.lookahead import plan_lookahead, settle_lookahead
 from jvllm.worker.model_runner import DispatchedGroup, ModelRunner
+from jvllm.worker.step_shapes import ShapeSet
 from jvllm.sample.logprobs import MAX_LOGPROBS
 from jvllm.parallel import distributed
 from jvllm.engine.output_processor import append_token, record_prompt_logprobs, request_output
 from jvllm.outputs import EmbeddingRequestOutput, RequestOutput
-from jvllm.engine.progress import GenerateProgress
+from jvllm.engine.progress import GenerateProgress, precompile_progress
 from jvllm.core.request import Request, RequestStatus
 from jvllm.sampling_params import SamplingParams
 from jvllm.core.scheduler import ScheduledChunk, Scheduler
@@ -33,6 +34,7 @@ PromptType = str | dict[str, Any]
 class Engine:
     """Offline inference engine. `Engine()` serves the embedded SmolLM2-135M-Instruct."""
 
+    @during_start_up
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
                  tensor_parallel_size: int = 1, max_model_len: int | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, block_size: int = 16,
@@ -40,7 +42,8 @@ class Engine:
                  attention_backend: str = "auto", load_format: str = "auto", seed: int = 0,
                  served_model_name: str | None = None, batched_weight_dtype: str | None = None,
                  pooling: str | None = None, normalize: bool | None = None, num_hosts: int | None = None,
-                 host_rank: int | None = None, coordinator: str | None = None, async_scheduling: bool = True):
+                 host_rank: int | None = None, coordinator: str | None = None, async_scheduling: bool = True,
+                 precompile: bool = True):
         """`pooling` ("mean", "cls", "last", "max", "mean_sqrt_len") and `normalize` override an embedding
         model's sentence-transformers config; on a generative model, `pooling` enables embed().
 
@@ -51,7 +54,11 @@ class Engine:
 
         `async_scheduling` dispatches each decode step before the previous step's tokens reach the host, so
         host work (detokenizing, stop checks, building the next batch) overlaps the device's; one device only
-        (tensor parallelism and several hosts run synchronously)."""
+        (tensor parallelism and several hosts run synchronously).
+
+        The engine runs a closed set of step shapes (`step_shapes()`), known from its config. `precompile`
+        compiles all of them (or loads them from the persistent cache) before the engine takes requests, so
+        none compiles while serving; `precompile=False` compiles each on first use, for quick experiments."""
         from jvllm.attention import resolve_backend_name
         from jvllm.pooling.embedder import build_embedder, encoder_engine_config
         from jvllm.model_loader.loader import load_model, resolve_dtype
@@ -90,17 +97,16 @@ class Engine:
         self.pages = PageManager(cfg.num_pages, cfg.page_size)
         self.scheduler = Scheduler(self.pages, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    enable_prefix_caching=enable_prefix_caching)
-        limits = BucketLimits(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_pages_per_seq)
+        shapes = ShapeSet(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         batched_dtype = resolve_dtype(batched_weight_dtype) if batched_weight_dtype else None
         self.channel = distributed.StepChannel() if hosts.multi_host else None
         self.runner = None if self.model.is_encoder else ModelRunner(
-            self.model, num_pages=cfg.num_pages, page_size=cfg.page_size, limits=limits, attention_backend=backend,
-            batched_weight_dtype=batched_dtype, channel=self.channel)
+            self.model, num_pages=cfg.num_pages, page_size=cfg.page_size, max_model_len=cfg.max_model_len,
+            shapes=shapes, attention_backend=backend, batched_weight_dtype=batched_dtype, channel=self.channel)
         if self.channel is not None and self.channel.is_leader:
             atexit.register(self.shutdown)  # followers must not wait forever for the next step
         self.embedder = build_embedder(self.model, cfg, pooling=pooling, normalize=normalize,
-                                       batched_weight_dtype=batched_dtype,
-                                       batched_weights=self.runner.batched_weights if self.runner else None)
+                                       batched_weight_dtype=batched_dtype)
         self.async_scheduling = bool(async_scheduling and self.runner is not None and self.runner.can_look_ahead)
         self._ahead: list[DispatchedGroup] | None = None  # the look-ahead step in flight, if any
         self._rng = random.Random(seed)
@@ -108,9 +114,28 @@ class Engine:
         self._request_groups: dict[str, list[Request]] = {}
         self.eos_token_ids = self._eos_ids()
         self._token_text: dict[int, str] = {}
+        if precompile:
+            self.precompile()
         logger.info("engine ready: %s (%s, %s attention, max_model_len %d, tensor_parallel_size %d) in %.1fs",
                     self.model.served_name, jnp.dtype(self.model.dtype).name, backend, cfg.max_model_len,
                     tensor_parallel_size, time.perf_counter() - started)
+
+    # ---- step shapes ----------------------------------------------------------------------------
+    def step_shapes(self) -> list[Any]:
+        """Every step shape this engine can run (generation steps, then embedding batches if it embeds)."""
+        shapes: list[Any] = self.runner.step_shapes() if self.runner is not None else []
+        return shapes + (self.embedder.batch_shapes() if self.embedder is not None else [])
+
+    def precompile(self) -> None:
+        """Compile every step shape (or load it from the persistent cache), with a progress bar."""
+        shapes = self.step_shapes()
+        started = time.perf_counter()
+        with precompile_progress(len(shapes)) as progress:
+            if self.runner is not None:
+                self.runner.precompile(progress)
+            if self.embedder is not None:
+                self.embedder.precompile(progress)
+        logger.info("precompiled %d step shapes in %.1fs", len(shapes), time.perf_counter() - started)
 
     # ---- multi-host -----------------------------------------------------------------------------
     @property

@@ -1,7 +1,10 @@
-"""tqdm progress for generate(): finished requests, with output tokens/s in the postfix."""
+"""tqdm progress bars: generate()'s finished requests (output tokens/s in the postfix), and precompiling."""
 from __future__ import annotations
 
+import contextlib
+import os
 import time
+from typing import Any, Iterator
 
 from jvllm.outputs import RequestOutput
 
@@ -28,3 +31,16 @@ class GenerateProgress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+@contextlib.contextmanager
+def precompile_progress(total: int) -> Iterator[Any]:
+    """A bar over the step shapes compiled at start (off with JVLLM_NO_PROGRESS=1, e.g. in logs-only setups)."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc="Compiling step shapes", unit="shape", dynamic_ncols=True,
+               disable=os.environ.get("JVLLM_NO_PROGRESS") == "1")
+    try:
+        yield bar
+    finally:
+        bar.close()

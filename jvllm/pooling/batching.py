@@ -119,6 +119,24 @@ def _batch(rows: list[list[tuple[int, int]]], width: int, lengths: Sequence[int]
     return EmbedBatch(placements, next_power_of_2(len(rows)), width)
 
 
+def batch_shapes(max_model_len: int, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 share_rows: bool = True) -> list[tuple[int, int]]:
+    """Every (rows, width) `plan_batches` can produce for these limits: a lone row of any width, and for each
+    width a class of inputs lands in, a power of two of rows up to what the budget allows."""
+    widths, width = [], MIN_WIDTH
+    while width < width_for(max_model_len):
+        widths.append(width)
+        width *= 2
+    widths.append(width)
+    shapes = {(1, w) for w in widths}
+    for w in widths:
+        if share_rows and w < PACK_WIDTH:
+            continue  # short inputs share PACK_WIDTH-wide rows
+        cap = min(max(prev_power_of_2(max_num_batched_tokens // w), 1), prev_power_of_2(max_num_seqs))
+        shapes.update((rows, w) for rows in (1 << i for i in range(cap.bit_length())) if rows <= cap)
+    return sorted(shapes, key=lambda s: (s[1], s[0]))
+
+
 def pack_arrays(token_lists: Sequence[Sequence[int]], batch: EmbedBatch, pad_id: int = 0
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """-> input_ids, positions, segments [rows, width] int32. segments is 1 + the output slot of the sequence

@@ -12,7 +12,8 @@ import numpy as np
 
 from jvllm.config import EngineConfig, check_positive
 from jvllm.utils import next_power_of_2
-from jvllm.pooling.batching import EmbedBatch, pack_arrays, plan_batches
+from jvllm.pooling.batching import EmbedBatch, batch_shapes, pack_arrays, plan_batches
+from jvllm.worker.compile_watch import compile_watch
 from jvllm.pooling.forward import build_causal_forward, build_encoder_forward
 from jvllm.worker.weights import cast_matrices
 from jvllm.outputs import EmbeddingOutput, EmbeddingRequestOutput
@@ -72,28 +73,25 @@ def encoder_engine_config(loaded: LoadedModel, *, max_model_len: int | None, max
 
 
 def build_embedder(loaded: LoadedModel, config: EngineConfig, *, pooling: str | None, normalize: bool | None,
-                   batched_weight_dtype: Any = None, batched_weights: list | None = None) -> "Embedder | None":
+                   batched_weight_dtype: Any = None) -> "Embedder | None":
     """The engine's embedder, or None for a causal LM given no pooling choice (it then only generates)."""
     st = read_sentence_transformers_config(loaded.folder) if loaded.folder is not None else None
     choice = resolve_pooling(st, is_encoder=loaded.is_encoder, pooling=pooling, normalize=normalize)
     if choice is None:
         return None
-    return Embedder(loaded, choice, config, batched_weight_dtype=batched_weight_dtype, batched_weights=batched_weights)
+    return Embedder(loaded, choice, config, batched_weight_dtype=batched_weight_dtype)
 
 
 class Embedder:
     """Embeds prompts with one jitted forward per padded [rows, width] bucket; thread-safe."""
 
     def __init__(self, loaded: LoadedModel, pooling: PoolingConfig, config: EngineConfig, *,
-                 batched_weight_dtype: Any = None, batched_weights: list | None = None):
-        """`batched_weights`: a cast copy of the same weights that already exists (the generation runner's),
-        shared instead of making a second one."""
+                 batched_weight_dtype: Any = None):
         self.loaded, self.pooling, self.config = loaded, pooling, config
         self.tokenizer = loaded.tokenizer
         self.weights, treedef = jax.tree.flatten(loaded.state)
-        if batched_weights is None and batched_weight_dtype is not None:
-            batched_weights = cast_matrices(self.weights, batched_weight_dtype)
-        self.batched_weights = batched_weights
+        self.batched_weights = None if batched_weight_dtype is None else cast_matrices(self.weights,
+                                                                                      batched_weight_dtype)
         cfg = loaded.config
         self.num_slots = next_power_of_2(config.max_num_seqs)  # outputs per forward: a static shape
         if loaded.is_encoder:
@@ -109,7 +107,7 @@ class Embedder:
         self._pad_id = self.tokenizer.pad_token_id or 0
         self._counter = itertools.count()
         self._lock = threading.RLock()  # the tokenizer and the device steps are used by one caller at a time
-        self._seen_shapes: set[tuple[int, int]] = set()
+        self._compiled: dict[tuple[int, int], Any] = {}  # (rows, width) -> the forward compiled for that batch
         logger.info("embedding with %s pooling%s, up to %d tokens per input", pooling.mode,
                     " + L2 normalization" if pooling.normalize else "", config.max_model_len)
 
@@ -200,15 +198,40 @@ class Embedder:
 
     def _run(self, token_lists: Sequence[Sequence[int]], batch: EmbedBatch) -> jax.Array:
         ids, positions, segments = pack_arrays(token_lists, batch, self._pad_id)
-        if (batch.rows, batch.width) not in self._seen_shapes:
-            self._seen_shapes.add((batch.rows, batch.width))
-            logger.info("compiling/using embedding shape rows=%d width=%d", batch.rows, batch.width)
-        big = self.batched_weights is not None and batch.rows * batch.width >= _BATCHED_MIN_TOKENS
-        return self.forward(self.batched_weights if big else self.weights, ids, positions, segments)
+        shape = (batch.rows, batch.width)
+        forward = self._compiled.get(shape)
+        if forward is None:
+            logger.info("compiling embedding batch shape rows=%d width=%d", *shape)
+            forward = self._compiled[shape] = self._compile(shape)
+        with compile_watch().running(f"embedding rows={shape[0]} width={shape[1]}"):
+            return forward(self._weights_for(shape), ids, positions, segments)
+
+    def _weights_for(self, shape: tuple[int, int]) -> list[jax.Array]:
+        big = self.batched_weights is not None and shape[0] * shape[1] >= _BATCHED_MIN_TOKENS
+        return self.batched_weights if big else self.weights
+
+    def _compile(self, shape: tuple[int, int]) -> Any:
+        spec = jax.ShapeDtypeStruct(shape, np.int32)
+        return self.forward.lower(self._weights_for(shape), spec, spec, spec).compile()
+
+    def batch_shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, width) batch this embedder can run."""
+        cfg = self.config
+        return batch_shapes(cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+                            max_num_batched_tokens=cfg.max_num_batched_tokens, share_rows=self.loaded.is_encoder)
+
+    def precompile(self, progress: Any = None) -> None:
+        """Compile the forward of every batch shape (or load it from the persistent cache)."""
+        with compile_watch().expected():
+            for shape in self.batch_shapes():
+                if shape not in self._compiled:
+                    self._compiled[shape] = self._compile(shape)
+                if progress is not None:
+                    progress.update(1)
 
     @property
     def compiled_shapes(self) -> set[tuple[int, int]]:
-        return set(self._seen_shapes)
+        return set(self._compiled)
 
     # ---- API ----------------------------------------------------------------------------------
     def embed(self, prompts: PromptType | Sequence[PromptType], *, truncate: bool = True,

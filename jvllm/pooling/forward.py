@@ -38,22 +38,27 @@ def build_encoder_forward(graphdef: Any, treedef: Any, pooling: PoolingConfig, n
     return forward
 
 
+# Page tables of the throwaway pool: never read (no row has cached tokens), wide enough for the page loop.
+_TABLE_WIDTH = 16
+
+
 def padded_prefill_metadata(segments: jax.Array) -> AttentionMetadata:
     """Metadata for R right-padded rows of W tokens (one sequence each) laid out flat (row r's token j at
-    r * W + j), each a first prefill chunk with no cached context; every token writes to slot 0 of the
-    throwaway pool."""
+    r * W + j), each a first prefill chunk with no cached context, all in one chunk class of width W for the
+    `xla` backend; every token writes to slot 0 of the throwaway pool."""
     rows, width = segments.shape
-    flat = jnp.arange(rows * width, dtype=jnp.int32)
-    q_lens = jnp.sum(segments > 0, axis=1).astype(jnp.int32)  # [R]
+    flat = jnp.arange(rows * width, dtype=jnp.int32).reshape(rows, width)
+    real = segments > 0
+    q_lens = jnp.sum(real, axis=1).astype(jnp.int32)  # [R]
+    layout = {f"index{width}": jnp.where(real, flat, rows * width), f"rows{width}": jnp.arange(rows, dtype=jnp.int32),
+              f"count{width}": jnp.asarray(rows, jnp.int32)}
     return AttentionMetadata(
         slot_mapping=jnp.zeros(rows * width, jnp.int32),
-        token_seq=flat // width,
-        token_offset=flat % width,
-        seq_token_index=flat.reshape(rows, width),
         query_start=jnp.arange(rows, dtype=jnp.int32) * width,
         q_lens=q_lens,
         kv_lens=q_lens,
-        page_tables=jnp.zeros((rows, 1), jnp.int32),
+        page_tables=jnp.zeros((rows, _TABLE_WIDTH), jnp.int32),
+        layout=layout,
     )
 
 

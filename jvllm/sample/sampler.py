@@ -5,91 +5,33 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jvllm.sample.tensors import RowSpec, SamplerFlags, SamplingTensors, build_sampling_tensors
 from jvllm.utils import cdiv
 
-from jvllm.sample.tensors import (
-    RowSpec,
-    SamplerFlags,
-    SamplingTensors,
-    build_sampling_tensors,
-)
-
-__all__ = [
-    "RowSpec",
-    "SamplerFlags",
-    "SamplingTensors",
-    "apply_top_k_top_p_min_p",
-    "build_sampling_tensors",
-    "process_logits",
-    "row_argmax",
-    "sample",
-]
+__all__ = ["RowSpec", "SamplerFlags", "SamplingTensors", "apply_top_k_top_p_min_p", "build_sampling_tensors",
+           "process_logits", "row_argmax", "sample"]
 
 _NEG_INF = -jnp.inf
 
 
-def _row_index(ids: jax.Array) -> jax.Array:
-    """Row coordinates matching `ids` for 2-D scatters."""
-    s, k = ids.shape
-    return jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32)[:, None], (s, k))  # [S, K] int32
-
-
-def _scatter_cols(ids: jax.Array, vocab: int) -> jax.Array:
-    """Maps padding (and any negative id) to `vocab`, which mode='drop' scatters then ignore.
-
-    Negative indices would otherwise wrap around Python-style in JAX.
-    """
-    return jnp.where(ids >= 0, ids, vocab)  # [S, K] int32
-
-
-def _token_counts(ids: jax.Array, vocab: int) -> jax.Array:
-    """Occurrences of each vocab id in each row of a -1 padded id array."""
-    s = ids.shape[0]
-    counts = jnp.zeros((s, vocab), jnp.int32)  # [S, V] int32
-    return counts.at[_row_index(ids), _scatter_cols(ids, vocab)].add(1, mode="drop")
-
-
-def _token_mask(ids: jax.Array, vocab: int) -> jax.Array:
-    """True where a vocab id appears in the row of a -1 padded id array."""
-    s = ids.shape[0]
-    mask = jnp.zeros((s, vocab), jnp.bool_)  # [S, V] bool
-    return mask.at[_row_index(ids), _scatter_cols(ids, vocab)].set(True, mode="drop")
-
-
 def _apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    """Repetition (prompt+output), then frequency and presence (output only), as vLLM."""
-    vocab = logits.shape[-1]
-    out_counts = _token_counts(t.output_ids, vocab)  # [S, V] int32
-    in_output = out_counts > 0  # [S, V] bool
-    seen = in_output | _token_mask(t.prompt_ids, vocab)  # [S, V] bool
-
-    rep = t.repetition_penalty[:, None]  # [S, 1] float32
-    # Dividing positive / multiplying negative logits always moves them toward
-    # "less likely"; rep == 1 leaves the row bit-identical.
-    penalized = jnp.where(logits > 0, logits / rep, logits * rep)  # [S, V] float32
-    logits = jnp.where(seen, penalized, logits)  # [S, V] float32
-
-    freq = t.frequency_penalty[:, None]  # [S, 1] float32
-    pres = t.presence_penalty[:, None]  # [S, 1] float32
-    logits = logits - freq * out_counts.astype(jnp.float32)  # [S, V] float32
-    logits = logits - pres * in_output.astype(jnp.float32)  # [S, V] float32
-    return logits
-
-
-def _apply_bias_and_masks(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    """logit_bias add, then blocked ids -> -inf, then allowed-ids restriction."""
-    vocab = logits.shape[-1]
-    # Padding ids are dropped by the scatter, so rows without bias are untouched.
-    logits = logits.at[_row_index(t.bias_ids), _scatter_cols(t.bias_ids, vocab)].add(
-        t.bias_values, mode="drop"
-    )  # [S, V] float32
-    logits = logits.at[_row_index(t.blocked_ids), _scatter_cols(t.blocked_ids, vocab)].set(
-        _NEG_INF, mode="drop"
-    )  # [S, V] float32
-
-    allowed = _token_mask(t.allowed_ids, vocab)  # [S, V] bool
-    restricted = jnp.any(t.allowed_ids >= 0, axis=-1)  # [S] bool; all -1 => no restriction
-    return jnp.where(restricted[:, None] & ~allowed, _NEG_INF, logits)  # [S, V] float32
+    """Repetition (prompt + output), then frequency and presence (output only), as vLLM."""
+    rows, vocab = logits.shape
+    history = t.history  # [S, L] int32, -1 padded
+    valid = history >= 0
+    is_output = valid & (jnp.arange(history.shape[1])[None, :] >= t.num_prompt[:, None])  # [S, L]
+    row_index = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32)[:, None], history.shape)
+    columns = jnp.where(valid, history, vocab)  # padding scatters to column V: dropped
+    out_counts = jnp.zeros((rows, vocab), jnp.int32).at[row_index, columns].add(
+        is_output.astype(jnp.int32), mode="drop")  # [S, V]
+    seen = jnp.zeros((rows, vocab), jnp.bool_).at[row_index, columns].set(True, mode="drop")  # [S, V]
+    rep = t.repetition_penalty[:, None]  # [S, 1]
+    # Dividing positive / multiplying negative logits always moves them toward "less likely"; rep == 1 leaves
+    # the row bit-identical.
+    penalized = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = jnp.where(seen, penalized, logits)
+    logits = logits - t.frequency_penalty[:, None] * out_counts.astype(jnp.float32)
+    return logits - t.presence_penalty[:, None] * (out_counts > 0).astype(jnp.float32)
 
 
 def row_argmax(x: jax.Array, block: int = 128) -> jax.Array:
@@ -115,14 +57,12 @@ def _nan_as_inf(x: jax.Array) -> jax.Array:
 
 
 def process_logits(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags) -> jax.Array:
-    """Applies the temperature-independent processors: [S, V] float32 -> [S, V] float32.
-
-    This is what greedy rows take the argmax of."""
-    logits = logits.astype(jnp.float32)  # [S, V] float32
-    if flags.any_penalties:
+    """The temperature-independent processors, what greedy rows take the argmax of: [S, V] -> [S, V] float32."""
+    logits = logits.astype(jnp.float32)
+    if flags.penalties:
         logits = _apply_penalties(logits, t)
-    if flags.any_bias:
-        logits = _apply_bias_and_masks(logits, t)
+    if flags.bias:
+        logits = logits + t.bias
     return logits
 
 
@@ -175,26 +115,21 @@ def _gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab: int) -> jax.Arr
 
 
 def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags) -> jax.Array:
-    """Samples one token per row: logits [S, V] -> token_ids [S] int32. `flags` must be static under jit.
+    """Samples one token per row: logits [S, V] -> token_ids [S] int32. `flags` must be static under jit; the
+    rest are device values, so an all-greedy step runs no sampling and a step without truncation no sort.
 
     The chosen token's logprob is not computed here: a full-vocab log-softmax costs 2-4 ms per 64-row step on
-    CPU, so only requests asking for logprobs pay it (`jvllm.sample.logprobs.logprob_stats`), as in vLLM."""
-    logits = logits.astype(jnp.float32)  # [S, V] float32
-    vocab = logits.shape[-1]
+    CPU, so only steps with requests asking for logprobs pay it (`jvllm.sample.logprobs`), as in vLLM."""
     processed = process_logits(logits, t, flags)  # [S, V] float32
     greedy_ids = row_argmax(processed)  # [S] int32
-    if not flags.any_random:
-        return greedy_ids
-
     is_greedy = t.temperature == 0  # [S] bool
-    # Greedy rows divide by 1 to stay finite; their result is replaced below.
-    temp = jnp.where(is_greedy, 1.0, t.temperature)  # [S] float32
-    scaled = processed / temp[:, None]  # [S, V] float32
-    if flags.any_top_k_p:
-        scaled = apply_top_k_top_p_min_p(scaled, t)  # [S, V] float32
-    # Gumbel-max: argmax(logits + G) is an exact draw from softmax(logits),
-    # with no normalization or cumulative sums needed.
-    noise = _gumbel_noise(t.seeds, t.positions, vocab)  # [S, V] float32
-    random_ids = row_argmax(scaled + noise)  # [S] int32
-    return jnp.where(is_greedy, greedy_ids, random_ids)  # [S] int32
 
+    def random_ids() -> jax.Array:
+        temp = jnp.where(is_greedy, 1.0, t.temperature)  # greedy rows divide by 1 to stay finite
+        scaled = processed / temp[:, None]  # [S, V] float32
+        scaled = jax.lax.cond(t.any_top_k_p, apply_top_k_top_p_min_p, lambda x, _: x, scaled, t)
+        # Gumbel-max: argmax(logits + G) is an exact draw from softmax(logits), no normalization needed.
+        noise = _gumbel_noise(t.seeds, t.positions, processed.shape[-1])  # [S, V] float32
+        return jnp.where(is_greedy, greedy_ids, row_argmax(scaled + noise))
+
+    return jax.lax.cond(t.any_random, random_ids, lambda: greedy_ids)

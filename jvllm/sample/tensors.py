@@ -1,5 +1,9 @@
-"""Per-batch sampling tensors (device pytree), static sampler flags, and the host-side builder."""
+"""Per-step sampling tensors (a device pytree of fixed shapes), the two static sampler flags, and the host builder.
 
+Every option is a runtime value except two that need arrays of their own: penalties (each row's token history,
+[S, history_width]) and logit biases / allowed / blocked tokens (a dense [S, V] addend). Their flags pick one of
+four compiled samplers per step shape; everything else (greedy or random, top-k/p/min-p, logprobs) is a
+device-side switch."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,13 +12,11 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from jvllm.utils import next_power_of_2
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingTensors:
-    """Per-row sampling parameters for one padded batch of S sequences."""
+    """Per-row sampling parameters for one step of S rows (padding rows are greedy and plain)."""
 
     temperature: jax.Array  # [S] float32; 0 => greedy row
     top_k: jax.Array  # [S] int32; 0 => disabled
@@ -25,22 +27,20 @@ class SamplingTensors:
     repetition_penalty: jax.Array  # [S] float32; 1.0 => off
     seeds: jax.Array  # [S] uint32
     positions: jax.Array  # [S] int32; sequence index of the token being sampled
-    output_ids: jax.Array  # [S, Lo] int32; generated ids, -1 padded
-    prompt_ids: jax.Array  # [S, Lp] int32; prompt ids, -1 padded
-    bias_ids: jax.Array  # [S, Kb] int32; logit_bias ids, -1 padded
-    bias_values: jax.Array  # [S, Kb] float32
-    allowed_ids: jax.Array  # [S, Ka] int32; -1 padded; all -1 => unrestricted
-    blocked_ids: jax.Array  # [S, Kx] int32; forced to -inf, -1 padded
+    any_random: jax.Array  # [] bool: some row has temperature > 0
+    any_top_k_p: jax.Array  # [] bool: some random row truncates
+    any_logprobs: jax.Array  # [] bool: some row asks for the sampled token's logprobs
+    history: jax.Array | None = None  # [S, L] int32 prompt then output ids, -1 padded (flags.penalties)
+    num_prompt: jax.Array | None = None  # [S] int32 prompt tokens at the start of each history row
+    bias: jax.Array | None = None  # [S, V] float32 added to the logits, -inf forbids (flags.bias)
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplerFlags:
-    """Static switches: a False flag compiles the feature out of the jitted sampler."""
+    """Static: whether the step carries token histories (penalties) and a logit addend (biases, masks)."""
 
-    any_random: bool = False  # some row has temperature > 0
-    any_top_k_p: bool = False  # some random row uses top_k, top_p or min_p
-    any_penalties: bool = False  # some row uses presence/frequency/repetition penalty
-    any_bias: bool = False  # logit_bias, allowed_ids or blocked_ids present
+    penalties: bool = False
+    bias: bool = False
 
 
 @dataclasses.dataclass
@@ -61,56 +61,48 @@ def _param(params: Any, name: str, default: Any) -> Any:
     return default if value is None else value
 
 
-def _fill_ragged(rows: list[Sequence[int]], num_rows: int, width: int) -> np.ndarray:
-    """Packs variable-length id lists into a -1 padded [num_rows, width] int32 array."""
-    out = np.full((num_rows, width), -1, dtype=np.int32)  # [S, W] int32
-    for i, ids in enumerate(rows):
-        if len(ids):
-            out[i, : len(ids)] = np.asarray(ids, dtype=np.int64)
-    return out
+def _bias_row(params: Any, blocked: Sequence[int], vocab_size: int) -> np.ndarray | None:
+    """[V] float32 addend: -inf outside allowed_token_ids, + logit_bias, -inf on blocked ids; None if nothing."""
+    allowed = _param(params, "allowed_token_ids", None)
+    bias = _param(params, "logit_bias", {}) or {}
+    if not allowed and not bias and not len(blocked):
+        return None
+    row = np.zeros(vocab_size, np.float32)
+    if allowed:
+        row[:] = -np.inf
+        row[np.asarray(allowed, np.int64)] = 0.0
+    for token, value in bias.items():
+        row[int(token)] += float(value)
+    if len(blocked):
+        row[np.asarray(blocked, np.int64)] = -np.inf
+    return row
 
 
-def build_sampling_tensors(
-    rows: list[RowSpec], num_padded_rows: int
-) -> tuple[SamplingTensors, SamplerFlags]:
-    """Builds the host (numpy) tensors and static flags for a batch; the runner sends them to the device
-    in the one transfer of all the step's inputs.
-
-    Rows past len(rows) are padding: greedy with every feature disabled, so they
-    cost nothing and never influence the real rows.
-    """
-    n = len(rows)
+def build_sampling_tensors(rows: list[RowSpec], num_padded_rows: int, *, vocab_size: int,
+                           history_width: int) -> tuple[SamplingTensors, SamplerFlags]:
+    """Host (numpy) tensors and static flags for a step; rows past len(rows) are padding: greedy, no feature."""
     s = num_padded_rows
-    if s < n:
-        raise ValueError(f"num_padded_rows={s} < number of rows {n}")
-
-    temperature = np.zeros((s,), np.float32)  # [S] float32
-    top_k = np.zeros((s,), np.int32)  # [S] int32
-    top_p = np.ones((s,), np.float32)  # [S] float32
-    min_p = np.zeros((s,), np.float32)  # [S] float32
-    presence = np.zeros((s,), np.float32)  # [S] float32
-    frequency = np.zeros((s,), np.float32)  # [S] float32
-    repetition = np.ones((s,), np.float32)  # [S] float32
-    seeds = np.zeros((s,), np.uint32)  # [S] uint32
-    positions = np.zeros((s,), np.int32)  # [S] int32
-
-    bias_ids_rows: list[list[int]] = []
-    bias_val_rows: list[list[float]] = []
-    allowed_rows: list[list[int]] = []
-    blocked_rows: list[list[int]] = []
-    output_rows: list[Sequence[int]] = []
-    prompt_rows: list[Sequence[int]] = []
-    need_prompt = False
-
+    if s < len(rows):
+        raise ValueError(f"num_padded_rows={s} < number of rows {len(rows)}")
+    temperature = np.zeros(s, np.float32)
+    top_k = np.zeros(s, np.int32)
+    top_p = np.ones(s, np.float32)
+    min_p = np.zeros(s, np.float32)
+    presence = np.zeros(s, np.float32)
+    frequency = np.zeros(s, np.float32)
+    repetition = np.ones(s, np.float32)
+    seeds = np.zeros(s, np.uint32)
+    positions = np.zeros(s, np.int32)
+    any_logprobs = False
+    bias_rows: dict[int, np.ndarray] = {}
     for i, row in enumerate(rows):
         p = row.params
         temp = float(_param(p, "temperature", 1.0))
         if temp > 0:  # SamplingParams sets greedy requests' temperature to exactly 0
             temperature[i] = temp
-            # Truncation only matters for random rows; zeroing it on greedy rows
-            # keeps any_top_k_p (and the sort) off for all-greedy batches.
+            # Truncation only matters for random rows: greedy rows keep it off, so an all-greedy step skips it.
             k = int(_param(p, "top_k", 0))
-            top_k[i] = k if k > 0 else 0  # vLLM's -1 also means disabled
+            top_k[i] = k if 0 < k < vocab_size else 0  # -1 (vLLM's spelling) and k >= vocab keep every token
             top_p[i] = float(_param(p, "top_p", 1.0))
             min_p[i] = float(_param(p, "min_p", 0.0))
         presence[i] = float(_param(p, "presence_penalty", 0.0))
@@ -118,62 +110,25 @@ def build_sampling_tensors(
         repetition[i] = float(_param(p, "repetition_penalty", 1.0))
         seeds[i] = int(row.seed) & 0xFFFFFFFF  # keys are built from 32-bit seeds
         positions[i] = int(row.position)
-        need_prompt |= bool(repetition[i] != 1.0)
-
-        bias = _param(p, "logit_bias", {}) or {}
-        # JSON requests carry string keys; normalize to ints.
-        bias_ids_rows.append([int(tok) for tok in bias.keys()])
-        bias_val_rows.append([float(v) for v in bias.values()])
-        allowed_rows.append([int(tok) for tok in (_param(p, "allowed_token_ids", []) or [])])
-        blocked_rows.append([int(tok) for tok in row.blocked_ids])
-        output_rows.append(row.output_ids)
-        prompt_rows.append(row.prompt_ids)
-
-    random_rows = temperature > 0  # [S] bool
-    flags = SamplerFlags(
-        any_random=bool(random_rows.any()),
-        any_top_k_p=bool(((top_k > 0) | (top_p < 1.0) | (min_p > 0.0)).any()),
-        any_penalties=bool(
-            (presence != 0.0).any() or (frequency != 0.0).any() or (repetition != 1.0).any()
-        ),
-        any_bias=any(bias_ids_rows) or any(allowed_rows) or any(blocked_rows),
-    )
-
-    # Token-history arrays are only shipped when penalties need them; otherwise a
-    # [S, 1] all -1 placeholder keeps the pytree structure fixed.
-    lo = next_power_of_2(max((len(r) for r in output_rows), default=0)) if flags.any_penalties else 1
-    lp = next_power_of_2(max((len(r) for r in prompt_rows), default=0)) if need_prompt else 1
-    kb = next_power_of_2(max((len(r) for r in bias_ids_rows), default=0))
-    ka = next_power_of_2(max((len(r) for r in allowed_rows), default=0))
-    kx = next_power_of_2(max((len(r) for r in blocked_rows), default=0))
-
-    output_ids = (
-        _fill_ragged(output_rows, s, lo) if flags.any_penalties else np.full((s, 1), -1, np.int32)
-    )  # [S, Lo] int32
-    prompt_ids = (
-        _fill_ragged(prompt_rows, s, lp) if need_prompt else np.full((s, 1), -1, np.int32)
-    )  # [S, Lp] int32
-    bias_ids = _fill_ragged(bias_ids_rows, s, kb)  # [S, Kb] int32
-    bias_values = np.zeros((s, kb), np.float32)  # [S, Kb] float32
-    for i, vals in enumerate(bias_val_rows):
-        bias_values[i, : len(vals)] = vals
-    allowed_ids = _fill_ragged(allowed_rows, s, ka)  # [S, Ka] int32
-    blocked_ids = _fill_ragged(blocked_rows, s, kx)  # [S, Kx] int32
-
-    return SamplingTensors(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        presence_penalty=presence,
-        frequency_penalty=frequency,
-        repetition_penalty=repetition,
-        seeds=seeds,
-        positions=positions,
-        output_ids=output_ids,
-        prompt_ids=prompt_ids,
-        bias_ids=bias_ids,
-        bias_values=bias_values,
-        allowed_ids=allowed_ids,
-        blocked_ids=blocked_ids,
-    ), flags
+        any_logprobs |= _param(p, "logprobs", None) is not None
+        bias = _bias_row(p, row.blocked_ids, vocab_size)
+        if bias is not None:
+            bias_rows[i] = bias
+    penalties = bool((presence != 0).any() or (frequency != 0).any() or (repetition != 1).any())
+    tensors = SamplingTensors(
+        temperature, top_k, top_p, min_p, presence, frequency, repetition, seeds, positions,
+        any_random=np.asarray((temperature > 0).any()),
+        any_top_k_p=np.asarray(((top_k > 0) | (top_p < 1) | (min_p > 0)).any()),
+        any_logprobs=np.asarray(any_logprobs))
+    if penalties:
+        tensors.history = np.full((s, history_width), -1, np.int32)
+        tensors.num_prompt = np.zeros(s, np.int32)
+        for i, row in enumerate(rows):
+            ids = [*row.prompt_ids, *row.output_ids]
+            tensors.history[i, : len(ids)] = ids
+            tensors.num_prompt[i] = len(row.prompt_ids)
+    if bias_rows:
+        tensors.bias = np.zeros((s, vocab_size), np.float32)
+        for i, bias in bias_rows.items():
+            tensors.bias[i] = bias
+    return tensors, SamplerFlags(penalties=penalties, bias=bool(bias_rows))

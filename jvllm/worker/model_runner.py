@@ -1,9 +1,8 @@
-"""Owns the device side: weights, the donated KV page pool, and the jitted bucketed model steps."""
+"""Owns the device side: weights, the donated KV page pool, and the model steps of a closed set of shapes."""
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from typing import Any
 
 import jax
@@ -14,18 +13,20 @@ from jvllm.attention import get_backend
 from jvllm.core.scheduler import ScheduledChunk
 from jvllm.model_loader.loader import LoadedModel
 from jvllm.parallel.mesh import host_array, named_sharding, put_replicated
-from jvllm.sample.logprobs import TokenLogprobs, bucket_k, host_rows
-from jvllm.sample.tensors import RowSpec, build_sampling_tensors
+from jvllm.sample.logprobs import TokenLogprobs, host_rows
+from jvllm.sample.tensors import RowSpec, SamplerFlags, build_sampling_tensors
 from jvllm.utils import cdiv
-from jvllm.worker.batch import BucketLimits, ChunkRow, build_batch, chunk_rows
+from jvllm.worker.batch import ChunkRow, HostBatch, build_batch, chunk_rows
+from jvllm.worker.compile_watch import compile_watch
+from jvllm.worker.compiled_steps import CompiledSteps
 from jvllm.worker.step_functions import build_step_functions
+from jvllm.worker.step_shapes import ShapeSet, StepShape
 from jvllm.worker.weights import BATCHED_MIN_ROWS, StepWeights
-from models.attention import AttentionMetadata
+from models.attention import AttentionMetadata, value_dtype
 
 logger = logging.getLogger("jvllm")
 
-
-LONG_CHUNK_TOKENS = 256  # prefill chunks at least this long run as their own group
+PAGE_TABLE_MULTIPLE = 16  # page tables are padded to a multiple of this, so decode loops read whole spans
 
 
 @dataclasses.dataclass
@@ -33,14 +34,13 @@ class StepCall:
     """Everything one device step takes from the host: numpy arrays and static choices. Multi-host, rank 0
     sends it to the other ranks, which run the same step (jvllm.parallel.distributed)."""
 
+    shape: StepShape
     input_ids: np.ndarray | jax.Array  # [T] int32; on the device for a look-ahead step
     positions: np.ndarray  # [T] int32
     metadata: AttentionMetadata  # numpy leaves
     sampling: Any = None  # SamplingTensors (numpy leaves); None for an all-logits call
     prompt_targets: np.ndarray | None = None  # [T] int32
-    flags: Any = None  # SamplerFlags
-    num_logprobs: int | None = None
-    num_prompt_logprobs: int | None = None
+    flags: SamplerFlags = SamplerFlags()
 
     @property
     def all_logits(self) -> bool:
@@ -60,18 +60,12 @@ class StepResult:
 
 @dataclasses.dataclass
 class DispatchedGroup:
-    """One bucketed device call started by ModelRunner.dispatch; `out` holds its device outputs."""
+    """One device call started by ModelRunner.dispatch; `out` holds its device outputs."""
 
     chunks: list[ScheduledChunk]
     call: StepCall
     prompt_rows: list
     out: Any
-
-
-@jax.jit
-def _take_ids(source_ids: jax.Array, rows: np.ndarray) -> jax.Array:
-    """source_ids [S'] int32, rows [T] int32 -> [T] int32 input ids, gathered on the device."""
-    return source_ids[rows]
 
 
 def prompt_logprob_targets(chunks: list[ScheduledChunk], num_tokens: int) -> tuple[np.ndarray, list]:
@@ -91,38 +85,50 @@ def prompt_logprob_targets(chunks: list[ScheduledChunk], num_tokens: int) -> tup
     return targets, wanted
 
 
-class ModelRunner:
-    """Turns scheduled chunks into device arrays, runs the jitted step, returns sampled ids to the host."""
+def _wants_prompt_logprobs(chunk: ScheduledChunk) -> bool:
+    request = chunk.request
+    return request.params.prompt_logprobs is not None and chunk.start < request.num_prompt_tokens - 1
 
-    def __init__(self, loaded: LoadedModel, *, num_pages: int, page_size: int, limits: BucketLimits,
+
+class ModelRunner:
+    """Turns scheduled chunks into device arrays, runs the compiled step, returns sampled ids to the host."""
+
+    def __init__(self, loaded: LoadedModel, *, num_pages: int, page_size: int, max_model_len: int, shapes: ShapeSet,
                  attention_backend: str, batched_weight_dtype: Any = None, batched_min_rows: int = BATCHED_MIN_ROWS,
                  channel: Any = None):
         """`channel` (multi-host, a jvllm.parallel.distributed.StepChannel): rank 0 sends every step's
         StepCall through it before running it; the other ranks run what they receive."""
+        cfg = loaded.config
         self.loaded = loaded
         self.page_size = page_size
         self.mesh = loaded.mesh
+        # XLA:CPU runs each device's share of a collective on a small shared thread pool: two independent
+        # sharded executions in flight (a step's layer and the next group's embedding) can fill it with
+        # waiting participants and deadlock. Virtual CPU meshes therefore run one executable at a time.
+        self._one_at_a_time = self.mesh is not None and jax.devices()[0].platform == "cpu"
         self.channel = channel
-        self.backend = get_backend(attention_backend)
-        self.step_weights = StepWeights(loaded.state, batched_dtype=batched_weight_dtype,
+        self.backend = get_backend(attention_backend).for_model(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                                                loaded.dtype)
+        self.step_weights = StepWeights(loaded.graphdef, loaded.state, batched_dtype=batched_weight_dtype,
                                         sharded=self.mesh is not None, batched_min_rows=batched_min_rows)
-        self.steps = build_step_functions(loaded.graphdef, self.step_weights.treedef, self.backend, self.mesh,
-                                          loaded.config.vocab_size)
-        self.limits = dataclasses.replace(limits, min_rows=2) if self.step_weights.one_row_dots_slow else limits
-        cfg = loaded.config
-        self.kv_cache = self._new_pool(num_pages)
-        self._seen_shapes: set[tuple] = set()
+        self.shapes = dataclasses.replace(shapes, min_rows=2) if self.step_weights.one_row_dots_slow else shapes
+        self.max_pages = cdiv(cdiv(max_model_len, page_size), PAGE_TABLE_MULTIPLE) * PAGE_TABLE_MULTIPLE
+        self.history_width = max_model_len
         self.vocab_size = cfg.vocab_size
+        self.kv_cache = self._new_pool(num_pages)
+        steps = build_step_functions(self.step_weights.parts, self.backend, value_dtype(self.kv_cache[0][0].dtype),
+                                     shapes.max_num_seqs, self.mesh, cfg.vocab_size)
+        self.compiled = CompiledSteps(steps, self)
         logger.info("KV pool: %d pages x %d tokens, %.1f MiB", num_pages, page_size,
                     self.kv_pool_bytes(cfg, loaded.dtype, num_pages, page_size) / 2**20)
 
     @property
     def weights(self) -> list[jax.Array]:
-        return self.step_weights.weights
+        return self.step_weights.weights.leaves
 
     @property
     def batched_weights(self) -> list[jax.Array] | None:
-        return self.step_weights.batched
+        return None if self.step_weights.batched is None else self.step_weights.batched.leaves
 
     def _new_pool(self, num_pages: int) -> list[tuple[jax.Array, jax.Array]]:
         """Every layer's zeroed K and V pages from one jitted call (faster than one eager zeros per array)."""
@@ -133,7 +139,8 @@ class ModelRunner:
         dtype = self.backend.pool_dtype(self.loaded.dtype)
         zeros = jax.jit(lambda: [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)],
                         out_shardings=sharding)
-        return zeros()
+        with compile_watch().expected():
+            return zeros()
 
     @staticmethod
     def kv_pool_bytes(cfg: Any, dtype: Any, num_pages: int, page_size: int) -> int:
@@ -145,14 +152,27 @@ class ModelRunner:
         """Async scheduling feeds a step from the previous step's device ids: one device, one host."""
         return self.mesh is None and self.channel is None
 
+    def step_shapes(self) -> list[StepShape]:
+        return self.shapes.shapes()
+
+    def precompile(self, progress: Any = None) -> int:
+        """Compile (or load from the persistent cache) every executable of every step shape; -> how many."""
+        return self.compiled.precompile(self.step_shapes(), progress)
+
+    # ---- steps ----------------------------------------------------------------------------------------
     def dispatch(self, chunks: list[ScheduledChunk], source: DispatchedGroup | None = None) -> list[DispatchedGroup]:
-        """Start the device steps of `chunks` without waiting for them. With `source` (the previous step, one
-        group), `chunks` are look-ahead chunks of its requests: one call, each input token taken on the device
-        from the id `source` sampled for the same request."""
-        if source is None:
-            return [self._dispatch_group(group) for group in self._chunk_groups(chunks)]
-        rows = {id(chunk.request): row for row, chunk in enumerate(source.chunks)}
-        return [self._dispatch_group(chunks, source.out["token_ids"], [rows[id(c.request)] for c in chunks])]
+        """Start the device steps of `chunks` without waiting for them: one-token chunks in a decode step, the
+        others in a prefill step. With `source` (the previous step, one group), `chunks` are look-ahead chunks
+        of its requests: one decode step, each input token taken on the device from the id `source` sampled."""
+        if source is not None:
+            rows = {id(chunk.request): row for row, chunk in enumerate(source.chunks)}
+            return [self._dispatch_group(chunks, "decode", source.out["token_ids"],
+                                         [rows[id(c.request)] for c in chunks])]
+        # Prompt logprobs are computed by prefill steps only (a one-token chunk of a prompt may want them).
+        decodes = [c for c in chunks if c.num_tokens == 1 and not _wants_prompt_logprobs(c)]
+        prefills = [c for c in chunks if c not in decodes]
+        groups = [(decodes, "decode"), (prefills, "prefill")]
+        return [self._dispatch_group(group, kind) for group, kind in groups if group]
 
     def collect(self, dispatched: list[DispatchedGroup]) -> dict[str, StepResult]:
         """Wait for dispatched steps; -> {request_id: result} for every chunk that samples a token or asked for
@@ -162,60 +182,62 @@ class ModelRunner:
             results.update(self._group_results(group))
         return results
 
-    @staticmethod
-    def _chunk_groups(chunks: list[ScheduledChunk]) -> list[list[ScheduledChunk]]:
-        """Decodes together; short prefill chunks together; each long chunk alone. A padded group costs
-        seqs x max_q x (context + max_q) in attention, so one 1k-token chunk must not pad its neighbours."""
-        decodes = [c for c in chunks if c.num_tokens == 1]
-        short = [c for c in chunks if 1 < c.num_tokens < LONG_CHUNK_TOKENS]
-        long = [[c] for c in chunks if c.num_tokens >= LONG_CHUNK_TOKENS]
-        return [group for group in (decodes, short, *long) if group]
+    def shape_for(self, chunks: list[ScheduledChunk], kind: str) -> StepShape:
+        if kind == "decode":
+            return self.shapes.decode(len(chunks))
+        return self.shapes.prefill(sum(c.num_tokens for c in chunks))
 
-    def step_call(self, chunks: list[ScheduledChunk]) -> tuple[StepCall, list]:
+    def step_call(self, chunks: list[ScheduledChunk], kind: str) -> tuple[StepCall, list]:
         """The host inputs of one group's step, and the requests that asked for prompt logprobs."""
-        batch = build_batch(chunk_rows(chunks), self.page_size, self.limits, self.backend.table_pages)
-        num_rows = batch.metadata.q_lens.shape[0]
-        rows = [self._row_spec(c) for c in chunks]
-        sampling, flags = build_sampling_tensors(rows, num_rows)
-        asked = [c.request.params.logprobs for c in chunks if c.samples and c.request.params.logprobs is not None]
-        num_logprobs = bucket_k(max(asked)) if asked else None
-        prompt_targets, prompt_rows = prompt_logprob_targets(chunks, batch.input_ids.shape[0])
-        num_prompt_logprobs = bucket_k(max(r.params.prompt_logprobs for r in prompt_rows)) if prompt_rows \
-            else None
-        self._log_new_shape(("step", *batch.shape_key, flags, num_logprobs, num_prompt_logprobs))
-        call = StepCall(batch.input_ids, batch.positions, batch.metadata, sampling, prompt_targets, flags,
-                        num_logprobs, num_prompt_logprobs)
-        return call, prompt_rows
+        shape = self.shape_for(chunks, kind)
+        batch = self._host_batch(chunk_rows(chunks), shape)
+        prompt_targets, prompt_rows = prompt_logprob_targets(chunks, shape.tokens)
+        sampling, flags = build_sampling_tensors(
+            [self._row_spec(c) for c in chunks], shape.seqs, vocab_size=self.vocab_size,
+            history_width=self.history_width)
+        return StepCall(shape, batch.input_ids, batch.positions, batch.metadata, sampling,
+                        prompt_targets if prompt_rows else None, flags), prompt_rows
+
+    def _host_batch(self, rows: list[ChunkRow], shape: StepShape) -> HostBatch:
+        return build_batch(rows, shape, self.page_size, self.max_pages, self.backend.prefill_layout)
 
     def run_call(self, call: StepCall) -> Any:
         """Run one device step (sending it to the other hosts first, on rank 0 of a multi-host mesh);
-        -> forward_sample's outputs, or all-position logits [T, V]."""
+        -> the head's outputs, or all-position logits [T, V]."""
         if self.channel is not None and self.channel.is_leader:
             self.channel.send(call)
-        md, ids, positions, sampling, targets = self._device_inputs(call)
-        if call.all_logits:
-            logits, _ = self.steps.all_logits(self.weights, self.kv_cache, ids, positions, md)
-            return logits
-        out, layer_kv = self.steps.forward_sample(
-            self.step_weights.for_rows(call.input_ids.shape[0]), self.kv_cache, ids, positions, md, sampling,
-            targets, flags=call.flags, num_logprobs=call.num_logprobs, num_prompt_logprobs=call.num_prompt_logprobs)
-        self.kv_cache = self.steps.store_kv(self.kv_cache, layer_kv, md)
+        md, ids, positions, sampling, targets = self.device_inputs(call)
+        step = self.compiled.get(call.shape)
+        weights = self.step_weights.for_rows(call.shape.tokens)
+        settle = jax.block_until_ready if self._one_at_a_time else (lambda value: value)
+        with compile_watch().running(call.shape):
+            x, cos, sin = settle(step.embed(weights.outer, ids, positions))
+            results = []
+            for layer_weights, pages in zip(weights.layers, self.kv_cache):
+                x, result = settle(step.layer(layer_weights, x, cos, sin, pages, md))
+                results.append(result)
+            if call.all_logits:
+                return settle(step.logits(weights.outer, x))
+            out = dict(settle(step.head(call.flags)(weights.outer, step.last_rows(x, md), sampling)))
+            if targets is not None:
+                out["prompt_stats"] = settle(step.prompt_stats(weights.outer, x, targets))
+            self.kv_cache = settle(step.store_kv(self.kv_cache, results, md))
         return out
 
-    def _device_inputs(self, call: StepCall) -> tuple:
-        """-> (metadata, ids, positions, sampling, prompt targets) as the jitted steps take them."""
+    def device_inputs(self, call: StepCall) -> tuple:
+        """-> (metadata, ids, positions, sampling, prompt targets) on the device, as the steps take them."""
         inputs = (call.metadata, call.input_ids, call.positions, call.sampling, call.prompt_targets)
         # One batched transfer: ~0.2 ms, against ~1.3 ms for numpy arguments passed to the jit.
         return jax.device_put(inputs) if self.mesh is None else put_replicated(inputs, self.mesh)
 
-    def _dispatch_group(self, chunks: list[ScheduledChunk], source_ids: jax.Array | None = None,
+    def _dispatch_group(self, chunks: list[ScheduledChunk], kind: str, source_ids: jax.Array | None = None,
                         source_rows: list[int] | None = None) -> DispatchedGroup:
         """source_ids [S'] int32 on the device, source_rows: the row of each chunk's input token in it."""
-        call, prompt_rows = self.step_call(chunks)
+        call, prompt_rows = self.step_call(chunks, kind)
         if source_ids is not None:
-            rows = np.zeros(call.input_ids.shape[0], np.int32)  # decode chunks: flat token i is chunk i
+            rows = np.zeros(call.shape.seqs, np.int32)  # decode: token i is chunk i
             rows[:len(source_rows)] = source_rows
-            call.input_ids = _take_ids(source_ids, rows)
+            call.input_ids = self.compiled.get(call.shape).take_ids(source_ids, rows)
         return DispatchedGroup(chunks, call, prompt_rows, self.run_call(call))
 
     def _group_results(self, group: DispatchedGroup) -> dict[str, StepResult]:
@@ -223,14 +245,15 @@ class ModelRunner:
         if self.mesh is not None and jax.process_count() > 1:
             out = jax.tree.map(host_array, out)  # replicated over every host's devices: read the local copy
         token_ids = np.asarray(out["token_ids"])
-        sample_stats = host_rows(out["sample_stats"], list(range(len(chunks)))) if call.num_logprobs is not None \
-            else None
+        asked = any(c.samples and c.request.params.logprobs is not None for c in chunks)
+        sample_stats = host_rows(out["sample_stats"], list(range(len(chunks)))) if asked else None
         results: dict[str, StepResult] = {}
         for row, chunk in enumerate(chunks):
             if chunk.samples:
+                wants = chunk.request.params.logprobs is not None
                 results[chunk.request.request_id] = StepResult(
-                    int(token_ids[row]), sample_stats[row] if sample_stats else None)
-        if call.num_prompt_logprobs is not None:
+                    int(token_ids[row]), sample_stats[row] if wants and sample_stats else None)
+        if prompt_rows:
             self._attach_prompt_logprobs(chunks, prompt_rows, out["prompt_stats"], results)
         return results
 
@@ -259,24 +282,18 @@ class ModelRunner:
         return RowSpec(params=params, seed=request.seed, position=request.num_tokens + chunk.pending_tokens,
                        prompt_ids=request.prompt_token_ids, output_ids=request.output_token_ids, blocked_ids=blocked)
 
-    def _log_new_shape(self, key: tuple) -> None:
-        if key not in self._seen_shapes:
-            self._seen_shapes.add(key)
-            logger.info("compiling/using step shape tokens=%d seqs=%d max_q=%d pages=%d %s", *key[1:5], key[5:])
-
-    @property
-    def compiled_shapes(self) -> set[tuple]:
-        return set(self._seen_shapes)
-
     def prompt_logits(self, token_ids: list[int]) -> np.ndarray:
         """Logits [T, V] at every position of one prompt, through the paged path as one fresh chunk. Nothing is
         written to the pool (pages listed are the reserved page 0, never read: the chunk is its whole context)."""
         n = len(token_ids)
-        if self.backend.table_pages(0, n, self.page_size):
+        if self.backend.step_donates_pool:
             raise NotImplementedError(f"prompt_logits needs a backend that attends to a fresh chunk's own K/V "
-                                      f"(xla), not {self.backend.name}")
+                                      f"without writing the pool (xla), not {self.backend.name}")
+        if n > self.shapes.max_num_batched_tokens:
+            raise ValueError(f"prompt_logits takes at most {self.shapes.max_num_batched_tokens} tokens, got {n}")
+        shape = self.shapes.prefill(n)
         row = ChunkRow(token_ids=list(token_ids), start=0, page_table=[0] * cdiv(n, self.page_size))
-        limits = BucketLimits(max(n, 1), 1, max(len(row.page_table), 1))
-        batch = build_batch([row], self.page_size, limits, self.backend.table_pages)
-        logits = self.run_call(StepCall(batch.input_ids, batch.positions, batch.metadata))  # on every host
+        batch = self._host_batch([row], shape)
+        with compile_watch().expected():  # a diagnostic: its executable is compiled on first use
+            logits = self.run_call(StepCall(shape, batch.input_ids, batch.positions, batch.metadata))
         return (host_array(logits) if self.mesh is not None else np.asarray(logits))[:n]

@@ -1,82 +1,124 @@
-"""The jitted device steps of one model: forward + sample, the pool write, and all-position logits.
+"""The jitted pieces of one model step: embedding, a layer (one function for every layer), the head with the
+sampler, all-position logits, and the pool store. The runner compiles them ahead of time per step shape.
 
-Built once per runner with the model's graphdef and weight tree structure closed over, so a call hashes
-no graphdef and flattens no NNX state: the per-step host cost is a flat list of weight arrays."""
+Each piece closes over the static structure (graphdefs, tree structures, mesh), so a call passes only flat
+weight lists and the step's arrays."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable
 
 import jax
-from flax import nnx
-
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jvllm.attention import AttentionBackend
 from jvllm.attention.backend import StoreFn
-from models.attention import AttentionMetadata
-from jvllm.sample.logprobs import blocked_logprob_stats, logprob_stats
 from jvllm.parallel import ops
+from jvllm.parallel.mesh import replicated
+from jvllm.sample.logprobs import MAX_LOGPROBS, LogprobStats, blocked_logprob_stats, logprob_stats
 from jvllm.sample.sampler import sample
 from jvllm.sample.tensors import SamplerFlags, SamplingTensors
+from jvllm.worker.model_parts import ModelParts
+from models.attention import AttentionMetadata
+
 
 @dataclasses.dataclass(frozen=True)
 class StepFunctions:
-    """forward_sample(weights, kv_cache, ids, positions, md, sampling, prompt_targets, flags=, num_logprobs=,
-    num_prompt_logprobs=) -> ({token_ids [S], sample_stats?, prompt_stats?}, layer results);
-    all_logits(weights, kv_cache, ids, positions, md) -> ([T, V] float32, layer results);
-    store_kv(kv_cache, layer results, md) -> the pool holding the step's K/V (call it after every step)."""
+    """Per step shape (T tokens, S rows):
+    embed(outer, ids [T], positions [T]) -> (x [T, D], cos, sin [T, hd]);
+    layer(layer weights, x, cos, sin, (k_pages, v_pages), md) -> (x, the attention's per-layer result);
+    last_rows(x, md) -> [S, D], each row's last token;
+    prompt_stats(outer, x, prompt_targets [T]) -> logprob stats [T, K] of each next prompt token;
+    logits(outer, x) -> [T, V] float32 at every position;
+    store_kv(pool, per-layer results, md) -> the pool holding the step's K/V;
+    take_ids(source ids [max_num_seqs], rows [S]) -> input ids gathered on the device.
+    Per row count S alone:
+    head(outer, x_last [S, D], sampling, flags=) -> {token_ids [max_num_seqs] (rows past S are 0: every step's
+    ids have one size, so a look-ahead step can read any step's), sample_stats [S, K] (zeros unless a row
+    asked; K = MAX_LOGPROBS, each request reads its own top k)}."""
 
-    forward_sample: Callable[..., Any]
-    all_logits: Callable[..., Any]
+    embed: Any
+    layer: Any
+    last_rows: Any
+    head: Any
+    prompt_stats: Any
+    logits: Any
     store_kv: StoreFn
+    take_ids: Any
 
 
-def build_step_functions(graphdef: Any, treedef: Any, backend: AttentionBackend, mesh: Mesh | None = None,
-                         vocab_size: int | None = None) -> StepFunctions:
-    """With a mesh (tensor parallelism), weights and pool arrive sharded: attention and the pool write run
-    per shard, the embedding lookup is vocab-parallel, and logits are replicated (and stripped of any vocab
-    padding, past `vocab_size`) before sampling. Without one, the single-device steps are unchanged."""
+def _zero_stats(rows: int) -> LogprobStats:
+    return LogprobStats(jnp.zeros(rows, jnp.float32), jnp.zeros(rows, jnp.int32),
+                        jnp.zeros((rows, MAX_LOGPROBS), jnp.int32), jnp.zeros((rows, MAX_LOGPROBS), jnp.float32))
+
+
+def build_step_functions(parts: ModelParts, backend: AttentionBackend, activation_dtype: Any, max_num_seqs: int,
+                         mesh: Mesh | None = None, vocab_size: int | None = None) -> StepFunctions:
+    """With a mesh (tensor parallelism) the weights and the pool arrive sharded: attention and the pool write
+    run per shard, the embedding lookup is vocab-parallel, activations between the pieces are replicated,
+    and logits are replicated (and stripped of any vocab padding past `vocab_size`) before sampling."""
     attention = backend.layer_attention(mesh)
-    embed = None if mesh is None else ops.vocab_parallel_lookup(mesh)
+    embed_lookup = None if mesh is None else ops.vocab_parallel_lookup(mesh)
     gather = (lambda x: x) if mesh is None else ops.replicate(mesh)
-    gather_logits = None if mesh is None else ops.gather_vocab(mesh)
-    donate = ("kv_cache",) if backend.step_donates_pool else ()
+    gather_vocab = None if mesh is None else ops.gather_vocab(mesh)
+    whole = None if mesh is None else replicated(mesh)
 
-    def model_of(weights: list[jax.Array]) -> Any:
-        return nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
+    def jit(fn: Callable, *, out_shardings: Any = None, **kwargs: Any) -> Any:
+        if mesh is None:
+            return jax.jit(fn, **kwargs)
+        return jax.jit(fn, out_shardings=out_shardings, **kwargs)
 
     def logits_of(model: Any) -> Callable[[jax.Array], jax.Array]:
-        """hidden [S, D] -> full-vocab logits [S, V] float32, on every device."""
+        """hidden [R, D] -> full-vocab logits [R, V] float32, on every device."""
         if mesh is None:
             return model.compute_logits
-        return lambda hidden: gather_logits(model.compute_logits(hidden))[:, :vocab_size]
+        return lambda hidden: gather_vocab(model.compute_logits(hidden))[:, :vocab_size]
 
-    @functools.partial(jax.jit, static_argnames=("flags", "num_logprobs", "num_prompt_logprobs"),
-                       donate_argnames=donate)
-    def forward_sample(weights: list[jax.Array], kv_cache: list, input_ids: jax.Array, positions: jax.Array,
-                       md: AttentionMetadata, sampling: SamplingTensors, prompt_targets: jax.Array, *,
-                       flags: SamplerFlags, num_logprobs: int | None = None, num_prompt_logprobs: int | None = None):
-        """prompt_targets [T] int32: the next prompt token after each row (for prompt logprobs)."""
-        model = model_of(weights)
-        hidden, layer_kv = model(input_ids, positions, kv_cache, md, attention, embed)  # [T, D]
-        compute_logits = logits_of(model)
-        logits = compute_logits(hidden[md.last_token_index])  # [S, V] float32
+    def embed(outer: list[jax.Array], input_ids: jax.Array, positions: jax.Array):
+        return parts.outer(outer).embed(input_ids, positions, activation_dtype, embed_lookup)
+
+    def layer(weights: list[jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array, pages: tuple,
+              md: AttentionMetadata):
+        return parts.layer(weights)(x, cos, sin, pages, md, attention)
+
+    def last_rows(x: jax.Array, md: AttentionMetadata) -> jax.Array:
+        return x[md.last_token_index]
+
+    def head(outer: list[jax.Array], x_last: jax.Array, sampling: SamplingTensors, *,
+             flags: SamplerFlags) -> dict[str, Any]:
+        model = parts.outer(outer)
+        logits = logits_of(model)(model.finish(x_last))  # [S, V] float32
         token_ids = sample(logits, sampling, flags)  # [S] int32
-        out = {"token_ids": token_ids}
-        if num_logprobs is not None:
-            out["sample_stats"] = logprob_stats(logits, token_ids, num_logprobs)
-        if num_prompt_logprobs is not None:
-            out["prompt_stats"] = blocked_logprob_stats(hidden, prompt_targets, num_prompt_logprobs,
-                                                        compute_logits)
-        return gather(out), layer_kv
+        sample_stats = jax.lax.cond(sampling.any_logprobs, lambda: logprob_stats(logits, token_ids, MAX_LOGPROBS),
+                                    lambda: _zero_stats(logits.shape[0]))
+        padded_ids = jnp.zeros(max_num_seqs, jnp.int32).at[:token_ids.shape[0]].set(token_ids)
+        return gather({"token_ids": padded_ids, "sample_stats": sample_stats})
 
-    @functools.partial(jax.jit, donate_argnames=donate)
-    def all_logits(weights: list[jax.Array], kv_cache: list, input_ids: jax.Array, positions: jax.Array,
-                   md: AttentionMetadata):
-        model = model_of(weights)
-        hidden, layer_kv = model(input_ids, positions, kv_cache, md, attention, embed)
-        return logits_of(model)(hidden), layer_kv
+    def prompt_stats(outer: list[jax.Array], x: jax.Array, prompt_targets: jax.Array) -> LogprobStats:
+        """prompt_targets [T] int32: the next prompt token after each row (-1: none)."""
+        model = parts.outer(outer)
+        return gather(blocked_logprob_stats(model.finish(x), prompt_targets, MAX_LOGPROBS, logits_of(model)))
 
-    return StepFunctions(forward_sample, all_logits, backend.store(mesh))
+    def logits(outer: list[jax.Array], x: jax.Array) -> jax.Array:
+        model = parts.outer(outer)
+        return logits_of(model)(model.finish(x))
+
+    layer_out = None if mesh is None else (whole, backend.layer_result_sharding(mesh))
+    return StepFunctions(
+        embed=jit(embed, out_shardings=(whole, whole, whole)),
+        layer=jit(layer, out_shardings=layer_out, donate_argnames=("pages",) if backend.step_donates_pool else ()),
+        last_rows=jit(last_rows, out_shardings=whole),
+        head=jit(head, out_shardings=whole, static_argnames=("flags",)),
+        prompt_stats=jit(prompt_stats, out_shardings=whole),
+        logits=jit(logits, out_shardings=whole),
+        store_kv=backend.store(mesh),
+        take_ids=jit(_take_ids, out_shardings=whole))
+
+
+def _take_ids(source_ids: jax.Array, rows: jax.Array) -> jax.Array:
+    """source_ids [max_num_seqs] int32 (a head's ids), rows [S] int32 -> [S] int32 input ids, on the device."""
+    return source_ids[rows]
+
+
+__all__ = ["StepFunctions", "build_step_functions"]

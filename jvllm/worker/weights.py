@@ -6,6 +6,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jvllm.worker.model_parts import ModelParts, PartWeights, split_model
 from models.llama import out_in_kernel_leaves
 
 # Steps of at least this many token rows take the batched (e.g. bf16) copy. XLA CPU runs dots of 2+ rows through
@@ -21,18 +22,27 @@ def cast_matrices(weights: list[jax.Array], dtype: Any, out_in: list[bool] | Non
 
 
 class StepWeights:
-    """`for_rows(rows)` picks the weights of a step with `rows` token rows."""
+    """The model split into its outer part and layers (jvllm.worker.model_parts); `for_rows(rows)` picks the
+    weights of a step with `rows` token rows."""
 
-    def __init__(self, state: Any, *, batched_dtype: Any = None, sharded: bool = False,
+    def __init__(self, graphdef: Any, state: Any, *, batched_dtype: Any = None, sharded: bool = False,
                  batched_min_rows: int = BATCHED_MIN_ROWS) -> None:
-        self.weights, self.treedef = jax.tree.flatten(state)  # flattened once: NNX state is slow to flatten
+        self.parts: ModelParts
+        self.parts, self.weights, outer_state, layer_states = split_model(graphdef, state)
         self.batched_min_rows = batched_min_rows
-        # The batched copy keeps narrowing projections [out, in] on one CPU device, where YNNPACK multiplies
-        # them faster (models.llama.stored_out_in); sharded and GPU weights keep the loaded layout.
-        out_in = out_in_kernel_leaves(state) if not sharded and jax.default_backend() == "cpu" else None
-        self.batched = None if batched_dtype is None else cast_matrices(self.weights, batched_dtype, out_in)
+        self.batched: PartWeights | None = None
+        if batched_dtype is not None:
+            # The batched copy keeps narrowing projections [out, in] on one CPU device, where YNNPACK multiplies
+            # them faster (models.llama.stored_out_in); sharded and GPU weights keep the loaded layout.
+            flip = not sharded and jax.default_backend() == "cpu"
 
-    def for_rows(self, rows: int) -> list[jax.Array]:
+            def cast(leaves: list[jax.Array], part_state: Any) -> list[jax.Array]:
+                return cast_matrices(leaves, batched_dtype, out_in_kernel_leaves(part_state) if flip else None)
+
+            self.batched = PartWeights(cast(self.weights.outer, outer_state),
+                                       [cast(w, s) for w, s in zip(self.weights.layers, layer_states)])
+
+    def for_rows(self, rows: int) -> PartWeights:
         if self.batched is not None and rows >= self.batched_min_rows:
             return self.batched
         return self.weights
@@ -43,4 +53,4 @@ class StepWeights:
         as one float32 row: with 16-bit weights for 1-row steps, every step should get at least 2 rows."""
         return jax.default_backend() == "cpu" and any(
             w.ndim >= 2 and jnp.issubdtype(w.dtype, jnp.floating) and w.dtype.itemsize == 2
-            for w in self.for_rows(1))
+            for w in self.for_rows(1).leaves)

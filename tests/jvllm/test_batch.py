@@ -1,16 +1,19 @@
-"""build_batch's buckets: decode-only steps pad their page tables to DECODE_MIN_CONTEXT_TOKENS."""
+"""The closed set of step shapes, and how build_batch fills one: fixed sizes whatever the chunks."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from jvllm import Engine, SamplingParams
 from jvllm.attention import get_backend
+from jvllm.attention.xla import chunk_classes, class_layout
 from jvllm.utils import cdiv
-from jvllm.worker.batch import DECODE_MIN_CONTEXT_TOKENS, BucketLimits, ChunkRow, build_batch
+from jvllm.worker.batch import ChunkRow, build_batch
+from jvllm.worker.step_shapes import ShapeSet, StepShape
+from pallas_kernels.ragged_attention import ragged_items
 
 PAGE = 16
-IN_STEP_WRITE = get_backend("pallas").table_pages  # tables list every page of the chunk
-SEPARATE_WRITE = get_backend("xla").table_pages  # tables list only the pages cached before the step
+MAX_PAGES = 32
+XLA_LAYOUT = get_backend("xla").prefill_layout
 
 
 def chunk(cached: int, new: int) -> ChunkRow:
@@ -18,45 +21,66 @@ def chunk(cached: int, new: int) -> ChunkRow:
     return ChunkRow([7] * new, cached, list(range(1, cdiv(cached + new, PAGE) + 1)))
 
 
-def table_width(chunks: list, max_pages: int = 256) -> int:
-    return build_batch(chunks, PAGE, BucketLimits(2048, 64, max_pages), IN_STEP_WRITE).metadata.page_tables.shape[1]
+def test_the_default_cpu_config_has_fifteen_shapes_known_in_advance():
+    shapes = ShapeSet(max_num_seqs=64, max_num_batched_tokens=2048).shapes()
+    assert [s.tokens for s in shapes if s.kind == "decode"] == [1, 2, 4, 8, 16, 32, 64]
+    assert [(s.tokens, s.seqs) for s in shapes if s.kind == "prefill"] == [
+        (16, 16), (32, 32), (64, 64), (128, 64), (256, 64), (512, 64), (1024, 64), (2048, 64)]
+    assert all(s.tokens == s.seqs for s in shapes if s.kind == "decode")
 
 
-def test_a_decode_step_covers_the_minimum_context_whatever_its_length():
-    assert DECODE_MIN_CONTEXT_TOKENS // PAGE == 8
-    for cached in (5, 20, 40, 127):
-        assert table_width([chunk(cached, 1), chunk(3, 1)]) == 8
+def test_limits_that_are_not_powers_of_two_end_the_buckets_and_two_rows_can_be_the_minimum():
+    shapes = ShapeSet(max_num_seqs=48, max_num_batched_tokens=3000, min_rows=2)
+    assert shapes.decode_sizes == [2, 4, 8, 16, 32, 48]
+    assert shapes.prefill_sizes == [16, 32, 64, 128, 256, 512, 1024, 2048, 3000]
+    assert shapes.decode(1) == StepShape("decode", 2, 2) and shapes.decode(33) == StepShape("decode", 48, 48)
+    assert shapes.prefill(2049) == StepShape("prefill", 3000, 48)
 
 
-def test_longer_decode_contexts_and_prefill_keep_the_power_of_two_buckets():
-    assert table_width([chunk(9 * PAGE, 1)]) == 16  # 10 pages -> 16
-    assert table_width([chunk(0, 5)]) == 1  # a prefill chunk pads to its own pages only
-    assert table_width([chunk(40, 4), chunk(30, 1)]) == 4  # a mixed step (max_q > 1) too: 3 pages -> 4
+@pytest.mark.parametrize("spans", [[(0, 5)], [(40, 3), (0, 100), (17, 1), (0, 16), (0, 17)], [(0, 128)]])
+def test_a_prefill_batch_has_the_shape_of_its_token_bucket_whatever_its_chunks(spans):
+    shape = ShapeSet(64, 256).prefill(sum(n for _, n in spans))
+    batch = build_batch([chunk(c, n) for c, n in spans], shape, PAGE, MAX_PAGES, XLA_LAYOUT)
+    md = batch.metadata
+    assert batch.input_ids.shape == md.slot_mapping.shape == (shape.tokens,)
+    assert md.q_lens.shape == (shape.seqs,) and md.page_tables.shape == (shape.seqs, MAX_PAGES)
+    assert {k: v.shape for k, v in md.layout.items()} == {
+        k: v.shape for k, v in build_batch([], shape, PAGE, MAX_PAGES, XLA_LAYOUT).metadata.layout.items()}
+    assert list(md.q_lens[:len(spans)]) == [n for _, n in spans]
+    assert list(md.kv_lens[:len(spans)]) == [c + n for c, n in spans]
+    assert not md.decode
 
 
-def test_first_prefill_chunks_gather_no_context_pages_on_the_split_backend():
-    chunks = [chunk(0, 40), chunk(0, 7)]
-    batch = build_batch(chunks, PAGE, BucketLimits(2048, 64, 256), SEPARATE_WRITE)
-    assert batch.metadata.page_tables.shape == (2, 0)
-    assert list(batch.metadata.slot_mapping[:3]) == [PAGE, PAGE + 1, PAGE + 2]  # tokens still go to their pages
-    with_cached = build_batch([chunk(0, 40), chunk(20, 7)], PAGE, BucketLimits(2048, 64, 256), SEPARATE_WRITE)
-    assert with_cached.metadata.page_tables.shape == (2, 2)  # 20 cached tokens: 2 pages
+def test_every_chunk_sits_in_the_narrowest_class_that_holds_it():
+    q_lens = np.array([5, 100, 16, 17, 1, 64])
+    starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]])
+    layout = class_layout(q_lens, starts, np.zeros(6), 256, 64)
+    assert chunk_classes(256) == [16, 32, 64, 128, 256]
+    placed = {}
+    for width in chunk_classes(256):
+        index, rows, count = layout[f"index{width}"], layout[f"rows{width}"], int(layout[f"count{width}"])
+        for r in range(count):
+            tokens = index[r][index[r] < 256]
+            placed[int(rows[r])] = (width, list(tokens))
+        assert (index[count:] == 256).all()
+    for member, n in enumerate(q_lens):
+        width, tokens = placed[member]
+        assert width == min(w for w in chunk_classes(256) if w >= n)
+        assert tokens == list(range(starts[member], starts[member] + n))
 
 
-def test_the_minimum_never_passes_the_longest_sequence():
-    assert table_width([chunk(5, 1)], max_pages=4) == 4
+def test_a_decode_batch_is_one_token_per_row():
+    shape = ShapeSet(8, 64).decode(3)
+    batch = build_batch([chunk(5, 1), chunk(20, 1), chunk(0, 1)], shape, PAGE, MAX_PAGES, XLA_LAYOUT)
+    md = batch.metadata
+    assert md.decode and md.layout == {} and batch.input_ids.shape == (4,)
+    assert list(md.query_start[:3]) == [0, 1, 2] and list(md.kv_lens[:3]) == [6, 21, 1]
+    with pytest.raises(ValueError, match="one token per chunk"):
+        build_batch([chunk(0, 2)], ShapeSet(8, 64).decode(2), PAGE, MAX_PAGES, XLA_LAYOUT)
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tiny_model_factory):
-    return str(tiny_model_factory("llama"))
-
-
-def test_a_short_generation_compiles_one_decode_shape(tiny_llama):
-    """A 6-token prompt growing to 46 tokens: one decode shape (it used to need 1, 2 and 4 pages)."""
-    engine = Engine(tiny_llama, max_num_seqs=2)
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    (out,) = engine.generate({"prompt_token_ids": list(range(100, 106))}, params, use_tqdm=False)
-    assert len(out.outputs[0].token_ids) == 40
-    decode_shapes = {key[1:5] for key in engine.runner.compiled_shapes if key[3] == 1}  # (tokens, seqs, max_q, pages)
-    assert decode_shapes == {(1, 1, 1, 8)}
+def test_ragged_work_items_cover_each_sequence_in_blocks():
+    item_seq, item_first = ragged_items(np.array([5, 0, 33]), block_q=16, num_tokens=64, num_seqs=4)
+    assert len(item_seq) == 64 // 16 + 4
+    real = item_first < 64
+    assert list(zip(item_seq[real], item_first[real])) == [(0, 0), (2, 0), (2, 16), (2, 32)]

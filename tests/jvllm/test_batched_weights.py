@@ -29,16 +29,21 @@ def prompt_logprobs(engine: Engine) -> list[np.ndarray]:
 def test_batched_copy_holds_bf16_matrices_and_serves_multi_row_steps(tiny_llama):
     engine = Engine(tiny_llama, max_num_seqs=4, batched_weight_dtype="bfloat16")
     runner = engine.runner
-    out_in = out_in_kernel_leaves(engine.model.state)
+    from jvllm.worker.model_parts import split_model
+
+    _, _, outer_state, layer_states = split_model(engine.model.graphdef, engine.model.state)
+    out_in = out_in_kernel_leaves(outer_state) + [flag for state in layer_states for flag in out_in_kernel_leaves(state)]
     assert sum(out_in) == 3 * 2  # down_proj, k_proj and v_proj (2 KV heads of 4) in each of the 2 layers
+    assert len(out_in) == len(runner.weights) == len(jax.tree.leaves(engine.model.state))
     for full, batched, flipped in zip(runner.weights, runner.batched_weights, out_in):
         assert batched.shape == (full.T.shape if flipped else full.shape)
         np.testing.assert_array_equal(np.asarray(batched, np.float32),
                                       np.asarray(jnp.asarray(full.T if flipped else full, batched.dtype), np.float32))
         assert batched.dtype == (jnp.bfloat16 if full.ndim >= 2 else full.dtype)  # norms stay float32
     assert BATCHED_MIN_ROWS == 2
-    assert runner.step_weights.for_rows(1) is runner.weights  # a 1-row bf16 dot is a slow matrix-vector product
-    assert runner.step_weights.for_rows(BATCHED_MIN_ROWS) is runner.batched_weights
+    weights = runner.step_weights
+    assert weights.for_rows(1) is weights.weights  # a 1-row bf16 dot is a slow matrix-vector product
+    assert weights.for_rows(BATCHED_MIN_ROWS) is weights.batched
 
 
 def test_bf16_weights_compute_the_same_model_within_bf16_rounding(tiny_llama):

@@ -41,8 +41,8 @@ def test_the_pool_holds_bits_and_a_decode_step_converts_none_of_it(bf16_engine):
     runner = bf16_engine.runner
     assert all(k.dtype == v.dtype == jnp.uint16 for k, v in runner.kv_cache)
     _, calls = run_and_capture(bf16_engine, ["The capital of France is"])
-    decode = [c for c in calls if c.metadata.seq_token_index.shape[1] == 1][-1]
-    hlo = compiled_step_hlo(runner, decode)["forward_sample"]
+    decode = [c for c in calls if c.shape.kind == "decode"][-1]
+    hlo = compiled_step_hlo(runner, decode)["layer"]
     pool_shape = "[" + ",".join(map(str, runner.kv_cache[0][0].shape)) + "]"
     assert f"u16{pool_shape}" in hlo
     for dtype in ("f32", "bf16"):
@@ -52,10 +52,10 @@ def test_the_pool_holds_bits_and_a_decode_step_converts_none_of_it(bf16_engine):
 def test_every_step_has_two_rows_and_a_request_gets_its_batch_tokens_alone(bf16_engine, tiny_llama):
     """A 1-row bf16 dot is ~10x slower on XLA CPU than a 2-row one, so a lone request's steps are padded to
     2 token rows and 2 sequences; the padding changes none of its tokens."""
-    assert bf16_engine.runner.limits.min_rows == 2
+    assert bf16_engine.runner.shapes.min_rows == 2 and bf16_engine.step_shapes()[0].tokens == 2
     prompts = ["The capital of France is", "One, two, three,", "def f(x):"]
     alone, calls = run_and_capture(bf16_engine, prompts[:1])
     assert calls and all(c.input_ids.shape[0] >= 2 and c.metadata.q_lens.shape[0] >= 2 for c in calls)
     together, _ = run_and_capture(bf16_engine, prompts)
     assert alone[0] == together[0] and len(alone[0]) == GREEDY.max_tokens
-    assert Engine(tiny_llama, max_num_seqs=4).runner.limits.min_rows == 1  # float32 weights: 1-row steps stay
+    assert Engine(tiny_llama, max_num_seqs=4).runner.shapes.min_rows == 1  # float32 weights: 1-row steps stay

@@ -99,7 +99,7 @@ def test_chunked_prefill_matches_one_shot_prefill(default_engine):
     assert [(start, n) for _, start, n, _ in prefill] == [(0, 64), (64, 64), (128, 64), (192, 64), (256, 44)]
     assert [samples for *_, samples in prefill] == [False, False, False, False, True]  # only the last chunk samples
     assert all(n == 1 and samples for _, _, n, samples in chunks[5:])
-    assert all(shape[1] <= 64 for shape in engine.runner.compiled_shapes)  # no step ever exceeded the budget
+    assert all(shape.tokens <= 64 for shape in engine.step_shapes())  # no step ever exceeds the budget
     assert got.token_ids == expected.token_ids
     assert got.text == expected.text
     assert got.finish_reason == "length"

@@ -48,12 +48,25 @@ def row(p: SimpleNamespace, seed: int = 0, position: int = 0, prompt=(), output=
     return RowSpec(p, seed, position, list(prompt), list(output), list(blocked))
 
 
-def run(logits: np.ndarray, rows: list[RowSpec], pad: int | None = None, force: dict | None = None):
-    """Builds tensors, optionally forces flags on, pads logits and samples."""
+HISTORY = 64  # token history width of the penalty tests (longer than any prompt + output here)
+
+
+def force_all_features(t, flags: SamplerFlags, vocab: int):
+    """The same step with every feature switched on (history, addend, random, truncation), values unchanged."""
+    t = dataclasses.replace(t, any_random=np.asarray(True), any_top_k_p=np.asarray(True))
+    if t.history is None:
+        t.history, t.num_prompt = np.full((len(t.seeds), HISTORY), -1, np.int32), np.zeros(len(t.seeds), np.int32)
+    if t.bias is None:
+        t.bias = np.zeros((len(t.seeds), vocab), np.float32)
+    return t, SamplerFlags(penalties=True, bias=True)
+
+
+def run(logits: np.ndarray, rows: list[RowSpec], pad: int | None = None, force: bool = False):
+    """Builds tensors, optionally forces every feature on, pads logits and samples."""
     pad = len(rows) if pad is None else pad
-    t, flags = build_sampling_tensors(rows, pad)
+    t, flags = build_sampling_tensors(rows, pad, vocab_size=logits.shape[1], history_width=HISTORY)
     if force:
-        flags = dataclasses.replace(flags, **force)
+        t, flags = force_all_features(t, flags, logits.shape[1])
     full = np.zeros((pad, logits.shape[1]), np.float32)  # [S, V] float32
     full[: len(rows)] = logits
     ids = sample_jit(full, t, flags)
@@ -79,8 +92,8 @@ def test_greedy_argmax_and_raw_logprob():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(5, V)).astype(np.float32) * 3  # [5, V] float32
     rows = [row(params(temperature=0.0)) for _ in range(4)] + [row(SamplingParams(temperature=1e-6))]  # -> 0
-    ids, lps, _, flags = run(logits, rows, pad=8)
-    assert not flags.any_random and not flags.any_top_k_p
+    ids, lps, t, flags = run(logits, rows, pad=8)
+    assert not t.any_random and not t.any_top_k_p and flags == SamplerFlags()
     np.testing.assert_array_equal(ids, logits.argmax(-1))
     expect = log_softmax(logits.astype(np.float64))[np.arange(5), ids]
     np.testing.assert_allclose(lps, expect, atol=1e-5)
@@ -204,7 +217,7 @@ def test_seeded_row_independent_of_batch():
                 logits = others_logits.copy()
                 logits[index] = target_logits
                 ids, lps, _, flags = run(logits, rows, pad=pad)
-                assert flags.any_penalties and flags.any_bias
+                assert flags.penalties and flags.bias
                 assert int(ids[index]) == alone[pos][0]
                 assert abs(float(lps[index]) - alone[pos][1]) < 1e-6
 
@@ -255,8 +268,8 @@ def test_process_logits_matches_numpy():
     rng = np.random.default_rng(2)
     rows = _processor_rows()
     logits = rng.normal(size=(len(rows), V)).astype(np.float32) * 3  # [R, V] float32
-    t, flags = build_sampling_tensors(rows, 16)
-    assert flags.any_penalties and flags.any_bias
+    t, flags = build_sampling_tensors(rows, 16, vocab_size=V, history_width=HISTORY)
+    assert flags.penalties and flags.bias
     full = np.zeros((16, V), np.float32)
     full[: len(rows)] = logits
     got = np.asarray(process_logits_jit(full, t, flags))[: len(rows)]
@@ -295,25 +308,22 @@ def test_repetition_penalty_reduces_repeats():
 # ---------------------------------------------------------------- flag invariance
 
 
-ALL_ON = dict(any_random=True, any_top_k_p=True, any_penalties=True, any_bias=True)
-
-
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_flags_on_do_not_change_plain_rows(temperature):
     rng = np.random.default_rng(4)
     rows = [row(params(temperature=temperature), seed=i, position=3 * i,
                 prompt=rng.integers(0, V, 4), output=rng.integers(0, V, 3)) for i in range(12)]
     logits = rng.normal(size=(12, V)).astype(np.float32) * 2
-    ids_min, lps_min, _, flags = run(logits, rows, pad=16)
-    assert flags == SamplerFlags(any_random=temperature > 0)
-    ids_all, lps_all, *_ = run(logits, rows, pad=16, force=ALL_ON)
+    ids_min, lps_min, t, flags = run(logits, rows, pad=16)
+    assert flags == SamplerFlags() and bool(t.any_random) == (temperature > 0) and not t.any_top_k_p
+    ids_all, lps_all, *_ = run(logits, rows, pad=16, force=True)
     np.testing.assert_array_equal(ids_min, ids_all)
     np.testing.assert_array_equal(lps_min, lps_all)
     # Same with real feature rows mixed into the batch.
     mixed = rows + _other_rows(rng, 4)
     mixed_logits = np.concatenate([logits, rng.normal(size=(4, V)).astype(np.float32)])
-    ids_mix, lps_mix, _, mflags = run(mixed_logits, mixed, pad=16)
-    assert mflags.any_penalties and mflags.any_bias and mflags.any_top_k_p
+    ids_mix, lps_mix, mt, mflags = run(mixed_logits, mixed, pad=16)
+    assert mflags.penalties and mflags.bias and mt.any_top_k_p
     np.testing.assert_array_equal(ids_mix[:12], ids_min)
     np.testing.assert_array_equal(lps_mix[:12], lps_min)
 
@@ -328,22 +338,30 @@ def test_builder_shapes_and_padding():
             seed=(1 << 40) + 9, position=11, prompt=range(2), output=range(5),
             blocked=[2, 3]),
     ]
-    t, flags = build_sampling_tensors(rows, 4)
+    t, flags = build_sampling_tensors(rows, 4, vocab_size=V, history_width=HISTORY)
     # Greedy rows drop truncation params; top_k=-1 means disabled.
-    assert flags == SamplerFlags(any_random=True, any_top_k_p=False, any_penalties=False, any_bias=True)
-    assert t.output_ids.shape == (4, 1) and t.prompt_ids.shape == (4, 1)
-    assert t.bias_ids.shape == (4, 4) and t.blocked_ids.shape == (4, 2) and t.allowed_ids.shape == (4, 1)
+    assert flags == SamplerFlags(penalties=False, bias=True)
+    assert bool(t.any_random) and not t.any_top_k_p and not t.any_logprobs
+    assert t.history is None and t.bias.shape == (4, V)
+    np.testing.assert_array_equal(t.bias[1, :5], [0.0, 1.0, -np.inf, -np.inf, 0.0])
+    assert not t.bias[[0, 2, 3]].any()
     np.testing.assert_array_equal(np.asarray(t.top_k), [0, 0, 0, 0])
     np.testing.assert_array_equal(np.asarray(t.temperature), [0.0, 1.0, 0.0, 0.0])
     assert int(t.seeds[1]) == 9 and t.seeds.dtype == np.uint32
-    np.testing.assert_array_equal(np.asarray(t.bias_ids[1]), [1, 2, 3, -1])
 
     rows[0].params.repetition_penalty = 1.2
-    t, flags = build_sampling_tensors(rows, 4)
-    assert flags.any_penalties
-    assert t.output_ids.shape == (4, 8) and t.prompt_ids.shape == (4, 8)
-    np.testing.assert_array_equal(np.asarray(t.output_ids[0]), [0, 1, 2, -1, -1, -1, -1, -1])
-    np.testing.assert_array_equal(np.asarray(t.output_ids[3]), [-1] * 8)
+    t, flags = build_sampling_tensors(rows, 4, vocab_size=V, history_width=HISTORY)
+    assert flags.penalties
+    assert t.history.shape == (4, HISTORY) and list(t.num_prompt) == [5, 2, 0, 0]
+    np.testing.assert_array_equal(t.history[0, :9], [0, 1, 2, 3, 4, 0, 1, 2, -1])
+    np.testing.assert_array_equal(t.history[3], [-1] * HISTORY)
 
     with pytest.raises(ValueError):
-        build_sampling_tensors(rows, 1)
+        build_sampling_tensors(rows, 1, vocab_size=V, history_width=HISTORY)
+
+
+def test_top_k_at_or_past_the_vocab_keeps_every_token():
+    """A top_k larger than any int32 (the server accepts any positive int) means no truncation, not an overflow."""
+    rows = [row(params(top_k=2**70)), row(params(top_k=V)), row(params(top_k=-1)), row(params(top_k=3))]
+    t, _ = build_sampling_tensors(rows, 4, vocab_size=V, history_width=HISTORY)
+    assert t.top_k.tolist() == [0, 0, 0, 3]

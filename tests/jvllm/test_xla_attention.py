@@ -81,11 +81,8 @@ def test_paged_attention_routes_decode_steps_through_the_page_loop(seqs, monkeyp
     num_tokens = seqs + 1  # one token per sequence + one padding row
     pad = lambda a: jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)])  # noqa: E731
     md = AttentionMetadata(
-        slot_mapping=jnp.zeros(num_tokens, jnp.int32),
-        token_seq=jnp.concatenate([jnp.arange(seqs, dtype=jnp.int32), jnp.zeros(1, jnp.int32)]),
-        token_offset=jnp.zeros(num_tokens, jnp.int32), seq_token_index=jnp.arange(seqs, dtype=jnp.int32)[:, None],
-        query_start=jnp.arange(seqs, dtype=jnp.int32), q_lens=jnp.ones(seqs, jnp.int32), kv_lens=cached_arr + 1,
-        page_tables=tables)
+        slot_mapping=jnp.zeros(num_tokens, jnp.int32), query_start=jnp.arange(num_tokens, dtype=jnp.int32),
+        q_lens=pad(jnp.ones(seqs, jnp.int32)), kv_lens=pad(cached_arr + 1), page_tables=pad(tables), decode=True)
     got = paged_attention(pad(q), pad(k), pad(v), kp, vp, md, 0.25)
     assert loop_calls == [1]
     want = decode_attention_reference(q, k_ref, v_ref, tables, cached_arr + 1, scale=0.25)
@@ -99,11 +96,10 @@ STEPS = {  # (cached tokens, new tokens) per scheduled chunk
 
 
 def _chunk_step(step: str, dtype):
-    """A step of STEPS[step] built as the runner builds it for this backend (block tables cover only the pages
-    cached before the step: none for first chunks); -> (q, k, v, k_pages, v_pages, md, block tables of every
-    page for the reference)."""
+    """A prefill step of STEPS[step] built as the runner builds it -> (q, k, v, k_pages, v_pages, md)."""
     from jvllm.attention import get_backend
-    from jvllm.worker.batch import BucketLimits, ChunkRow, build_batch
+    from jvllm.worker.batch import ChunkRow, build_batch
+    from jvllm.worker.step_shapes import ShapeSet
 
     page, kv_heads, group, head_dim = 16, 3, 3, 32
     rng = np.random.default_rng(7)
@@ -115,16 +111,15 @@ def _chunk_step(step: str, dtype):
     for (cached, new), count in zip(spans, pages_needed):
         table, free = free[:count], free[count:]
         chunks.append(ChunkRow([5] * new, cached, table))
-    limits = BucketLimits(max_tokens=64, max_seqs=8, max_pages=8)
-    batch = build_batch(chunks, page, limits, get_backend("xla").table_pages)
-    full = build_batch(chunks, page, limits, get_backend("pallas").table_pages).metadata
+    shape = ShapeSet(max_num_seqs=8, max_num_batched_tokens=64).prefill(sum(new for _, new in spans))
+    batch = build_batch(chunks, shape, page, 16, get_backend("xla").prefill_layout)
     md = jax.tree.map(jnp.asarray, batch.metadata)
     tokens = md.slot_mapping.shape[0]
     pool_shape = (num_pages, page, kv_heads, head_dim)
     k_pages, v_pages = (jnp.asarray(rng.standard_normal(pool_shape), dtype) for _ in range(2))
     q = jnp.asarray(rng.standard_normal((tokens, kv_heads * group, head_dim)), dtype)
     k, v = (jnp.asarray(rng.standard_normal((tokens, kv_heads, head_dim)), dtype) for _ in range(2))
-    return q, k, v, k_pages, v_pages, md, jnp.asarray(full.page_tables)
+    return q, k, v, k_pages, v_pages, md
 
 
 @pytest.mark.parametrize("step", list(STEPS))
@@ -135,14 +130,11 @@ def test_paged_attention_of_chunk_steps_matches_the_ragged_reference(step, windo
     XLA CPU can run the einsums' layouts (one order compiled to a dot it cannot run)."""
     from pallas_kernels.reference import ragged_attention_reference
 
-    q, k, v, k_pages, v_pages, md, full_tables = _chunk_step(step, dtype)
-    if step == "first_prefill_chunks":
-        assert md.page_tables.shape[1] == 0
-
+    q, k, v, k_pages, v_pages, md = _chunk_step(step, dtype)
     got = jax.jit(paged_attention, static_argnums=(6, 7))(q, k, v, k_pages, v_pages, md, 0.2, window)
     want = ragged_attention_reference(
         q, xla_backend.write_kv(k_pages, k, md.slot_mapping), xla_backend.write_kv(v_pages, v, md.slot_mapping),
-        md.query_start, md.q_lens, md.kv_lens, full_tables, max_q_len=md.seq_token_index.shape[1], scale=0.2,
+        md.query_start, md.q_lens, md.kv_lens, md.page_tables, max_q_len=q.shape[0], scale=0.2,
         sliding_window=window)
     real = sum(new for _, new in STEPS[step])
     tolerance = 2e-5 if dtype == jnp.float32 else 2e-2
@@ -157,7 +149,7 @@ def _bits(pages: jax.Array) -> jax.Array:
 def test_a_bf16_pool_stored_as_bits_gives_the_bf16_results():
     """The pool of a bf16 model is stored as uint16 bits (jvllm.attention.pool_storage): writing, a step with
     prefill chunks and the decode loop give exactly what the same pool in bfloat16 gives."""
-    q, k, v, k_pages, v_pages, md, _ = _chunk_step("mixed", jnp.bfloat16)
+    q, k, v, k_pages, v_pages, md = _chunk_step("mixed", jnp.bfloat16)
     written = xla_backend.write_kv(_bits(k_pages), k, md.slot_mapping)
     assert written.dtype == jnp.uint16
     np.testing.assert_array_equal(np.asarray(written), np.asarray(_bits(xla_backend.write_kv(k_pages, k,

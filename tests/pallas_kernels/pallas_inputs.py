@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jvllm.attention import get_backend
-from jvllm.worker.batch import BucketLimits, ChunkRow, build_batch
+from jvllm.attention import AttentionBackend
+from jvllm.worker.batch import ChunkRow, build_batch
+from jvllm.worker.step_shapes import ShapeSet, StepShape
 from models.attention import AttentionMetadata
 
 TOLERANCE = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -76,10 +78,20 @@ def ragged_batch(rng: np.random.Generator, q_lens: list[int], kv_lens: list[int]
                        jnp.asarray(q_lens, jnp.int32), jnp.asarray(kv_lens, jnp.int32), sum(q_lens))
 
 
+def step_shape(chunks: list[tuple[int, int]], shapes: ShapeSet) -> StepShape:
+    """The shape the engine runs chunks of (cached tokens, new tokens) in: a decode step when every chunk is
+    one token, else the smallest prefill step that holds them all."""
+    if all(n == 1 for _, n in chunks):
+        return shapes.decode(len(chunks))
+    return shapes.prefill(sum(n for _, n in chunks))
+
+
 def engine_metadata(chunks: list[tuple[int, int]], page_size: int, num_pages: int, rng: np.random.Generator,
-                    limits: BucketLimits) -> tuple[AttentionMetadata, int]:
-    """Metadata exactly as the engine builds it for chunks of (cached tokens, new tokens), with each request's
-    pages drawn at random from 1..num_pages-1 -> (device metadata, real token count)."""
+                    shapes: ShapeSet, max_pages: int,
+                    backend: AttentionBackend) -> tuple[AttentionMetadata, int]:
+    """Metadata exactly as the engine builds it for chunks of (cached tokens, new tokens) in their step shape,
+    with `backend`'s prefill layout (the backend set up for the model: `for_model`) and each request's pages
+    drawn at random from 1..num_pages-1 -> (device metadata, real token count)."""
     total_pages = [-(-(start + n) // page_size) for start, n in chunks]
     free = rng.permutation(np.arange(1, num_pages))
     assert sum(total_pages) <= len(free)
@@ -87,7 +99,5 @@ def engine_metadata(chunks: list[tuple[int, int]], page_size: int, num_pages: in
     for (start, n), count in zip(chunks, total_pages):
         rows.append(ChunkRow([0] * n, start, [int(p) for p in free[cursor:cursor + count]]))
         cursor += count
-    host = build_batch(rows, page_size, limits, get_backend("pallas").table_pages)
-    md = AttentionMetadata(*(jnp.asarray(getattr(host.metadata, f.name))
-                             for f in dataclasses.fields(AttentionMetadata)))
-    return md, sum(n for _, n in chunks)
+    host = build_batch(rows, step_shape(chunks, shapes), page_size, max_pages, backend.prefill_layout)
+    return jax.device_put(host.metadata), sum(n for _, n in chunks)

@@ -10,7 +10,7 @@ import pytest
 from pallas_kernels import common, launch
 from pallas_kernels.cuda_lowering import TRITON_CALL, lower_for_cuda, triton_kernels
 from pallas_kernels.decode_attention import decode_attention
-from pallas_kernels.ragged_attention import ragged_paged_attention
+from pallas_kernels.ragged_attention import ragged_block_q, ragged_paged_attention
 from pallas_kernels.variants import (DECODE_SEQS, KERNEL_NAMES, KV_HEADS, PREFILL_SEQS, PREFILL_TOKENS, Variant,
                                      all_variants)
 
@@ -22,6 +22,14 @@ BF16, I32 = jnp.bfloat16, jnp.int32
 
 def spec(*shape: int, dtype=I32) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def ragged_item_specs(tokens: int, seqs: int, q_dtype, kv_dtype, heads: int = 8, kv_heads: int = 2,
+                      head_dim: int = 128) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    """(item_seq, item_first) specs of a ragged call at its default block_q: cdiv(T, block_q) + S items."""
+    block_q = ragged_block_q(q_dtype, kv_dtype, heads, kv_heads, head_dim)
+    items = spec(common.cdiv(tokens, block_q) + seqs)
+    return items, items
 
 
 def element_type(tensor_type: str) -> str:
@@ -47,6 +55,14 @@ def expected_dot_shapes(variant: Variant) -> list[str]:
     return [f"{rows}x{keys}xf32"] * defaults.qk_chunks + [f"{rows}x{variant.head_dim}xf32"]
 
 
+def expected_programs(variant: Variant) -> int:
+    """The grid's first axis: one program per decode sequence; per ragged work item, cdiv(T, block_q) + S."""
+    if variant.kernel == "decode":
+        return DECODE_SEQS
+    block_q = ragged_block_q(variant.dtype, variant.dtype, KV_HEADS * variant.group, KV_HEADS, variant.head_dim)
+    return common.cdiv(PREFILL_TOKENS, block_q) + PREFILL_SEQS
+
+
 @pytest.mark.parametrize("variant", all_variants(), ids=lambda v: v.id)
 def test_variant_lowers_to_its_triton_kernel(variant):
     fn, args = variant.call()
@@ -62,7 +78,7 @@ def test_variant_lowers_to_its_triton_kernel(variant):
         return
     defaults = expected_launch(variant)
     assert (kernel.num_warps, kernel.num_stages) == (defaults.num_warps, defaults.num_stages)
-    assert kernel.grid[:2] == ((DECODE_SEQS if variant.kernel == "decode" else PREFILL_SEQS), KV_HEADS)
+    assert kernel.grid[:2] == (expected_programs(variant), KV_HEADS)
     assert [dot.out for dot in kernel.dots] == expected_dot_shapes(variant)
 
 
@@ -74,8 +90,9 @@ def test_float32_queries_over_a_bfloat16_pool_lower_for_cuda(kernel):
         args = (spec(8, 8, 128, dtype=jnp.float32), pages, pages, spec(8, 16), spec(8))
         defaults = launch.decode_launch(jnp.float32, BF16, 128)
     else:
-        fn = functools.partial(ragged_paged_attention, max_q_len=64, scale=0.088, interpret=False)
-        args = (spec(64, 8, 128, dtype=jnp.float32), pages, pages, spec(4), spec(4), spec(4), spec(4, 16))
+        fn = functools.partial(ragged_paged_attention, scale=0.088, interpret=False)
+        args = (spec(64, 8, 128, dtype=jnp.float32), pages, pages, spec(4), spec(4), spec(4), spec(4, 16),
+                *ragged_item_specs(64, 4, jnp.float32, BF16))
         defaults = launch.ragged_launch(jnp.float32, BF16, 128)
     [lowered] = triton_kernels(lower_for_cuda(fn, *args))
     # keys are widened to the queries' float32, probabilities narrowed to the values' bfloat16; the float32
@@ -91,11 +108,12 @@ def test_soft_cap_lowers_for_cuda(dtype):
     """Soft capping is a kernel option the engine does not pass (so no variant above): it still lowers."""
     pages = spec(64, 16, 2, 128, dtype=dtype)
     decode = functools.partial(decode_attention, scale=0.088, soft_cap=30.0, interpret=False)
-    ragged = functools.partial(ragged_paged_attention, max_q_len=64, scale=0.088, soft_cap=30.0, interpret=False)
+    ragged = functools.partial(ragged_paged_attention, scale=0.088, soft_cap=30.0, interpret=False)
     [decode_kernel] = triton_kernels(lower_for_cuda(decode, spec(8, 8, 128, dtype=dtype), pages, pages,
                                                     spec(8, 16), spec(8)))
     [ragged_kernel] = triton_kernels(lower_for_cuda(ragged, spec(64, 8, 128, dtype=dtype), pages, pages, spec(4),
-                                                    spec(4), spec(4), spec(4, 16)))
+                                                    spec(4), spec(4), spec(4, 16),
+                                                    *ragged_item_specs(64, 4, dtype, dtype)))
     assert "tanh" in decode_kernel.ttir and "tanh" in ragged_kernel.ttir
 
 
@@ -119,4 +137,5 @@ def test_non_power_of_two_blocks_are_rejected_early(bad):
     with pytest.raises(ValueError, match="power of two"):
         ragged_paged_attention(jnp.zeros((8, 8, head_dim), BF16), jnp.zeros((4, page_size, 2, head_dim), BF16),
                                jnp.zeros((4, page_size, 2, head_dim), BF16), jnp.zeros(2, I32), jnp.ones(2, I32),
-                               jnp.ones(2, I32), jnp.zeros((2, 2), I32), max_q_len=4, scale=0.1, interpret=False)
+                               jnp.ones(2, I32), jnp.zeros((2, 2), I32), jnp.zeros(3, I32), jnp.zeros(3, I32),
+                               scale=0.1, interpret=False)

@@ -11,7 +11,7 @@ from pallas_inputs import TOLERANCE, engine_metadata, random_array
 
 from jvllm.attention import get_backend
 from jvllm.attention import xla
-from jvllm.worker.batch import BucketLimits
+from jvllm.worker.step_shapes import ShapeSet
 from pallas_kernels.kv_write import write_kv
 from pallas_kernels.reference import write_kv_reference
 
@@ -33,11 +33,11 @@ def test_write_kv_puts_each_token_in_its_slot(dtype, method):
         np.testing.assert_array_equal(np.asarray(out[0, 1:], np.float32), np.asarray(pages[0, 1:], np.float32))
 
 
-LIMITS = BucketLimits(max_tokens=64, max_seqs=8, max_pages=8)
+SHAPES, MAX_PAGES = ShapeSet(max_num_seqs=8, max_num_batched_tokens=64), 8
 STEPS = {  # (cached tokens, new tokens) per scheduled chunk, as the scheduler would hand them over
-    "prefill": [(0, 21), (0, 6)],
-    "mixed": [(0, 13), (35, 1), (17, 9), (3, 1)],
-    "decode": [(40, 1), (15, 1), (0, 1)],
+    "prefill": [(0, 21), (0, 6)],  # prefill T=32 S=8
+    "mixed": [(0, 13), (35, 1), (17, 9), (3, 1)],  # prefill T=32 S=8: decode tokens beside chunks
+    "decode": [(40, 1), (15, 1), (0, 1)],  # decode T=S=4, one padding row
 }
 
 
@@ -45,9 +45,17 @@ STEPS = {  # (cached tokens, new tokens) per scheduled chunk, as the scheduler w
 @pytest.mark.parametrize("step", list(STEPS))
 @pytest.mark.parametrize("sliding_window", [None, 8])
 def test_write_and_attend_matches_xla_backend(dtype, step, sliding_window):
-    rng = np.random.default_rng(1)
+    """The same step (same chunks, same pages) as each backend's engine builds it, its own layout included."""
     page_size, kv_heads, group, head_dim, num_pages = 16, 2, 3, 64, 14
-    md, real = engine_metadata(STEPS[step], page_size, num_pages, rng, LIMITS)
+    backend, xla_backend = (get_backend(name).for_model(kv_heads * group, kv_heads, head_dim, dtype)
+                            for name in ("pallas", "xla"))
+    md, real = engine_metadata(STEPS[step], page_size, num_pages, np.random.default_rng(1), SHAPES, MAX_PAGES,
+                               backend)
+    xla_md, _ = engine_metadata(STEPS[step], page_size, num_pages, np.random.default_rng(1), SHAPES, MAX_PAGES,
+                                xla_backend)
+    np.testing.assert_array_equal(md.page_tables, xla_md.page_tables)
+    assert md.decode == (step == "decode") and (md.decode or "item_seq" in md.layout)
+    rng = np.random.default_rng(2)
     num_tokens = md.slot_mapping.shape[0]
     shape = (num_pages, page_size, kv_heads, head_dim)
     k_pages, v_pages = random_array(rng, shape, dtype), random_array(rng, shape, dtype)
@@ -55,14 +63,14 @@ def test_write_and_attend_matches_xla_backend(dtype, step, sliding_window):
     k, v = (random_array(rng, (num_tokens, kv_heads, head_dim), dtype) for _ in range(2))
     scale = head_dim ** -0.5
 
-    backend = get_backend("pallas")
     assert backend.name == "pallas" and backend.step_donates_pool
     out, k_new, v_new = jax.jit(backend.write_and_attend, static_argnums=(6, 7))(
         q, k, v, k_pages, v_pages, md, scale, sliding_window)
-    expected = xla.paged_attention(q, k, v, k_pages, v_pages, md, scale, sliding_window)
-    [(k_ref, v_ref)] = xla.write_layers([(k_pages, v_pages)], [(k, v)], md)
+    expected = xla.paged_attention(q, k, v, k_pages, v_pages, xla_md, scale, sliding_window)
+    [(k_ref, v_ref)] = xla.write_layers([(k_pages, v_pages)], [(k, v)], xla_md)
 
     assert out.shape == q.shape and out.dtype == q.dtype
+    assert np.abs(np.asarray(expected[:real], np.float32)).sum(axis=(1, 2)).min() > 0  # every token attended
     np.testing.assert_allclose(np.asarray(out[:real], np.float32), np.asarray(expected[:real], np.float32),
                                **TOLERANCE[dtype])
     np.testing.assert_array_equal(np.asarray(k_new[1:], np.float32), np.asarray(k_ref[1:], np.float32))

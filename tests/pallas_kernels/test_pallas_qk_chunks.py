@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import launch
-from pallas_kernels.ragged_attention import ragged_paged_attention
+from pallas_kernels.ragged_attention import ragged_block_q, ragged_items, ragged_paged_attention
 from pallas_kernels.reference import ragged_attention_reference
 
 F32_TOLERANCE = dict(atol=2e-5, rtol=2e-5)
@@ -49,7 +49,9 @@ def test_chunked_scores_match_the_reference(head_dim, qk_chunks):
     args = ragged_inputs(np.random.default_rng(0), q_lens, kv_lens, page_size=16, kv_heads=1, group=3,
                          head_dim=head_dim)
     scale = head_dim ** -0.5
-    out = ragged_paged_attention(*args, max_q_len=16, scale=scale, qk_chunks=qk_chunks, interpret=True)
-    expected = ragged_attention_reference(*args, max_q_len=16, scale=scale)
+    block_q = ragged_block_q(jnp.float32, jnp.float32, 3, 1, head_dim)
+    items = ragged_items(q_lens, block_q, sum(q_lens), len(q_lens))
+    out = ragged_paged_attention(*args, *items, scale=scale, qk_chunks=qk_chunks, interpret=True)
+    expected = ragged_attention_reference(*args, scale=scale)
     assert not np.isnan(np.asarray(out)).any()
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), **F32_TOLERANCE)

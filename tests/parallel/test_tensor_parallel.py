@@ -216,20 +216,19 @@ def test_pallas_backend_under_tp_matches_tp1(tiny_models):
 
 @pytest.mark.parametrize("backend, tp", [("xla", 4), ("pallas", 2)])
 def test_decode_step_collectives(tiny_models, backend, tp):
-    """All-reduces after o_proj / down_proj (2 per layer) and the embedding lookup; one [S, V] logits
-    all-gather for the sampler; no collective of a weight's shape; the pool write stays local."""
+    """One all-reduce for the embedding lookup, two per layer (after o_proj and down_proj; the compiled layer
+    serves every layer), one [S, V] logits all-gather for the sampler; no collective of a weight's shape; the
+    pool write stays local."""
     out = run_worker("hlo", {"model": tiny_models["llama_gqa"], "tp": tp, "prompts": PROMPTS, "backend": backend},
                      devices=tp)
-    reduces = [c for c in out["decode"] if c["op"] == "all-reduce"]
-    gathers = [c for c in out["decode"] if c["op"] == "all-gather"]
-    others = [c for c in out["decode"] if c["op"] not in ("all-reduce", "all-gather")]
     hidden = 64
-    assert len(reduces) == 2 * out["num_layers"] + 1, out["decode"]
-    assert all(c["shapes"] == [[out["tokens"], hidden]] for c in reduces), reduces
-    assert gathers == [{"op": "all-gather", "shapes": [[out["seqs"], out["vocab"]]]}], gathers
-    assert not others, others
+    activations = {"op": "all-reduce", "shapes": [[out["tokens"], hidden]]}
+    assert out["embed"] == [activations], out["embed"]
+    assert out["layer"] == [activations, activations], out["layer"]
+    assert out["head"] == [{"op": "all-gather", "shapes": [[out["seqs"], out["vocab"]]]}], out["head"]
     weight_shapes = {tuple(s) for s in out["weight_shapes"]}
-    assert not any(tuple(s) in weight_shapes for c in out["decode"] for s in c["shapes"])
+    every = out["embed"] + out["layer"] + out["head"]
+    assert not any(tuple(s) in weight_shapes for c in every for s in c["shapes"])
     if backend == "xla":
         assert out["store_kv"] == [], out["store_kv"]
 

@@ -107,15 +107,15 @@ def hlo(args: dict[str, Any]) -> dict[str, Any]:
     eng = engine(args["model"], args["tp"], attention_backend=args.get("backend", "xla"))
     eng.add_request("r", {"prompt_token_ids": args["prompts"][0]}, SamplingParams(max_tokens=4, temperature=0.0))
     eng.step()  # the prefill; the next plan is one decode chunk
-    call, _ = eng.runner.step_call(eng.scheduler.schedule())
+    call, _ = eng.runner.step_call(eng.scheduler.schedule(), "decode")
     from tests.step_hlo import compiled_step_hlo
 
     lowered = compiled_step_hlo(eng.runner, call)
-    out = {"decode": collectives(lowered["forward_sample"]),
-           "store_kv": collectives(lowered["store_kv"]) if "store_kv" in lowered else None,
-           "weight_shapes": sorted({tuple(w.shape) for w in eng.runner.weights if w.ndim == 2}),
-           "tokens": int(call.input_ids.shape[0]), "seqs": int(call.metadata.q_lens.shape[0]),
-           "vocab": eng.model.config.vocab_size, "num_layers": eng.model.config.num_layers}
+    out = {piece: collectives(lowered[piece]) for piece in ("embed", "layer", "head")}
+    out.update({"store_kv": collectives(lowered["store_kv"]) if "store_kv" in lowered else None,
+                "weight_shapes": sorted({tuple(w.shape) for w in eng.runner.weights if w.ndim == 2}),
+                "tokens": int(call.input_ids.shape[0]), "seqs": int(call.metadata.q_lens.shape[0]),
+                "vocab": eng.model.config.vocab_size, "num_layers": eng.model.config.num_layers})
     return out
 
 

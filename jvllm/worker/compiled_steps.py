@@ -1,0 +1,148 @@
+"""Ahead-of-time compiled executables of every step shape: compiled once from example inputs of the shape (XLA's
+work comes from JAX's persistent cache after the first start), then called directly, so a step never traces or
+compiles."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import jax
+import numpy as np
+
+from jvllm.sample.tensors import SamplerFlags, build_sampling_tensors
+from jvllm.worker.compile_watch import compile_watch
+from jvllm.worker.step_functions import StepFunctions
+from jvllm.worker.step_shapes import StepShape
+
+if TYPE_CHECKING:
+    from jvllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("jvllm")
+
+ALL_FLAGS = [SamplerFlags(penalties, bias) for penalties, bias in itertools.product((False, True), repeat=2)]
+Executable = Callable[..., Any]
+
+
+@dataclasses.dataclass
+class ShapeExecutables:
+    """One step shape's executables. The layer serves every layer; the heads are shared by the shapes with
+    the same number of rows, one per pair of sampler flags."""
+
+    shape: StepShape
+    embed: Executable
+    layer: Executable
+    last_rows: Executable
+    store_kv: Executable
+    heads: dict[SamplerFlags, Executable]
+    take_ids: Executable | None  # decode shapes: input ids gathered from a previous step's
+    prompt_stats: Executable | None  # prefill shapes
+    _logits: Callable[[], Executable]  # all-position logits (a diagnostic), compiled when first asked for
+
+    def head(self, flags: SamplerFlags) -> Executable:
+        return self.heads[flags]
+
+    @property
+    def logits(self) -> Executable:
+        return self._logits()
+
+
+class CompiledSteps:
+    """Per step shape, the compiled pieces of `steps` for the runner's weights, pool and input layout."""
+
+    def __init__(self, steps: StepFunctions, runner: ModelRunner) -> None:
+        self.steps = steps
+        self.runner = runner
+        self.count = 0  # executables compiled so far
+        self._by_shape: dict[StepShape, ShapeExecutables] = {}
+        self._heads: dict[tuple[int, bool, SamplerFlags], Executable] = {}
+
+    def get(self, shape: StepShape) -> ShapeExecutables:
+        """The shape's executables (compiled now if precompiling was skipped)."""
+        executables = self._by_shape.get(shape)
+        if executables is None:
+            logger.info("compiling step shape %s", shape)
+            executables = self._by_shape[shape] = self._compile(shape)
+        return executables
+
+    def precompile(self, shapes: list[StepShape], progress: Any = None) -> None:
+        """Compile (or load) every shape not compiled yet; `progress` (a tqdm bar) advances once per shape."""
+        started = time.perf_counter()
+        before = self.count
+        with compile_watch().expected():
+            for shape in shapes:
+                if shape not in self._by_shape:
+                    self._by_shape[shape] = self._compile(shape)
+                if progress is not None:
+                    progress.update(1)
+        logger.info("%d step shapes ready in %.1fs (%d executables)", len(shapes), time.perf_counter() - started,
+                    self.count - before)
+
+    def _examples(self, shape: StepShape, flags: SamplerFlags = SamplerFlags()) -> tuple:
+        """Device inputs of an empty step of `shape`, laid out exactly as run_call passes them."""
+        from jvllm.worker.model_runner import StepCall
+
+        runner = self.runner
+        batch = runner._host_batch([], shape)
+        sampling, _ = build_sampling_tensors([], shape.seqs, vocab_size=runner.vocab_size,
+                                             history_width=runner.history_width)
+        if flags.penalties:
+            sampling.history = np.full((shape.seqs, runner.history_width), -1, np.int32)
+            sampling.num_prompt = np.zeros(shape.seqs, np.int32)
+        if flags.bias:
+            sampling.bias = np.zeros((shape.seqs, runner.vocab_size), np.float32)
+        call = StepCall(shape, batch.input_ids, batch.positions, batch.metadata, sampling,
+                        np.full(shape.tokens, -1, np.int32), flags)
+        return runner.device_inputs(call)
+
+    def _compile(self, shape: StepShape) -> ShapeExecutables:
+        steps, runner, compiled = self.steps, self.runner, self._compiled
+        weights = runner.step_weights.for_rows(shape.tokens)
+        md, ids, positions, sampling, targets = self._examples(shape)
+        embed = compiled(f"embed {shape}", steps.embed, weights.outer, ids, positions)
+        x, cos, sin = (_spec(a) for a in embed.out_info)
+        pages = runner.kv_cache[0]
+        layer = compiled(f"layer {shape}", steps.layer, weights.layers[0], x, cos, sin, pages, md)
+        results = [jax.tree.map(_spec, layer.out_info[1])] * len(weights.layers)
+        store = steps.store_kv
+        if hasattr(store, "lower"):
+            store = compiled(f"store {shape}", store, runner.kv_cache, results, md)
+        last_rows = compiled(f"last rows {shape}", steps.last_rows, x, md)
+        x_last = _spec(last_rows.out_info)
+        heads = {flags: self._head(shape, weights.outer, x_last, flags) for flags in ALL_FLAGS}
+        take_ids = prompt_stats = None
+        if shape.kind == "decode":
+            source = _spec(heads[SamplerFlags()].out_info["token_ids"])
+            take_ids = compiled(f"take ids {shape}", steps.take_ids, source, ids)
+        else:
+            prompt_stats = compiled(f"prompt stats {shape}", steps.prompt_stats, weights.outer, x, targets)
+        logits_cache: list[Executable] = []
+
+        def logits() -> Executable:
+            if not logits_cache:
+                logits_cache.append(compiled(f"logits {shape}", steps.logits, weights.outer, x))
+            return logits_cache[0]
+
+        return ShapeExecutables(shape, embed, layer, last_rows, store, heads, take_ids, prompt_stats, logits)
+
+    def _compiled(self, name: str, fn: Any, *args: Any, **static: Any) -> Executable:
+        """fn (a jax.jit function) compiled for args; `name` says which piece, for profiles and errors."""
+        del name
+        self.count += 1
+        return fn.lower(*args, **static).compile()
+
+    def _head(self, shape: StepShape, outer: list[jax.Array], x_last: Any, flags: SamplerFlags) -> Executable:
+        """The head for this shape's row count (and weights: a batched copy serves multi-row steps)."""
+        key = (shape.seqs, shape.tokens >= self.runner.step_weights.batched_min_rows, flags)
+        if key not in self._heads:
+            _, _, _, sampling, _ = self._examples(shape, flags)
+            self._heads[key] = self._compiled(f"head S={shape.seqs} {flags}", self.steps.head, outer, x_last,
+                                                   sampling, flags=flags)
+        return self._heads[key]
+
+
+def _spec(a: Any) -> jax.ShapeDtypeStruct:
+    """An abstract value with the array's sharding, from a compiled executable's out_info."""
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
