@@ -39,7 +39,7 @@ _RAGGED = {
     (16, 128): Launch(block_rows=128, block_tokens=64, num_warps=8, num_stages=2),
     (16, 256): Launch(block_rows=64, block_tokens=32, num_warps=8, num_stages=2),
     (32, 64): Launch(block_rows=16, block_tokens=32, num_warps=8, num_stages=1),
-    (32, 128): Launch(block_rows=16, block_tokens=32, num_warps=8, num_stages=1),
+    (32, 128): Launch(block_rows=16, block_tokens=64, num_warps=8, num_stages=1, qk_chunks=2),
     (32, 256): Launch(block_rows=16, block_tokens=32, num_warps=8, num_stages=1, qk_chunks=2),
 }
 TUNED_HEAD_DIMS = (64, 128, 256)

@@ -95,10 +95,11 @@ def test_float32_queries_over_a_bfloat16_pool_lower_for_cuda(kernel):
                 *ragged_item_specs(64, 4, jnp.float32, BF16))
         defaults = launch.ragged_launch(jnp.float32, BF16, 128)
     [lowered] = triton_kernels(lower_for_cuda(fn, *args))
-    # keys are widened to the queries' float32, probabilities narrowed to the values' bfloat16; the float32
-    # launch settings apply
+    # keys are widened to the queries' float32 (one q @ k^T dot per head-dim chunk), probabilities narrowed to
+    # the values' bfloat16; the float32 launch settings apply
+    qk_chunks = defaults.qk_chunks if kernel == "ragged" else 1
     assert [tuple(element_type(t) for t in (d.lhs, d.rhs, d.out)) for d in lowered.dots] == [
-        ("f32", "f32", "f32"), ("bf16", "bf16", "f32")]
+        ("f32", "f32", "f32")] * qk_chunks + [("bf16", "bf16", "f32")]
     assert (lowered.num_warps, lowered.num_stages) == (defaults.num_warps, defaults.num_stages)
     assert defaults.num_stages == 1  # the float32 entries run unpipelined
 
