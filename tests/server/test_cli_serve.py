@@ -5,6 +5,7 @@ import contextlib
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -113,7 +114,7 @@ def test_past_the_shutdown_timeout_open_requests_end_cleanly_and_the_server_exit
         threads.append(threading.Thread(target=lambda: whole.update(
             reply=httpx.post(f"{url}/v1/completions", json=endless, timeout=600))))
         threads[-1].start()
-        assert wait_until(lambda: all(sinks), timeout=300)
+        assert wait_until(lambda: all(sinks) and _requests_in_engine(url) == 5, timeout=300)
         proc.send_signal(signal.SIGTERM)
         for thread in threads:
             thread.join(timeout=120)
@@ -133,6 +134,16 @@ def _healthy(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def _requests_in_engine(url: str) -> int:
+    """Running plus waiting sequences, read from /metrics."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=2).text
+    except httpx.HTTPError:
+        return -1
+    counts = re.findall(r'^jvllm:num_requests_(?:running|waiting)\{[^}]*\} ([0-9.]+)$', text, re.MULTILINE)
+    return int(sum(float(count) for count in counts))
 
 
 def _accepts(port: int) -> bool:
