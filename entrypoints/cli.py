@@ -8,6 +8,9 @@ import os
 import sys
 import time
 
+from server.reasoning import REASONING_PARSERS
+from server.tool_parsers import TOOL_PARSERS
+
 
 def human_int(text: str) -> int:
     """Integer flags accept 1k / 32K / 1m (binary multiples for k and m, as vLLM does)."""
@@ -155,6 +158,16 @@ def _add_serve_parser(commands: argparse._SubParsersAction) -> None:
     cors.add_argument("--allowed-methods", type=json_list, default=["*"], help='allowed methods (default ["*"])')
     cors.add_argument("--allowed-headers", type=json_list, default=["*"], help='allowed headers (default ["*"])')
     cors.add_argument("--allow-credentials", action="store_true", help="allow credentials (cookies, auth headers)")
+    tools = serve.add_argument_group("tool calling and reasoning (as vLLM's flags)")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model decide when to call tools (tool_choice "auto", the default when a '
+                            "request has tools); needs --tool-call-parser")
+    tools.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="the format the model writes tool calls in: hermes (<tool_call>{...}</tool_call>), "
+                            "llama3_json ({\"name\": ..., \"parameters\": ...}), mistral ([TOOL_CALLS][...])")
+    tools.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                       help="move the model's <think>...</think> text into message.reasoning_content; "
+                            "structured outputs apply after it")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                      help="server log level (default info)")
     add_engine_args(serve)
@@ -235,11 +248,16 @@ def run_serve(args: argparse.Namespace) -> int:
                     max_logprobs=args.max_logprobs, max_n=args.max_n, max_prompt_chars=args.max_prompt_chars,
                     trust_request_chat_template=args.trust_request_chat_template,
                     allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
-                    allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
+                    allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+                    enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                    reasoning_parser=args.reasoning_parser)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        print("jvllm: error: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
+        return 2
     if args.max_request_body_bytes is not None:
         settings["max_request_body_bytes"] = args.max_request_body_bytes
     try:
-        return run_server(engine_kwargs(args), settings, host=args.host, port=args.port,
+        return run_server({**engine_kwargs(args), "reasoning_parser": args.reasoning_parser}, settings, host=args.host, port=args.port,
                           max_waiting_requests=args.max_waiting_requests, shutdown_timeout=args.shutdown_timeout,
                           log_level=args.log_level, access_log=not args.disable_access_log)
     except (ValueError, FileNotFoundError) as error:

@@ -13,6 +13,7 @@ _EXPORTS = {
     "Engine": "jvllm.engine.llm",
     "LLM": "jvllm.engine.llm",
     "SamplingParams": "jvllm.sampling_params",
+    "StructuredOutputsParams": "jvllm.sampling_params",
     "RequestOutput": "jvllm.outputs",
     "CompletionOutput": "jvllm.outputs",
     "EmbeddingRequestOutput": "jvllm.outputs",

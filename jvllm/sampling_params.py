@@ -12,6 +12,8 @@ from typing import Any
 GREEDY_TEMPERATURE_EPS = 1e-5
 # Same clamp as OpenAI/vLLM: beyond +-100 a bias already forces/forbids a token.
 _MAX_ABS_LOGIT_BIAS = 100.0
+# The sampler carries logit biases as a fixed [rows, MAX_LOGIT_BIAS_ENTRIES] list (static shapes).
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 def _is_int(value: Any) -> bool:
@@ -39,6 +41,38 @@ def _as_token_id_list(name: str, value: Any) -> list[int]:
 
 
 @dataclass(kw_only=True)
+class StructuredOutputsParams:
+    """Constrains a request's output, as vLLM's: exactly one of a JSON schema (dict or JSON text), any JSON
+    object, a regular expression, a choice of strings, or a grammar (Lark or GBNF/EBNF text)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar or json_object, "
+                             f"got {given or 'none'}.")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (dict or str), got {self.json!r}.")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"structured_outputs.{name} must be a string.")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        """The one constraint given: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name))
+
+
+@dataclass(kw_only=True)
 class SamplingParams:
     """Sampling parameters for one request; field meanings follow vLLM."""
 
@@ -63,6 +97,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -122,6 +157,9 @@ class SamplingParams:
             self.allowed_token_ids = _as_token_id_list("allowed_token_ids", self.allowed_token_ids)
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must be non-empty when given (or None).")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}.")
 
         if self.temperature < GREEDY_TEMPERATURE_EPS:
             # Greedy: argmax is unaffected by truncation filters, so reset them to
@@ -161,6 +199,9 @@ class SamplingParams:
                 key = int(key.strip())
             if not _is_int(key) or key < 0:
                 raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {key!r}.")
+            if len(normalized) == MAX_LOGIT_BIAS_ENTRIES:
+                raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got "
+                                 f"{len(self.logit_bias)}.")
             bias = _as_float(f"logit_bias[{key}]", value)
             normalized[key] = min(max(bias, -_MAX_ABS_LOGIT_BIAS), _MAX_ABS_LOGIT_BIAS)
         self.logit_bias = normalized

@@ -15,11 +15,14 @@ from server.logprobs import chat_logprobs
 from server.blocking import TemplateTimeout, with_deadline
 from server.protocol import ChatCompletionRequest, ChatMessage, invalid_text_path
 from server.responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
-                              ChatMessageOut, DeltaMessage, UsageInfo)
+                              DeltaMessage, UsageInfo)
 from server.sampling import (check_fits, check_generates, check_logprobs, check_model, check_unsupported, sampling_params,
                              warn_unknown_fields)
 from server.settings import REQUEST_TEMPLATE_TIMEOUT_S
 from server.state import ServerState
+from server.structured import structured_outputs
+from server.tools import ToolPlan, plan_tools, template_messages
+from server.chat_reply import StreamedReply, whole_reply
 from server.streaming import DONE, sse, sse_response, unless_disconnected
 
 _RESERVED_TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "chat_template", "add_generation_prompt",
@@ -27,18 +30,24 @@ _RESERVED_TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "chat_templat
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict]:
-    """Messages as the chat template sees them (content parts joined into one string)."""
+    """Messages as the chat template sees them (content parts joined into one string, tool calls' arguments as
+    objects)."""
     result = []
     for message in messages:
         item = {"role": message.role, "content": message.text()}
         if message.name:
             item["name"] = message.name
+        if message.tool_calls:
+            item["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            item["tool_call_id"] = message.tool_call_id
         result.append(item)
-    return result
+    return template_messages(result)
 
 
 async def render_chat(state: ServerState, messages: list[ChatMessage], *, request_template: str | None,
-                      add_generation_prompt: bool, continue_final_message: bool, extra: dict | None = None) -> str:
+                      add_generation_prompt: bool, continue_final_message: bool, extra: dict | None = None,
+                      tools: list[dict] | None = None) -> str:
     """The prompt text, rendered on the blocking-work pool; a template that refuses the conversation is the
     client's error (400). A request's own template needs --trust-request-chat-template and a time bound."""
     if add_generation_prompt and continue_final_message:
@@ -49,6 +58,8 @@ async def render_chat(state: ServerState, messages: list[ChatMessage], *, reques
                           "--trust-request-chat-template", "chat_template")
     state.limits.check_chars(sum(len(message.text()) for message in messages), "messages")
     kwargs = {k: v for k, v in (extra or {}).items() if k not in _RESERVED_TEMPLATE_ARGS}
+    if tools:
+        kwargs["tools"] = tools
 
     def render() -> str:
         return state.engine.apply_chat_template(conversation(messages),
@@ -73,8 +84,8 @@ async def render_chat(state: ServerState, messages: list[ChatMessage], *, reques
 
 class _Chat:
     def __init__(self, body: ChatCompletionRequest, state: ServerState, model: str, num_prompt: int,
-                 num_top: int | None):
-        self.body, self.state, self.model = body, state, model
+                 num_top: int | None, tools: ToolPlan):
+        self.body, self.state, self.model, self.tools = body, state, model, tools
         self.num_prompt, self.num_top = num_prompt, num_top
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -93,9 +104,12 @@ class _Chat:
                          total_tokens=self.num_prompt + completion)
 
     def response(self, output: RequestOutput) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=o.index, message=ChatMessageOut(content=self.echo + o.text),
-                              logprobs=self.logprobs(o), finish_reason=o.finish_reason, stop_reason=o.stop_reason)
-                   for o in output.outputs]
+        choices = []
+        for o in output.outputs:
+            message, finish_reason = whole_reply(o.text, self.tools, self.state.settings.reasoning_parser,
+                                                 o.finish_reason, self.echo)
+            choices.append(ChatChoice(index=o.index, message=message, logprobs=self.logprobs(o),
+                                      finish_reason=finish_reason, stop_reason=o.stop_reason))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                       usage=self.usage(output))
 
@@ -116,6 +130,8 @@ class _Chat:
         sent_text: dict[int, int] = {}
         sent_ids: dict[int, int] = {}
         ended: set[int] = set()
+        replies = {index: StreamedReply(self.tools, self.state.settings.reasoning_parser)
+                   for index in range(self.body.n)}
         latest = None
         async for output in stream:
             latest = output
@@ -123,17 +139,19 @@ class _Chat:
                 if out.index in ended:
                     continue
                 start = sent_ids.get(out.index, 0)
-                text = out.text[sent_text.get(out.index, 0):]
+                finished = out.finish_reason is not None
+                delta = replies[out.index].feed(out.text[sent_text.get(out.index, 0):], finished)
                 logprobs = self.logprobs(out, start) if len(out.token_ids) > start else None
-                if not text and out.finish_reason is None and logprobs is None:
+                sent_text[out.index], sent_ids[out.index] = len(out.text), len(out.token_ids)
+                if delta is None and not finished and logprobs is None:
                     continue
                 if logprobs is None and self.num_top is not None:
                     logprobs = ChatLogprobs(content=[])  # asked for: always an object, never null
-                sent_text[out.index], sent_ids[out.index] = len(out.text), len(out.token_ids)
-                if out.finish_reason is not None:
+                if finished:
                     ended.add(out.index)
-                choice = ChatChunkChoice(index=out.index, delta=DeltaMessage(content=text), logprobs=logprobs,
-                                         finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+                choice = ChatChunkChoice(index=out.index, delta=delta or DeltaMessage(content=""), logprobs=logprobs,
+                                         finish_reason=replies[out.index].finish_reason(out.finish_reason),
+                                         stop_reason=out.stop_reason)
                 yield self.chunk([choice], self.usage(output) if continuous else None)
             if output.finished:
                 self.state.log_request(self.id, "finished", repr(output.outputs[0].text)[:2000])
@@ -145,10 +163,6 @@ class _Chat:
 def _check_request(body: ChatCompletionRequest, state: ServerState) -> int | None:
     """-> top logprobs per token (None: no logprobs)."""
     check_unsupported(body, state.limits)
-    if body.tools and body.tool_choice != "none":
-        raise bad_request("tool calling is not supported", "tools")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise bad_request("response_format other than text is not supported", "response_format")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     num_top = (body.top_logprobs or 0) if body.logprobs else None
@@ -163,14 +177,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     model = check_model(body.model, state.settings)
     check_generates(model, state)
     num_top = _check_request(body, state)
+    tools = plan_tools(body, state.settings.auto_tool_parser())
+    constraint = await structured_outputs(body, state, tools.constraint(bool(body.parallel_tool_calls)))
     text = await render_chat(state, body.messages, request_template=body.chat_template,
                              add_generation_prompt=body.add_generation_prompt,
-                             continue_final_message=body.continue_final_message, extra=body.chat_template_kwargs)
+                             continue_final_message=body.continue_final_message, extra=body.chat_template_kwargs,
+                             tools=tools.tools or None)
     ids = await state.tokenize(text, add_special_tokens=body.add_special_tokens)
     wanted = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = sampling_params(body, max_tokens=check_fits(len(ids), wanted, state.engine.max_model_len),
-                             logprobs=num_top, prompt_logprobs=body.prompt_logprobs)
-    chat = _Chat(body, state, model, len(ids), num_top)
+                             logprobs=num_top, prompt_logprobs=body.prompt_logprobs, structured_outputs=constraint)
+    chat = _Chat(body, state, model, len(ids), num_top, tools)
     state.log_request(chat.id, "received", repr(text)[:2000], params)
     stream = await state.engine.add_request({"prompt": text, "prompt_token_ids": ids}, params, chat.id,
                                             arrival_time=arrival)

@@ -18,6 +18,7 @@ from server.responses import CompletionChoice, CompletionLogProbs, CompletionRes
 from server.sampling import (check_fits, check_generates, check_logprobs, check_model, check_unsupported, sampling_params,
                              warn_unknown_fields)
 from server.state import ServerState
+from server.structured import structured_outputs
 from server.streaming import DONE, merge, sse, sse_response, unless_disconnected
 
 
@@ -180,13 +181,15 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
         raise bad_request("suffix is not supported", "suffix")
     check_logprobs(body.logprobs, state.settings, "logprobs")
     check_logprobs(body.prompt_logprobs, state.settings, "prompt_logprobs")
+    constraint = await structured_outputs(body, state)
     prompts = await _prompts(raw, body, state)
     prompt_logprobs = body.prompt_logprobs
     if body.echo and body.logprobs is not None:
         prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
     limit = state.engine.max_model_len
     params = [sampling_params(body, max_tokens=check_fits(len(p.token_ids), body.max_tokens, limit),
-                              logprobs=body.logprobs, prompt_logprobs=prompt_logprobs) for p in prompts]
+                              logprobs=body.logprobs, prompt_logprobs=prompt_logprobs, structured_outputs=constraint)
+              for p in prompts]
     job = _Job(body, state, model, prompts)
     streams: list[RequestStream] = []
     try:

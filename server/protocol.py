@@ -62,6 +62,30 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
 
+class StructuredOutputs(OpenAIModel):
+    """vLLM's `structured_outputs` request field: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = Field(None, description="a Lark or GBNF (EBNF) grammar")
+    json_object: bool | None = None
+
+
+class JsonSchemaFormat(OpenAIModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(RequestBody):
     """Fields shared by completions and chat; names and defaults follow vLLM's server."""
 
@@ -93,6 +117,8 @@ class SamplingFields(RequestBody):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     echo: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -111,10 +137,23 @@ class TextPart(OpenAIModel):
     text: str
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON object in a string")
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -122,6 +161,27 @@ class ChatMessage(OpenAIModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments object")
+    strict: bool | None = None
+
+
+class Tool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -132,10 +192,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="with tools, defaults to auto (which needs --enable-auto-tool-choice and "
+                          "--tool-call-parser)")
+    parallel_tool_calls: bool | None = True
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False

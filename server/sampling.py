@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from jvllm.sampling_params import SamplingParams
+from jvllm.sampling_params import SamplingParams, StructuredOutputsParams
 from server.errors import APIError, bad_request
 from server.limits import AdmissionLimits
 from server.protocol import SamplingFields
@@ -66,8 +66,8 @@ def check_logprobs(count: int | None, settings: ServerSettings, param: str) -> N
                           f"got {count}", param)
 
 
-def sampling_params(body: SamplingFields, *, max_tokens: int, logprobs: int | None,
-                    prompt_logprobs: int | None) -> SamplingParams:
+def sampling_params(body: SamplingFields, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
+                    structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
     """OpenAI defaults for what the request leaves out; SamplingParams' ValueError becomes a 400."""
     def given(value, default):
         return default if value is None else value
@@ -83,7 +83,7 @@ def sampling_params(body: SamplingFields, *, max_tokens: int, logprobs: int | No
             skip_special_tokens=body.skip_special_tokens,
             spaces_between_special_tokens=body.spaces_between_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output, logit_bias=body.logit_bias,
-            allowed_token_ids=body.allowed_token_ids)
+            allowed_token_ids=body.allowed_token_ids, structured_outputs=structured_outputs)
     except ValueError as error:  # SamplingParams' messages start with the field's name
         field = str(error).split(" ", 1)[0]
         raise bad_request(str(error), field if field in SamplingParams.__dataclass_fields__ else None) from None

@@ -74,6 +74,7 @@ class Request:
         self.cache_salt: str | None = None  # isolates this request's prefix-cache entries from others'
         self.page_keys: list[int] = []  # prefix-cache keys of its full pages, computed as needed
         self.num_registered_pages = 0  # leading pages already offered to the prefix cache
+        self.grammar: Any = None  # structured outputs: a jvllm.structured GrammarState fed every output token
 
     @property
     def num_prompt_tokens(self) -> int:

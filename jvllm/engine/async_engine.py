@@ -16,7 +16,7 @@ from jvllm.engine.status import EngineDeadError, EngineShutDownError, EngineStat
 from jvllm.outputs import EmbeddingRequestOutput, RequestOutput
 from jvllm.pooling.async_batcher import EmbeddingBatcher
 from jvllm.pooling.embedder import embed_unsupported
-from jvllm.sampling_params import SamplingParams
+from jvllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("jvllm.engine.async_engine")
 
@@ -88,6 +88,10 @@ class AsyncEngine:
 
     def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.engine.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def check_structured_outputs(self, params: StructuredOutputsParams) -> None:
+        """Engine.check_structured_outputs, callable from any thread."""
+        self.engine.check_structured_outputs(params)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
         """The chat prompt as text (the tokenizer's template, or `chat_template=` if given)."""

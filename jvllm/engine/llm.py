@@ -24,11 +24,13 @@ from jvllm.engine.output_processor import append_token, record_prompt_logprobs, 
 from jvllm.outputs import EmbeddingRequestOutput, RequestOutput
 from jvllm.engine.progress import GenerateProgress, precompile_progress
 from jvllm.core.request import Request, RequestStatus
-from jvllm.sampling_params import SamplingParams
+from jvllm.sampling_params import SamplingParams, StructuredOutputsParams
 from jvllm.core.scheduler import ScheduledChunk, Scheduler
+from jvllm.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger("jvllm")
 PromptType = str | dict[str, Any]
+PROMPT_TAIL_TOKENS = 16  # enough to see whether a chat template opened a <think> block at the end of a prompt
 
 
 class Engine:
@@ -43,7 +45,7 @@ class Engine:
                  served_model_name: str | None = None, batched_weight_dtype: str | None = None,
                  pooling: str | None = None, normalize: bool | None = None, num_hosts: int | None = None,
                  host_rank: int | None = None, coordinator: str | None = None, async_scheduling: bool = True,
-                 precompile: bool = True):
+                 precompile: bool = True, reasoning_parser: str | None = None):
         """`pooling` ("mean", "cls", "last", "max", "mean_sqrt_len") and `normalize` override an embedding
         model's sentence-transformers config; on a generative model, `pooling` enables embed().
 
@@ -58,7 +60,10 @@ class Engine:
 
         The engine runs a closed set of step shapes (`step_shapes()`), known from its config. `precompile`
         compiles all of them (or loads them from the persistent cache) before the engine takes requests, so
-        none compiles while serving; `precompile=False` compiles each on first use, for quick experiments."""
+        none compiles while serving; `precompile=False` compiles each on first use, for quick experiments.
+
+        `reasoning_parser` ("deepseek_r1", "qwen3"): the model thinks first, up to `</think>`; structured-output
+        constraints apply to what follows."""
         from jvllm.attention import resolve_backend_name
         from jvllm.pooling.embedder import build_embedder, encoder_engine_config
         from jvllm.model_loader.loader import load_model, resolve_dtype
@@ -114,6 +119,8 @@ class Engine:
         self._request_groups: dict[str, list[Request]] = {}
         self.eos_token_ids = self._eos_ids()
         self._token_text: dict[int, str] = {}
+        self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids,
+                                         reasoning_parser)
         if precompile:
             self.precompile()
         logger.info("engine ready: %s (%s, %s attention, max_model_len %d, tensor_parallel_size %d) in %.1fs",
@@ -207,6 +214,10 @@ class Engine:
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > MAX_LOGPROBS:
                 raise ValueError(f"{name}={getattr(params, name)} exceeds the maximum of {MAX_LOGPROBS}")
+        grammar = None
+        if params.structured_outputs is not None:
+            tail = self.tokenizer.decode(token_ids[-PROMPT_TAIL_TOKENS:])
+            grammar = self._grammars.new_state(params.structured_outputs, tail)
         members = []
         for index in range(params.n):
             member_id = request_id if params.n == 1 else f"{request_id}#{index}"
@@ -216,12 +227,18 @@ class Engine:
             request.group_id = request_id
             request.cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params)
+            request.grammar = grammar if grammar is None or index == 0 else grammar.copy()
             self.scheduler.check_fits(request)
             request.prompt_source = members[0] if members else None
             members.append(request)
         for request in members:
             self.scheduler.add(request)
         self._request_groups[request_id] = members
+
+    def check_structured_outputs(self, params: StructuredOutputsParams) -> None:
+        """Compile a constraint's grammar; ValueError naming the field when it does not compile (add_request
+        does the same; this lets a server refuse the request before queueing it)."""
+        self._grammars.new_state(params)
 
     def _tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

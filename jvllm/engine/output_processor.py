@@ -27,6 +27,8 @@ def append_token(request: Request, result: StepResult, decode: Callable[[int], s
     now = time.time()
     token_id = result.token_id
     request.output_token_ids.append(token_id)
+    if request.grammar is not None:
+        request.grammar.accept(token_id)
     if request.params.logprobs is not None and result.token_logprobs is not None:
         request.cumulative_logprob += result.token_logprobs.logprob
         request.logprobs.append(result.token_logprobs.as_dict(token_id, request.params.logprobs, decode))

@@ -1,4 +1,4 @@
-"""On-device, jit-compatible token sampler: penalties, biases/masks, greedy, temperature, top-k/p, min-p."""
+"""On-device, jit-compatible token sampler: penalties, biases, token masks, greedy, temperature, top-k/p, min-p."""
 
 from __future__ import annotations
 
@@ -61,9 +61,20 @@ def process_logits(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags) -
     logits = logits.astype(jnp.float32)
     if flags.penalties:
         logits = _apply_penalties(logits, t)
-    if flags.bias:
-        logits = logits + t.bias
+    if flags.masks:
+        logits = apply_token_masks(logits, t)
     return logits
+
+
+def apply_token_masks(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Adds each row's logit biases, then -inf on tokens its allowed-token bits leave out: [S, V] -> [S, V]."""
+    rows, vocab = logits.shape
+    row_index = jnp.arange(rows, dtype=jnp.int32)[:, None]  # [S, 1]
+    logits = logits.at[row_index, t.bias_ids].add(t.bias_values, mode="drop")  # id V (unused slot) is dropped
+    shifts = jnp.arange(32, dtype=jnp.int32)  # [32]
+    bits = (t.allowed_bits[:, :, None] >> shifts) & 1  # [S, W, 32] int32
+    allowed = bits.reshape(rows, -1)[:, :vocab] != 0  # [S, V] bool
+    return jnp.where(allowed, logits, _NEG_INF)
 
 
 def apply_top_k_top_p_min_p(scaled: jax.Array, t: SamplingTensors) -> jax.Array:

@@ -1,9 +1,9 @@
 """Per-step sampling tensors (a device pytree of fixed shapes), the two static sampler flags, and the host builder.
 
 Every option is a runtime value except two that need arrays of their own: penalties (each row's token history,
-[S, history_width]) and logit biases / allowed / blocked tokens (a dense [S, V] addend). Their flags pick one of
-four compiled samplers per step shape; everything else (greedy or random, top-k/p/min-p, logprobs) is a
-device-side switch."""
+[S, history_width]) and token masks (a packed allowed-token bitmask [S, ceil(V/32)] from allowed / blocked
+tokens and grammars, with logit biases as a fixed-width sparse list). Their flags pick one of four compiled
+samplers per step shape; everything else (greedy or random, top-k/p/min-p, logprobs) is a device-side switch."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,6 +11,8 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
+
+from jvllm.sampling_params import MAX_LOGIT_BIAS_ENTRIES
 
 
 @jax.tree_util.register_dataclass
@@ -32,15 +34,29 @@ class SamplingTensors:
     any_logprobs: jax.Array  # [] bool: some row asks for the sampled token's logprobs
     history: jax.Array | None = None  # [S, L] int32 prompt then output ids, -1 padded (flags.penalties)
     num_prompt: jax.Array | None = None  # [S] int32 prompt tokens at the start of each history row
-    bias: jax.Array | None = None  # [S, V] float32 added to the logits, -inf forbids (flags.bias)
+    allowed_bits: jax.Array | None = None  # [S, W] int32, W = ceil(V / 32): bit t % 32 of word t // 32 allows t
+    bias_ids: jax.Array | None = None  # [S, MAX_LOGIT_BIAS_ENTRIES] int32 logit_bias tokens, V = unused slot
+    bias_values: jax.Array | None = None  # [S, MAX_LOGIT_BIAS_ENTRIES] float32 added at bias_ids
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplerFlags:
-    """Static: whether the step carries token histories (penalties) and a logit addend (biases, masks)."""
+    """Static: whether the step carries token histories (penalties) and token masks (allowed bits, biases)."""
 
     penalties: bool = False
-    bias: bool = False
+    masks: bool = False
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one row's packed token bitmask."""
+    return (vocab_size + 31) // 32
+
+
+def pack_token_bits(allowed: np.ndarray) -> np.ndarray:
+    """[V] bool -> [ceil(V/32)] int32, token t at bit t % 32 of word t // 32 (llguidance's layout)."""
+    padded = np.zeros(mask_words(len(allowed)) * 32, np.bool_)
+    padded[: len(allowed)] = allowed
+    return np.packbits(padded, bitorder="little").view("<i4").astype(np.int32)
 
 
 @dataclasses.dataclass
@@ -53,6 +69,7 @@ class RowSpec:
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     blocked_ids: Sequence[int] = ()
+    grammar_bits: np.ndarray | None = None  # [W] int32 tokens the row's grammar allows next
 
 
 def _param(params: Any, name: str, default: Any) -> Any:
@@ -61,21 +78,22 @@ def _param(params: Any, name: str, default: Any) -> Any:
     return default if value is None else value
 
 
-def _bias_row(params: Any, blocked: Sequence[int], vocab_size: int) -> np.ndarray | None:
-    """[V] float32 addend: -inf outside allowed_token_ids, + logit_bias, -inf on blocked ids; None if nothing."""
-    allowed = _param(params, "allowed_token_ids", None)
-    bias = _param(params, "logit_bias", {}) or {}
-    if not allowed and not bias and not len(blocked):
+def _allowed_bits(params: Any, row: RowSpec, vocab_size: int) -> np.ndarray | None:
+    """[W] int32 allowed-token bits of one row (allowed_token_ids, minus blocked ids, within its grammar), or
+    None when every token is allowed. A grammar that allows only what min_tokens blocks (its EOS) wins."""
+    allowed_ids = _param(params, "allowed_token_ids", None)
+    if not allowed_ids and not len(row.blocked_ids) and row.grammar_bits is None:
         return None
-    row = np.zeros(vocab_size, np.float32)
-    if allowed:
-        row[:] = -np.inf
-        row[np.asarray(allowed, np.int64)] = 0.0
-    for token, value in bias.items():
-        row[int(token)] += float(value)
-    if len(blocked):
-        row[np.asarray(blocked, np.int64)] = -np.inf
-    return row
+    allowed = np.zeros(vocab_size, np.bool_) if allowed_ids else np.ones(vocab_size, np.bool_)
+    if allowed_ids:
+        allowed[np.asarray(allowed_ids, np.int64)] = True
+    if len(row.blocked_ids):
+        allowed[np.asarray(row.blocked_ids, np.int64)] = False
+    bits = pack_token_bits(allowed)
+    if row.grammar_bits is not None:
+        constrained = bits & row.grammar_bits
+        bits = constrained if constrained.any() else row.grammar_bits
+    return bits
 
 
 def build_sampling_tensors(rows: list[RowSpec], num_padded_rows: int, *, vocab_size: int,
@@ -94,7 +112,8 @@ def build_sampling_tensors(rows: list[RowSpec], num_padded_rows: int, *, vocab_s
     seeds = np.zeros(s, np.uint32)
     positions = np.zeros(s, np.int32)
     any_logprobs = False
-    bias_rows: dict[int, np.ndarray] = {}
+    bit_rows: dict[int, np.ndarray] = {}
+    bias_rows: dict[int, dict[int, float]] = {}
     for i, row in enumerate(rows):
         p = row.params
         temp = float(_param(p, "temperature", 1.0))
@@ -111,8 +130,11 @@ def build_sampling_tensors(rows: list[RowSpec], num_padded_rows: int, *, vocab_s
         seeds[i] = int(row.seed) & 0xFFFFFFFF  # keys are built from 32-bit seeds
         positions[i] = int(row.position)
         any_logprobs |= _param(p, "logprobs", None) is not None
-        bias = _bias_row(p, row.blocked_ids, vocab_size)
-        if bias is not None:
+        bits = _allowed_bits(p, row, vocab_size)
+        if bits is not None:
+            bit_rows[i] = bits
+        bias = _param(p, "logit_bias", None)
+        if bias:
             bias_rows[i] = bias
     penalties = bool((presence != 0).any() or (frequency != 0).any() or (repetition != 1).any())
     tensors = SamplingTensors(
@@ -127,8 +149,19 @@ def build_sampling_tensors(rows: list[RowSpec], num_padded_rows: int, *, vocab_s
             ids = [*row.prompt_ids, *row.output_ids]
             tensors.history[i, : len(ids)] = ids
             tensors.num_prompt[i] = len(row.prompt_ids)
-    if bias_rows:
-        tensors.bias = np.zeros((s, vocab_size), np.float32)
+    masks = bool(bit_rows or bias_rows)
+    if masks:
+        tensors.allowed_bits, tensors.bias_ids, tensors.bias_values = empty_masks(s, vocab_size)
+        for i, bits in bit_rows.items():
+            tensors.allowed_bits[i] = bits
         for i, bias in bias_rows.items():
-            tensors.bias[i] = bias
-    return tensors, SamplerFlags(penalties=penalties, bias=bool(bias_rows))
+            tensors.bias_ids[i, : len(bias)] = [int(token) for token in bias]
+            tensors.bias_values[i, : len(bias)] = [float(value) for value in bias.values()]
+    return tensors, SamplerFlags(penalties=penalties, masks=masks)
+
+
+def empty_masks(rows: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Masks that change nothing: every token allowed ([S, W] int32), no biases ([S, B] int32 and float32)."""
+    return (np.full((rows, mask_words(vocab_size)), -1, np.int32),
+            np.full((rows, MAX_LOGIT_BIAS_ENTRIES), vocab_size, np.int32),
+            np.zeros((rows, MAX_LOGIT_BIAS_ENTRIES), np.float32))

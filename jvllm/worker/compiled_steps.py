@@ -3,6 +3,7 @@ work comes from JAX's persistent cache after the first start), then called direc
 compiles."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import jax
 import numpy as np
 
-from jvllm.sample.tensors import SamplerFlags, build_sampling_tensors
+from jvllm.sample.tensors import SamplerFlags, build_sampling_tensors, empty_masks
 from jvllm.worker.compile_watch import compile_watch
 from jvllm.worker.step_functions import StepFunctions
 from jvllm.worker.step_shapes import StepShape
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("jvllm")
 
-ALL_FLAGS = [SamplerFlags(penalties, bias) for penalties, bias in itertools.product((False, True), repeat=2)]
+ALL_FLAGS = [SamplerFlags(penalties, masks) for penalties, masks in itertools.product((False, True), repeat=2)]
 Executable = Callable[..., Any]
 
 
@@ -58,13 +59,17 @@ class CompiledSteps:
         self.count = 0  # executables compiled so far
         self._by_shape: dict[StepShape, ShapeExecutables] = {}
         self._heads: dict[tuple[int, bool, SamplerFlags], Executable] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jvllm-compile")
+        self._compiling: list[concurrent.futures.Future] = []
 
     def get(self, shape: StepShape) -> ShapeExecutables:
         """The shape's executables (compiled now if precompiling was skipped)."""
         executables = self._by_shape.get(shape)
         if executables is None:
             logger.info("compiling step shape %s", shape)
-            executables = self._by_shape[shape] = self._compile(shape)
+            with compile_watch().expected():  # precompiling was skipped: compiling on first use is asked for
+                executables = self._by_shape[shape] = self._compile(shape)
+                self._finish_compiling()
         return executables
 
     def precompile(self, shapes: list[StepShape], progress: Any = None) -> None:
@@ -77,8 +82,15 @@ class CompiledSteps:
                     self._by_shape[shape] = self._compile(shape)
                 if progress is not None:
                     progress.update(1)
+            self._finish_compiling()
         logger.info("%d step shapes ready in %.1fs (%d executables)", len(shapes), time.perf_counter() - started,
                     self.count - before)
+
+    def _finish_compiling(self) -> None:
+        """Wait for every compile on the worker thread (raising its error, if any)."""
+        for compiling in self._compiling:
+            compiling.result()
+        self._compiling.clear()
 
     def _examples(self, shape: StepShape, flags: SamplerFlags = SamplerFlags()) -> tuple:
         """Device inputs of an empty step of `shape`, laid out exactly as run_call passes them."""
@@ -91,8 +103,8 @@ class CompiledSteps:
         if flags.penalties:
             sampling.history = np.full((shape.seqs, runner.history_width), -1, np.int32)
             sampling.num_prompt = np.zeros(shape.seqs, np.int32)
-        if flags.bias:
-            sampling.bias = np.zeros((shape.seqs, runner.vocab_size), np.float32)
+        if flags.masks:
+            sampling.allowed_bits, sampling.bias_ids, sampling.bias_values = empty_masks(shape.seqs, runner.vocab_size)
         call = StepCall(shape, batch.input_ids, batch.positions, batch.metadata, sampling,
                         np.full(shape.tokens, -1, np.int32), flags)
         return runner.device_inputs(call)
@@ -128,10 +140,19 @@ class CompiledSteps:
         return ShapeExecutables(shape, embed, layer, last_rows, store, heads, take_ids, prompt_stats, logits)
 
     def _compiled(self, name: str, fn: Any, *args: Any, **static: Any) -> Executable:
-        """fn (a jax.jit function) compiled for args; `name` says which piece, for profiles and errors."""
+        """fn (a jax.jit function) compiled for args; `name` says which piece, for profiles and errors.
+
+        On one device the XLA compile (or persistent-cache load) runs on a worker thread while this thread traces
+        and lowers the next piece; the returned executable waits for it on first use. Sharded pieces compile
+        here: their outputs' shardings are known only once compiled."""
         del name
         self.count += 1
-        return fn.lower(*args, **static).compile()
+        lowered = fn.lower(*args, **static)
+        if self.runner.mesh is not None:
+            return lowered.compile()
+        compiling = self._pool.submit(lowered.compile)
+        self._compiling.append(compiling)
+        return PendingExecutable(lowered, compiling)
 
     def _head(self, shape: StepShape, outer: list[jax.Array], x_last: Any, flags: SamplerFlags) -> Executable:
         """The head for this shape's row count (and weights: a batched copy serves multi-row steps)."""
@@ -141,6 +162,30 @@ class CompiledSteps:
             self._heads[key] = self._compiled(f"head S={shape.seqs} {flags}", self.steps.head, outer, x_last,
                                                    sampling, flags=flags)
         return self._heads[key]
+
+
+class PendingExecutable:
+    """A compiled executable still being compiled on a worker thread: `out_info` is known from the lowering,
+    the first call waits for the compile."""
+
+    def __init__(self, lowered: Any, compiling: concurrent.futures.Future) -> None:
+        self.out_info = lowered.out_info
+        self._compiling = compiling
+        self._compiled: Executable | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        return self.compiled()(*args)
+
+    def compiled(self) -> Any:
+        """The jax Compiled object (waiting for its compile the first time)."""
+        if self._compiled is None:
+            self._compiled = self._compiling.result()
+        return self._compiled
+
+    def __getattr__(self, name: str) -> Any:  # as_text, cost_analysis, ...: the Compiled object's
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.compiled(), name)
 
 
 def _spec(a: Any) -> jax.ShapeDtypeStruct:

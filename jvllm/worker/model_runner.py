@@ -279,8 +279,10 @@ class ModelRunner:
         blocked: list[int] = []
         if len(request.output_token_ids) + chunk.pending_tokens < params.min_tokens:
             blocked = [*params.stop_token_ids, *([] if params.ignore_eos else request.eos_token_ids)]
+        grammar_bits = None if request.grammar is None or not chunk.samples else request.grammar.allowed_bits()
         return RowSpec(params=params, seed=request.seed, position=request.num_tokens + chunk.pending_tokens,
-                       prompt_ids=request.prompt_token_ids, output_ids=request.output_token_ids, blocked_ids=blocked)
+                       prompt_ids=request.prompt_token_ids, output_ids=request.output_token_ids, blocked_ids=blocked,
+                       grammar_bits=grammar_bits)
 
     def prompt_logits(self, token_ids: list[int]) -> np.ndarray:
         """Logits [T, V] at every position of one prompt, through the paged path as one fresh chunk. Nothing is

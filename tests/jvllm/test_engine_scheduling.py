@@ -186,3 +186,22 @@ def test_n_completions_share_the_prompt_pages(default_engine):
     assert len({tuple(c.token_ids) for c in first.outputs}) > 1  # members draw independently
     engine.pages.check_integrity()
     assert engine.pages.num_free_pages == engine.pages.num_usable_pages
+
+
+def test_grammar_constrained_requests_survive_preemption(small_engine, default_engine, prompts):
+    """A preempted request recomputes its tokens; its grammar state, fed each output token once, goes on where it
+    was: the same constrained greedy text as without preemption, and every character in the grammar."""
+    import re
+
+    from jvllm import StructuredOutputsParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_OUT, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(regex="[a-z ]+"))
+    expected = [o.outputs[0].text for o in default_engine.generate(prompts, params, use_tqdm=False)]
+    before = small_engine.scheduler.num_preemptions
+    outs = small_engine.generate(prompts, params, use_tqdm=False)
+    assert small_engine.scheduler.num_preemptions > before, "the pool was expected to force preemptions"
+    assert [o.outputs[0].text for o in outs] == expected
+    assert all(re.fullmatch("[a-z ]+", text) and len(o.outputs[0].token_ids) == NUM_OUT
+               for text, o in zip(expected, outs))
+    _assert_no_leak(small_engine)

@@ -6,6 +6,7 @@ import random
 import pytest
 
 from jvllm import Engine, SamplingParams
+from jvllm.sampling_params import StructuredOutputsParams
 from jvllm.worker.compile_watch import compile_watch
 
 MAX_MODEL_LEN = 512
@@ -23,7 +24,13 @@ def random_params(rng: random.Random) -> SamplingParams:
         seed=rng.choice([None, rng.randint(0, 1000)]), logprobs=rng.choice([None, None, 0, 3, 7]),
         prompt_logprobs=rng.choice([None, None, None, 2]), stop=rng.choice([None, ["sea"], ["door", "tide"]]),
         presence_penalty=rng.choice([0.0, 0.0, 0.5]), repetition_penalty=rng.choice([1.0, 1.0, 1.2]),
-        logit_bias=rng.choice([None, None, {7: 3.0}]), min_tokens=min(max_tokens, rng.choice([0, 0, 2])), ignore_eos=rng.random() < 0.3)
+        logit_bias=rng.choice([None, None, {7: 3.0}]), min_tokens=min(max_tokens, rng.choice([0, 0, 2])),
+        ignore_eos=rng.random() < 0.3, structured_outputs=rng.choice(CONSTRAINTS))
+
+
+# Grammar-constrained rows take the sampler's token-mask variant, which every step shape precompiles.
+CONSTRAINTS = [None, None, None, None, StructuredOutputsParams(regex="[a-z ]{1,40}"),
+               StructuredOutputsParams(choice=["yes", "no"]), StructuredOutputsParams(json_object=True)]
 
 
 def drive(engine: Engine, num_requests: int, seed: int) -> dict[str, int]:

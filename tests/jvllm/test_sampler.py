@@ -13,6 +13,7 @@ import pytest
 from jvllm.sample.logprobs import logprob_stats
 from jvllm.sampling_params import SamplingParams
 from jvllm.sample.sampler import RowSpec, SamplerFlags, build_sampling_tensors, process_logits, row_argmax, sample
+from jvllm.sample.tensors import empty_masks, pack_token_bits
 
 sample_jit = jax.jit(sample, static_argnames=("flags",))
 process_logits_jit = jax.jit(process_logits, static_argnames=("flags",))
@@ -56,9 +57,9 @@ def force_all_features(t, flags: SamplerFlags, vocab: int):
     t = dataclasses.replace(t, any_random=np.asarray(True), any_top_k_p=np.asarray(True))
     if t.history is None:
         t.history, t.num_prompt = np.full((len(t.seeds), HISTORY), -1, np.int32), np.zeros(len(t.seeds), np.int32)
-    if t.bias is None:
-        t.bias = np.zeros((len(t.seeds), vocab), np.float32)
-    return t, SamplerFlags(penalties=True, bias=True)
+    if t.allowed_bits is None:
+        t.allowed_bits, t.bias_ids, t.bias_values = empty_masks(len(t.seeds), vocab)
+    return t, SamplerFlags(penalties=True, masks=True)
 
 
 def run(logits: np.ndarray, rows: list[RowSpec], pad: int | None = None, force: bool = False):
@@ -217,7 +218,7 @@ def test_seeded_row_independent_of_batch():
                 logits = others_logits.copy()
                 logits[index] = target_logits
                 ids, lps, _, flags = run(logits, rows, pad=pad)
-                assert flags.penalties and flags.bias
+                assert flags.penalties and flags.masks
                 assert int(ids[index]) == alone[pos][0]
                 assert abs(float(lps[index]) - alone[pos][1]) < 1e-6
 
@@ -269,7 +270,7 @@ def test_process_logits_matches_numpy():
     rows = _processor_rows()
     logits = rng.normal(size=(len(rows), V)).astype(np.float32) * 3  # [R, V] float32
     t, flags = build_sampling_tensors(rows, 16, vocab_size=V, history_width=HISTORY)
-    assert flags.penalties and flags.bias
+    assert flags.penalties and flags.masks
     full = np.zeros((16, V), np.float32)
     full[: len(rows)] = logits
     got = np.asarray(process_logits_jit(full, t, flags))[: len(rows)]
@@ -323,7 +324,7 @@ def test_flags_on_do_not_change_plain_rows(temperature):
     mixed = rows + _other_rows(rng, 4)
     mixed_logits = np.concatenate([logits, rng.normal(size=(4, V)).astype(np.float32)])
     ids_mix, lps_mix, mt, mflags = run(mixed_logits, mixed, pad=16)
-    assert mflags.penalties and mflags.bias and mt.any_top_k_p
+    assert mflags.penalties and mflags.masks and mt.any_top_k_p
     np.testing.assert_array_equal(ids_mix[:12], ids_min)
     np.testing.assert_array_equal(lps_mix[:12], lps_min)
 
@@ -340,11 +341,15 @@ def test_builder_shapes_and_padding():
     ]
     t, flags = build_sampling_tensors(rows, 4, vocab_size=V, history_width=HISTORY)
     # Greedy rows drop truncation params; top_k=-1 means disabled.
-    assert flags == SamplerFlags(penalties=False, bias=True)
+    assert flags == SamplerFlags(penalties=False, masks=True)
     assert bool(t.any_random) and not t.any_top_k_p and not t.any_logprobs
-    assert t.history is None and t.bias.shape == (4, V)
-    np.testing.assert_array_equal(t.bias[1, :5], [0.0, 1.0, -np.inf, -np.inf, 0.0])
-    assert not t.bias[[0, 2, 3]].any()
+    assert t.history is None and t.allowed_bits.shape == (4, (V + 31) // 32) and t.allowed_bits.dtype == np.int32
+    allowed = np.ones(V, bool)
+    allowed[[2, 3]] = False
+    np.testing.assert_array_equal(t.allowed_bits[1], pack_token_bits(allowed))
+    assert (t.allowed_bits[[0, 2, 3]] == -1).all()  # rows without masks allow every token
+    assert list(t.bias_ids[1, :4]) == [1, 2, 3, V] and list(t.bias_values[1, :4]) == [1.0, 1.0, 1.0, 0.0]
+    assert (t.bias_ids[[0, 2, 3]] == V).all() and not t.bias_values[[0, 2, 3]].any()
     np.testing.assert_array_equal(np.asarray(t.top_k), [0, 0, 0, 0])
     np.testing.assert_array_equal(np.asarray(t.temperature), [0.0, 1.0, 0.0, 0.0])
     assert int(t.seeds[1]) == 9 and t.seeds.dtype == np.uint32
@@ -358,6 +363,29 @@ def test_builder_shapes_and_padding():
 
     with pytest.raises(ValueError):
         build_sampling_tensors(rows, 1, vocab_size=V, history_width=HISTORY)
+
+
+def test_packed_bits_follow_llguidance_layout():
+    """Token t is bit t % 32 of word t // 32, as llguidance fills its masks; a vocab that is not a multiple of 32
+    leaves the last word's high bits clear."""
+    allowed = np.zeros(70, bool)
+    allowed[[0, 31, 32, 69]] = True
+    bits = pack_token_bits(allowed)
+    assert bits.dtype == np.int32 and bits.shape == (3,)
+    assert [int(w) & 0xFFFFFFFF for w in bits] == [1 | 1 << 31, 1, 1 << 5]
+
+
+def test_grammar_bits_intersect_other_masks_and_win_when_nothing_is_left():
+    grammar = np.zeros(V, bool)
+    grammar[[5, 6, 7]] = True
+    rows = [row(params(allowed_token_ids=[6, 7, 8])), row(params(), blocked=[5, 6, 7])]
+    for r in rows:
+        r.grammar_bits = pack_token_bits(grammar)
+    logits = np.random.default_rng(5).normal(size=(2, V)).astype(np.float32)
+    t, flags = build_sampling_tensors(rows, 2, vocab_size=V, history_width=HISTORY)
+    got = np.asarray(process_logits_jit(logits, t, flags))
+    assert list(np.flatnonzero(np.isfinite(got[0]))) == [6, 7]
+    assert list(np.flatnonzero(np.isfinite(got[1]))) == [5, 6, 7]  # min_tokens blocked the grammar's only way on
 
 
 def test_top_k_at_or_past_the_vocab_keeps_every_token():

@@ -48,9 +48,10 @@ def start_server(model_dir, *, max_waiting_requests: int | None = 1000, served_m
     from server.settings import ServerSettings
 
     args = {**(ENGINE_ARGS if engine_args is None else engine_args), **engine_overrides}
-    engine = AsyncEngine(Engine(model=str(model_dir), **args), max_waiting_requests=max_waiting_requests)
+    model = None if model_dir is None else str(model_dir)  # None: the default model
+    engine = AsyncEngine(Engine(model=model, **args), max_waiting_requests=max_waiting_requests)
     app = build_app(engine, ServerSettings(served_model_names or [MODEL, "alias"], api_key=API_KEY,
-                                           model_root=str(model_dir), **(settings or {})))
+                                           model_root=model, **(settings or {})))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

@@ -1,0 +1,1 @@
+"""Structured outputs: grammars (JSON schema, regex, choice, Lark) that constrain sampling through token masks."""
