@@ -2,7 +2,7 @@
 
 Starts `jvllm serve` in a subprocess with a small KV pool (so long requests preempt each other) and a small
 body limit, then runs concurrent clients for --minutes: completions and chats (streamed or not, n 1-3,
-logprobs, stops), clients that leave mid-stream or before a whole response, bad inputs that must be
+logprobs, stops, JSON / regex / required-tool constraints), clients that leave mid-stream or before a whole response, bad inputs that must be
 refused (lone surrogates, n past the limit, prompts past the context, oversized bodies, malformed JSON,
 request chat templates, wrong types), tokenizer routes, and a /health probe every 50 ms. Afterwards it
 asserts: no 5xx; every bad input a 4xx within 1 s; running, waiting and KV usage back to 0; the server's
@@ -55,6 +55,8 @@ def _metric(text: str, name: str) -> float:
     raise KeyError(name)
 
 
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"word": {"type": "string", "maxLength": 12}}, "required": ["word"]}}}
 WORDS = ("the river ran past the old mill and the children followed it down to the sea where boats were "
          "waiting for the tide to turn").split()
 
@@ -84,6 +86,14 @@ def bad_inputs(max_prompt_chars: int, body_limit: int) -> list[tuple[str, str, b
          b'{"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ \'a\' * 50000000 }}"}'),
         ("unknown model", "/v1/completions", b'{"prompt": "hi", "model": "nope"}'),
         ("bad token id", "/detokenize", b'{"tokens": [-5]}'),
+        ("schema that does not compile", "/v1/chat/completions", json.dumps({
+            "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {
+                "name": "x", "schema": {"type": "object", "not": {}}}}}).encode()),
+        ("regex that does not compile", "/v1/completions",
+         b'{"prompt": "hi", "structured_outputs": {"regex": "a(b"}}'),
+        ("unknown tool", "/v1/chat/completions", json.dumps({
+            "messages": [{"role": "user", "content": "x"}], "tools": [TOOL],
+            "tool_choice": {"type": "function", "function": {"name": "nope"}}}).encode()),
     ]
     return cases
 
@@ -154,6 +164,13 @@ class Soak:
         body = {"messages": [{"role": "user", "content": prompt}], **self._sampling()}
         if self.rng.random() < 0.3:
             body.update(logprobs=True, top_logprobs=self.rng.randint(0, 5))
+        constraint = self.rng.choice([None, None, None, "json", "regex", "tools"])
+        if constraint == "json":
+            body["response_format"] = {"type": "json_object"}
+        elif constraint == "regex":
+            body["structured_outputs"] = {"regex": "[a-z ]{1,80}"}
+        elif constraint == "tools":
+            body.update(tools=[TOOL], tool_choice="required")
         return "/v1/chat/completions", body
 
     async def _generate(self, client: httpx.AsyncClient) -> None:

@@ -319,6 +319,8 @@ class Engine:
         with none left, nothing needs the step's results."""
         if self._ahead is not None and not settle_lookahead(self.scheduler, self._ahead[0].chunks):
             self._ahead = None
+        elif self._ahead is not None and self._ahead[0].pending is not None:
+            self.runner.finish_head(self._ahead[0])  # its grammars have now seen the previous step's tokens
 
     def _process_results(self, chunks: list[ScheduledChunk], results: dict) -> list[RequestOutput]:
         advanced: dict[str, None] = {}

@@ -47,6 +47,11 @@ class SamplerFlags:
     masks: bool = False
 
 
+# Grammar bits that allow every token (they broadcast over a row's words): a look-ahead row's grammar narrows
+# them once the previous step's token has reached it (ModelRunner.finish_head).
+ALL_TOKENS = np.full(1, -1, np.int32)
+
+
 def mask_words(vocab_size: int) -> int:
     """int32 words of one row's packed token bitmask."""
     return (vocab_size + 31) // 32
@@ -90,10 +95,14 @@ def _allowed_bits(params: Any, row: RowSpec, vocab_size: int) -> np.ndarray | No
     if len(row.blocked_ids):
         allowed[np.asarray(row.blocked_ids, np.int64)] = False
     bits = pack_token_bits(allowed)
-    if row.grammar_bits is not None:
-        constrained = bits & row.grammar_bits
-        bits = constrained if constrained.any() else row.grammar_bits
-    return bits
+    return bits if row.grammar_bits is None else combine_allowed_bits(bits, row.grammar_bits)
+
+
+def combine_allowed_bits(bits: np.ndarray, grammar_bits: np.ndarray) -> np.ndarray:
+    """[W] int32: the tokens both allow; the grammar's alone when nothing is left (min_tokens blocking the EOS
+    that is a finished grammar's only way on)."""
+    constrained = bits & grammar_bits
+    return constrained if constrained.any() else grammar_bits
 
 
 def build_sampling_tensors(rows: list[RowSpec], num_padded_rows: int, *, vocab_size: int,

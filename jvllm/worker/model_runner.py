@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +14,7 @@ from jvllm.core.scheduler import ScheduledChunk
 from jvllm.model_loader.loader import LoadedModel
 from jvllm.parallel.mesh import host_array, named_sharding, put_replicated
 from jvllm.sample.logprobs import TokenLogprobs, host_rows
-from jvllm.sample.tensors import RowSpec, SamplerFlags, build_sampling_tensors
+from jvllm.sample.tensors import ALL_TOKENS, RowSpec, SamplerFlags, build_sampling_tensors, combine_allowed_bits
 from jvllm.utils import cdiv
 from jvllm.worker.batch import ChunkRow, HostBatch, build_batch, chunk_rows
 from jvllm.worker.compile_watch import compile_watch
@@ -59,13 +59,22 @@ class StepResult:
 
 
 @dataclasses.dataclass
+class PendingHead:
+    """A step whose layers are dispatched and whose sampler waits: a look-ahead step of grammar-constrained rows
+    samples once the previous step's tokens have advanced their grammars (ModelRunner.finish_head)."""
+
+    run: Callable[[Any], dict]  # device sampling tensors -> the head's outputs
+
+
+@dataclasses.dataclass
 class DispatchedGroup:
-    """One device call started by ModelRunner.dispatch; `out` holds its device outputs."""
+    """One device call started by ModelRunner.dispatch; `out` holds its device outputs (None while `pending`)."""
 
     chunks: list[ScheduledChunk]
     call: StepCall
     prompt_rows: list
     out: Any
+    pending: PendingHead | None = None
 
 
 def prompt_logprob_targets(chunks: list[ScheduledChunk], num_tokens: int) -> tuple[np.ndarray, list]:
@@ -163,7 +172,8 @@ class ModelRunner:
     def dispatch(self, chunks: list[ScheduledChunk], source: DispatchedGroup | None = None) -> list[DispatchedGroup]:
         """Start the device steps of `chunks` without waiting for them: one-token chunks in a decode step, the
         others in a prefill step. With `source` (the previous step, one group), `chunks` are look-ahead chunks
-        of its requests: one decode step, each input token taken on the device from the id `source` sampled."""
+        of its requests: one decode step, each input token taken on the device from the id `source` sampled;
+        if some are grammar-constrained, its sampler waits for finish_head."""
         if source is not None:
             rows = {id(chunk.request): row for row, chunk in enumerate(source.chunks)}
             return [self._dispatch_group(chunks, "decode", source.out["token_ids"],
@@ -201,9 +211,10 @@ class ModelRunner:
     def _host_batch(self, rows: list[ChunkRow], shape: StepShape) -> HostBatch:
         return build_batch(rows, shape, self.page_size, self.max_pages, self.backend.prefill_layout)
 
-    def run_call(self, call: StepCall) -> Any:
+    def run_call(self, call: StepCall, defer_head: bool = False) -> Any:
         """Run one device step (sending it to the other hosts first, on rank 0 of a multi-host mesh);
-        -> the head's outputs, or all-position logits [T, V]."""
+        -> the head's outputs, or all-position logits [T, V]; with `defer_head`, a PendingHead: the layers and
+        the KV write are dispatched, the sampler runs when called with the (possibly updated) sampling tensors."""
         if self.channel is not None and self.channel.is_leader:
             self.channel.send(call)
         md, ids, positions, sampling, targets = self.device_inputs(call)
@@ -218,11 +229,26 @@ class ModelRunner:
                 results.append(result)
             if call.all_logits:
                 return settle(step.logits(weights.outer, x))
-            out = dict(settle(step.head(call.flags)(weights.outer, step.last_rows(x, md), sampling)))
-            if targets is not None:
-                out["prompt_stats"] = settle(step.prompt_stats(weights.outer, x, targets))
+            x_last = settle(step.last_rows(x, md))
+            extra = {} if targets is None else {"prompt_stats": settle(step.prompt_stats(weights.outer, x, targets))}
             self.kv_cache = settle(step.store_kv(self.kv_cache, results, md))
-        return out
+
+        def head(device_sampling: Any) -> dict:
+            with compile_watch().running(call.shape):
+                return {**settle(step.head(call.flags)(weights.outer, x_last, device_sampling)), **extra}
+
+        return PendingHead(head) if defer_head else head(sampling)
+
+    def finish_head(self, group: DispatchedGroup) -> None:
+        """Sample a deferred look-ahead step: each live constrained row's grammar, advanced past the token the
+        previous step sampled, narrows its allowed tokens now."""
+        sampling = group.call.sampling
+        for row, chunk in enumerate(group.chunks):
+            request = chunk.request
+            bits = None if request.grammar is None or request.is_finished else request.grammar.allowed_bits()
+            if bits is not None:
+                sampling.allowed_bits[row] = combine_allowed_bits(sampling.allowed_bits[row], bits)
+        group.out, group.pending = group.pending.run(jax.device_put(sampling)), None
 
     def device_inputs(self, call: StepCall) -> tuple:
         """-> (metadata, ids, positions, sampling, prompt targets) on the device, as the steps take them."""
@@ -234,11 +260,16 @@ class ModelRunner:
                         source_rows: list[int] | None = None) -> DispatchedGroup:
         """source_ids [S'] int32 on the device, source_rows: the row of each chunk's input token in it."""
         call, prompt_rows = self.step_call(chunks, kind)
+        defer_head = False
         if source_ids is not None:
             rows = np.zeros(call.shape.seqs, np.int32)  # decode: token i is chunk i
             rows[:len(source_rows)] = source_rows
             call.input_ids = self.compiled.get(call.shape).take_ids(source_ids, rows)
-        return DispatchedGroup(chunks, call, prompt_rows, self.run_call(call))
+            defer_head = any(chunk.request.grammar is not None for chunk in chunks)
+        out = self.run_call(call, defer_head)
+        if defer_head:
+            return DispatchedGroup(chunks, call, prompt_rows, None, pending=out)
+        return DispatchedGroup(chunks, call, prompt_rows, out)
 
     def _group_results(self, group: DispatchedGroup) -> dict[str, StepResult]:
         chunks, call, prompt_rows, out = group.chunks, group.call, group.prompt_rows, group.out
@@ -279,7 +310,12 @@ class ModelRunner:
         blocked: list[int] = []
         if len(request.output_token_ids) + chunk.pending_tokens < params.min_tokens:
             blocked = [*params.stop_token_ids, *([] if params.ignore_eos else request.eos_token_ids)]
-        grammar_bits = None if request.grammar is None or not chunk.samples else request.grammar.allowed_bits()
+        if request.grammar is None or not chunk.samples:
+            grammar_bits = None
+        elif chunk.lookahead:  # the grammar has not seen the token before this one yet: finish_head narrows it
+            grammar_bits = ALL_TOKENS
+        else:
+            grammar_bits = request.grammar.allowed_bits()
         return RowSpec(params=params, seed=request.seed, position=request.num_tokens + chunk.pending_tokens,
                        prompt_ids=request.prompt_token_ids, output_ids=request.output_token_ids, blocked_ids=blocked,
                        grammar_bits=grammar_bits)

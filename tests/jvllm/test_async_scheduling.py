@@ -91,6 +91,30 @@ def test_penalties_run_synchronously_with_the_same_outputs(default_engine):
     _assert_no_leak(engine)
 
 
+def test_constrained_requests_keep_async_scheduling_with_the_same_outputs(default_engine):
+    """A look-ahead step of grammar-constrained rows samples once the previous step's tokens have advanced
+    their grammars: the same outputs as synchronous steps, and the steps still go ahead."""
+    from jvllm import StructuredOutputsParams
+
+    engine = default_engine
+    params = [SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(json={
+                  "type": "object", "properties": {"name": {"type": "string", "maxLength": 20}},
+                  "required": ["name"]})),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=30, stop=[" sea"],
+                             structured_outputs=StructuredOutputsParams(regex="[a-z ]{5,80}")),
+              SamplingParams(temperature=0.0, max_tokens=30),  # unconstrained, in the same batch
+              SamplingParams(n=2, temperature=0.8, seed=9, max_tokens=12,
+                             structured_outputs=StructuredOutputsParams(choice=["red", "green", "blue"]))]
+    with _mode(engine, False):
+        expected = _summary(engine.generate(PROMPTS[:4], params, use_tqdm=False))
+    with _mode(engine, True) as lookaheads:
+        got = _summary(engine.generate(PROMPTS[:4], params, use_tqdm=False))
+    assert got == expected
+    assert len(lookaheads) > 10, "constrained batches should still be dispatched ahead"
+    assert expected[3][0][1] in ("red", "green", "blue") and expected[3][1][1] in ("red", "green", "blue")
+    _assert_no_leak(engine)
+
+
 def test_abort_while_a_lookahead_step_is_in_flight(default_engine):
     engine = default_engine
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import socket
@@ -200,6 +201,8 @@ def test_tp_logits_and_greedy_tokens_match_tp1(tiny_models, name, tps):
         assert run["max_abs_logit_diff"] < LOGITS_ATOL, (name, tp, run["max_abs_logit_diff"])
         assert run["tokens"] == result["reference_tokens"], (name, tp)
         assert run["sampled_tokens"] == result["reference_sampled"], (name, tp)  # seeded, temperature 0.8
+        assert run["constrained"] == result["reference_constrained"], (name, tp)  # regex-masked, seeded
+        assert re.fullmatch("[a-z ]{1,40}", run["constrained"]["text"]), run["constrained"]
         assert run["max_abs_logprob_diff"] < LOGITS_ATOL, (name, tp, run["max_abs_logprob_diff"])
         placed = run["placement"]
         assert placed["largest_block"] * tp == placed["largest_weight"], placed  # no device holds a whole matrix

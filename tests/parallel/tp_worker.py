@@ -47,6 +47,16 @@ def with_logprobs(eng, prompt: list[int]) -> dict[str, Any]:
     return {"tokens": list(out.outputs[0].token_ids), "logprobs": values}
 
 
+def constrained(eng, prompt: list[int]) -> dict[str, Any]:
+    """Seeded sampling under a regex: the token mask is a replicated input of the sharded sampler."""
+    from jvllm import SamplingParams, StructuredOutputsParams
+
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=5,
+                            structured_outputs=StructuredOutputsParams(regex="[a-z ]{1,40}"))
+    out = eng.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    return {"tokens": list(out.token_ids), "text": out.text}
+
+
 def placement(eng) -> dict[str, Any]:
     """How the weights and the pool are laid out: the largest block any device holds vs the largest matrix."""
     weights = eng.runner.weights
@@ -68,12 +78,14 @@ def compare(args: dict[str, Any]) -> dict[str, Any]:
     want_logits = [ref.runner.prompt_logits(p) for p in prompts] if backend == "xla" else None
     want_tokens = greedy(ref, prompts, max_tokens)
     want_sampled = with_logprobs(ref, prompts[0])
-    out: dict[str, Any] = {"reference_tokens": want_tokens, "reference_sampled": want_sampled["tokens"], "runs": {}}
+    out: dict[str, Any] = {"reference_tokens": want_tokens, "reference_sampled": want_sampled["tokens"],
+                           "reference_constrained": constrained(ref, prompts[0]), "runs": {}}
     for tp in args["tps"]:
         eng = engine(args["model"], tp, attention_backend=backend, **overrides)
         run = {"tokens": greedy(eng, prompts, max_tokens), "placement": placement(eng)}
         sampled = with_logprobs(eng, prompts[0])
         run["sampled_tokens"] = sampled["tokens"]
+        run["constrained"] = constrained(eng, prompts[0])
         run["max_abs_logprob_diff"] = float(np.max(np.abs(np.subtract(sampled["logprobs"],
                                                                       want_sampled["logprobs"]))))
         if want_logits is not None:
