@@ -22,8 +22,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repo
 def engine(model: str | None, tp: int, **kwargs: Any):
     from jvllm import Engine
 
+    # precompile=False: these checks compare outputs and collectives; compiling only the shapes they meet keeps
+    # each engine's start short (tests/jvllm/test_no_compile.py covers precompiling)
     settings = dict(dtype="float32", kv_cache_memory_bytes=4 << 20, max_model_len=128, max_num_seqs=8,
-                    max_num_batched_tokens=256, enable_prefix_caching=False, attention_backend="xla")
+                    max_num_batched_tokens=256, enable_prefix_caching=False, attention_backend="xla",
+                    precompile=False)
     settings.update(kwargs)
     return Engine(model, tensor_parallel_size=tp, **settings)
 
