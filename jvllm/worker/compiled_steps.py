@@ -3,7 +3,6 @@ work comes from JAX's persistent cache after the first start), then called direc
 compiles."""
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -59,8 +58,6 @@ class CompiledSteps:
         self.count = 0  # executables compiled so far
         self._by_shape: dict[StepShape, ShapeExecutables] = {}
         self._heads: dict[tuple[int, bool, SamplerFlags], Executable] = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jvllm-compile")
-        self._compiling: list[concurrent.futures.Future] = []
 
     def get(self, shape: StepShape) -> ShapeExecutables:
         """The shape's executables (compiled now if precompiling was skipped)."""
@@ -69,7 +66,6 @@ class CompiledSteps:
             logger.info("compiling step shape %s", shape)
             with compile_watch().expected():  # precompiling was skipped: compiling on first use is asked for
                 executables = self._by_shape[shape] = self._compile(shape)
-                self._finish_compiling()
         return executables
 
     def precompile(self, shapes: list[StepShape], progress: Any = None) -> None:
@@ -82,15 +78,8 @@ class CompiledSteps:
                     self._by_shape[shape] = self._compile(shape)
                 if progress is not None:
                     progress.update(1)
-            self._finish_compiling()
         logger.info("%d step shapes ready in %.1fs (%d executables)", len(shapes), time.perf_counter() - started,
                     self.count - before)
-
-    def _finish_compiling(self) -> None:
-        """Wait for every compile on the worker thread (raising its error, if any)."""
-        for compiling in self._compiling:
-            compiling.result()
-        self._compiling.clear()
 
     def _examples(self, shape: StepShape, flags: SamplerFlags = SamplerFlags()) -> tuple:
         """Device inputs of an empty step of `shape`, laid out exactly as run_call passes them."""
@@ -142,17 +131,11 @@ class CompiledSteps:
     def _compiled(self, name: str, fn: Any, *args: Any, **static: Any) -> Executable:
         """fn (a jax.jit function) compiled for args; `name` says which piece, for profiles and errors.
 
-        On one device the XLA compile (or persistent-cache load) runs on a worker thread while this thread traces
-        and lowers the next piece; the returned executable waits for it on first use. Sharded pieces compile
-        here: their outputs' shardings are known only once compiled."""
+        Compiling stays on this thread: a persistent-cache load beside lowering on another thread is not safe
+        (docs/design.md, step shapes)."""
         del name
         self.count += 1
-        lowered = fn.lower(*args, **static)
-        if self.runner.mesh is not None:
-            return lowered.compile()
-        compiling = self._pool.submit(lowered.compile)
-        self._compiling.append(compiling)
-        return PendingExecutable(lowered, compiling)
+        return fn.lower(*args, **static).compile()
 
     def _head(self, shape: StepShape, outer: list[jax.Array], x_last: Any, flags: SamplerFlags) -> Executable:
         """The head for this shape's row count (and weights: a batched copy serves multi-row steps)."""
@@ -162,30 +145,6 @@ class CompiledSteps:
             self._heads[key] = self._compiled(f"head S={shape.seqs} {flags}", self.steps.head, outer, x_last,
                                                    sampling, flags=flags)
         return self._heads[key]
-
-
-class PendingExecutable:
-    """A compiled executable still being compiled on a worker thread: `out_info` is known from the lowering,
-    the first call waits for the compile."""
-
-    def __init__(self, lowered: Any, compiling: concurrent.futures.Future) -> None:
-        self.out_info = lowered.out_info
-        self._compiling = compiling
-        self._compiled: Executable | None = None
-
-    def __call__(self, *args: Any) -> Any:
-        return self.compiled()(*args)
-
-    def compiled(self) -> Any:
-        """The jax Compiled object (waiting for its compile the first time)."""
-        if self._compiled is None:
-            self._compiled = self._compiling.result()
-        return self._compiled
-
-    def __getattr__(self, name: str) -> Any:  # as_text, cost_analysis, ...: the Compiled object's
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self.compiled(), name)
 
 
 def _spec(a: Any) -> jax.ShapeDtypeStruct:
