@@ -23,17 +23,18 @@ from jvllm.parallel import distributed
 from jvllm.engine.output_processor import append_token, record_prompt_logprobs, request_output
 from jvllm.outputs import EmbeddingRequestOutput, RequestOutput
 from jvllm.engine.progress import GenerateProgress, precompile_progress
+from jvllm.engine.multihost import MultiHostRoles
+from jvllm.engine.prompts import PromptType, chat_prompts, tokenize_prompt
 from jvllm.core.request import Request, RequestStatus
 from jvllm.sampling_params import SamplingParams, StructuredOutputsParams
 from jvllm.core.scheduler import ScheduledChunk, Scheduler
 from jvllm.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger("jvllm")
-PromptType = str | dict[str, Any]
 PROMPT_TAIL_TOKENS = 16  # enough to see whether a chat template opened a <think> block at the end of a prompt
 
 
-class Engine:
+class Engine(MultiHostRoles):
     """Offline inference engine. `Engine()` serves the embedded SmolLM2-135M-Instruct."""
 
     @during_start_up
@@ -144,39 +145,6 @@ class Engine:
                 self.embedder.precompile(progress)
         logger.info("precompiled %d step shapes in %.1fs", len(shapes), time.perf_counter() - started)
 
-    # ---- multi-host -----------------------------------------------------------------------------
-    @property
-    def is_leader(self) -> bool:
-        """True on a single host and on rank 0 of several: the process that schedules and generates."""
-        return self.channel is None or self.channel.is_leader
-
-    def follow(self) -> int:
-        """On a follower host (rank > 0): run rank 0's steps until it shuts down; -> steps run."""
-        if self.is_leader:
-            raise RuntimeError("follow() is for hosts of rank > 0; rank 0 generates and calls shutdown()")
-        steps = distributed.follow(self.channel, self.runner.run_call)
-        logger.info("rank 0 shut down after %d steps", steps)
-        return steps
-
-    def shutdown(self) -> None:
-        """On rank 0 of several hosts: release the followers (idempotent; also registered at exit)."""
-        if self.channel is not None and self.channel.is_leader:
-            self.channel.shutdown()
-
-    @property
-    def heartbeat_interval_s(self) -> float | None:
-        """How long an idle rank 0 may leave its followers waiting (None: a single host, no followers)."""
-        return None if self.channel is None else distributed.HEARTBEAT_INTERVAL_S
-
-    def heartbeat(self) -> None:
-        """Rank 0, idle: a no-op message that keeps the followers' pending collective short-lived."""
-        if self.channel is not None and self.channel.is_leader and not self.channel.closed:
-            self.channel.heartbeat()
-
-    def _check_leader(self) -> None:
-        if not self.is_leader:
-            raise RuntimeError("this host follows rank 0: call follow() here and generate on rank 0")
-
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -209,7 +177,8 @@ class Engine:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self._request_groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = self._tokenize_prompt(prompt)
+        text, token_ids = tokenize_prompt(self.tokenizer, prompt, self.model.config.vocab_size,
+                                          self.config.max_model_len)
         params.validate_for_vocab(self.model.config.vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > MAX_LOGPROBS:
@@ -239,26 +208,6 @@ class Engine:
         """Compile a constraint's grammar; ValueError naming the field when it does not compile (add_request
         does the same; this lets a server refuse the request before queueing it)."""
         self._grammars.new_state(params)
-
-    def _tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            text, token_ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-        else:
-            raise ValueError("a prompt is a str, {'prompt': str} or {'prompt_token_ids': [int, ...]}; "
-                             f"got {type(prompt).__name__}")
-        if not token_ids:
-            raise ValueError("the prompt is empty: it must contain at least one token")
-        vocab = self.model.config.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(token_ids) >= self.config.max_model_len:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens but max_model_len is "
-                             f"{self.config.max_model_len} (prompt plus at least one generated token must fit)")
-        return text, token_ids
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop requests now and free their pages; unknown ids are ignored, as in vLLM."""
@@ -401,12 +350,8 @@ class Engine:
         if not messages:
             raise ValueError("chat() needs at least one message")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = []
-        for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template already has BOS if needed
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        prompts = chat_prompts(self.tokenizer, conversations, chat_template=chat_template,
+                               add_generation_prompt=add_generation_prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def embed(self, prompts: PromptType | Sequence[PromptType], *, truncate: bool = True,
