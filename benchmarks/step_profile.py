@@ -33,7 +33,7 @@ def capture_calls(engine, rows: int, prompt_len: int, output_len: int) -> list:
     runner = engine.runner
     calls = []
     run_call = runner.run_call
-    runner.run_call = lambda call: (calls.append(call), run_call(call))[1]
+    runner.run_call = lambda call, *args: (calls.append(call), run_call(call, *args))[1]
     try:
         engine.reset_prefix_cache()
         prompts = random_prompts(rows, prompt_len, engine.model.config.vocab_size, seed=0)

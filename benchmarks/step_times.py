@@ -33,9 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     seconds: dict[str, list[float]] = collections.defaultdict(list)
     run_call = ModelRunner.run_call
 
-    def timed(runner: ModelRunner, call):
+    def timed(runner: ModelRunner, call, *rest):
         started = time.perf_counter()
-        out = jax.block_until_ready(run_call(runner, call))
+        out = jax.block_until_ready(run_call(runner, call, *rest))
         seconds[str(call.shape)].append(time.perf_counter() - started)
         return out
 

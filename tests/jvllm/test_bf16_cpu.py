@@ -27,7 +27,7 @@ def run_and_capture(engine: Engine, prompts: list[str]) -> tuple[list, list]:
     runner = engine.runner
     calls = []
     run_call = runner.run_call
-    runner.run_call = lambda call: (calls.append(call), run_call(call))[1]
+    runner.run_call = lambda call, *args: (calls.append(call), run_call(call, *args))[1]
     try:
         outputs = engine.generate(prompts, GREEDY, use_tqdm=False)
     finally:

@@ -39,9 +39,9 @@ def record_shapes(engine: Engine) -> list[StepShape]:
     runner, ran = engine.runner, []
     run_call = runner.run_call
 
-    def recording(call):
+    def recording(call, *args, **kwargs):
         ran.append(call.shape)
-        return run_call(call)
+        return run_call(call, *args, **kwargs)
 
     runner.run_call = recording
     return ran
