@@ -6,6 +6,35 @@ from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """A sparse mixture-of-experts MLP: each token's top-k experts by router softmax, their outputs weighted."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each expert
+    normalize_top_k: bool  # the k routing weights rescaled to sum to 1 (Mixtral, Qwen3-MoE) or kept (Qwen2-MoE)
+    sparse_layers: tuple[bool, ...]  # per layer: whether its MLP is the mixture (else a dense MLP)
+    shared_intermediate_size: int = 0  # a shared expert every token takes, sigmoid-gated (Qwen2-MoE); 0: none
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any], num_layers: int) -> "MoEConfig | None":
+        num_experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
+        if num_experts == 0:
+            return None
+        mixtral = hf.get("model_type") == "mixtral" or "moe_intermediate_size" not in hf
+        step = int(hf.get("decoder_sparse_step") or 1)
+        dense_layers = set(hf.get("mlp_only_layers") or ())
+        return cls(
+            num_experts=num_experts,
+            top_k=int(hf["num_experts_per_tok"]),
+            intermediate_size=int(hf["intermediate_size"] if mixtral else hf["moe_intermediate_size"]),
+            normalize_top_k=True if mixtral else bool(hf.get("norm_topk_prob", False)),
+            sparse_layers=tuple(i not in dense_layers and (i + 1) % step == 0 for i in range(num_layers)),
+            shared_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """What the Flax model needs to know; built from an HF config dict (or a GGUF header)."""
 
@@ -29,6 +58,8 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None = None  # keys older than this many positions are not attended (Mistral)
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
+    moe: MoEConfig | None = None  # the MLP is a mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE)
 
     @property
     def queries_per_kv_head(self) -> int:
@@ -46,7 +77,9 @@ class ModelConfig:
         hidden = int(hf["hidden_size"])
         head_dim = hf.get("head_dim") or hidden // num_heads
         rope_theta, rope_scaling = _rope_settings(hf)
-        is_qwen2 = hf.get("model_type") == "qwen2" or architecture.startswith("Qwen2")
+        model_type = hf.get("model_type", "")
+        is_qwen2 = model_type in ("qwen2", "qwen2_moe") or architecture.startswith("Qwen2")
+        num_layers = int(hf["num_hidden_layers"])
         llama_bias = bool(hf.get("attention_bias", False))
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -55,7 +88,7 @@ class ModelConfig:
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
@@ -68,7 +101,9 @@ class ModelConfig:
             o_bias=llama_bias and not is_qwen2,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
-            sliding_window=_sliding_window(hf, is_qwen2),
+            sliding_window=_sliding_window(hf, is_qwen2 or model_type.startswith("qwen3")),
+            qk_norm=model_type.startswith("qwen3") or architecture.startswith("Qwen3"),
+            moe=MoEConfig.from_hf_dict(hf, num_layers),
         )
 
 
@@ -88,10 +123,10 @@ def _rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, merged
 
 
-def _sliding_window(hf: dict[str, Any], is_qwen2: bool) -> int | None:
-    """Mistral sets `sliding_window`; Qwen2 applies it only with `use_sliding_window` (off by default)."""
+def _sliding_window(hf: dict[str, Any], qwen: bool) -> int | None:
+    """Mistral sets `sliding_window`; Qwen2 and Qwen3 apply it only with `use_sliding_window` (off by default)."""
     window = hf.get("sliding_window")
-    if window is None or (is_qwen2 and not hf.get("use_sliding_window", False)):
+    if window is None or (qwen and not hf.get("use_sliding_window", False)):
         return None
     return int(window)
 

@@ -1,4 +1,5 @@
-"""Flax NNX Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) reading and writing the paged KV pool."""
+"""Flax NNX Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2, and the mixtures of experts Mixtral,
+Qwen2-MoE and Qwen3-MoE) reading and writing the paged KV pool."""
 from __future__ import annotations
 
 from typing import Callable, Container, Iterator, Mapping
@@ -10,6 +11,8 @@ from flax import nnx
 
 from models.attention import AttentionMetadata, KVCache, LayerAttention, value_dtype
 from models.config import ModelConfig
+from models.layers import MLP, Linear, RMSNorm, mlp_hf_parameters
+from models.moe import EXPERT, SparseMoE, read_expert_stack
 from models.params import normal_param
 from models.rope import apply_rotary, inverse_frequencies, rotary_tables
 
@@ -17,67 +20,6 @@ LayerResults = list  # per layer: what the attention call returned beside its ou
 EmbedLookup = Callable[[jax.Array, jax.Array], jax.Array]  # (table [V, D], ids [T]) -> [T, D]
 # (parameter, HF tensor name, stored transposed vs. the HF tensor, logical axis of each dimension)
 HFParameter = tuple[nnx.Param, str, bool, tuple[str | None, ...]]
-
-
-# Up to this many token rows, a kernel stored [out, in] is applied as (kernel @ x^T)^T, which XLA CPU runs faster
-# at few rows; more rows contract x with it directly (docs/design.md).
-OUT_IN_TRANSPOSED_DOT_MAX_ROWS = 64
-
-
-def stored_out_in(d_in: int, d_out: int) -> bool:
-    """Whether the batched CPU weight copy keeps a d_in -> d_out kernel as [out, in]: the projections that
-    narrow (down_proj, and k/v_proj under GQA), which XLA CPU multiplies faster that way (docs/design.md)."""
-    return d_in > d_out
-
-
-def out_in_kernel_leaves(state: nnx.State) -> list[bool]:
-    """Per leaf of a Llama state, in jax.tree.flatten order: whether it is a Linear kernel [in, out] that the
-    batched copy stores [out, in]."""
-    return [getattr(path[-2], "key", None) == "kernel" and leaf.ndim == 2 and stored_out_in(*leaf.shape)
-            for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]]
-
-
-class Linear(nnx.Module):
-    """y = x @ kernel (+ bias), accumulation in float32. The kernel is [in, out], or [out, in] in the runner's
-    batched copy when `stored_out_in` (told apart by shape: such a kernel is never square)."""
-
-    def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs | None):
-        self.kernel = normal_param(rngs, (d_in, d_out), dtype)
-        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
-        self.d_in, self.d_out = d_in, d_out
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = self.kernel[...]
-        # Cast the activation to the weight dtype, never the weights up: bf16 weights with f32 activations
-        # must stay a bf16 x bf16 -> f32 dot (the fast CPU path), not a per-step f32 copy of the weights.
-        xk = x.astype(kernel.dtype)  # [T, in]
-        if self.d_in != self.d_out and kernel.shape == (self.d_out, self.d_in):
-            y = _dot_out_in(xk, kernel)
-        else:
-            y = jnp.einsum("td,de->te", xk, kernel, preferred_element_type=jnp.float32)
-        if self.bias is not None:
-            y = y + self.bias[...].astype(jnp.float32)
-        return y.astype(x.dtype)
-
-
-def _dot_out_in(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """x [T, in] with kernel [out, in] -> [T, out] float32."""
-    contract_in = (((1,), (1,)), ((), ()))
-    if 1 < x.shape[0] <= OUT_IN_TRANSPOSED_DOT_MAX_ROWS:
-        y_t = jax.lax.dot_general(kernel, x, contract_in, preferred_element_type=jnp.float32)  # [out, T]
-        return jax.lax.optimization_barrier(y_t).T  # the barrier stops XLA folding the transpose back into the dot
-    return jax.lax.dot_general(x, kernel, contract_in, preferred_element_type=jnp.float32)
-
-
-class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-        self.eps = eps
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * normed.astype(x.dtype)  # transformers' order; f32 when the weight is bf16
 
 
 class Attention(nnx.Module):
@@ -89,6 +31,8 @@ class Attention(nnx.Module):
         self.o_proj = Linear(cfg.num_heads * hd, d, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
         self.sliding_window = cfg.sliding_window
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, pages: tuple[jax.Array, jax.Array],
                  md: AttentionMetadata, attention: LayerAttention) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
@@ -97,28 +41,21 @@ class Attention(nnx.Module):
         q = self.q_proj(x).reshape(tokens, self.num_heads, self.head_dim)  # [T, H, hd]
         k = self.k_proj(x).reshape(tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
         v = self.v_proj(x).reshape(tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q).astype(q.dtype), self.k_norm(k).astype(k.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out, layer_kv = attention(q, k, v, pages, md, self.head_dim ** -0.5, self.sliding_window)  # [T, H, hd]
         return self.o_proj(out.reshape(tokens, -1)), layer_kv
 
 
-class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
-        d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(f, d, bias=False, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
+    def __init__(self, cfg: ModelConfig, index: int, dtype: jnp.dtype, rngs: nnx.Rngs | None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs)
+        sparse = cfg.moe is not None and cfg.moe.sparse_layers[index]
+        self.mlp: MLP | SparseMoE = (SparseMoE(cfg.hidden_size, cfg.moe, dtype, rngs) if sparse
+                                     else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs))
 
     def __call__(self, x, cos, sin, pages, md, attention):
         attn_out, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, pages, md, attention)
@@ -133,7 +70,7 @@ class LlamaForCausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
         self.config = cfg
         self.embed_tokens = normal_param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else normal_param(
             rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
@@ -183,32 +120,39 @@ class LlamaForCausalLM(nnx.Module):
         if self.lm_head is not None:
             name = "lm_head.weight" if "lm_head.weight" in available else "model.embed_tokens.weight"
             yield self.lm_head, name, True, ("embed", "vocab")
-        out_axis = {"q_proj": "heads", "k_proj": "kv_heads", "v_proj": "kv_heads", "gate_proj": "mlp",
-                    "up_proj": "mlp"}
-        in_axis = {"o_proj": "heads", "down_proj": "mlp"}
+        mixtral = self.config.architecture.startswith("Mixtral")
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."
             yield layer.input_layernorm.weight, prefix + "input_layernorm.weight", False, ("embed",)
             yield layer.post_attention_layernorm.weight, prefix + "post_attention_layernorm.weight", False, ("embed",)
-            for owner, group in ((layer.self_attn, "self_attn."), (layer.mlp, "mlp.")):
-                for proj_name in (*out_axis, *in_axis):
-                    proj: Linear | None = getattr(owner, proj_name, None)
-                    if proj is None:
-                        continue
-                    name = prefix + group + proj_name
-                    if proj_name in out_axis:  # column parallel: kernel [in, out] split by output
-                        yield proj.kernel, name + ".weight", True, ("embed", out_axis[proj_name])
-                        if proj.bias is not None:
-                            yield proj.bias, name + ".bias", False, (out_axis[proj_name],)
-                    else:  # row parallel: split by input; the partial sums are all-reduced
-                        yield proj.kernel, name + ".weight", True, (in_axis[proj_name], "embed")
-                        if proj.bias is not None:
-                            yield proj.bias, name + ".bias", False, ("embed",)
+            yield from _attention_hf_parameters(layer.self_attn, prefix + "self_attn.")
+            if isinstance(layer.mlp, SparseMoE):
+                projections = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+                yield from layer.mlp.hf_parameters(prefix + ("block_sparse_moe." if mixtral else "mlp."), projections)
+            else:
+                yield from mlp_hf_parameters(layer.mlp, prefix + "mlp.")
 
     def load_hf_weights(self, tensors: Mapping[str, np.ndarray], dtype: jnp.dtype) -> None:
         """Fill every parameter from HF-named tensors (whole, on the default device)."""
         for param, name, transpose, _ in self.hf_parameters(tensors):
-            if name not in tensors:
-                raise ValueError(f"weights are missing tensor {name!r}")
-            array = np.asarray(tensors[name])
+            num_experts = self.config.moe.num_experts if EXPERT in name else 0
+            if name.replace(EXPERT, "0") not in tensors:
+                raise ValueError(f"weights are missing tensor {name.replace(EXPERT, '0')!r}")
+            array = read_expert_stack(tensors, name, num_experts) if num_experts else np.asarray(tensors[name])
             param.set_value(jnp.asarray(array.T if transpose else array, dtype=dtype))
+
+
+def _attention_hf_parameters(attn: Attention, prefix: str) -> Iterator[HFParameter]:
+    """q/k/v split by output columns (heads), o by input rows; biases and per-head norms where present."""
+    for name, axis in (("q_proj", "heads"), ("k_proj", "kv_heads"), ("v_proj", "kv_heads")):
+        proj: Linear = getattr(attn, name)
+        yield proj.kernel, prefix + name + ".weight", True, ("embed", axis)
+        if proj.bias is not None:
+            yield proj.bias, prefix + name + ".bias", False, (axis,)
+    yield attn.o_proj.kernel, prefix + "o_proj.weight", True, ("heads", "embed")
+    if attn.o_proj.bias is not None:
+        yield attn.o_proj.bias, prefix + "o_proj.bias", False, ("embed",)
+    for name in ("q_norm", "k_norm"):
+        norm: RMSNorm | None = getattr(attn, name)
+        if norm is not None:
+            yield norm.weight, prefix + name + ".weight", False, ("head_dim",)

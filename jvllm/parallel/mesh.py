@@ -18,6 +18,8 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "heads": "tp",  # q_proj columns / o_proj rows (heads x head_dim, whole heads per shard)
     "kv_heads": "tp",  # k/v_proj columns and the KV pool's head axis
     "mlp": "tp",
+    "expert_mlp": "tp",  # each expert's intermediate columns (gate/up) and rows (down): every device holds every expert
+    "shared_mlp": "tp",  # the shared expert's intermediate width (Qwen2-MoE)
     "head_dim": None,
     "tokens": None,
     "pages": None,
@@ -25,7 +27,7 @@ LOGICAL_AXIS_RULES: dict[str, str | None] = {
 }
 
 # Logical axes whose size is padded with zeros up to a multiple of tp (exact: see sharding.py).
-PADDABLE_AXES = ("vocab", "mlp")
+PADDABLE_AXES = ("vocab", "mlp", "expert_mlp", "shared_mlp")
 
 
 def partition_spec(logical_axes: Sequence[str | None]) -> PartitionSpec:

@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from jvllm.parallel.mesh import PADDABLE_AXES, check_tensor_parallel_size, named_sharding
 from jvllm.utils import cdiv
 from models.config import ModelConfig
+from models.moe import EXPERT, expert_names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,8 @@ class TensorParallelPlan:
         check_tensor_parallel_size(tp, cfg.num_heads, cfg.num_kv_heads)
         repeat = tp // cfg.num_kv_heads if tp > cfg.num_kv_heads else 1
         sizes = {"vocab": cfg.vocab_size, "mlp": cfg.intermediate_size}
+        if cfg.moe is not None:
+            sizes.update(expert_mlp=cfg.moe.intermediate_size, shared_mlp=cfg.moe.shared_intermediate_size)
         padded = {axis: cdiv(size, tp) * tp for axis, size in sizes.items() if size % tp}
         return cls(tp, repeat, cfg.head_dim, padded)
 
@@ -91,6 +94,32 @@ class ArraySource:
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         return np.asarray(self._tensors[name][index])
+
+
+class ExpertStacks:
+    """A source that also answers the stacked expert names (models.moe.EXPERT): [E, in, out] blocks built from
+    the per-expert [out, in] tensors, reading only the experts and slices a block needs."""
+
+    def __init__(self, source: TensorSource, num_experts: int):
+        self._source, self._num_experts = source, num_experts
+
+    def _stacked(self, name: str) -> bool:
+        return EXPERT in name and name not in self._source
+
+    def __contains__(self, name: str) -> bool:
+        return name.replace(EXPERT, "0") in self._source if self._stacked(name) else name in self._source
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if not self._stacked(name):
+            return self._source.shape(name)
+        return (self._num_experts, *self._source.shape(name.replace(EXPERT, "0"))[::-1])
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        if not self._stacked(name):
+            return self._source.read(name, index)
+        experts = range(*index[0].indices(self._num_experts))
+        return np.stack([self._source.read(n, index[:0:-1]).T for n in expert_names(name, self._num_experts)
+                         if int(n.split(".experts.")[1].split(".")[0]) in experts])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +198,9 @@ def place(tensor: ShardedTensor, mesh: Mesh) -> jax.Array:
 
 def load_sharded(module: Any, source: TensorSource, plan: TensorParallelPlan, mesh: Mesh, dtype: Any) -> None:
     """Set every parameter of an abstract (eval_shape) module to its sharded array."""
+    moe = getattr(getattr(module, "config", None), "moe", None)
+    if moe is not None:
+        source = ExpertStacks(source, moe.num_experts)
     for param, name, transpose, axes in module.hf_parameters(source):
         if name not in source:
             raise ValueError(f"weights are missing tensor {name!r}")

@@ -28,12 +28,12 @@ Executable = Callable[..., Any]
 
 @dataclasses.dataclass
 class ShapeExecutables:
-    """One step shape's executables. The layer serves every layer; the heads are shared by the shapes with
-    the same number of rows, one per pair of sampler flags."""
+    """One step shape's executables. A layer executable serves every layer of its group; the heads are shared by
+    the shapes with the same number of rows, one per pair of sampler flags."""
 
     shape: StepShape
     embed: Executable
-    layer: Executable
+    layers: list[Executable]  # per layer group
     last_rows: Executable
     store_kv: Executable
     heads: dict[SamplerFlags, Executable]
@@ -43,6 +43,11 @@ class ShapeExecutables:
 
     def head(self, flags: SamplerFlags) -> Executable:
         return self.heads[flags]
+
+    @property
+    def layer(self) -> Executable:
+        """The first layer's executable."""
+        return self.layers[0]
 
     @property
     def logits(self) -> Executable:
@@ -105,8 +110,10 @@ class CompiledSteps:
         embed = compiled(f"embed {shape}", steps.embed, weights.outer, ids, positions)
         x, cos, sin = (_spec(a) for a in embed.out_info)
         pages = runner.kv_cache[0]
-        layer = compiled(f"layer {shape}", steps.layer, weights.layers[0], x, cos, sin, pages, md)
-        results = [jax.tree.map(_spec, layer.out_info[1])] * len(weights.layers)
+        parts = runner.step_weights.parts
+        layers = [compiled(f"layer {shape} group {group}", steps.layer, weights.layers[first], x, cos, sin, pages, md,
+                           group=group) for group, first in enumerate(parts.group_first_layers)]
+        results = [jax.tree.map(_spec, layers[group].out_info[1]) for group in parts.layer_groups]
         store = steps.store_kv
         if hasattr(store, "lower"):
             store = compiled(f"store {shape}", store, runner.kv_cache, results, md)
@@ -126,7 +133,7 @@ class CompiledSteps:
                 logits_cache.append(compiled(f"logits {shape}", steps.logits, weights.outer, x))
             return logits_cache[0]
 
-        return ShapeExecutables(shape, embed, layer, last_rows, store, heads, take_ids, prompt_stats, logits)
+        return ShapeExecutables(shape, embed, layers, last_rows, store, heads, take_ids, prompt_stats, logits)
 
     def _compiled(self, name: str, fn: Any, *args: Any, **static: Any) -> Executable:
         """fn (a jax.jit function) compiled for args; `name` says which piece, for profiles and errors.

@@ -224,8 +224,8 @@ class ModelRunner:
         with compile_watch().running(call.shape):
             x, cos, sin = settle(step.embed(weights.outer, ids, positions))
             results = []
-            for layer_weights, pages in zip(weights.layers, self.kv_cache):
-                x, result = settle(step.layer(layer_weights, x, cos, sin, pages, md))
+            for layer_weights, pages, group in zip(weights.layers, self.kv_cache, self.step_weights.parts.layer_groups):
+                x, result = settle(step.layers[group](layer_weights, x, cos, sin, pages, md))
                 results.append(result)
             if call.all_logits:
                 return settle(step.logits(weights.outer, x))

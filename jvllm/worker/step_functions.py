@@ -27,7 +27,8 @@ from models.attention import AttentionMetadata
 class StepFunctions:
     """Per step shape (T tokens, S rows):
     embed(outer, ids [T], positions [T]) -> (x [T, D], cos, sin [T, hd]);
-    layer(layer weights, x, cos, sin, (k_pages, v_pages), md) -> (x, the attention's per-layer result);
+    layer(layer weights, x, cos, sin, (k_pages, v_pages), md, group=) -> (x, the attention's per-layer result), one
+    function per layer group (jvllm.worker.model_parts);
     last_rows(x, md) -> [S, D], each row's last token;
     prompt_stats(outer, x, prompt_targets [T]) -> logprob stats [T, K] of each next prompt token;
     logits(outer, x) -> [T, V] float32 at every position;
@@ -79,8 +80,8 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
         return parts.outer(outer).embed(input_ids, positions, activation_dtype, embed_lookup)
 
     def layer(weights: list[jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array, pages: tuple,
-              md: AttentionMetadata):
-        return parts.layer(weights)(x, cos, sin, pages, md, attention)
+              md: AttentionMetadata, *, group: int = 0):
+        return parts.layer(weights, group)(x, cos, sin, pages, md, attention)
 
     def last_rows(x: jax.Array, md: AttentionMetadata) -> jax.Array:
         return x[md.last_token_index]
@@ -107,7 +108,8 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
     layer_out = None if mesh is None else (whole, backend.layer_result_sharding(mesh))
     return StepFunctions(
         embed=jit(embed, out_shardings=(whole, whole, whole)),
-        layer=jit(layer, out_shardings=layer_out, donate_argnames=("pages",) if backend.step_donates_pool else ()),
+        layer=jit(layer, out_shardings=layer_out, static_argnames=("group",),
+                  donate_argnames=("pages",) if backend.step_donates_pool else ()),
         last_rows=jit(last_rows, out_shardings=whole),
         head=jit(head, out_shardings=whole, static_argnames=("flags",)),
         prompt_stats=jit(prompt_stats, out_shardings=whole),

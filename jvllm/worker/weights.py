@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from jvllm.worker.model_parts import ModelParts, PartWeights, split_model
-from models.llama import out_in_kernel_leaves
+from models.layers import out_in_kernel_leaves
 
 # Steps of at least this many token rows take the batched (e.g. bf16) copy. XLA CPU runs dots of 2+ rows through
 # YNNPACK, where bf16 is faster from 2 rows; a 1-row bf16 dot is a slow matrix-vector product (docs/design.md).
@@ -33,7 +33,7 @@ class StepWeights:
         self.batched: PartWeights | None = None
         if batched_dtype is not None:
             # The batched copy keeps narrowing projections [out, in] on one CPU device, where YNNPACK multiplies
-            # them faster (models.llama.stored_out_in); sharded and GPU weights keep the loaded layout.
+            # them faster (models.layers.stored_out_in); sharded and GPU weights keep the loaded layout.
             flip = not sharded and jax.default_backend() == "cpu"
 
             def cast(leaves: list[jax.Array], part_state: Any) -> list[jax.Array]:

@@ -9,7 +9,7 @@ from flax import nnx
 
 from jvllm import Engine, SamplingParams
 from jvllm.worker.weights import BATCHED_MIN_ROWS
-from models.llama import OUT_IN_TRANSPOSED_DOT_MAX_ROWS, Linear, out_in_kernel_leaves, stored_out_in
+from models.layers import OUT_IN_TRANSPOSED_DOT_MAX_ROWS, Linear, out_in_kernel_leaves, stored_out_in
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog", "Paris is the capital of", "One, two, three,"]
 

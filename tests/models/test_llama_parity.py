@@ -27,6 +27,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jvllm import Engine, SamplingParams  # noqa: E402
+from tests.hf_weights import redraw_weights  # noqa: E402
 
 # Float32 on both sides; the tiny models' logits have std ~1.6 and max |logit| ~9. Measured max abs
 # difference: ~1.7e-5 (summation order differs between XLA and PyTorch), so 5e-5 leaves 3x headroom
@@ -120,16 +121,21 @@ def _assert_greedy_match(got: list[int], want: list[int], ref_logits: np.ndarray
         f"where the reference's top-2 logit gap is {gap:.3g} (not a near tie)\njvllm: {got}\nref:   {want}")
 
 
+def assert_prompt_logits_match(engine: Engine, hf_model, ids: list[int]) -> None:
+    """jvllm's logits at every prompt position against transformers' (float32), within LOGITS_ATOL."""
+    got = engine.runner.prompt_logits(ids)
+    with torch.no_grad():
+        want = hf_model(torch.tensor([ids])).logits[0].float().numpy()
+    assert got.shape == want.shape == (len(ids), 49152)
+    np.testing.assert_allclose(got, want, rtol=0, atol=LOGITS_ATOL)
+
+
 def _randomized_copy(folder: pathlib.Path, dest: pathlib.Path, kind: str, seed: int = 1):
     """Redraw every weight of a tiny model (std 0.2, norms 1 +- 0.2, biases +- 0.2) into `dest`;
     -> the transformers model holding those weights (float32, eval)."""
     model_cls = getattr(transformers, _HF_CLASSES[kind])
     model = model_cls.from_pretrained(folder, dtype=torch.float32).eval()
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = 0.2 * torch.randn(param.shape, generator=generator)
-            param.copy_(1.0 + noise if "norm" in name else noise)
+    redraw_weights(model, seed)
     model.save_pretrained(dest)
     for item in folder.iterdir():  # tokenizer files
         if item.is_file() and not (dest / item.name).exists():
@@ -191,12 +197,7 @@ def test_tiny_model_prompt_logits_match_transformers(name, tiny_models, default_
     folder, hf_model = tiny_models(name)
     ids = default_engine.get_tokenizer().encode(LOGITS_TEXT)[:40]
     assert len(ids) >= 35
-    engine = _tiny_engine(folder)
-    got = engine.runner.prompt_logits(ids)
-    with torch.no_grad():
-        want = hf_model(torch.tensor([ids])).logits[0].float().numpy()
-    assert got.shape == want.shape == (len(ids), 49152)
-    np.testing.assert_allclose(got, want, rtol=0, atol=LOGITS_ATOL)
+    assert_prompt_logits_match(_tiny_engine(folder), hf_model, ids)
 
 
 def test_llama3_rope_scaling_parity_is_sensitive_to_the_scaling(tiny_models, default_engine):

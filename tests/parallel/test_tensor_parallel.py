@@ -25,6 +25,7 @@ import sys
 import pytest
 
 from jvllm.parallel.mesh import check_tensor_parallel_size, working_sizes
+from tests.hf_weights import redraw_weights
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "parallel" / "tp_worker.py"
@@ -41,6 +42,11 @@ TINY = {
     "llama_mqa": ("llama", {"num_key_value_heads": 1}),
     "qwen2_padded": ("qwen2", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 1,
                                "intermediate_size": 100, "vocab_size": 49155, "tie_word_embeddings": True}),
+    # experts split along their intermediate width (40 and the shared expert's 50: padded at TP=3)
+    "qwen2_moe_padded": ("qwen2_moe", {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 1,
+                                       "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 40,
+                                       "shared_expert_intermediate_size": 50, "norm_topk_prob": False}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 
 
@@ -101,7 +107,9 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
 
     tokenizer_folder = _gguf_as_hf_folder(default_model_path())
     classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}
+               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+               "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+               "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM)}
     folders = {}
     for name, (kind, overrides) in TINY.items():
         settings = {**dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -110,11 +118,7 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
         config_cls, model_cls = classes[kind]
         torch.manual_seed(0)
         model = model_cls(config_cls(**settings)).eval()
-        generator = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for param_name, param in model.named_parameters():
-                noise = 0.2 * torch.randn(param.shape, generator=generator)
-                param.copy_(1.0 + noise if "norm" in param_name else noise)
+        redraw_weights(model)
         folder = tmp_path_factory.mktemp(f"tp-{name}")
         model.save_pretrained(folder)
         for item in tokenizer_folder.iterdir():
@@ -193,7 +197,8 @@ def test_shard_reads_repeat_kv_heads_transpose_and_pad():
 
 
 # ---- TP=N against TP=1 (subprocesses with virtual devices) ------------------------------------------------
-@pytest.mark.parametrize("name, tps", [("llama_gqa", [2, 4]), ("llama_mqa", [4]), ("qwen2_padded", [2, 3])])
+@pytest.mark.parametrize("name, tps", [("llama_gqa", [2, 4]), ("llama_mqa", [4]), ("qwen2_padded", [2, 3]),
+                                       ("qwen2_moe_padded", [2, 3]), ("mixtral", [2])])
 def test_tp_logits_and_greedy_tokens_match_tp1(tiny_models, name, tps):
     result = run_worker("compare", {"model": tiny_models[name], "tps": tps, "prompts": PROMPTS}, devices=max(tps))
     for tp, run in result["runs"].items():

@@ -1,0 +1,92 @@
+"""Building blocks shared by the decoder families: the projection (with its CPU layout choice), RMSNorm and the
+gated MLP."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.params import normal_param
+
+
+# Up to this many token rows, a kernel stored [out, in] is applied as (kernel @ x^T)^T, which XLA CPU runs faster
+# at few rows; more rows contract x with it directly (docs/design.md).
+OUT_IN_TRANSPOSED_DOT_MAX_ROWS = 64
+
+
+def stored_out_in(d_in: int, d_out: int) -> bool:
+    """Whether the batched CPU weight copy keeps a d_in -> d_out kernel as [out, in]: the projections that
+    narrow (down_proj, and k/v_proj under GQA), which XLA CPU multiplies faster that way (docs/design.md)."""
+    return d_in > d_out
+
+
+def out_in_kernel_leaves(state: nnx.State) -> list[bool]:
+    """Per leaf of a Llama state, in jax.tree.flatten order: whether it is a Linear kernel [in, out] that the
+    batched copy stores [out, in]."""
+    return [getattr(path[-2], "key", None) == "kernel" and leaf.ndim == 2 and stored_out_in(*leaf.shape)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]]
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias), accumulation in float32. The kernel is [in, out], or [out, in] in the runner's
+    batched copy when `stored_out_in` (told apart by shape: such a kernel is never square)."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs | None):
+        self.kernel = normal_param(rngs, (d_in, d_out), dtype)
+        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+        self.d_in, self.d_out = d_in, d_out
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.kernel[...]
+        # Cast the activation to the weight dtype, never the weights up: bf16 weights with f32 activations
+        # must stay a bf16 x bf16 -> f32 dot (the fast CPU path), not a per-step f32 copy of the weights.
+        xk = x.astype(kernel.dtype)  # [T, in]
+        if self.d_in != self.d_out and kernel.shape == (self.d_out, self.d_in):
+            y = _dot_out_in(xk, kernel)
+        else:
+            y = jnp.einsum("td,de->te", xk, kernel, preferred_element_type=jnp.float32)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(jnp.float32)
+        return y.astype(x.dtype)
+
+
+def _dot_out_in(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """x [T, in] with kernel [out, in] -> [T, out] float32."""
+    contract_in = (((1,), (1,)), ((), ()))
+    if 1 < x.shape[0] <= OUT_IN_TRANSPOSED_DOT_MAX_ROWS:
+        y_t = jax.lax.dot_general(kernel, x, contract_in, preferred_element_type=jnp.float32)  # [out, T]
+        return jax.lax.optimization_barrier(y_t).T  # the barrier stops XLA folding the transpose back into the dot
+    return jax.lax.dot_general(x, kernel, contract_in, preferred_element_type=jnp.float32)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * normed.astype(x.dtype)  # transformers' order; f32 when the weight is bf16
+
+
+class MLP(nnx.Module):
+    """down(silu(gate(x)) * up(x)): the SwiGLU MLP, d -> f -> d."""
+
+    def __init__(self, d: int, f: int, dtype: jnp.dtype, rngs: nnx.Rngs | None):
+        self.gate_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(f, d, bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def mlp_hf_parameters(mlp: MLP, prefix: str, axis: str = "mlp") -> Iterator[tuple]:
+    """(parameter, HF name, transposed, logical axes) of a gated MLP: gate/up split by output columns, down by
+    input rows, along the logical axis `axis` (tensor parallelism all-reduces down's partial sums)."""
+    for name in ("gate_proj", "up_proj"):
+        yield getattr(mlp, name).kernel, prefix + name + ".weight", True, ("embed", axis)
+    yield mlp.down_proj.kernel, prefix + "down_proj.weight", True, (axis, "embed")

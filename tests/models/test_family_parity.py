@@ -1,0 +1,134 @@
+"""Parity with transformers (PyTorch, float32) for the families beyond Llama: Qwen3 (per-head q/k norms) and the
+mixtures of experts Mixtral, Qwen3-MoE (dense layers mixed in through `mlp_only_layers`) and Qwen2-MoE (a
+sigmoid-gated shared expert, a MoE layer every second layer, routing weights not renormalised).
+
+Each tiny random config is built with transformers' config class and saved with `save_pretrained`; its weights
+are redrawn large (std 0.2, norms 1 +- 0.2) as in test_llama_parity; the experts' loads come out uneven (checked:
+the ragged groups differ in size). Checked: the logits of every prompt position, batched greedy generation
+through the paged decode path over 32 tokens, and the same tokens with chunked prefill and prefix-cache hits."""
+from __future__ import annotations
+
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from jvllm import Engine, SamplingParams  # noqa: E402
+from tests.hf_weights import redraw_weights  # noqa: E402
+from tests.models.test_llama_parity import (  # noqa: E402
+    GENERATION_TEXTS, LOGITS_TEXT, _assert_greedy_match, _hf_greedy, assert_prompt_logits_match)
+
+BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+            tie_word_embeddings=False)
+FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       norm_topk_prob=True, mlp_only_layers=[1])),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
+                       shared_expert_intermediate_size=48, decoder_sparse_step=2, num_hidden_layers=3)),
+}
+
+
+def _router_names(model) -> list[str]:
+    return [name for name, _ in model.named_modules() if name.endswith((".mlp.gate", ".block_sparse_moe.gate"))]
+
+
+@pytest.fixture(scope="module")
+def family_models(smollm_tokenizer_dir, tmp_path_factory):
+    """name -> (folder, transformers model), built on first use."""
+    built: dict[str, tuple[pathlib.Path, object]] = {}
+
+    def get(name: str):
+        if name not in built:
+            config_name, model_name, overrides = FAMILIES[name]
+            config = getattr(transformers, config_name)(**{**BASE, **overrides})
+            torch.manual_seed(0)
+            model = getattr(transformers, model_name)(config).eval()
+            redraw_weights(model)
+            folder = tmp_path_factory.mktemp(f"family-{name}")
+            model.save_pretrained(folder)
+            for item in smollm_tokenizer_dir.iterdir():
+                shutil.copy(item, folder / item.name)
+            built[name] = (folder, model)
+        return built[name]
+
+    return get
+
+
+def _engine(folder: pathlib.Path, **overrides) -> Engine:
+    # precompile=False: these tests check numbers; tests/jvllm/test_no_compile.py checks the closed shape set.
+    return Engine(str(folder), dtype="float32", kv_cache_memory_bytes=16 << 20, precompile=False, **overrides)
+
+
+def _expert_loads(model, ids: list[int]) -> list[np.ndarray]:
+    """Per MoE layer, how many of the prompt's token choices each expert received (transformers' routing)."""
+    loads: list[np.ndarray] = []
+    top_k = model.config.num_experts_per_tok
+
+    def record(_module, _inputs, output):
+        logits = output[0] if isinstance(output, tuple) else output
+        chosen = torch.topk(logits.float().softmax(-1), top_k, dim=-1).indices.reshape(-1)
+        loads.append(np.bincount(chosen.numpy(), minlength=logits.shape[-1]))
+
+    hooks = [model.get_submodule(name).register_forward_hook(record) for name in _router_names(model)]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return loads
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_prompt_logits_match_transformers(name, family_models, default_engine):
+    folder, hf_model = family_models(name)
+    ids = default_engine.get_tokenizer().encode(LOGITS_TEXT)[:40]
+    assert_prompt_logits_match(_engine(folder), hf_model, ids)
+    if name != "qwen3":
+        loads = _expert_loads(hf_model, ids)
+        assert loads, "no router ran"
+        for load in loads:  # every expert used, the busiest by far more than the least used
+            assert load.sum() == 2 * len(ids) and load.min() >= 1 and load.max() >= 1.5 * load.min(), load
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_greedy_generation_matches_transformers_chunked_and_cached(name, family_models, default_engine):
+    folder, hf_model = family_models(name)
+    tokenizer = default_engine.get_tokenizer()
+    # 5, 17 and 37 prompt tokens: page boundaries (16) fall inside prompts and inside generation.
+    prompts = [tokenizer.encode(GENERATION_TEXTS[i])[:n] for i, n in ((0, 5), (2, 17), (7, 37))]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    requests = [{"prompt_token_ids": ids} for ids in prompts]
+    outputs = _engine(folder).generate(requests, params, use_tqdm=False)
+    for index, (ids, output) in enumerate(zip(prompts, outputs)):
+        want, ref_logits = _hf_greedy(hf_model, ids, 32)
+        _assert_greedy_match(output.outputs[0].token_ids, want, ref_logits, f"{name} prompt {index}")
+    # 16-token chunks split the longer prompts; the second pass reads the first pass's full pages from the cache
+    chunked = _engine(folder, max_num_batched_tokens=16, max_num_seqs=4, enable_prefix_caching=True)
+    first = chunked.generate(requests, params, use_tqdm=False)
+    second = chunked.generate(requests, params, use_tqdm=False)
+    assert sum(o.num_cached_tokens or 0 for o in second) >= 16 + 32
+    for plain, once, again in zip(outputs, first, second):
+        assert once.outputs[0].token_ids == again.outputs[0].token_ids == plain.outputs[0].token_ids
+
+
+def test_moe_config_reads_routing_settings(family_models):
+    from models.config import ModelConfig
+    import json
+
+    for name, normalized, sparse, shared in (("mixtral", True, (True, True), 0),
+                                             ("qwen3_moe", True, (True, False), 0),
+                                             ("qwen2_moe", False, (False, True, False), 48)):
+        folder, _ = family_models(name)
+        moe = ModelConfig.from_hf_dict(json.loads((folder / "config.json").read_text())).moe
+        assert (moe.num_experts, moe.top_k) == (4, 2)
+        assert (moe.normalize_top_k, moe.sparse_layers, moe.shared_intermediate_size) == (normalized, sparse, shared)
