@@ -116,10 +116,15 @@ def _rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     if rope_type == "default":
         return theta, None
-    if rope_type not in ("linear", "llama3"):
-        raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3")
+    if rope_type not in ("linear", "llama3", "yarn", "dynamic"):
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3, yarn, "
+                         "dynamic")
     merged["rope_type"] = rope_type
     merged.pop("type", None)
+    if rope_type == "yarn":  # transformers' defaults: the model's own context, and the factor that stretches it
+        merged.setdefault("original_max_position_embeddings", int(hf.get("max_position_embeddings", 2048)))
+        if merged.get("factor") is None:
+            merged["factor"] = int(hf["max_position_embeddings"]) / merged["original_max_position_embeddings"]
     return theta, merged
 
 

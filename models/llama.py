@@ -14,7 +14,7 @@ from models.config import ModelConfig
 from models.layers import MLP, Linear, RMSNorm, mlp_hf_parameters
 from models.moe import EXPERT, SparseMoE, read_expert_stack
 from models.params import normal_param
-from models.rope import apply_rotary, inverse_frequencies, rotary_tables
+from models.rope import apply_rotary, attention_factor, inverse_frequencies, rotary_tables
 
 LayerResults = list  # per layer: what the attention call returned beside its output
 EmbedLookup = Callable[[jax.Array, jax.Array], jax.Array]  # (table [V, D], ids [T]) -> [T, D]
@@ -97,7 +97,7 @@ class LlamaForCausalLM(nnx.Module):
         x = (table[input_ids] if embed is None else embed(table, input_ids)).astype(activation_dtype)  # [T, D]
         cfg = self.config  # static: the frequencies become trace-time constants, not state
         inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
-        cos, sin = rotary_tables(positions, inv_freq)  # [T, hd] each
+        cos, sin = rotary_tables(positions, inv_freq, attention_factor(cfg.rope_scaling_dict))  # [T, hd] each
         return x, cos, sin
 
     def finish(self, x: jax.Array) -> jax.Array:

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (HF "rotate half" layout), with linear and llama3 frequency scaling."""
+"""Rotary position embeddings (HF "rotate half" layout), with linear, llama3, yarn and dynamic-NTK scaling."""
 from __future__ import annotations
 
 import math
@@ -13,9 +13,15 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     if not scaling:
         return inv_freq.astype(np.float32)
+    if scaling["rope_type"] == "dynamic":
+        # NTK scaling changes the base only for sequences past max_position_embeddings, which max_model_len never
+        # exceeds: within it, the frequencies are the default ones (as transformers computes them)
+        return inv_freq.astype(np.float32)
     factor = float(scaling["factor"])
     if scaling["rope_type"] == "linear":
         return (inv_freq / factor).astype(np.float32)
+    if scaling["rope_type"] == "yarn":
+        return _yarn_frequencies(head_dim, theta, factor, scaling).astype(np.float32)
     # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     original_len = float(scaling["original_max_position_embeddings"])
@@ -27,11 +33,50 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
     return np.where(in_band, blended, scaled).astype(np.float32)
 
 
-def rotary_tables(positions: jnp.ndarray, inv_freq: np.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """positions [T] int32 -> (cos, sin) each [T, head_dim] float32."""
+def _yarn_frequencies(head_dim: int, theta: float, factor: float, scaling: dict[str, Any]) -> np.ndarray:
+    """YaRN: frequencies that rotate fewer than `beta_slow` times over the original context are interpolated
+    (divided by `factor`), those rotating more than `beta_fast` times are kept, with a linear ramp between."""
+    original_len = float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:  # the dimension whose frequency turns `rotations` times
+        return head_dim * math.log(original_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)  # 0: keep, 1: scale
+    pos_freqs = theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    return (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * (1 - ramp)
+
+
+def attention_factor(scaling: dict[str, Any] | None) -> float:
+    """The factor cos and sin are multiplied by: YaRN's attention temperature, 1 otherwise."""
+    if not scaling or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = float(scaling["factor"])
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+    return mscale(factor)
+
+
+def rotary_tables(positions: jnp.ndarray, inv_freq: np.ndarray,
+                  scale: float = 1.0) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """positions [T] int32 -> (cos, sin) each [T, head_dim] float32, multiplied by `scale`."""
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, hd/2]
     angles = jnp.concatenate([angles, angles], axis=-1)  # [T, hd]
-    return jnp.cos(angles), jnp.sin(angles)
+    if scale == 1.0:
+        return jnp.cos(angles), jnp.sin(angles)
+    return scale * jnp.cos(angles), scale * jnp.sin(angles)
 
 
 def apply_rotary(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:

@@ -66,8 +66,12 @@ LOGITS_TEXT = ("The history of natural language processing generally started in 
 LLAMA3_ROPE = dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
                    rope_theta=500000.0)
+YARN_ROPE = dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                               "beta_fast": 16, "beta_slow": 1})
 TINY_CONFIGS = {
     "llama": ("llama", {}),
+    "llama_yarn_rope_scaling": ("llama", YARN_ROPE),
+    "qwen2_linear_rope_scaling": ("qwen2", {"rope_scaling": {"rope_type": "linear", "factor": 3.0}}),
     "qwen2_qkv_bias": ("qwen2", {}),
     "mistral": ("mistral", {}),
     "llama3_rope_scaling": ("llama", LLAMA3_ROPE),
@@ -200,13 +204,15 @@ def test_tiny_model_prompt_logits_match_transformers(name, tiny_models, default_
     assert_prompt_logits_match(_tiny_engine(folder), hf_model, ids)
 
 
-def test_llama3_rope_scaling_parity_is_sensitive_to_the_scaling(tiny_models, default_engine):
-    """Guards the llama3 case above: dropping the scaling would change the logits far beyond the tolerance."""
-    folder, hf_model = tiny_models("llama3_rope_scaling")
+@pytest.mark.parametrize("name, rope_type", [("llama3_rope_scaling", "llama3"), ("llama_yarn_rope_scaling", "yarn")])
+def test_rope_scaling_parity_is_sensitive_to_the_scaling(tiny_models, default_engine, name, rope_type):
+    """Guards the scaled cases above: dropping the scaling would change the logits far beyond the tolerance."""
+    folder, hf_model = tiny_models(name)
     config = json.loads((folder / "config.json").read_text())
-    assert (config.get("rope_parameters") or config.get("rope_scaling"))["rope_type"] == "llama3"
+    parameters = config.get("rope_parameters") or config.get("rope_scaling")
+    assert parameters["rope_type"] == rope_type
     plain_config = copy.deepcopy(hf_model.config)
-    plain_config.rope_parameters = {"rope_type": "default", "rope_theta": 500000.0}
+    plain_config.rope_parameters = {"rope_type": "default", "rope_theta": parameters.get("rope_theta", 10000.0)}
     plain = transformers.LlamaForCausalLM(plain_config).eval()
     plain.load_state_dict(hf_model.state_dict())
     ids = torch.tensor([default_engine.get_tokenizer().encode(LOGITS_TEXT)[:40]])

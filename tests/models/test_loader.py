@@ -63,3 +63,19 @@ def test_read_safetensors_keeps_values_and_dtypes(tmp_path):
         np.testing.assert_array_equal(got[name].astype(np.float32), expected.astype(np.float32))
     with pytest.raises(ValueError, match="no \\*.safetensors"):
         read_safetensors(tmp_path / "missing")
+
+
+def test_dynamic_ntk_scaling_is_the_default_rotation_within_max_position_embeddings():
+    """transformers rescales the base only for sequences past max_position_embeddings, which max_model_len never
+    exceeds; an unsupported scaling type names the supported ones."""
+    from models.config import ModelConfig
+    from models.rope import inverse_frequencies
+
+    base = dict(architectures=["LlamaForCausalLM"], vocab_size=32, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=1, num_attention_heads=4, max_position_embeddings=256)
+    dynamic = ModelConfig.from_hf_dict({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+    plain = ModelConfig.from_hf_dict(base)
+    np.testing.assert_array_equal(inverse_frequencies(16, 10000.0, dynamic.rope_scaling_dict),
+                                  inverse_frequencies(16, 10000.0, plain.rope_scaling_dict))
+    with pytest.raises(ValueError, match="supported: default, linear, llama3, yarn, dynamic"):
+        ModelConfig.from_hf_dict({**base, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
