@@ -60,6 +60,8 @@ class ModelConfig:
     sliding_window: int | None = None  # keys older than this many positions are not attended (Mistral)
     qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
     moe: MoEConfig | None = None  # the MLP is a mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE)
+    fused_projections: bool = False  # HF stores qkv_proj and gate_up_proj as one tensor each (Phi-3)
+    rotary_dim: int | None = None  # leading dims of each head that RoPE rotates (partial_rotary_factor); None: all
 
     @property
     def queries_per_kv_head(self) -> int:
@@ -103,6 +105,8 @@ class ModelConfig:
             eos_token_ids=tuple(int(e) for e in eos_ids),
             sliding_window=_sliding_window(hf, is_qwen2 or model_type.startswith("qwen3")),
             qk_norm=model_type.startswith("qwen3") or architecture.startswith("Qwen3"),
+            fused_projections=architecture.startswith("Phi3"),
+            rotary_dim=_rotary_dim(hf, int(head_dim)),
             moe=MoEConfig.from_hf_dict(hf, num_layers),
         )
 
@@ -126,6 +130,11 @@ def _rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         if merged.get("factor") is None:
             merged["factor"] = int(hf["max_position_embeddings"]) / merged["original_max_position_embeddings"]
     return theta, merged
+
+
+def _rotary_dim(hf: dict[str, Any], head_dim: int) -> int | None:
+    factor = float((hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    return None if factor == 1.0 else int(head_dim * factor)
 
 
 def _sliding_window(hf: dict[str, Any], qwen: bool) -> int | None:

@@ -12,7 +12,8 @@ from flax import nnx
 from models.attention import AttentionMetadata, KVCache, LayerAttention, value_dtype
 from models.config import ModelConfig
 from models.layers import MLP, Linear, RMSNorm, mlp_hf_parameters
-from models.moe import EXPERT, SparseMoE, read_expert_stack
+from models.hf_names import ArraySource, DerivedTensors, row_range
+from models.moe import SparseMoE
 from models.params import normal_param
 from models.rope import apply_rotary, attention_factor, inverse_frequencies, rotary_tables
 
@@ -96,7 +97,7 @@ class LlamaForCausalLM(nnx.Module):
         table = self.embed_tokens[...]
         x = (table[input_ids] if embed is None else embed(table, input_ids)).astype(activation_dtype)  # [T, D]
         cfg = self.config  # static: the frequencies become trace-time constants, not state
-        inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
+        inv_freq = inverse_frequencies(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
         cos, sin = rotary_tables(positions, inv_freq, attention_factor(cfg.rope_scaling_dict))  # [T, hd] each
         return x, cos, sin
 
@@ -125,8 +126,10 @@ class LlamaForCausalLM(nnx.Module):
             prefix = f"model.layers.{i}."
             yield layer.input_layernorm.weight, prefix + "input_layernorm.weight", False, ("embed",)
             yield layer.post_attention_layernorm.weight, prefix + "post_attention_layernorm.weight", False, ("embed",)
-            yield from _attention_hf_parameters(layer.self_attn, prefix + "self_attn.")
-            if isinstance(layer.mlp, SparseMoE):
+            yield from _attention_hf_parameters(layer.self_attn, prefix + "self_attn.", self.config.fused_projections)
+            if self.config.fused_projections:
+                yield from _fused_mlp_hf_parameters(layer.mlp, prefix + "mlp.")
+            elif isinstance(layer.mlp, SparseMoE):
                 projections = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
                 yield from layer.mlp.hf_parameters(prefix + ("block_sparse_moe." if mixtral else "mlp."), projections)
             else:
@@ -134,19 +137,24 @@ class LlamaForCausalLM(nnx.Module):
 
     def load_hf_weights(self, tensors: Mapping[str, np.ndarray], dtype: jnp.dtype) -> None:
         """Fill every parameter from HF-named tensors (whole, on the default device)."""
-        for param, name, transpose, _ in self.hf_parameters(tensors):
-            num_experts = self.config.moe.num_experts if EXPERT in name else 0
-            if name.replace(EXPERT, "0") not in tensors:
-                raise ValueError(f"weights are missing tensor {name.replace(EXPERT, '0')!r}")
-            array = read_expert_stack(tensors, name, num_experts) if num_experts else np.asarray(tensors[name])
+        source = DerivedTensors(ArraySource(dict(tensors)), self.config.moe.num_experts if self.config.moe else 0)
+        for param, name, transpose, _ in self.hf_parameters(source):
+            if name not in source:
+                raise ValueError(f"weights are missing tensor {source.source_name(name)!r}")
+            array = source.whole(name)
             param.set_value(jnp.asarray(array.T if transpose else array, dtype=dtype))
 
 
-def _attention_hf_parameters(attn: Attention, prefix: str) -> Iterator[HFParameter]:
-    """q/k/v split by output columns (heads), o by input rows; biases and per-head norms where present."""
+def _attention_hf_parameters(attn: Attention, prefix: str, fused: bool) -> Iterator[HFParameter]:
+    """q/k/v split by output columns (heads), o by input rows; biases and per-head norms where present. `fused`:
+    q, k and v are row ranges of one qkv_proj tensor."""
+    q_rows, kv_rows = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+    fused_rows = {"q_proj": (0, q_rows), "k_proj": (q_rows, q_rows + kv_rows),
+                  "v_proj": (q_rows + kv_rows, q_rows + 2 * kv_rows)}
     for name, axis in (("q_proj", "heads"), ("k_proj", "kv_heads"), ("v_proj", "kv_heads")):
         proj: Linear = getattr(attn, name)
-        yield proj.kernel, prefix + name + ".weight", True, ("embed", axis)
+        weight = row_range(prefix + "qkv_proj.weight", *fused_rows[name]) if fused else prefix + name + ".weight"
+        yield proj.kernel, weight, True, ("embed", axis)
         if proj.bias is not None:
             yield proj.bias, prefix + name + ".bias", False, (axis,)
     yield attn.o_proj.kernel, prefix + "o_proj.weight", True, ("heads", "embed")
@@ -156,3 +164,11 @@ def _attention_hf_parameters(attn: Attention, prefix: str) -> Iterator[HFParamet
         norm: RMSNorm | None = getattr(attn, name)
         if norm is not None:
             yield norm.weight, prefix + name + ".weight", False, ("head_dim",)
+
+
+def _fused_mlp_hf_parameters(mlp: MLP, prefix: str) -> Iterator[HFParameter]:
+    """gate and up as the two row halves of one gate_up_proj tensor (Phi-3), down as usual."""
+    width = mlp.gate_proj.d_out
+    yield mlp.gate_proj.kernel, row_range(prefix + "gate_up_proj.weight", 0, width), True, ("embed", "mlp")
+    yield mlp.up_proj.kernel, row_range(prefix + "gate_up_proj.weight", width, 2 * width), True, ("embed", "mlp")
+    yield mlp.down_proj.kernel, prefix + "down_proj.weight", True, ("mlp", "embed")

@@ -5,33 +5,21 @@ The grouped products are `jax.lax.ragged_dot` except on XLA CPU, whose ragged_do
 matmul of the same active size (docs/design.md); there a loop walks (expert, row tile) work items, each three
 small dots against one expert's weights (`expert_mlp_tiles`).
 
-Expert weights are stacked, [E, in, out]. Their HF tensors are one per expert; an HF name holding `EXPERT`
-("*") stands for all of them, each expert's [out, in] tensor transposed and stacked (`read_expert_stack`)."""
+Expert weights are stacked, [E, in, out]. Their HF tensors are one per expert; an HF name holding
+`models.hf_names.EXPERT` stands for all of them, each expert's [out, in] tensor transposed and stacked."""
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from models.config import MoEConfig
+from models.hf_names import EXPERT
 from models.layers import MLP, Linear, mlp_hf_parameters
 from models.params import normal_param
 from pallas_kernels.grouped_matmul import work_items
-
-EXPERT = "*"  # in an HF tensor name: every expert's index, stacked
-
-
-def expert_names(name: str, num_experts: int) -> list[str]:
-    return [name.replace(EXPERT, str(e)) for e in range(num_experts)]
-
-
-def read_expert_stack(tensors: Mapping[str, np.ndarray], name: str, num_experts: int) -> np.ndarray:
-    """The HF per-expert tensors [out, in] behind `name` as one [E, in, out] array."""
-    return np.stack([np.asarray(tensors[n]).T for n in expert_names(name, num_experts)])
-
 
 class SparseMoE(nnx.Module):
     """x [T, D] -> [T, D]: sum over each token's top-k experts of weight * down(silu(gate(x)) * up(x)), plus a

@@ -17,6 +17,7 @@ _CAUSAL_LMS: dict[str, type[nnx.Module]] = {
     "MixtralForCausalLM": LlamaForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
 }
 
 # Encoders serve embeddings only. Task heads' weights (MLM, pooler) are ignored; the encoder is the same.

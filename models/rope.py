@@ -80,7 +80,11 @@ def rotary_tables(positions: jnp.ndarray, inv_freq: np.ndarray,
 
 
 def apply_rotary(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
-    """x [T, heads, hd] rotated by per-token tables [T, hd]; math in float32, result in x.dtype."""
+    """x [T, heads, hd] rotated by per-token tables [T, rd]; math in float32, result in x.dtype. With rd < hd
+    (partial rotary), only the first rd dims of each head rotate and the rest pass through."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return jnp.concatenate([apply_rotary(x[..., :rotary], cos, sin), x[..., rotary:]], axis=-1)
     x32 = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated_half = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)

@@ -170,7 +170,8 @@ def _load_sharded(config: Any, model_cls: Any, jdtype: Any, folder: Path, load_f
     import contextlib
 
     from jvllm.parallel.mesh import make_mesh
-    from jvllm.parallel.sharding import ArraySource, SafetensorsSource, TensorParallelPlan, hf_tensors, load_sharded
+    from jvllm.parallel.sharding import SafetensorsSource, TensorParallelPlan, hf_tensors, load_sharded
+    from models.hf_names import ArraySource
 
     if config.is_encoder:
         raise ValueError(f"tensor_parallel_size={tp}: encoder (embedding) models run on one device; "

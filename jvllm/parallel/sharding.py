@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import glob
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator
 
 import jax
 import numpy as np
@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from jvllm.parallel.mesh import PADDABLE_AXES, check_tensor_parallel_size, named_sharding
 from jvllm.utils import cdiv
 from models.config import ModelConfig
-from models.moe import EXPERT, expert_names
+from models.hf_names import DerivedTensors, TensorSource
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,14 +48,6 @@ class TensorParallelPlan:
         return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * self.kv_repeat)
 
 
-class TensorSource(Protocol):
-    """HF-named tensors read slice by slice."""
-
-    def shape(self, name: str) -> tuple[int, ...]: ...
-    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray: ...
-    def __contains__(self, name: str) -> bool: ...
-
-
 class SafetensorsSource:
     """Every *.safetensors file of a folder, opened once; `read` pulls only the requested slice."""
 
@@ -78,48 +70,6 @@ class SafetensorsSource:
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         return np.asarray(self._handles[name].get_slice(name)[index])
-
-
-class ArraySource:
-    """In-memory HF-named numpy arrays (random `dummy` weights)."""
-
-    def __init__(self, tensors: dict[str, np.ndarray]):
-        self._tensors = tensors
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._tensors
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._tensors[name].shape)
-
-    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        return np.asarray(self._tensors[name][index])
-
-
-class ExpertStacks:
-    """A source that also answers the stacked expert names (models.moe.EXPERT): [E, in, out] blocks built from
-    the per-expert [out, in] tensors, reading only the experts and slices a block needs."""
-
-    def __init__(self, source: TensorSource, num_experts: int):
-        self._source, self._num_experts = source, num_experts
-
-    def _stacked(self, name: str) -> bool:
-        return EXPERT in name and name not in self._source
-
-    def __contains__(self, name: str) -> bool:
-        return name.replace(EXPERT, "0") in self._source if self._stacked(name) else name in self._source
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        if not self._stacked(name):
-            return self._source.shape(name)
-        return (self._num_experts, *self._source.shape(name.replace(EXPERT, "0"))[::-1])
-
-    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        if not self._stacked(name):
-            return self._source.read(name, index)
-        experts = range(*index[0].indices(self._num_experts))
-        return np.stack([self._source.read(n, index[:0:-1]).T for n in expert_names(name, self._num_experts)
-                         if int(n.split(".experts.")[1].split(".")[0]) in experts])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,11 +149,10 @@ def place(tensor: ShardedTensor, mesh: Mesh) -> jax.Array:
 def load_sharded(module: Any, source: TensorSource, plan: TensorParallelPlan, mesh: Mesh, dtype: Any) -> None:
     """Set every parameter of an abstract (eval_shape) module to its sharded array."""
     moe = getattr(getattr(module, "config", None), "moe", None)
-    if moe is not None:
-        source = ExpertStacks(source, moe.num_experts)
+    source = DerivedTensors(source, moe.num_experts if moe is not None else 0)
     for param, name, transpose, axes in module.hf_parameters(source):
         if name not in source:
-            raise ValueError(f"weights are missing tensor {name!r}")
+            raise ValueError(f"weights are missing tensor {source.source_name(name)!r}")
         tensor = ShardedTensor(source, name, transpose, axes, plan, dtype)
         expected = tuple(plan.padded.get(a, n) if a in PADDABLE_AXES else n
                          for a, n in zip(axes, param.shape))

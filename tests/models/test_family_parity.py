@@ -1,4 +1,5 @@
-"""Parity with transformers (PyTorch, float32) for the families beyond Llama: Qwen3 (per-head q/k norms) and the
+"""Parity with transformers (PyTorch, float32) for the families beyond Llama: Qwen3 (per-head q/k norms), Phi-3
+(fused qkv and gate/up tensors, partial rotary) and the
 mixtures of experts Mixtral, Qwen3-MoE (dense layers mixed in through `mlp_only_layers`) and Qwen2-MoE (a
 sigmoid-gated shared expert, a MoE layer every second layer, routing weights not renormalised).
 
@@ -27,6 +28,8 @@ BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_
             tie_word_embeddings=False)
 FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
+    # fused qkv and gate/up tensors; RoPE on half of each head
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(partial_rotary_factor=0.5, pad_token_id=0)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -93,7 +96,7 @@ def test_prompt_logits_match_transformers(name, family_models, default_engine):
     folder, hf_model = family_models(name)
     ids = default_engine.get_tokenizer().encode(LOGITS_TEXT)[:40]
     assert_prompt_logits_match(_engine(folder), hf_model, ids)
-    if name != "qwen3":
+    if name not in ("qwen3", "phi3"):
         loads = _expert_loads(hf_model, ids)
         assert loads, "no router ran"
         for load in loads:  # every expert used, the busiest by far more than the least used

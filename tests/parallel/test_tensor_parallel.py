@@ -47,6 +47,8 @@ TINY = {
                                        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 40,
                                        "shared_expert_intermediate_size": 50, "norm_topk_prob": False}),
     "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # q/k/v and gate/up read as row ranges of fused tensors; the MLP width 101 is padded at TP=2
+    "phi3_fused": ("phi3", {"intermediate_size": 101, "partial_rotary_factor": 0.5, "pad_token_id": 0}),
 }
 
 
@@ -109,7 +111,8 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
     classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
                "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
-               "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM)}
+               "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+               "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM)}
     folders = {}
     for name, (kind, overrides) in TINY.items():
         settings = {**dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -174,7 +177,8 @@ def test_shard_reads_repeat_kv_heads_transpose_and_pad():
     """Each block read from the HF tensor equals that block of the fully transformed tensor."""
     import numpy as np
 
-    from jvllm.parallel.sharding import ArraySource, ShardedTensor, TensorParallelPlan
+    from jvllm.parallel.sharding import ShardedTensor, TensorParallelPlan
+    from models.hf_names import ArraySource
 
     hd, kv_heads, hidden, vocab = 3, 2, 5, 10
     k_weight = np.arange(kv_heads * hd * hidden, dtype=np.float32).reshape(kv_heads * hd, hidden)  # [out, in]
@@ -198,7 +202,7 @@ def test_shard_reads_repeat_kv_heads_transpose_and_pad():
 
 # ---- TP=N against TP=1 (subprocesses with virtual devices) ------------------------------------------------
 @pytest.mark.parametrize("name, tps", [("llama_gqa", [2, 4]), ("llama_mqa", [4]), ("qwen2_padded", [2, 3]),
-                                       ("qwen2_moe_padded", [2, 3]), ("mixtral", [2])])
+                                       ("qwen2_moe_padded", [2, 3]), ("mixtral", [2]), ("phi3_fused", [2])])
 def test_tp_logits_and_greedy_tokens_match_tp1(tiny_models, name, tps):
     result = run_worker("compare", {"model": tiny_models[name], "tps": tps, "prompts": PROMPTS}, devices=max(tps))
     for tp, run in result["runs"].items():
