@@ -16,6 +16,9 @@ def _jvllm_cache(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     unless JVLLM_CACHE_DIR is set (CI may point it at a warm cache)."""
     if "JVLLM_CACHE_DIR" not in os.environ:
         os.environ["JVLLM_CACHE_DIR"] = str(tmp_path_factory.mktemp("jvllm-cache"))
+    from jvllm.worker.compile_cache import disable_in_this_process
+
+    disable_in_this_process()  # this process compiles everything itself; subprocesses use the cache
     return pathlib.Path(os.environ["JVLLM_CACHE_DIR"])
 
 
