@@ -10,6 +10,11 @@ import pytest
 from server.limits import longest_token_chars
 from tests.server.conftest import idle, wait_until
 
+# A refusal must come before any of the request's cost is paid (the bugs these guard against held the server for
+# minutes). The 1 s target itself is measured by benchmarks/soak.py, not here: on the 2-core CI machine a test
+# process can wait its turn for a core longer than that.
+REFUSAL_DEADLINE_S = 5.0
+
 
 def _post(server, path: str, body: dict | bytes, **kwargs) -> tuple[httpx.Response, float]:
     started = time.perf_counter()
@@ -35,7 +40,7 @@ def test_n_and_best_of_past_the_limit_are_refused_at_once(live_server, server_er
     reply, seconds = _post(live_server, "/v1/completions", {"prompt": "hi", field: value, "max_tokens": 2})
     error = _refused(reply, 400, field)
     assert "--max-n" in error["message"] and "64" in error["message"]
-    assert seconds < 1.0
+    assert seconds < REFUSAL_DEADLINE_S
     assert not server_errors and idle(live_server.engine)
 
 
@@ -61,7 +66,7 @@ def test_prompt_length_is_checked_in_characters_before_tokenizing(live_server, m
     for path, body, param in cases:
         reply, seconds = _post(live_server, path, body)
         assert str(limit) in _refused(reply, 400, param)["message"]
-        assert seconds < 1.0
+        assert seconds < REFUSAL_DEADLINE_S
     assert not calls
 
 
@@ -116,7 +121,7 @@ def test_a_lone_surrogate_is_400_on_every_route(live_server, server_errors, path
     reply, seconds = _post(live_server, path, body)
     error = _refused(reply, 400, param)
     assert "not valid UTF-8" in error["message"]
-    assert seconds < 1.0 and not server_errors
+    assert seconds < REFUSAL_DEADLINE_S and not server_errors
 
 
 @pytest.mark.parametrize("seed, status", [(2**63, 400), (-(2**63) - 1, 400), (2**63 - 1, 200), (-(2**63), 200)])
