@@ -10,7 +10,7 @@ import pytest
 from server.limits import longest_token_chars
 from tests.server.conftest import idle, wait_until
 
-# A refusal must come before any of the request's cost is paid (the bugs these guard against held the server for
+# A refusal must come before any of the request's cost is paid (an unchecked n=10^9 holds the server for
 # minutes). The 1 s target itself is measured by benchmarks/soak.py, not here: on the 2-core CI machine a test
 # process can wait its turn for a core longer than that.
 REFUSAL_DEADLINE_S = 5.0
