@@ -14,6 +14,7 @@ from jvllm.config import EngineConfig, check_positive
 from jvllm.utils import next_power_of_2
 from jvllm.pooling.batching import EmbedBatch, batch_shapes, pack_arrays, plan_batches
 from jvllm.worker.compile_watch import compile_watch
+from jvllm.worker.executable_memo import compile_once
 from jvllm.pooling.forward import build_causal_forward, build_encoder_forward
 from jvllm.worker.weights import cast_matrices
 from jvllm.outputs import EmbeddingOutput, EmbeddingRequestOutput
@@ -212,7 +213,7 @@ class Embedder:
 
     def _compile(self, shape: tuple[int, int]) -> Any:
         spec = jax.ShapeDtypeStruct(shape, np.int32)
-        return self.forward.lower(self._weights_for(shape), spec, spec, spec).compile()
+        return compile_once(self.forward.lower(self._weights_for(shape), spec, spec, spec))
 
     def batch_shapes(self) -> list[tuple[int, int]]:
         """Every (rows, width) batch this embedder can run."""

@@ -14,6 +14,7 @@ import numpy as np
 
 from jvllm.sample.tensors import SamplerFlags, build_sampling_tensors, empty_masks
 from jvllm.worker.compile_watch import compile_watch
+from jvllm.worker.executable_memo import compile_once
 from jvllm.worker.step_functions import StepFunctions
 from jvllm.worker.step_shapes import StepShape
 
@@ -139,10 +140,11 @@ class CompiledSteps:
         """fn (a jax.jit function) compiled for args; `name` says which piece, for profiles and errors.
 
         Compiling stays on this thread: a persistent-cache load beside lowering on another thread is not safe
-        (docs/design.md, step shapes)."""
+        (docs/design.md, step shapes). An executable another engine of this process compiled from the same module
+        is reused."""
         del name
         self.count += 1
-        return fn.lower(*args, **static).compile()
+        return compile_once(fn.lower(*args, **static))
 
     def _head(self, shape: StepShape, outer: list[jax.Array], x_last: Any, flags: SamplerFlags) -> Executable:
         """The head for this shape's row count (and weights: a batched copy serves multi-row steps)."""
