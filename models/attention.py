@@ -12,7 +12,8 @@ import jax.numpy as jnp
 BF16_BITS = jnp.dtype(jnp.uint16)
 
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: (k_pages, v_pages), each [N, page, KVH, hd]
-# (q [T, H, hd], k/v [T, KVH, hd], (k_pages, v_pages), md, scale, sliding_window) -> (out [T, H, hd], layer result):
+# (q [T, H, hd], k/v [T, KVH, hd], (k_pages, v_pages), md, scale, sliding_window, soft_cap)
+#   -> (out [T, H, hd], layer result):
 # the layer result is whatever the backend needs after the step (its new pages, or the K/V still to write).
 LayerAttention = Callable[..., tuple[jax.Array, Any]]
 

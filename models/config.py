@@ -58,10 +58,27 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None = None  # keys older than this many positions are not attended (Mistral)
-    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3)
     moe: MoEConfig | None = None  # the MLP is a mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE)
     fused_projections: bool = False  # HF stores qkv_proj and gate_up_proj as one tensor each (Phi-3)
     rotary_dim: int | None = None  # leading dims of each head that RoPE rotates (partial_rotary_factor); None: all
+    # Gemma 2/3: which layers attend within `sliding_window` (None: all layers, when it is set), their own RoPE
+    # base (Gemma 3's local layers, unscaled), the attention scale's denominator, and the tanh soft-caps.
+    sliding_layers: tuple[bool, ...] | None = None
+    local_rope_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of layer `index`, or None where it attends to the whole context."""
+        if self.sliding_layers is not None and not self.sliding_layers[index]:
+            return None
+        return self.sliding_window
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def queries_per_kv_head(self) -> int:
@@ -104,16 +121,44 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             sliding_window=_sliding_window(hf, is_qwen2 or model_type.startswith("qwen3")),
-            qk_norm=model_type.startswith("qwen3") or architecture.startswith("Qwen3"),
+            qk_norm=model_type.startswith(("qwen3", "gemma3")) or architecture.startswith(("Qwen3", "Gemma3")),
             fused_projections=architecture.startswith("Phi3"),
             rotary_dim=_rotary_dim(hf, int(head_dim)),
             moe=MoEConfig.from_hf_dict(hf, num_layers),
+            **(_gemma_settings(hf, model_type, num_layers) if model_type.startswith("gemma") else {}),
         )
 
 
+def _gemma_settings(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+    """Gemma 2 and 3: interleaved sliding-window layers (`layer_types`, or the older every-Nth pattern), the
+    local layers' RoPE base (Gemma 3), the attention scale and soft-caps. transformers applies the attention
+    soft-cap in Gemma 2 only."""
+    gemma3 = model_type.startswith("gemma3")
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        pattern = int(hf.get("sliding_window_pattern") or (6 if gemma3 else 2))
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    settings: dict[str, Any] = dict(
+        sliding_layers=tuple(t == "sliding_attention" for t in layer_types),
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or int(hf.get("head_dim") or 256)),
+        attn_logit_softcap=None if gemma3 else _optional_float(hf.get("attn_logit_softcapping")),
+        final_logit_softcap=_optional_float(hf.get("final_logit_softcapping")),
+    )
+    if gemma3:
+        local = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
+        settings["local_rope_theta"] = float(local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)))
+    return settings
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
 def _rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """rope_theta and scaling, from either transformers<5 (rope_scaling) or >=5 (rope_parameters)."""
+    """rope_theta and scaling, from either transformers<5 (rope_scaling) or >=5 (rope_parameters; per layer type
+    for Gemma 3, whose full-attention layers' settings these are)."""
     params = hf.get("rope_parameters") or {}
+    params = params.get("full_attention", params)
     scaling = hf.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     merged = {**scaling, **{k: v for k, v in params.items() if k != "rope_theta"}}

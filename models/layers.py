@@ -1,5 +1,5 @@
-"""Building blocks shared by the decoder families: the projection (with its CPU layout choice), RMSNorm and the
-gated MLP."""
+"""Building blocks shared by the decoder families: the projection (with its CPU layout choice), RMSNorm (Llama's
+and Gemma's) and the gated MLP."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -72,16 +72,36 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * normed.astype(x.dtype)  # transformers' order; f32 when the weight is bf16
 
 
-class MLP(nnx.Module):
-    """down(silu(gate(x)) * up(x)): the SwiGLU MLP, d -> f -> d."""
+class GemmaRMSNorm(nnx.Module):
+    """x / rms(x) * (1 + weight), all in float32, then cast to x's dtype (Gemma's order; the weight is stored as
+    an offset from 1)."""
 
-    def __init__(self, d: int, f: int, dtype: jnp.dtype, rngs: nnx.Rngs | None):
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    """GELU with the tanh approximation (transformers' `gelu_pytorch_tanh`)."""
+    return jax.nn.gelu(x, approximate=True)
+
+
+class MLP(nnx.Module):
+    """down(act(gate(x)) * up(x)), d -> f -> d: SwiGLU with `silu` (Llama), GeGLU with `gelu_tanh` (Gemma)."""
+
+    def __init__(self, d: int, f: int, dtype: jnp.dtype, rngs: nnx.Rngs | None, activation=jax.nn.silu):
         self.gate_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(f, d, bias=False, dtype=dtype, rngs=rngs)
+        self.activation = activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
 
 
 def mlp_hf_parameters(mlp: MLP, prefix: str, axis: str = "mlp") -> Iterator[tuple]:

@@ -24,16 +24,23 @@ HFParameter = tuple[nnx.Param, str, bool, tuple[str | None, ...]]
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
+    """Self-attention of layer `index`: its sliding window, RoPE table (Gemma 3 has two) and q/k norm class
+    come from the config."""
+
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None, index: int = 0,
+                 norm: type[nnx.Module] = RMSNorm):
         d, hd = cfg.hidden_size, cfg.head_dim
         self.q_proj = Linear(d, cfg.num_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
         self.k_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
         self.v_proj = Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(cfg.num_heads * hd, d, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
-        self.sliding_window = cfg.sliding_window
-        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.sliding_window = cfg.layer_window(index)
+        self.scale, self.soft_cap = cfg.attention_scale, cfg.attn_logit_softcap
+        # with a local RoPE base, cos/sin come stacked [global, local]: full layers take 0, sliding ones 1
+        self.rope_table = None if cfg.local_rope_theta is None else int(self.sliding_window is not None)
+        self.q_norm = norm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = norm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, pages: tuple[jax.Array, jax.Array],
                  md: AttentionMetadata, attention: LayerAttention) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
@@ -44,15 +51,17 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
         if self.q_norm is not None:
             q, k = self.q_norm(q).astype(q.dtype), self.k_norm(k).astype(k.dtype)
+        if self.rope_table is not None:
+            cos, sin = cos[self.rope_table], sin[self.rope_table]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out, layer_kv = attention(q, k, v, pages, md, self.head_dim ** -0.5, self.sliding_window)  # [T, H, hd]
+        out, layer_kv = attention(q, k, v, pages, md, self.scale, self.sliding_window, self.soft_cap)  # [T, H, hd]
         return self.o_proj(out.reshape(tokens, -1)), layer_kv
 
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, index: int, dtype: jnp.dtype, rngs: nnx.Rngs | None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, rngs)
+        self.self_attn = Attention(cfg, dtype, rngs, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         sparse = cfg.moe is not None and cfg.moe.sparse_layers[index]
         self.mlp: MLP | SparseMoE = (SparseMoE(cfg.hidden_size, cfg.moe, dtype, rngs) if sparse
@@ -126,7 +135,7 @@ class LlamaForCausalLM(nnx.Module):
             prefix = f"model.layers.{i}."
             yield layer.input_layernorm.weight, prefix + "input_layernorm.weight", False, ("embed",)
             yield layer.post_attention_layernorm.weight, prefix + "post_attention_layernorm.weight", False, ("embed",)
-            yield from _attention_hf_parameters(layer.self_attn, prefix + "self_attn.", self.config.fused_projections)
+            yield from attention_hf_parameters(layer.self_attn, prefix + "self_attn.", self.config.fused_projections)
             if self.config.fused_projections:
                 yield from _fused_mlp_hf_parameters(layer.mlp, prefix + "mlp.")
             elif isinstance(layer.mlp, SparseMoE):
@@ -145,7 +154,7 @@ class LlamaForCausalLM(nnx.Module):
             param.set_value(jnp.asarray(array.T if transpose else array, dtype=dtype))
 
 
-def _attention_hf_parameters(attn: Attention, prefix: str, fused: bool) -> Iterator[HFParameter]:
+def attention_hf_parameters(attn: Attention, prefix: str, fused: bool) -> Iterator[HFParameter]:
     """q/k/v split by output columns (heads), o by input rows; biases and per-head norms where present. `fused`:
     q, k and v are row ranges of one qkv_proj tensor."""
     q_rows, kv_rows = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim

@@ -7,6 +7,7 @@ from flax import nnx
 
 from models.bert import BertModel
 from models.config import EncoderConfig, ModelConfig
+from models.gemma import GemmaForCausalLM
 from models.llama import LlamaForCausalLM
 
 _CAUSAL_LMS: dict[str, type[nnx.Module]] = {
@@ -18,6 +19,8 @@ _CAUSAL_LMS: dict[str, type[nnx.Module]] = {
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 
 # Encoders serve embeddings only. Task heads' weights (MLM, pooler) are ignored; the encoder is the same.

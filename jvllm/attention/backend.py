@@ -21,7 +21,8 @@ from models.attention import AttentionMetadata, KVCache, LayerAttention
 
 class AttendFn(Protocol):
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                 md: AttentionMetadata, scale: float, sliding_window: int | None = None) -> jax.Array: ...
+                 md: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                 soft_cap: float | None = None) -> jax.Array: ...
 
 
 class WriteFn(Protocol):
@@ -31,7 +32,8 @@ class WriteFn(Protocol):
 class WriteAttendFn(Protocol):
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                  md: AttentionMetadata, scale: float,
-                 sliding_window: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]: ...
+                 sliding_window: int | None = None,
+                 soft_cap: float | None = None) -> tuple[jax.Array, jax.Array, jax.Array]: ...
 
 
 StoreFn = Callable[[KVCache, list, AttentionMetadata], KVCache]
@@ -52,7 +54,7 @@ class AttentionBackend(abc.ABC):
     @abc.abstractmethod
     def layer_attention(self, mesh: Mesh | None = None) -> LayerAttention:
         """The call a model makes per layer: (q [T,H,hd], k/v [T,KVH,hd], (k_pages, v_pages), md, scale,
-        sliding_window) -> (out [T,H,hd], a per-layer result for `store`); per shard with a mesh."""
+        sliding_window, soft_cap) -> (out [T,H,hd], a per-layer result for `store`); per shard with a mesh."""
 
     @abc.abstractmethod
     def store(self, mesh: Mesh | None = None) -> StoreFn:
@@ -78,7 +80,7 @@ class AttentionBackend(abc.ABC):
 
 @dataclasses.dataclass(frozen=True)
 class InStepWrite(AttentionBackend):
-    write_and_attend: WriteAttendFn  # (q, k, v, k_pages, v_pages, md, scale, window) -> (out, k_pages, v_pages)
+    write_and_attend: WriteAttendFn  # (q, k, v, k_pages, v_pages, md, scale, window, cap) -> (out, k_pages, v_pages)
     layout_for: Callable[..., PrefillLayout] | None = None  # (heads, kv_heads, head_dim, dtype) -> prefill layout
 
     def for_model(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: Any) -> AttentionBackend:
@@ -87,8 +89,9 @@ class InStepWrite(AttentionBackend):
         return dataclasses.replace(self, prefill_layout=self.layout_for(num_heads, num_kv_heads, head_dim, dtype))
 
     def layer_attention(self, mesh: Mesh | None = None) -> LayerAttention:
-        def attention(q, k, v, pages, md, scale, sliding_window=None):
-            out, k_pages, v_pages = self.write_and_attend(q, k, v, pages[0], pages[1], md, scale, sliding_window)
+        def attention(q, k, v, pages, md, scale, sliding_window=None, soft_cap=None):
+            out, k_pages, v_pages = self.write_and_attend(q, k, v, pages[0], pages[1], md, scale, sliding_window,
+                                                          soft_cap)
             return out, (k_pages, v_pages)
         return attention if mesh is None else ops.sharded_layer_attention(attention, mesh, (ops.PAGES, ops.PAGES))
 
@@ -105,13 +108,13 @@ class InStepWrite(AttentionBackend):
 
 @dataclasses.dataclass(frozen=True)
 class SeparateWrite(AttentionBackend):
-    attend: AttendFn  # (q, k, v, k_pages, v_pages, md, scale, window) -> out, the pool read only
+    attend: AttendFn  # (q, k, v, k_pages, v_pages, md, scale, window, cap) -> out, the pool read only
     write: WriteFn  # (pool, per-layer (k, v) [T,KVH,hd], md) -> pool
     storage_dtype: Callable[[Any], Any] = _same_dtype  # model dtype -> pool dtype
 
     def layer_attention(self, mesh: Mesh | None = None) -> LayerAttention:
-        def attention(q, k, v, pages, md, scale, sliding_window=None):
-            return self.attend(q, k, v, pages[0], pages[1], md, scale, sliding_window), (k, v)
+        def attention(q, k, v, pages, md, scale, sliding_window=None, soft_cap=None):
+            return self.attend(q, k, v, pages[0], pages[1], md, scale, sliding_window, soft_cap), (k, v)
         return attention if mesh is None else ops.sharded_layer_attention(attention, mesh, (ops.KV, ops.KV))
 
     def store(self, mesh: Mesh | None = None) -> StoreFn:

@@ -22,6 +22,7 @@ def write_and_attend(
     md: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
     *,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -31,11 +32,11 @@ def write_and_attend(
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping, interpret=interpret)
     if md.decode:
         out = decode_attention(q, k_pages, v_pages, md.page_tables, md.kv_lens, scale=scale,
-                               sliding_window=sliding_window, interpret=interpret)
+                               sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
     else:
         out = ragged_paged_attention(q, k_pages, v_pages, md.query_start, md.q_lens, md.kv_lens, md.page_tables,
                                      md.layout["item_seq"], md.layout["item_first"], scale=scale,
-                                     sliding_window=sliding_window, interpret=interpret)
+                                     sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
     return out.astype(q.dtype), k_pages, v_pages
 
 

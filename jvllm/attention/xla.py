@@ -33,6 +33,11 @@ def write_layers(kv_cache: list, new_kv: list, md: AttentionMetadata) -> list:
             for (k_pages, v_pages), (k, v) in zip(kv_cache, new_kv)]
 
 
+def capped(scores: jax.Array, soft_cap: float | None) -> jax.Array:
+    """Scaled scores squashed into (-soft_cap, soft_cap) by tanh (Gemma 2's attention soft-cap), or unchanged."""
+    return scores if soft_cap is None else soft_cap * jnp.tanh(scores / soft_cap)
+
+
 def online_softmax_step(running_max: jax.Array, denom: jax.Array, acc: jax.Array, scores: jax.Array,
                         values: jax.Array, pv_spec: str) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Folds one span of masked scores [..., span] and its values into the running (max, denom, acc)."""
@@ -54,18 +59,21 @@ def paged_attention(
     md: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """Causal attention of each query over its sequence's cached pages plus this step's chunk -> [T, H, hd].
-    With `sliding_window`, a query at position p sees only keys at positions > p - window."""
+    With `sliding_window`, a query at position p sees only keys at positions > p - window; with `soft_cap`,
+    scores become soft_cap * tanh(score / soft_cap) (Gemma 2)."""
     if md.decode:  # one token per row, row s is token s
-        out = decode_attention(q, k, v, k_pages, v_pages, md.page_tables, md.cached_lens, scale, sliding_window)
+        out = decode_attention(q, k, v, k_pages, v_pages, md.page_tables, md.cached_lens, scale, sliding_window,
+                               soft_cap)
         return out.astype(q.dtype)
     out = jnp.zeros(q.shape, jnp.float32)  # [T, H, hd]
     for width in sorted(int(key[len("index"):]) for key in md.layout if key.startswith("index")):
         index, rows, count = md.layout[f"index{width}"], md.layout[f"rows{width}"], md.layout[f"count{width}"]
 
         def attend(out: jax.Array, index: jax.Array = index, rows: jax.Array = rows) -> jax.Array:
-            found = class_attention(q, k, v, k_pages, v_pages, md, index, rows, scale, sliding_window)
+            found = class_attention(q, k, v, k_pages, v_pages, md, index, rows, scale, sliding_window, soft_cap)
             return out.at[index.reshape(-1)].set(found, mode="drop")  # padding slots index T: dropped
 
         out = jax.lax.cond(count > 0, attend, lambda out: out, out)  # a class no chunk uses costs nothing
@@ -83,6 +91,7 @@ def class_attention(
     rows: jax.Array,  # [R] int32 the metadata row (sequence) of each chunk
     scale: float,
     sliding_window: int | None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """Attention of R chunks of up to W tokens, one per row -> [R * W, H, hd] float32 (rows in `index` order).
 
@@ -103,7 +112,8 @@ def class_attention(
     visible = (offset[None, :] <= offset[:, None])[None] & valid[:, None, :]  # [R, W (query), W (key)]
     if sliding_window is not None:
         visible &= (offset[:, None] - offset[None, :] < sliding_window)[None]
-    scores = jnp.einsum("rqkgd,rkcd->rkqgc", q_rows, own_k, preferred_element_type=jnp.float32) * scale
+    scores = capped(jnp.einsum("rqkgd,rkcd->rkqgc", q_rows, own_k, preferred_element_type=jnp.float32) * scale,
+                    soft_cap)
     scores = jnp.where(visible[:, None, :, None, :], scores, _MASKED)  # [R, KVH, W, G, W]
     running_max = scores.max(axis=-1)  # [R, KVH, W, G]: the own key is always visible
     probs = jnp.exp(scores - running_max[..., None])
@@ -125,7 +135,8 @@ def class_attention(
         seen = (k_pos[None, None, :] < cached[:, None, None]) & valid[:, :, None]  # [R, W, span]
         if sliding_window is not None:
             seen &= q_pos[:, :, None] - k_pos[None, None, :] < sliding_window
-        scores = jnp.einsum("rqkgd,rpkd->rkqgp", q_rows, keys, preferred_element_type=jnp.float32) * scale
+        scores = capped(jnp.einsum("rqkgd,rpkd->rkqgp", q_rows, keys, preferred_element_type=jnp.float32) * scale,
+                        soft_cap)
         scores = jnp.where(seen[:, None, :, None, :], scores, _MASKED)  # [R, KVH, W, G, span]
         return online_softmax_step(running_max, denom, acc, scores, values, "rkqgp,rpkd->rkqgd")
 
@@ -197,6 +208,7 @@ def decode_attention(
     cached: jax.Array,  # [S] tokens in the pages before this one (0 for padding rows)
     scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:
     """Flash-decoding in jnp -> [S, H, hd] float32: an online softmax over the pages, a couple of pages per
     sequence per loop iteration, for as many iterations as the longest context needs. On XLA CPU this is
@@ -208,7 +220,7 @@ def decode_attention(
     per_iter = pages_per_iteration(seqs, max_pages)
     span = per_iter * page_size
     qg = q.reshape(seqs, kv_heads, group, head_dim).astype(jnp.float32) * scale  # [S, KVH, G, hd]
-    own = jnp.einsum("skgd,skd->skg", qg, k.astype(jnp.float32))  # [S, KVH, G]: the own key is always visible
+    own = capped(jnp.einsum("skgd,skd->skg", qg, k.astype(jnp.float32)), soft_cap)  # [S, KVH, G]: always visible
     acc0 = jnp.broadcast_to(v.astype(jnp.float32)[:, :, None, :], (seqs, kv_heads, group, head_dim))
     lowest = cached - sliding_window + 1 if sliding_window is not None else jnp.zeros_like(cached)  # [S]
 
@@ -217,7 +229,7 @@ def decode_attention(
         pages = jax.lax.dynamic_slice_in_dim(page_tables, i * per_iter, per_iter, axis=1)  # [S, per]
         keys = as_values(k_pages[pages]).reshape(seqs, span, kv_heads, head_dim)  # [S, span, KVH, hd]
         values = as_values(v_pages[pages]).reshape(seqs, span, kv_heads, head_dim)
-        scores = jnp.einsum("skgd,spkd->skgp", qg, keys, preferred_element_type=jnp.float32)  # [S, KVH, G, span]
+        scores = capped(jnp.einsum("skgd,spkd->skgp", qg, keys, preferred_element_type=jnp.float32), soft_cap)
         pos = i * span + jnp.arange(span)  # [span]
         visible = (pos[None, :] < cached[:, None]) & (pos[None, :] >= lowest[:, None])  # [S, span]
         scores = jnp.where(visible[:, None, None, :], scores, _MASKED)

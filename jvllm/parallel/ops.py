@@ -33,9 +33,9 @@ def sharded_layer_attention(attention: Callable, mesh: Mesh, result: Any) -> Cal
     metadata replicated. Nothing is gathered: each shard's query heads use only that shard's KV heads.
     `result`: the partition specs of the attention's per-layer result (new pages, or the step's k/v)."""
 
-    def call(q, k, v, pages, md, scale, sliding_window=None):
+    def call(q, k, v, pages, md, scale, sliding_window=None, soft_cap=None):
         def local(q, k, v, pages, md):
-            return attention(q, k, v, pages, md, scale, sliding_window)
+            return attention(q, k, v, pages, md, scale, sliding_window, soft_cap)
         return shard_map(local, mesh, in_specs=(HEADS, KV, KV, (PAGES, PAGES), REPLICATED),
                          out_specs=(HEADS, result))(q, k, v, pages, md)
     return call

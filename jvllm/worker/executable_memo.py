@@ -1,18 +1,32 @@
 """In-process reuse of compiled executables: a second engine of the same model, shapes and devices in one process
-takes the first one's executables instead of compiling (or loading from the persistent cache) again."""
+takes the first one's executables instead of compiling (or loading from the persistent cache) again. Kept within
+the process's memory-map limit, which XLA CPU executables use up fast."""
 from __future__ import annotations
 
 import collections
+import gc
 import hashlib
+import logging
 import threading
 from typing import Any
 
 import jax
 
-MAX_EXECUTABLES = 2048  # an engine of the default config holds ~150; executables are code, not weights
+logger = logging.getLogger("jvllm")
+
+# XLA CPU maps each kernel of an executable (code, constants, data) separately: ~80 memory maps per step
+# executable, measured on SmolLM2 (docs/design.md). Linux refuses mmap past vm.max_map_count (65530 by default)
+# and XLA then crashes the process.
+MAPS_PER_EXECUTABLE = 80
+DEFAULT_MAX_MAP_COUNT = 65530
+MEMO_SHARE = 0.25  # of the map limit, for executables the memo alone keeps alive
+RECLAIM_AT = 0.5  # maps in use, as a share of the limit, past which the memo lets go and garbage is collected
+WARN_AT = 0.7
 
 _memo: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
 _lock = threading.Lock()
+_warned = False
+_next_reclaim = 0  # maps in use past which the next reclaim runs (0: at RECLAIM_AT of the limit)
 hits = 0  # executables taken from the memo in this process
 
 
@@ -30,10 +44,11 @@ def compile_once(lowered: jax.stages.Lowered) -> Any:
             _memo.move_to_end(key)
             hits += 1
             return found
+    _keep_maps_in_bounds()
     compiled = lowered.compile()
     with _lock:
         _memo[key] = compiled
-        while len(_memo) > MAX_EXECUTABLES:
+        while len(_memo) > capacity():
             _memo.popitem(last=False)
     return compiled
 
@@ -42,6 +57,46 @@ def clear() -> None:
     """Forget every executable (they stay alive in the engines that hold them)."""
     with _lock:
         _memo.clear()
+
+
+def max_map_count() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return DEFAULT_MAX_MAP_COUNT
+
+
+def maps_in_use() -> int | None:
+    """Memory maps this process holds (Linux), else None."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return None
+
+
+def capacity() -> int:
+    """Executables the memo keeps: MEMO_SHARE of the map limit."""
+    return max(16, int(max_map_count() * MEMO_SHARE) // MAPS_PER_EXECUTABLE)
+
+
+def _keep_maps_in_bounds() -> None:
+    """Before a compile: past RECLAIM_AT of the map limit, drop the memo and collect garbage (engines no longer
+    referenced but caught in reference cycles free their executables); past WARN_AT after that, say so once."""
+    global _warned, _next_reclaim
+    used, limit = maps_in_use(), max_map_count()
+    if used is None or used < max(RECLAIM_AT * limit, _next_reclaim):
+        return
+    clear()
+    gc.collect()
+    used = maps_in_use() or 0
+    _next_reclaim = used + 0.1 * limit  # live engines alone may hold this many: no reclaim per compile
+    if used >= WARN_AT * limit and not _warned:
+        _warned = True
+        logger.warning("this process holds %d of its %d memory maps (vm.max_map_count); each compiled step holds "
+                       "~%d and the process crashes when they run out: delete engines no longer used, or raise "
+                       "vm.max_map_count", used, limit, MAPS_PER_EXECUTABLE)
 
 
 def _key(lowered: jax.stages.Lowered) -> tuple | None:

@@ -42,3 +42,19 @@ def test_a_second_engine_of_the_same_model_compiles_nothing_and_generates_the_sa
     second = Engine(folder, **settings)
     assert executable_memo.hits - hits >= second.runner.compiled.count
     assert [o.outputs[0].token_ids for o in second.generate(prompts, params)] == want
+
+
+def test_near_the_map_limit_the_memo_lets_go_and_warns(monkeypatch, caplog):
+    executable_memo.compile_once(jax.jit(lambda x: x - 1).lower(jnp.arange(3.0)))
+    assert len(executable_memo._memo) > 0
+    used = executable_memo.maps_in_use()
+    assert used is not None and used > 100  # Linux: the process's own maps are counted
+    monkeypatch.setattr(executable_memo, "max_map_count", lambda: used + 10)  # nearly all in use
+    monkeypatch.setattr(executable_memo, "_warned", False)
+    monkeypatch.setattr(executable_memo, "_next_reclaim", 0)
+    assert executable_memo.capacity() >= 16
+    with caplog.at_level("WARNING", logger="jvllm"):
+        compiled = executable_memo.compile_once(jax.jit(lambda x: x - 2).lower(jnp.arange(3.0)))
+    np.testing.assert_array_equal(compiled(jnp.arange(3.0)), np.arange(3.0) - 2)
+    assert len(executable_memo._memo) == 1  # emptied before this compile, then holding it alone
+    assert "vm.max_map_count" in caplog.text

@@ -1,6 +1,6 @@
 """Parity with transformers (PyTorch, float32) for the families beyond Llama: Qwen3 (per-head q/k norms), Phi-3
-(fused qkv and gate/up tensors, partial rotary) and the
-mixtures of experts Mixtral, Qwen3-MoE (dense layers mixed in through `mlp_only_layers`) and Qwen2-MoE (a
+(fused qkv and gate/up tensors, partial rotary), Gemma 2 and 3 (sandwich norms, soft-caps, interleaved sliding
+windows, two RoPE bases; prompts run past the window) and the mixtures of experts Mixtral, Qwen3-MoE (dense layers mixed in through `mlp_only_layers`) and Qwen2-MoE (a
 sigmoid-gated shared expert, a MoE layer every second layer, routing weights not renormalised).
 
 Each tiny random config is built with transformers' config class and saved with `save_pretrained`; its weights
@@ -37,6 +37,18 @@ FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
                        shared_expert_intermediate_size=48, decoder_sparse_step=2, num_hidden_layers=3)),
+    # sliding (8 tokens), full, sliding layers; attention and final soft-caps small enough to bite; a query
+    # scale that is not head_dim's
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(head_dim=16, num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=24,
+                    attn_logit_softcapping=4.0, final_logit_softcapping=6.0, pad_token_id=0)),
+    # two sliding layers with the local RoPE base, then a full layer with the global base and linear scaling;
+    # q/k norms
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(head_dim=16, num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=24,
+                    layer_types=["sliding_attention", "sliding_attention", "full_attention"], pad_token_id=0,
+                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
 }
 
 
@@ -96,7 +108,7 @@ def test_prompt_logits_match_transformers(name, family_models, default_engine):
     folder, hf_model = family_models(name)
     ids = default_engine.get_tokenizer().encode(LOGITS_TEXT)[:40]
     assert_prompt_logits_match(_engine(folder), hf_model, ids)
-    if name not in ("qwen3", "phi3"):
+    if _router_names(hf_model):
         loads = _expert_loads(hf_model, ids)
         assert loads, "no router ran"
         for load in loads:  # every expert used, the busiest by far more than the least used
@@ -135,3 +147,34 @@ def test_moe_config_reads_routing_settings(family_models):
         moe = ModelConfig.from_hf_dict(json.loads((folder / "config.json").read_text())).moe
         assert (moe.num_experts, moe.top_k) == (4, 2)
         assert (moe.normalize_top_k, moe.sparse_layers, moe.shared_intermediate_size) == (normalized, sparse, shared)
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_pallas_backend_matches_transformers(name, family_models, default_engine, monkeypatch):
+    """The Pallas kernels (interpret mode on CPU): each prompt token's logprob through the ragged kernel, then
+    greedy tokens and their logprobs through the decode kernel, past a page boundary and (Gemma) the sliding
+    window, against transformers' log-softmax."""
+    monkeypatch.delenv("JVLLM_PALLAS_INTERPRET", raising=False)
+    folder, hf_model = family_models(name)
+    engine = _engine(folder, attention_backend="pallas", max_model_len=64, max_num_seqs=2)
+    assert engine.runner.backend.name == "pallas"
+    ids = default_engine.get_tokenizer().encode(LOGITS_TEXT)[:20]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    [output] = engine.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+    with torch.no_grad():
+        prompt_ref = _log_softmax(hf_model(torch.tensor([ids])).logits[0].float().numpy())  # [n, V]
+    got_prompt = [output.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
+    want_prompt = [prompt_ref[i - 1, ids[i]] for i in range(1, len(ids))]
+    np.testing.assert_allclose(got_prompt, want_prompt, rtol=0, atol=1e-4)
+    want, ref_logits = _hf_greedy(hf_model, ids, 16)
+    got = output.outputs[0].token_ids
+    _assert_greedy_match(got, want, ref_logits, f"{name} on pallas")
+    agree = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(got))
+    got_logprobs = [output.outputs[0].logprobs[i][got[i]].logprob for i in range(agree)]
+    want_logprobs = [_log_softmax(ref_logits[i])[got[i]] for i in range(agree)]
+    np.testing.assert_allclose(got_logprobs, want_logprobs, rtol=0, atol=1e-4)

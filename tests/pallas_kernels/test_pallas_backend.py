@@ -43,8 +43,9 @@ STEPS = {  # (cached tokens, new tokens) per scheduled chunk, as the scheduler w
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("step", list(STEPS))
-@pytest.mark.parametrize("sliding_window", [None, 8])
-def test_write_and_attend_matches_xla_backend(dtype, step, sliding_window):
+@pytest.mark.parametrize("sliding_window, soft_cap", [(None, None), (8, None), (None, 1.5)],
+                         ids=["full", "window", "soft-cap"])
+def test_write_and_attend_matches_xla_backend(dtype, step, sliding_window, soft_cap):
     """The same step (same chunks, same pages) as each backend's engine builds it, its own layout included."""
     page_size, kv_heads, group, head_dim, num_pages = 16, 2, 3, 64, 14
     backend, xla_backend = (get_backend(name).for_model(kv_heads * group, kv_heads, head_dim, dtype)
@@ -64,9 +65,9 @@ def test_write_and_attend_matches_xla_backend(dtype, step, sliding_window):
     scale = head_dim ** -0.5
 
     assert backend.name == "pallas" and backend.step_donates_pool
-    out, k_new, v_new = jax.jit(backend.write_and_attend, static_argnums=(6, 7))(
-        q, k, v, k_pages, v_pages, md, scale, sliding_window)
-    expected = xla.paged_attention(q, k, v, k_pages, v_pages, xla_md, scale, sliding_window)
+    out, k_new, v_new = jax.jit(backend.write_and_attend, static_argnums=(6, 7, 8))(
+        q, k, v, k_pages, v_pages, md, scale, sliding_window, soft_cap)
+    expected = xla.paged_attention(q, k, v, k_pages, v_pages, xla_md, scale, sliding_window, soft_cap)
     [(k_ref, v_ref)] = xla.write_layers([(k_pages, v_pages)], [(k, v)], xla_md)
 
     assert out.shape == q.shape and out.dtype == q.dtype

@@ -49,6 +49,14 @@ TINY = {
     "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     # q/k/v and gate/up read as row ranges of fused tensors; the MLP width 101 is padded at TP=2
     "phi3_fused": ("phi3", {"intermediate_size": 101, "partial_rotary_factor": 0.5, "pad_token_id": 0}),
+    # sliding (8 tokens) and full layers, attention and final soft-caps, tied embeddings
+    "gemma2": ("gemma2", {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 8, "query_pre_attn_scalar": 24,
+                          "attn_logit_softcapping": 4.0, "final_logit_softcapping": 6.0, "pad_token_id": 0,
+                          "tie_word_embeddings": True}),
+    # q/k norms, two RoPE bases, one KV head replicated at TP=2
+    "gemma3": ("gemma3", {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 8, "num_key_value_heads": 1,
+                          "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                          "pad_token_id": 0}),
 }
 
 
@@ -112,7 +120,9 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
                "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
                "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
                "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
-               "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM)}
+               "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+               "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+               "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM)}
     folders = {}
     for name, (kind, overrides) in TINY.items():
         settings = {**dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -202,7 +212,8 @@ def test_shard_reads_repeat_kv_heads_transpose_and_pad():
 
 # ---- TP=N against TP=1 (subprocesses with virtual devices) ------------------------------------------------
 @pytest.mark.parametrize("name, tps", [("llama_gqa", [2, 4]), ("llama_mqa", [4]), ("qwen2_padded", [2, 3]),
-                                       ("qwen2_moe_padded", [2, 3]), ("mixtral", [2]), ("phi3_fused", [2])])
+                                       ("qwen2_moe_padded", [2, 3]), ("mixtral", [2]), ("phi3_fused", [2]),
+                                       ("gemma2", [2]), ("gemma3", [2])])
 def test_tp_logits_and_greedy_tokens_match_tp1(tiny_models, name, tps):
     result = run_worker("compare", {"model": tiny_models[name], "tps": tps, "prompts": PROMPTS}, devices=max(tps))
     for tp, run in result["runs"].items():
