@@ -54,7 +54,12 @@ def build_engine_config(model: ModelConfig, dtype_bytes: int, *, max_model_len: 
         check_positive(name, value)
     if block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
-    if max_model_len is not None and max_model_len > model.max_position_embeddings:
+    longest = getattr(model, "longest_supported_context", model.max_position_embeddings)
+    if max_model_len is not None and max_model_len > longest:
+        if longest < model.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_model_len} exceeds {longest}, this LongRoPE model's original "
+                             "context: past it the long factors apply to a whole sequence, which jvllm does not "
+                             f"support yet; use max_model_len <= {longest}")
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
                          f"{model.max_position_embeddings}")
     on_cpu = jax.default_backend() == "cpu"
@@ -66,7 +71,7 @@ def build_engine_config(model: ModelConfig, dtype_bytes: int, *, max_model_len: 
         raise ValueError(f"kv_cache_memory_bytes={budget} holds fewer than 2 pages of {block_size} tokens "
                          f"({bytes_per_token * block_size} bytes each per device)")
     pool_tokens = (num_pages - 1) * block_size
-    max_model_len = max_model_len or min(model.max_position_embeddings, pool_tokens)
+    max_model_len = max_model_len or min(longest, pool_tokens)
     max_num_seqs = max_num_seqs or (64 if on_cpu else 256)
     max_num_batched_tokens = max_num_batched_tokens or (2048 if on_cpu else 8192)
     return EngineConfig(max_model_len, max_num_seqs, max_num_batched_tokens, block_size, int(num_pages))

@@ -77,6 +77,15 @@ class ModelConfig:
         return self.sliding_window
 
     @property
+    def longest_supported_context(self) -> int:
+        """max_model_len's ceiling. LongRoPE models stop at their original context: past it transformers rotates a
+        whole sequence with the long factors (recomputing its cache when it crosses), which jvllm does not do."""
+        scaling = self.rope_scaling_dict
+        if scaling and scaling["rope_type"] == "longrope":
+            return min(self.max_position_embeddings, int(scaling["original_max_position_embeddings"]))
+        return self.max_position_embeddings
+
+    @property
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
@@ -113,7 +122,8 @@ class ModelConfig:
             head_dim=int(head_dim),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
-            rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
+            rope_scaling=tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in rope_scaling.items()))
+            if rope_scaling else None,
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=is_qwen2 or llama_bias,
@@ -163,15 +173,18 @@ def _rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     merged = {**scaling, **{k: v for k, v in params.items() if k != "rope_theta"}}
     rope_type = merged.get("rope_type", merged.get("type", "default"))
+    rope_type = "longrope" if rope_type == "su" else rope_type  # LongRoPE's earlier name in Phi-3 configs
     if rope_type == "default":
         return theta, None
-    if rope_type not in ("linear", "llama3", "yarn", "dynamic"):
+    if rope_type not in ("linear", "llama3", "yarn", "dynamic", "longrope"):
         raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3, yarn, "
-                         "dynamic")
+                         "dynamic, longrope")
     merged["rope_type"] = rope_type
     merged.pop("type", None)
-    if rope_type == "yarn":  # transformers' defaults: the model's own context, and the factor that stretches it
-        merged.setdefault("original_max_position_embeddings", int(hf.get("max_position_embeddings", 2048)))
+    if rope_type in ("yarn", "longrope"):  # transformers' defaults: the model's own context, the factor stretching it
+        top_level = hf.get("original_max_position_embeddings") if rope_type == "longrope" else None  # Phi-3
+        merged.setdefault("original_max_position_embeddings",
+                          int(top_level or hf.get("max_position_embeddings", 2048)))
         if merged.get("factor") is None:
             merged["factor"] = int(hf["max_position_embeddings"]) / merged["original_max_position_embeddings"]
     return theta, merged

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (HF "rotate half" layout), with linear, llama3, yarn and dynamic-NTK scaling."""
+"""Rotary position embeddings (HF "rotate half" layout), with linear, llama3, yarn, dynamic-NTK and LongRoPE scaling."""
 from __future__ import annotations
 
 import math
@@ -17,6 +17,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
         # NTK scaling changes the base only for sequences past max_position_embeddings, which max_model_len never
         # exceeds: within it, the frequencies are the default ones (as transformers computes them)
         return inv_freq.astype(np.float32)
+    if scaling["rope_type"] == "longrope":  # the short factors: max_model_len stays within the original context
+        return _longrope_frequencies(head_dim, theta, scaling["short_factor"])
     factor = float(scaling["factor"])
     if scaling["rope_type"] == "linear":
         return (inv_freq / factor).astype(np.float32)
@@ -53,12 +55,21 @@ def _yarn_frequencies(head_dim: int, theta: float, factor: float, scaling: dict[
     return (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * (1 - ramp)
 
 
+def _longrope_frequencies(head_dim: int, theta: float, factors: list[float]) -> np.ndarray:
+    """LongRoPE: each frequency divided by its own factor (one per pair of dims)."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / head_dim
+    return (1.0 / (np.asarray(factors, np.float32) * theta ** exponents)).astype(np.float32)
+
+
 def attention_factor(scaling: dict[str, Any] | None) -> float:
-    """The factor cos and sin are multiplied by: YaRN's attention temperature, 1 otherwise."""
-    if not scaling or scaling["rope_type"] != "yarn":
+    """The factor cos and sin are multiplied by: YaRN's and LongRoPE's attention temperature, 1 otherwise."""
+    if not scaling or scaling["rope_type"] not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    if scaling["rope_type"] == "longrope":
+        factor = float(scaling["factor"])
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(scaling["original_max_position_embeddings"]))
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0

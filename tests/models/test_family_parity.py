@@ -1,5 +1,5 @@
 """Parity with transformers (PyTorch, float32) for the families beyond Llama: Qwen3 (per-head q/k norms), Phi-3
-(fused qkv and gate/up tensors, partial rotary), Gemma 2 and 3 (sandwich norms, soft-caps, interleaved sliding
+(fused qkv and gate/up tensors, partial rotary, LongRoPE), Gemma 2 and 3 (sandwich norms, soft-caps, interleaved sliding
 windows, two RoPE bases; prompts run past the window) and the mixtures of experts Mixtral, Qwen3-MoE (dense layers mixed in through `mlp_only_layers`) and Qwen2-MoE (a
 sigmoid-gated shared expert, a MoE layer every second layer, routing weights not renormalised).
 
@@ -30,6 +30,13 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
     # fused qkv and gate/up tensors; RoPE on half of each head
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(partial_rotary_factor=0.5, pad_token_id=0)),
+    # LongRoPE within the original context (96 tokens, jvllm's ceiling for max_model_len): the short factors and
+    # the attention temperature of max_position_embeddings / original
+    "phi3_longrope": ("Phi3Config", "Phi3ForCausalLM",
+                      dict(pad_token_id=0, max_position_embeddings=256, original_max_position_embeddings=96,
+                           rope_scaling={"rope_type": "longrope",
+                                         "short_factor": [1.0, 1.1, 1.2, 1.0, 1.3, 1.5, 1.1, 1.0],
+                                         "long_factor": [1.0, 2.0, 3.5, 5.0, 8.0, 12.0, 16.0, 20.0]})),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -178,3 +185,10 @@ def test_pallas_backend_matches_transformers(name, family_models, default_engine
     got_logprobs = [output.outputs[0].logprobs[i][got[i]].logprob for i in range(agree)]
     want_logprobs = [_log_softmax(ref_logits[i])[got[i]] for i in range(agree)]
     np.testing.assert_allclose(got_logprobs, want_logprobs, rtol=0, atol=1e-4)
+
+
+def test_longrope_max_model_len_stops_at_the_original_context(family_models):
+    folder, _ = family_models("phi3_longrope")
+    assert _engine(folder).config.max_model_len == 96  # the default: the original context, not 256
+    with pytest.raises(ValueError, match="original context.*max_model_len <= 96"):
+        _engine(folder, max_model_len=128)
