@@ -33,7 +33,7 @@ hits = 0  # executables taken from the memo in this process
 def compile_once(lowered: jax.stages.Lowered) -> Any:
     """`lowered.compile()`, or the executable an earlier call compiled from the same module for the same
     devices. Lowering already ran, so the key is exact: the module text (weights are arguments, never
-    constants) plus the devices each input and output lives on and the arguments' pytree."""
+    constants) plus the devices each input and output lives on and the arguments' shapes and pytree."""
     global hits
     key = _key(lowered)
     if key is None:
@@ -100,8 +100,9 @@ def _keep_maps_in_bounds() -> None:
 
 
 def _key(lowered: jax.stages.Lowered) -> tuple | None:
-    """(module digest, device ids of every input and output, input and output pytrees), or None where the devices
-    cannot be read. The pytrees count: equal modules can take differently structured (static) arguments."""
+    """(module digest, device ids of every input and output, argument shapes, input and output pytrees), or None
+    where the devices cannot be read. The pytrees count: equal modules can take differently structured (static)
+    arguments."""
     try:
         args = lowered._lowering.compile_args
         shardings = list(args["in_shardings"]) + list(args["out_shardings"])
@@ -113,4 +114,7 @@ def _key(lowered: jax.stages.Lowered) -> tuple | None:
     except (AttributeError, KeyError, TypeError):
         return None
     digest = hashlib.sha256(lowered.as_text().encode()).hexdigest()
-    return digest, backend, devices, lowered.in_tree, lowered.out_tree
+    # every argument's shape: arguments the computation does not read are pruned from the module text, but the
+    # executable still checks them
+    arguments = tuple((a.shape, str(a.dtype), a.donated) for a in jax.tree.leaves(lowered.args_info))
+    return digest, backend, devices, arguments, lowered.in_tree, lowered.out_tree

@@ -208,7 +208,7 @@ def test_last_token_pooling_on_a_causal_lm_matches_transformers(tiny_model_facto
     import transformers
 
     folder = tiny_model_factory("llama")
-    engine = Engine(str(folder), pooling="last", kv_cache_memory_bytes=8 << 20)
+    engine = Engine(str(folder), pooling="last", kv_cache_memory_bytes=8 << 20, precompile=False)
     prompts = ["The capital of France is", "Hello", "A longer prompt that spans a few more tokens than the rest"]
     ours = vectors(engine.embed(prompts, use_tqdm=False))
     model = transformers.AutoModel.from_pretrained(folder).eval()  # LlamaModel: final-norm hidden states

@@ -20,7 +20,8 @@ def test_dummy_weights_have_the_real_shapes_but_random_values(tiny_model_factory
 
 
 def test_dummy_engine_generates_requested_token_count(tiny_model_factory):
-    engine = Engine(str(tiny_model_factory("llama")), load_format="dummy", kv_cache_memory_bytes=8 << 20)
+    engine = Engine(str(tiny_model_factory("llama")), load_format="dummy", kv_cache_memory_bytes=8 << 20,
+                    precompile=False)
     out = engine.generate("hello", SamplingParams(max_tokens=5, ignore_eos=True, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 5
 

@@ -49,6 +49,10 @@ TINY = {
     "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     # q/k/v and gate/up read as row ranges of fused tensors; the MLP width 101 is padded at TP=2
     "phi3_fused": ("phi3", {"intermediate_size": 101, "partial_rotary_factor": 0.5, "pad_token_id": 0}),
+    # per-head q/k norms (dense), and experts with dense layers mixed in
+    "qwen3": ("qwen3", {"head_dim": 32}),
+    "qwen3_moe": ("qwen3_moe", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 40, "norm_topk_prob": True, "mlp_only_layers": [1]}),
     # sliding (8 tokens) and full layers, attention and final soft-caps, tied embeddings
     "gemma2": ("gemma2", {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 8, "query_pre_attn_scalar": 24,
                           "attn_logit_softcapping": 4.0, "final_logit_softcapping": 6.0, "pad_token_id": 0,
@@ -121,6 +125,8 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
                "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
                "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
                "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+               "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
                "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
                "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM)}
     folders = {}
@@ -213,7 +219,7 @@ def test_shard_reads_repeat_kv_heads_transpose_and_pad():
 # ---- TP=N against TP=1 (subprocesses with virtual devices) ------------------------------------------------
 @pytest.mark.parametrize("name, tps", [("llama_gqa", [2, 4]), ("llama_mqa", [4]), ("qwen2_padded", [2, 3]),
                                        ("qwen2_moe_padded", [2, 3]), ("mixtral", [2]), ("phi3_fused", [2]),
-                                       ("gemma2", [2]), ("gemma3", [2])])
+                                       ("qwen3", [2]), ("qwen3_moe", [2]), ("gemma2", [2]), ("gemma3", [2])])
 def test_tp_logits_and_greedy_tokens_match_tp1(tiny_models, name, tps):
     result = run_worker("compare", {"model": tiny_models[name], "tps": tps, "prompts": PROMPTS}, devices=max(tps))
     for tp, run in result["runs"].items():
