@@ -11,7 +11,6 @@ from flax import nnx
 from models.config import ModelConfig
 from models.layers import MLP, GemmaRMSNorm, gelu_tanh, mlp_hf_parameters
 from models.llama import Attention, EmbedLookup, HFParameter, LlamaForCausalLM, attention_hf_parameters
-from models.params import normal_param
 from models.rope import inverse_frequencies, rotary_tables
 
 _LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
@@ -38,13 +37,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
     """Gemma 2 (`Gemma2ForCausalLM`) and Gemma 3's text model (`Gemma3ForCausalLM`); the engine drives it as
     a Llama (embed, layers, finish)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
-        self.config = cfg
-        self.embed_tokens = normal_param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
-        self.layers = nnx.List([GemmaDecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_layers)])
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else normal_param(
-            rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
+    layer_class = GemmaDecoderLayer
+    norm_class = GemmaRMSNorm
 
     def embed(self, input_ids: jax.Array, positions: jax.Array, activation_dtype: jnp.dtype,
               embed: EmbedLookup | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -67,11 +61,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 
     def hf_parameters(self, available: Container[str]) -> Iterator[HFParameter]:
-        yield self.embed_tokens, "model.embed_tokens.weight", False, ("vocab", "embed")
-        yield self.norm.weight, "model.norm.weight", False, ("embed",)
-        if self.lm_head is not None:
-            name = "lm_head.weight" if "lm_head.weight" in available else "model.embed_tokens.weight"
-            yield self.lm_head, name, True, ("embed", "vocab")
+        yield from self.outer_hf_parameters(available)
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."
             for name in _LAYER_NORMS:

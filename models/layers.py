@@ -61,14 +61,19 @@ def _dot_out_in(x: jax.Array, kernel: jax.Array) -> jax.Array:
     return jax.lax.dot_general(x, kernel, contract_in, preferred_element_type=jnp.float32)
 
 
+def rms_normalized(x: jax.Array, eps: float) -> jax.Array:
+    """x [..., D] divided by its root mean square over D, in float32."""
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        normed = rms_normalized(x, self.eps)
         return self.weight[...] * normed.astype(x.dtype)  # transformers' order; f32 when the weight is bf16
 
 
@@ -81,9 +86,7 @@ class GemmaRMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+        return (rms_normalized(x, self.eps) * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
 
 
 def gelu_tanh(x: jax.Array) -> jax.Array:

@@ -77,11 +77,14 @@ class LlamaForCausalLM(nnx.Module):
     """Per-layer weights in a Python list. The engine calls `embed`, each layer and `finish` as separate jitted
     steps (one compiled layer serves all of them); `__call__` chains them in one trace."""
 
+    layer_class: type[nnx.Module] = DecoderLayer  # (cfg, index, dtype, rngs) -> one decoder layer
+    norm_class: type[nnx.Module] = RMSNorm  # the final norm
+
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
         self.config = cfg
         self.embed_tokens = normal_param(rngs, (cfg.vocab_size, cfg.hidden_size), dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.layers = nnx.List([self.layer_class(cfg, i, dtype, rngs) for i in range(cfg.num_layers)])
+        self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else normal_param(
             rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
 
@@ -125,11 +128,7 @@ class LlamaForCausalLM(nnx.Module):
     def hf_parameters(self, available: Container[str]) -> Iterator[HFParameter]:
         """Every parameter with its HF tensor name (torch layout: Linear weights are [out, in]) and the
         logical axes that tensor parallelism shards (see jvllm.parallel.mesh.LOGICAL_AXIS_RULES)."""
-        yield self.embed_tokens, "model.embed_tokens.weight", False, ("vocab", "embed")
-        yield self.norm.weight, "model.norm.weight", False, ("embed",)
-        if self.lm_head is not None:
-            name = "lm_head.weight" if "lm_head.weight" in available else "model.embed_tokens.weight"
-            yield self.lm_head, name, True, ("embed", "vocab")
+        yield from self.outer_hf_parameters(available)
         mixtral = self.config.architecture.startswith("Mixtral")
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."
@@ -143,6 +142,14 @@ class LlamaForCausalLM(nnx.Module):
                 yield from layer.mlp.hf_parameters(prefix + ("block_sparse_moe." if mixtral else "mlp."), projections)
             else:
                 yield from mlp_hf_parameters(layer.mlp, prefix + "mlp.")
+
+    def outer_hf_parameters(self, available: Container[str]) -> Iterator[HFParameter]:
+        """The embedding table, the final norm and (untied) the LM head."""
+        yield self.embed_tokens, "model.embed_tokens.weight", False, ("vocab", "embed")
+        yield self.norm.weight, "model.norm.weight", False, ("embed",)
+        if self.lm_head is not None:
+            name = "lm_head.weight" if "lm_head.weight" in available else "model.embed_tokens.weight"
+            yield self.lm_head, name, True, ("embed", "vocab")
 
     def load_hf_weights(self, tensors: Mapping[str, np.ndarray], dtype: jnp.dtype) -> None:
         """Fill every parameter from HF-named tensors (whole, on the default device)."""
