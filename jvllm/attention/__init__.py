@@ -5,6 +5,8 @@ from typing import Callable
 
 import jax
 
+from cpu_kernels.build import available as cpu_kernels_available
+
 from jvllm.attention.backend import AttentionBackend, InStepWrite, SeparateWrite
 
 _BACKENDS: dict[str, Callable[[], AttentionBackend]] = {}
@@ -22,6 +24,13 @@ def _load_xla() -> AttentionBackend:
                          storage_dtype=pool_storage.storage_dtype)
 
 
+def _load_cpu() -> AttentionBackend:
+    from jvllm.attention import native, pool_storage, xla
+
+    return SeparateWrite("cpu", native.no_layout, native.paged_attention, xla.write_layers,
+                         storage_dtype=pool_storage.storage_dtype)
+
+
 def _load_pallas() -> AttentionBackend:
     from jvllm.attention import pallas
 
@@ -30,6 +39,7 @@ def _load_pallas() -> AttentionBackend:
 
 
 register_backend("xla", _load_xla)
+register_backend("cpu", _load_cpu)
 register_backend("pallas", _load_pallas)
 
 
@@ -38,10 +48,14 @@ def available_backends() -> list[str]:
 
 
 def resolve_backend_name(name: str) -> str:
-    """'auto' is pallas on GPU when registered, else xla."""
+    """'auto' is pallas on GPU, the native kernels (cpu) on CPU where they build, else xla."""
     if name == "auto":
-        on_gpu = jax.default_backend() == "gpu"
-        return "pallas" if on_gpu and "pallas" in _BACKENDS else "xla"
+        platform = jax.default_backend()
+        if platform == "gpu" and "pallas" in _BACKENDS:
+            return "pallas"
+        if platform == "cpu" and "cpu" in _BACKENDS and cpu_kernels_available():
+            return "cpu"
+        return "xla"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention_backend {name!r}; available: {', '.join(['auto', *available_backends()])}")
     return name

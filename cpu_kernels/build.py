@@ -1,0 +1,96 @@
+"""Builds the native CPU kernels once per machine (g++, jaxlib's XLA FFI headers) and registers them with XLA.
+
+The shared library is cached under `$JVLLM_CACHE_DIR/cpu_kernels` (default `~/.cache/jvllm/cpu_kernels`), keyed
+by the source, the jaxlib version, the compiler and the CPU's instruction-set flags (it is built with
+`-march=native`). Without a C++ compiler the kernels are unavailable and `load()` says why."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+SOURCE = pathlib.Path(__file__).with_name("paged_attention.cc")
+TARGETS = {"jvllm_paged_attention": "JvllmPagedAttention"}  # XLA custom-call name -> exported handler symbol
+FLAGS = ["-std=c++17", "-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared"]
+
+
+class KernelsUnavailable(RuntimeError):
+    """The native kernels could not be built or loaded here."""
+
+
+def cache_dir() -> pathlib.Path:
+    root = os.environ.get("JVLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jvllm")
+    return pathlib.Path(root) / "cpu_kernels"
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if not compiler:
+        raise KernelsUnavailable("no C++ compiler found (install g++ or set CXX)")
+    return compiler
+
+
+def _cpu_flags() -> str:
+    """The instruction-set flags of this CPU (what -march=native compiles for)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _library_path(compiler: str) -> pathlib.Path:
+    import jaxlib
+
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), jaxlib.__version__.encode(), compiler.encode(), " ".join(FLAGS).encode(),
+                 _cpu_flags().encode(), platform.machine().encode()):
+        key.update(part)
+        key.update(b"\0")
+    return cache_dir() / f"jvllm_cpu_kernels-{key.hexdigest()[:16]}.so"
+
+
+def _build(compiler: str, target: pathlib.Path) -> None:
+    import jax.ffi
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        partial = pathlib.Path(tmp) / target.name
+        command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(partial)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise KernelsUnavailable(f"building {SOURCE.name} failed:\n{' '.join(command)}\n{result.stderr[-4000:]}")
+        os.replace(partial, target)  # atomic: concurrent builders each finish a whole file
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> ctypes.CDLL:
+    """The kernels' shared library, built if needed, with its custom calls registered for XLA CPU."""
+    import jax.ffi
+
+    compiler = _compiler()
+    path = _library_path(compiler)
+    if not path.exists():
+        _build(compiler, path)
+    library = ctypes.CDLL(str(path))
+    for name, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    return library
+
+
+def available() -> bool:
+    """Whether the native kernels are built (or can be) and registered."""
+    try:
+        load()
+    except (KernelsUnavailable, OSError):
+        return False
+    return True

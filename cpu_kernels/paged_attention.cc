@@ -1,0 +1,469 @@
+// Ragged paged attention for XLA CPU, as an XLA FFI custom call (jvllm's `cpu` attention backend).
+//
+// One call serves prefill chunks and decode rows alike: sequence s owns the flat tokens
+// query_start[s] .. + q_lens[s] of this step, whose positions continue its cached context
+// (kv_lens[s] - q_lens[s] tokens, read from the KV pages). Keys past the cache are this step's own
+// k/v (not yet written to the pages). Work items are (sequence, KV head, block of queries); the
+// caller and the XLA intra-op pool's threads take items until none are left.
+//
+// Pages are token-major [num_pages, page_size, kv_heads, head_dim], float32 or bfloat16 (stored as
+// its uint16 bits). q, k, v and the output are float32.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kBlockKeys = 64;     // keys per score block
+constexpr int kBlockQueries = 16;  // queries per work item
+constexpr int kDirectRows = 4;     // up to this many score rows, keys are read in place (no transposed copy)
+constexpr float kMasked = -1e30f;  // finite: exp() of it underflows to 0 without NaNs
+
+// 16 floats, unaligned loads and stores (GCC/Clang vector extensions: AVX-512 registers, or two AVX2 ones).
+typedef float V16 __attribute__((vector_size(64)));
+typedef float V16Unaligned __attribute__((vector_size(64), aligned(4)));
+typedef uint16_t U16x16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t U32x16 __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+
+inline V16 LoadV(const float* p) { return *reinterpret_cast<const V16Unaligned*>(p); }
+inline V16 LoadV(const uint16_t* p) {  // bfloat16 bits -> float32
+  const U32x16 wide = __builtin_convertvector(*reinterpret_cast<const U16x16*>(p), U32x16) << 16;
+  return reinterpret_cast<const V16&>(wide);
+}
+inline void StoreV(float* p, V16 x) { *reinterpret_cast<V16Unaligned*>(p) = x; }
+inline float Sum(V16 x) {
+  float total = 0.0f;
+  for (int i = 0; i < kLanes; ++i) total += x[i];
+  return total;
+}
+
+// exp(x) for vectorized loops (Cephes' single-precision polynomial, ~1 ulp on [-87, 88]).
+inline float VecExp(float x) {
+  const bool underflow = x < -87.3f;
+  x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return underflow ? 0.0f : p * __builtin_bit_cast(float, bits);
+}
+
+// Gemma 2's soft cap: cap * tanh(x / cap), with tanh from VecExp.
+inline float SoftCap(float x, float cap) {
+  const float t = VecExp(-2.0f * std::fabs(x / cap));
+  const float tanh_abs = (1.0f - t) / (1.0f + t);
+  return cap * std::copysign(tanh_abs, x);
+}
+
+inline float Load(const float* p) { return *p; }
+inline float Load(const uint16_t* p) {
+  return __builtin_bit_cast(float, static_cast<uint32_t>(*p) << 16);
+}
+
+struct Shapes {
+  int64_t tokens, heads, kv_heads, head_dim, group, page_size, pages_per_seq, seqs;
+};
+
+struct Options {
+  float scale;
+  int64_t sliding_window;  // 0: none
+  float soft_cap;          // 0: none
+};
+
+// Per-thread scratch space, sized on first use.
+struct Scratch {
+  std::vector<float> queries;  // [rows, head_dim], scaled
+  std::vector<float> keys_t;   // [head_dim, kBlockKeys]
+  std::vector<float> scores;   // [rows, kBlockKeys]
+  std::vector<float> acc;      // [rows, head_dim]
+  std::vector<float> row_max, denom;
+  std::vector<float> values;   // [kBlockKeys, head_dim] (bfloat16 pools: converted)
+  std::vector<const float*> value_rows;
+
+  void Reserve(int64_t rows, int64_t head_dim) {
+    auto grow = [](std::vector<float>& v, size_t n) { if (v.size() < n) v.resize(n); };
+    grow(queries, rows * head_dim);
+    grow(keys_t, head_dim * kBlockKeys);
+    grow(scores, rows * kBlockKeys);
+    grow(acc, rows * head_dim);
+    grow(row_max, rows);
+    grow(denom, rows);
+    grow(values, kBlockKeys * head_dim);
+    if (value_rows.size() < kBlockKeys) value_rows.resize(kBlockKeys);
+  }
+};
+
+template <typename PoolT>
+class Attention {
+ public:
+  Attention(const Shapes& sh, const Options& opt, const float* q, const float* k, const float* v,
+            const PoolT* k_pages, const PoolT* v_pages, const int32_t* query_start, const int32_t* q_lens,
+            const int32_t* kv_lens, const int32_t* page_tables, float* out)
+      : sh_(sh), opt_(opt), q_(q), k_(k), v_(v), k_pages_(k_pages), v_pages_(v_pages),
+        query_start_(query_start), q_lens_(q_lens), kv_lens_(kv_lens), page_tables_(page_tables), out_(out) {
+    int64_t blocks = 0;
+    for (int64_t s = 0; s < sh.seqs; ++s) blocks += QueryBlocks(s);
+    // An item reads every KV head of its keys (whole token rows of the pages); with few query blocks (a lone
+    // decode row) the heads are split over items instead, so that every thread has work.
+    head_splits_ = blocks >= kMinItems ? 1 : sh.kv_heads;
+    heads_per_item_ = (sh.kv_heads + head_splits_ - 1) / head_splits_;
+    item_start_.resize(sh.seqs + 1, 0);
+    for (int64_t s = 0; s < sh.seqs; ++s) item_start_[s + 1] = item_start_[s] + QueryBlocks(s) * head_splits_;
+  }
+
+  int64_t num_items() const { return item_start_.back(); }
+
+  void Run(int64_t item) const {
+    const int64_t s = std::upper_bound(item_start_.begin(), item_start_.end(), item) - item_start_.begin() - 1;
+    const int64_t local = item - item_start_[s];
+    const int64_t split = local % head_splits_;
+    const int64_t first = (local / head_splits_) * kBlockQueries;
+    const int64_t count = std::min<int64_t>(kBlockQueries, q_lens_[s] - first);
+    const int64_t h0 = split * heads_per_item_;
+    Attend(s, h0, std::min<int64_t>(sh_.kv_heads, h0 + heads_per_item_), first, count);
+  }
+
+ private:
+  static constexpr int64_t kMinItems = 8;
+
+  int64_t QueryBlocks(int64_t s) const {
+    return (std::max<int32_t>(q_lens_[s], 0) + kBlockQueries - 1) / kBlockQueries;
+  }
+
+  // Key `pos` of sequence s for KV head `head`: from the pages below the cached length, else this step's own.
+  template <typename T>
+  const T* Row(const T* pages, const float* own, int64_t s, int64_t head, int64_t pos, int64_t cached,
+               const float** own_row) const {
+    if (pos < cached) {
+      const int64_t page = page_tables_[s * sh_.pages_per_seq + pos / sh_.page_size];
+      *own_row = nullptr;
+      return pages + ((page * sh_.page_size + pos % sh_.page_size) * sh_.kv_heads + head) * sh_.head_dim;
+    }
+    *own_row = own + ((query_start_[s] + pos - cached) * sh_.kv_heads + head) * sh_.head_dim;
+    return nullptr;
+  }
+
+  // Asks the memory system for the paged keys and values of heads [h0, h1) at positions [key0, key0 + nkeys).
+  void Prefetch(int64_t s, int64_t h0, int64_t h1, int64_t cached, int64_t key0, int64_t nkeys) const {
+    const int64_t bytes = (h1 - h0) * sh_.head_dim * static_cast<int64_t>(sizeof(PoolT));
+    for (int64_t pos = key0; pos < std::min(key0 + nkeys, cached); ++pos) {
+      const float* own;
+      const char* kr = reinterpret_cast<const char*>(Row(k_pages_, k_, s, h0, pos, cached, &own));
+      const char* vr = reinterpret_cast<const char*>(Row(v_pages_, v_, s, h0, pos, cached, &own));
+      for (int64_t line = 0; line < bytes; line += 64) {
+        __builtin_prefetch(kr + line);
+        __builtin_prefetch(vr + line);
+      }
+    }
+  }
+
+  void Attend(int64_t s, int64_t h0, int64_t h1, int64_t first, int64_t count) const {
+    thread_local Scratch scratch;
+    const int64_t hd = sh_.head_dim, group = sh_.group, rows = count * group, heads = h1 - h0;
+    scratch.Reserve(heads * rows, hd);
+    float* scores = scratch.scores.data();
+
+    const int64_t cached = kv_lens_[s] - q_lens_[s];
+    const int64_t start = query_start_[s] + first;  // flat token of the block's first query
+    for (int64_t h = h0; h < h1; ++h) {
+      float* queries = scratch.queries.data() + (h - h0) * rows * hd;
+      for (int64_t i = 0; i < count; ++i) {
+        for (int64_t g = 0; g < group; ++g) {
+          const float* src = q_ + ((start + i) * sh_.heads + h * group + g) * hd;
+          float* dst = queries + (i * group + g) * hd;
+          for (int64_t d = 0; d < hd; ++d) dst[d] = src[d] * opt_.scale;
+        }
+      }
+    }
+    std::fill(scratch.acc.begin(), scratch.acc.begin() + heads * rows * hd, 0.0f);
+    std::fill(scratch.row_max.begin(), scratch.row_max.begin() + heads * rows, kMasked);
+    std::fill(scratch.denom.begin(), scratch.denom.begin() + heads * rows, 0.0f);
+
+    const int64_t first_pos = cached + first, last_pos = cached + first + count - 1;
+    int64_t lowest = 0;
+    if (opt_.sliding_window > 0) lowest = std::max<int64_t>(0, first_pos - opt_.sliding_window + 1);
+    Prefetch(s, h0, h1, cached, lowest, kBlockKeys);
+    for (int64_t key0 = lowest; key0 <= last_pos; key0 += kBlockKeys) {
+      const int64_t nkeys = std::min<int64_t>(kBlockKeys, last_pos + 1 - key0);
+      Prefetch(s, h0, h1, cached, key0 + kBlockKeys, std::min<int64_t>(kBlockKeys, last_pos + 1 - key0 - kBlockKeys));
+      for (int64_t h = h0; h < h1; ++h) {
+        const int64_t off = (h - h0) * rows;
+        Scores(scratch, s, h, cached, key0, nkeys, rows, scratch.queries.data() + off * hd, scores);
+        Mask(first_pos, group, key0, nkeys, rows, scores);
+        Accumulate(scratch, s, h, cached, key0, nkeys, rows, scores, scratch.row_max.data() + off,
+                   scratch.denom.data() + off, scratch.acc.data() + off * hd);
+      }
+    }
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t off = (h - h0) * rows;
+      for (int64_t i = 0; i < count; ++i) {
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t r = off + i * group + g;
+          const float inv = 1.0f / scratch.denom[r];
+          float* dst = out_ + ((start + i) * sh_.heads + h * group + g) * hd;
+          const float* a = scratch.acc.data() + r * hd;
+          for (int64_t d = 0; d < hd; ++d) dst[d] = a[d] * inv;
+        }
+      }
+    }
+  }
+
+  // scores[r, j] = q_r . key_{key0 + j} (scaled, soft-capped), for j < nkeys.
+  void Scores(Scratch& scratch, int64_t s, int64_t head, int64_t cached, int64_t key0, int64_t nkeys,
+              int64_t rows, const float* queries, float* scores) const {
+    const int64_t hd = sh_.head_dim, chunks = hd / kLanes;
+    if (rows <= kDirectRows) {  // few rows (decode): dot products straight from the pages
+      for (int64_t j = 0; j < nkeys; ++j) {
+        const float* own;
+        const PoolT* paged = Row(k_pages_, k_, s, head, key0 + j, cached, &own);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* qr = queries + r * hd;
+          V16 dot = {};
+          if (own != nullptr) {
+            for (int64_t c = 0; c < chunks; ++c) dot += LoadV(qr + c * kLanes) * LoadV(own + c * kLanes);
+          } else {
+            for (int64_t c = 0; c < chunks; ++c) dot += LoadV(qr + c * kLanes) * LoadV(paged + c * kLanes);
+          }
+          scores[r * kBlockKeys + j] = Sum(dot);
+        }
+      }
+    } else {  // many rows: keys transposed once into [hd, kBlockKeys], then 4 rows x 64 keys per pass
+      float* kt = scratch.keys_t.data();
+      for (int64_t j = 0; j < nkeys; ++j) {
+        const float* own;
+        const PoolT* paged = Row(k_pages_, k_, s, head, key0 + j, cached, &own);
+        if (own != nullptr) {
+          for (int64_t d = 0; d < hd; ++d) kt[d * kBlockKeys + j] = own[d];
+        } else {
+          for (int64_t d = 0; d < hd; ++d) kt[d * kBlockKeys + j] = Load(paged + d);
+        }
+      }
+      for (int64_t j = nkeys; j < kBlockKeys; ++j)
+        for (int64_t d = 0; d < hd; ++d) kt[d * kBlockKeys + j] = 0.0f;
+      int64_t r = 0;
+      for (; r + 4 <= rows; r += 4) ScoreRows<4>(queries + r * hd, kt, hd, scores + r * kBlockKeys);
+      for (; r < rows; ++r) ScoreRows<1>(queries + r * hd, kt, hd, scores + r * kBlockKeys);
+    }
+    if (opt_.soft_cap > 0.0f) {
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sr = scores + r * kBlockKeys;
+        for (int64_t j = 0; j < kBlockKeys; ++j) sr[j] = SoftCap(sr[j], opt_.soft_cap);
+      }
+    }
+  }
+
+  // N rows of queries [N, hd] times transposed keys [hd, kBlockKeys] -> scores [N, kBlockKeys].
+  template <int N>
+  static void ScoreRows(const float* queries, const float* kt, int64_t hd, float* scores) {
+    constexpr int kChunks = kBlockKeys / kLanes;
+    V16 acc[N][kChunks] = {};
+    for (int64_t d = 0; d < hd; ++d) {
+      V16 keys[kChunks];
+      for (int c = 0; c < kChunks; ++c) keys[c] = LoadV(kt + d * kBlockKeys + c * kLanes);
+      for (int n = 0; n < N; ++n) {
+        const float q = queries[n * hd + d];
+        for (int c = 0; c < kChunks; ++c) acc[n][c] += q * keys[c];
+      }
+    }
+    for (int n = 0; n < N; ++n)
+      for (int c = 0; c < kChunks; ++c) StoreV(scores + n * kBlockKeys + c * kLanes, acc[n][c]);
+  }
+
+  // Causal (and sliding-window) mask: row r is query (first_pos + r / group); keys past nkeys are masked too.
+  void Mask(int64_t first_pos, int64_t group, int64_t key0, int64_t nkeys, int64_t rows, float* scores) const {
+    const int64_t window = opt_.sliding_window;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = first_pos + r / group;
+      float* sr = scores + r * kBlockKeys;
+      const int64_t visible_end = std::min<int64_t>(nkeys, pos - key0 + 1);  // keys j < this are <= pos
+      const int64_t visible_begin = window > 0 ? std::max<int64_t>(0, pos - window + 1 - key0) : 0;
+      for (int64_t j = 0; j < std::min<int64_t>(visible_begin, kBlockKeys); ++j) sr[j] = kMasked;
+      for (int64_t j = std::max<int64_t>(visible_end, 0); j < kBlockKeys; ++j) sr[j] = kMasked;
+    }
+  }
+
+  // Online softmax: folds one block of masked scores and its values into (row_max, denom, acc).
+  void Accumulate(Scratch& scratch, int64_t s, int64_t head, int64_t cached, int64_t key0, int64_t nkeys,
+                  int64_t rows, float* scores, float* row_max, float* denom, float* acc) const {
+    const int64_t hd = sh_.head_dim;
+    const float** vrows = scratch.value_rows.data();
+    for (int64_t j = 0; j < nkeys; ++j) {
+      const float* own;
+      const PoolT* paged = Row(v_pages_, v_, s, head, key0 + j, cached, &own);
+      if (own != nullptr) {
+        vrows[j] = own;
+      } else if constexpr (std::is_same_v<PoolT, float>) {
+        vrows[j] = paged;
+      } else {
+        float* dst = scratch.values.data() + j * hd;
+        for (int64_t c = 0; c < hd / kLanes; ++c) StoreV(dst + c * kLanes, LoadV(paged + c * kLanes));
+        vrows[j] = dst;
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = scores + r * kBlockKeys;
+      const float block_max = RowMax(sr);
+      if (block_max <= kMasked) continue;  // nothing visible in this block for this row
+      const float new_max = row_max[r] > block_max ? row_max[r] : block_max;
+      const float rescale = VecExp(row_max[r] - new_max);
+      for (int j = 0; j < kBlockKeys; ++j) sr[j] = VecExp(sr[j] - new_max);  // masked keys give exactly 0
+      V16 sums = {};
+      for (int c = 0; c < kBlockKeys / kLanes; ++c) sums += LoadV(sr + c * kLanes);
+      const float total = Sum(sums);
+      row_max[r] = new_max;
+      denom[r] = denom[r] * rescale + total;
+      float* ar = acc + r * hd;
+      for (int64_t c = 0; c < hd / kLanes; c += 4) {
+        switch (std::min<int64_t>(4, hd / kLanes - c)) {
+          case 4: AddValues<4>(sr, vrows, nkeys, rescale, ar + c * kLanes, c * kLanes); break;
+          case 3: AddValues<3>(sr, vrows, nkeys, rescale, ar + c * kLanes, c * kLanes); break;
+          case 2: AddValues<2>(sr, vrows, nkeys, rescale, ar + c * kLanes, c * kLanes); break;
+          default: AddValues<1>(sr, vrows, nkeys, rescale, ar + c * kLanes, c * kLanes); break;
+        }
+      }
+    }
+  }
+
+  static float RowMax(const float* scores) {
+    V16 best = LoadV(scores);
+    for (int c = 1; c < kBlockKeys / kLanes; ++c) {
+      const V16 x = LoadV(scores + c * kLanes);
+      best = x > best ? x : best;
+    }
+    float result = best[0];
+    for (int i = 1; i < kLanes; ++i) result = best[i] > result ? best[i] : result;
+    return result;
+  }
+
+  // acc[0 : N*16] = acc * rescale + sum_j probs[j] * values_j[offset : offset + N*16], in registers.
+  template <int N>
+  static void AddValues(const float* probs, const float* const* vrows, int64_t nkeys, float rescale, float* acc,
+                        int64_t offset) {
+    V16 a[N];
+    for (int c = 0; c < N; ++c) a[c] = LoadV(acc + c * kLanes) * rescale;
+    for (int64_t j = 0; j < nkeys; ++j) {
+      const float p = probs[j];
+      const float* v = vrows[j] + offset;
+      for (int c = 0; c < N; ++c) a[c] += p * LoadV(v + c * kLanes);
+    }
+    for (int c = 0; c < N; ++c) StoreV(acc + c * kLanes, a[c]);
+  }
+
+  Shapes sh_;
+  Options opt_;
+  const float *q_, *k_, *v_;
+  const PoolT *k_pages_, *v_pages_;
+  const int32_t *query_start_, *q_lens_, *kv_lens_, *page_tables_;
+  float* out_;
+  int64_t head_splits_ = 1, heads_per_item_ = 1;
+  std::vector<int64_t> item_start_;  // [seqs + 1] first work item of each sequence
+};
+
+// Runs every item of `work` on the caller and the pool's threads; returns when all are done.
+template <typename Work>
+void RunItems(ffi::ThreadPool& pool, const Work& work) {
+  const int64_t total = work.num_items();
+  if (total == 0) return;
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  auto drain = [shared, &work, total]() {
+    int64_t finished = 0;
+    for (int64_t item; (item = shared->next.fetch_add(1)) < total;) {
+      work.Run(item);
+      ++finished;
+    }
+    if (finished) shared->done.fetch_add(finished);
+  };
+  // A helper that starts after the work is gone touches only `shared` (kept alive by its copy).
+  static const int64_t max_helpers = getenv("JV_HELPERS") ? atoi(getenv("JV_HELPERS")) : 1 << 20;
+  const int64_t helpers = std::min<int64_t>(std::min<int64_t>(pool.num_threads(), max_helpers), total - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(drain)(drain));
+  drain();
+  while (shared->done.load() < total) std::this_thread::yield();
+}
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                              ffi::Buffer<ffi::F32> v, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                              ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> q_lens,
+                              ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_tables,
+                              ffi::ResultBuffer<ffi::F32> out, float scale, int64_t sliding_window,
+                              float soft_cap) {
+  const auto qd = q.dimensions();
+  const auto pd = k_pages.dimensions();
+  const auto td = page_tables.dimensions();
+  if (qd.size() != 3 || pd.size() != 4 || td.size() != 2) {
+    return ffi::Error::InvalidArgument("paged_attention: q [T,H,hd], pages [N,page,KVH,hd], tables [S,P]");
+  }
+  Shapes sh{qd[0], qd[1], pd[2], qd[2], qd[1] / pd[2], pd[1], td[1], td[0]};
+  if (sh.heads % sh.kv_heads != 0 || pd[3] != sh.head_dim || sh.head_dim % kLanes != 0) {
+    return ffi::Error::InvalidArgument(
+        "paged_attention: heads a multiple of KV heads, one head_dim (a multiple of 16) for q and pages");
+  }
+  Options opt{scale, sliding_window, soft_cap};
+  float* dst = out->typed_data();
+  // Tokens past the last sequence's are padding: their rows are zero.
+  int64_t used = 0;
+  for (int64_t s = 0; s < sh.seqs; ++s) {
+    used = std::max<int64_t>(used, query_start.typed_data()[s] + q_lens.typed_data()[s]);
+  }
+  used = std::min(used, sh.tokens);
+  std::fill(dst + used * sh.heads * sh.head_dim, dst + sh.tokens * sh.heads * sh.head_dim, 0.0f);
+
+  const auto type = k_pages.element_type();
+  if (type == ffi::DataType::F32) {
+    Attention<float> work(sh, opt, q.typed_data(), k.typed_data(), v.typed_data(),
+                          static_cast<const float*>(k_pages.untyped_data()),
+                          static_cast<const float*>(v_pages.untyped_data()), query_start.typed_data(),
+                          q_lens.typed_data(), kv_lens.typed_data(), page_tables.typed_data(), dst);
+    RunItems(pool, work);
+  } else if (type == ffi::DataType::U16 || type == ffi::DataType::BF16) {
+    Attention<uint16_t> work(sh, opt, q.typed_data(), k.typed_data(), v.typed_data(),
+                             static_cast<const uint16_t*>(k_pages.untyped_data()),
+                             static_cast<const uint16_t*>(v_pages.untyped_data()), query_start.typed_data(),
+                             q_lens.typed_data(), kv_lens.typed_data(), page_tables.typed_data(), dst);
+    RunItems(pool, work);
+  } else {
+    return ffi::Error::InvalidArgument("paged_attention: pages must be float32 or bfloat16 (bits)");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmPagedAttention, PagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [T, H, hd]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k [T, KVH, hd]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v [T, KVH, hd]
+                                  .Arg<ffi::AnyBuffer>()         // k_pages [N, page, KVH, hd]
+                                  .Arg<ffi::AnyBuffer>()         // v_pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start [S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_lens [S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_tables [S, P]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, H, hd]
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap"));
