@@ -94,7 +94,7 @@ struct Scratch {
   std::vector<float> keys_t;   // [head_dim, kBlockKeys]
   std::vector<float> scores;   // [rows, kBlockKeys]
   std::vector<float> acc;      // [rows, head_dim]
-  std::vector<float> row_max, denom;
+  std::vector<float> row_max, denom, rescale;
   std::vector<float> values;   // [kBlockKeys, head_dim] (bfloat16 pools: converted)
   std::vector<const float*> value_rows;
 
@@ -106,6 +106,7 @@ struct Scratch {
     grow(acc, rows * head_dim);
     grow(row_max, rows);
     grow(denom, rows);
+    grow(rescale, rows);
     grow(values, kBlockKeys * head_dim);
     if (value_rows.size() < kBlockKeys) value_rows.resize(kBlockKeys);
   }
@@ -204,12 +205,19 @@ class Attention {
     for (int64_t key0 = lowest; key0 <= last_pos; key0 += kBlockKeys) {
       const int64_t nkeys = std::min<int64_t>(kBlockKeys, last_pos + 1 - key0);
       Prefetch(s, h0, h1, cached, key0 + kBlockKeys, std::min<int64_t>(kBlockKeys, last_pos + 1 - key0 - kBlockKeys));
-      for (int64_t h = h0; h < h1; ++h) {
+      if (rows <= kDirectRows) {  // few rows (decode): every head of a key at once, straight from the pages
+        DirectScores(s, h0, h1, cached, key0, nkeys, rows, scratch.queries.data(), scores);
+        for (int64_t h = 0; h < heads; ++h) Mask(first_pos, group, key0, nkeys, rows, scores + h * rows * kBlockKeys);
+        Softmax(heads * rows, scores, scratch.row_max.data(), scratch.denom.data(), scratch.rescale.data());
+        DirectValues(s, h0, h1, cached, key0, nkeys, rows, scores, scratch.rescale.data(), scratch.acc.data());
+        continue;
+      }
+      for (int64_t h = h0; h < h1; ++h) {  // one head at a time: keys transposed, rows x keys by broadcasts
         const int64_t off = (h - h0) * rows;
         Scores(scratch, s, h, cached, key0, nkeys, rows, scratch.queries.data() + off * hd, scores);
         Mask(first_pos, group, key0, nkeys, rows, scores);
-        Accumulate(scratch, s, h, cached, key0, nkeys, rows, scores, scratch.row_max.data() + off,
-                   scratch.denom.data() + off, scratch.acc.data() + off * hd);
+        Softmax(rows, scores, scratch.row_max.data() + off, scratch.denom.data() + off, scratch.rescale.data());
+        Values(scratch, s, h, cached, key0, nkeys, rows, scores, scratch.rescale.data(), scratch.acc.data() + off * hd);
       }
     }
     for (int64_t h = h0; h < h1; ++h) {
@@ -226,42 +234,86 @@ class Attention {
     }
   }
 
-  // scores[r, j] = q_r . key_{key0 + j} (scaled, soft-capped), for j < nkeys.
-  void Scores(Scratch& scratch, int64_t s, int64_t head, int64_t cached, int64_t key0, int64_t nkeys,
-              int64_t rows, const float* queries, float* scores) const {
-    const int64_t hd = sh_.head_dim, chunks = hd / kLanes;
-    if (rows <= kDirectRows) {  // few rows (decode): dot products straight from the pages
-      for (int64_t j = 0; j < nkeys; ++j) {
-        const float* own;
-        const PoolT* paged = Row(k_pages_, k_, s, head, key0 + j, cached, &own);
+  // Every head of [h0, h1): scores[h, r, j] = q_{h,r} . key_{key0 + j, h} (scaled, soft-capped), for j < nkeys. Keys
+  // are read in place, one whole token row (all heads) after the other.
+  void DirectScores(int64_t s, int64_t h0, int64_t h1, int64_t cached, int64_t key0, int64_t nkeys, int64_t rows,
+                    const float* queries, float* scores) const {
+    const int64_t hd = sh_.head_dim, chunks = hd / kLanes, heads = h1 - h0;
+    for (int64_t j = 0; j < nkeys; ++j) {
+      const float* own;
+      const PoolT* paged = Row(k_pages_, k_, s, h0, key0 + j, cached, &own);
+      for (int64_t h = 0; h < heads; ++h) {
         for (int64_t r = 0; r < rows; ++r) {
-          const float* qr = queries + r * hd;
+          const float* qr = queries + (h * rows + r) * hd;
           V16 dot = {};
           if (own != nullptr) {
-            for (int64_t c = 0; c < chunks; ++c) dot += LoadV(qr + c * kLanes) * LoadV(own + c * kLanes);
+            const float* kr = own + h * hd;
+            for (int64_t c = 0; c < chunks; ++c) dot += LoadV(qr + c * kLanes) * LoadV(kr + c * kLanes);
           } else {
-            for (int64_t c = 0; c < chunks; ++c) dot += LoadV(qr + c * kLanes) * LoadV(paged + c * kLanes);
+            const PoolT* kr = paged + h * hd;
+            for (int64_t c = 0; c < chunks; ++c) dot += LoadV(qr + c * kLanes) * LoadV(kr + c * kLanes);
           }
-          scores[r * kBlockKeys + j] = Sum(dot);
+          scores[(h * rows + r) * kBlockKeys + j] = Sum(dot);
         }
       }
-    } else {  // many rows: keys transposed once into [hd, kBlockKeys], then 4 rows x 64 keys per pass
-      float* kt = scratch.keys_t.data();
-      for (int64_t j = 0; j < nkeys; ++j) {
-        const float* own;
-        const PoolT* paged = Row(k_pages_, k_, s, head, key0 + j, cached, &own);
-        if (own != nullptr) {
-          for (int64_t d = 0; d < hd; ++d) kt[d * kBlockKeys + j] = own[d];
-        } else {
-          for (int64_t d = 0; d < hd; ++d) kt[d * kBlockKeys + j] = Load(paged + d);
-        }
-      }
-      for (int64_t j = nkeys; j < kBlockKeys; ++j)
-        for (int64_t d = 0; d < hd; ++d) kt[d * kBlockKeys + j] = 0.0f;
-      int64_t r = 0;
-      for (; r + 4 <= rows; r += 4) ScoreRows<4>(queries + r * hd, kt, hd, scores + r * kBlockKeys);
-      for (; r < rows; ++r) ScoreRows<1>(queries + r * hd, kt, hd, scores + r * kBlockKeys);
     }
+    for (int64_t r = 0; r < heads * rows; ++r) {
+      float* sr = scores + r * kBlockKeys;
+      for (int64_t j = nkeys; j < kBlockKeys; ++j) sr[j] = 0.0f;
+      if (opt_.soft_cap > 0.0f) {
+        for (int64_t j = 0; j < kBlockKeys; ++j) sr[j] = SoftCap(sr[j], opt_.soft_cap);
+      }
+    }
+  }
+
+  // acc[h, r] = acc[h, r] * rescale[h, r] + sum_j probs[h, r, j] * value_{key0 + j, h}, values read in place.
+  void DirectValues(int64_t s, int64_t h0, int64_t h1, int64_t cached, int64_t key0, int64_t nkeys, int64_t rows,
+                    const float* probs, const float* rescale, float* acc) const {
+    const int64_t hd = sh_.head_dim, chunks = hd / kLanes, heads = h1 - h0;
+    for (int64_t r = 0; r < heads * rows; ++r) {
+      float* ar = acc + r * hd;
+      for (int64_t c = 0; c < chunks; ++c) StoreV(ar + c * kLanes, LoadV(ar + c * kLanes) * rescale[r]);
+    }
+    for (int64_t j = 0; j < nkeys; ++j) {
+      const float* own;
+      const PoolT* paged = Row(v_pages_, v_, s, h0, key0 + j, cached, &own);
+      for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t r = 0; r < rows; ++r) {
+          const float p = probs[(h * rows + r) * kBlockKeys + j];
+          if (p == 0.0f) continue;
+          float* ar = acc + (h * rows + r) * hd;
+          if (own != nullptr) {
+            const float* vr = own + h * hd;
+            for (int64_t c = 0; c < chunks; ++c) StoreV(ar + c * kLanes, LoadV(ar + c * kLanes) + p * LoadV(vr + c * kLanes));
+          } else {
+            const PoolT* vr = paged + h * hd;
+            for (int64_t c = 0; c < chunks; ++c) StoreV(ar + c * kLanes, LoadV(ar + c * kLanes) + p * LoadV(vr + c * kLanes));
+          }
+        }
+      }
+    }
+  }
+
+  // One head: scores[r, j] = q_r . key_{key0 + j} (scaled, soft-capped), for j < nkeys. The keys are transposed
+  // once into [hd, kBlockKeys], then 4 rows x 64 keys per pass.
+  void Scores(Scratch& scratch, int64_t s, int64_t head, int64_t cached, int64_t key0, int64_t nkeys,
+              int64_t rows, const float* queries, float* scores) const {
+    const int64_t hd = sh_.head_dim;
+    float* kt = scratch.keys_t.data();
+    for (int64_t j = 0; j < nkeys; ++j) {
+      const float* own;
+      const PoolT* paged = Row(k_pages_, k_, s, head, key0 + j, cached, &own);
+      if (own != nullptr) {
+        for (int64_t d = 0; d < hd; ++d) kt[d * kBlockKeys + j] = own[d];
+      } else {
+        for (int64_t d = 0; d < hd; ++d) kt[d * kBlockKeys + j] = Load(paged + d);
+      }
+    }
+    for (int64_t j = nkeys; j < kBlockKeys; ++j)
+      for (int64_t d = 0; d < hd; ++d) kt[d * kBlockKeys + j] = 0.0f;
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) ScoreRows<4>(queries + r * hd, kt, hd, scores + r * kBlockKeys);
+    for (; r < rows; ++r) ScoreRows<1>(queries + r * hd, kt, hd, scores + r * kBlockKeys);
     if (opt_.soft_cap > 0.0f) {
       for (int64_t r = 0; r < rows; ++r) {
         float* sr = scores + r * kBlockKeys;
@@ -300,9 +352,30 @@ class Attention {
     }
   }
 
-  // Online softmax: folds one block of masked scores and its values into (row_max, denom, acc).
-  void Accumulate(Scratch& scratch, int64_t s, int64_t head, int64_t cached, int64_t key0, int64_t nkeys,
-                  int64_t rows, float* scores, float* row_max, float* denom, float* acc) const {
+  // Online softmax over one block of masked scores [rows, kBlockKeys]: scores become probabilities relative to the
+  // new running max (masked keys exactly 0), denom is updated, rescale[r] is what the old accumulator is scaled by.
+  void Softmax(int64_t rows, float* scores, float* row_max, float* denom, float* rescale) const {
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = scores + r * kBlockKeys;
+      const float block_max = RowMax(sr);
+      if (block_max <= kMasked) {  // nothing visible in this block for this row
+        rescale[r] = 1.0f;
+        for (int j = 0; j < kBlockKeys; ++j) sr[j] = 0.0f;
+        continue;
+      }
+      const float new_max = row_max[r] > block_max ? row_max[r] : block_max;
+      rescale[r] = VecExp(row_max[r] - new_max);
+      for (int j = 0; j < kBlockKeys; ++j) sr[j] = VecExp(sr[j] - new_max);
+      V16 sums = {};
+      for (int c = 0; c < kBlockKeys / kLanes; ++c) sums += LoadV(sr + c * kLanes);
+      row_max[r] = new_max;
+      denom[r] = denom[r] * rescale[r] + Sum(sums);
+    }
+  }
+
+  // One head: acc[r] = acc[r] * rescale[r] + probs[r] @ values of keys [key0, key0 + nkeys).
+  void Values(Scratch& scratch, int64_t s, int64_t head, int64_t cached, int64_t key0, int64_t nkeys, int64_t rows,
+              const float* probs, const float* rescale, float* acc) const {
     const int64_t hd = sh_.head_dim;
     const float** vrows = scratch.value_rows.data();
     for (int64_t j = 0; j < nkeys; ++j) {
@@ -319,24 +392,14 @@ class Attention {
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
-      float* sr = scores + r * kBlockKeys;
-      const float block_max = RowMax(sr);
-      if (block_max <= kMasked) continue;  // nothing visible in this block for this row
-      const float new_max = row_max[r] > block_max ? row_max[r] : block_max;
-      const float rescale = VecExp(row_max[r] - new_max);
-      for (int j = 0; j < kBlockKeys; ++j) sr[j] = VecExp(sr[j] - new_max);  // masked keys give exactly 0
-      V16 sums = {};
-      for (int c = 0; c < kBlockKeys / kLanes; ++c) sums += LoadV(sr + c * kLanes);
-      const float total = Sum(sums);
-      row_max[r] = new_max;
-      denom[r] = denom[r] * rescale + total;
+      const float* pr = probs + r * kBlockKeys;
       float* ar = acc + r * hd;
       for (int64_t c = 0; c < hd / kLanes; c += 4) {
         switch (std::min<int64_t>(4, hd / kLanes - c)) {
-          case 4: AddValues<4>(sr, vrows, nkeys, rescale, ar + c * kLanes, c * kLanes); break;
-          case 3: AddValues<3>(sr, vrows, nkeys, rescale, ar + c * kLanes, c * kLanes); break;
-          case 2: AddValues<2>(sr, vrows, nkeys, rescale, ar + c * kLanes, c * kLanes); break;
-          default: AddValues<1>(sr, vrows, nkeys, rescale, ar + c * kLanes, c * kLanes); break;
+          case 4: AddValues<4>(pr, vrows, nkeys, rescale[r], ar + c * kLanes, c * kLanes); break;
+          case 3: AddValues<3>(pr, vrows, nkeys, rescale[r], ar + c * kLanes, c * kLanes); break;
+          case 2: AddValues<2>(pr, vrows, nkeys, rescale[r], ar + c * kLanes, c * kLanes); break;
+          default: AddValues<1>(pr, vrows, nkeys, rescale[r], ar + c * kLanes, c * kLanes); break;
         }
       }
     }

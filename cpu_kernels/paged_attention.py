@@ -7,6 +7,7 @@ import numpy as np
 
 from cpu_kernels.build import load
 
+HEAD_DIM_MULTIPLE = 16  # the kernel works in 16-float vectors
 
 def paged_attention(
     q: jax.Array,  # [T, H, hd]
@@ -25,6 +26,8 @@ def paged_attention(
     """Causal attention of every query over its sequence's cached pages and this step's own keys -> [T, H, hd]
     float32 (zero on padding tokens). Sequences are back to back in the flat tokens; with `sliding_window`, a query
     at position p sees keys at positions > p - window; with `soft_cap`, scores become cap * tanh(score / cap)."""
+    if q.shape[-1] % HEAD_DIM_MULTIPLE:
+        raise ValueError(f"the native paged attention needs head_dim a multiple of {HEAD_DIM_MULTIPLE}, got {q.shape[-1]}")
     load()
     call = jax.ffi.ffi_call("jvllm_paged_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]

@@ -41,21 +41,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="HF folder with config.json, a .gguf file, or a known name "
                             "(default: the embedded SmolLM2-135M-Instruct)")
     group.add_argument("--tokenizer", default=None, help="tokenizer folder if not the model's own")
-    group.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16")
+    group.add_argument("--dtype", default="auto", help="auto (float32 on CPU, with a bfloat16 copy for batched steps; bfloat16 on GPU), "
+                            "float32 (every step in float32), bfloat16")
     group.add_argument("--max-model-len", type=human_int, default=None, help="context limit (prompt + output)")
     group.add_argument("--max-num-seqs", type=human_int, default=None, help="sequences per step")
     group.add_argument("--max-num-batched-tokens", type=human_int, default=None, help="tokens per step")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
     group.add_argument("--kv-cache-memory-bytes", type=human_int, default=None, help="KV pool size in bytes")
-    group.add_argument("--attention-backend", default="auto", help="auto, xla or pallas")
+    group.add_argument("--attention-backend", default="auto",
+                       help="auto (pallas on GPU, cpu on CPU), cpu (native C++ kernels), xla (plain jnp) or pallas")
     group.add_argument("--load-format", default="auto", help="auto, safetensors, gguf or dummy (random weights)")
     group.add_argument("--seed", type=int, default=0, help="engine seed for unseeded requests")
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="devices to shard the model over (tensor parallelism; all hosts' devices together)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="reuse the KV pages of shared prompt prefixes (default on)")
-    group.add_argument("--batched-weight-dtype", default=None,
-                       help="extra weight copy (e.g. bfloat16) for steps with many token rows (default: none)")
+    group.add_argument("--batched-weight-dtype", default="auto",
+                       help="extra weight copy for steps of 2+ token rows: auto (bfloat16 for a float32 model on CPU "
+                            "when --dtype is auto; ~1.6x faster batched steps), none, or a dtype such as bfloat16")
     group.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=True,
                        help="compile every step shape before serving (default on; loaded from the cache after the "
                             "first start); --no-precompile compiles each shape when first used")

@@ -27,8 +27,8 @@ def _load_xla() -> AttentionBackend:
 def _load_cpu() -> AttentionBackend:
     from jvllm.attention import native, pool_storage, xla
 
-    return SeparateWrite("cpu", native.no_layout, native.paged_attention, xla.write_layers,
-                         storage_dtype=pool_storage.storage_dtype)
+    return native.NativeCpu("cpu", native.no_layout, native.paged_attention, xla.write_layers,
+                            storage_dtype=pool_storage.storage_dtype, fallback=_load_xla)
 
 
 def _load_pallas() -> AttentionBackend:

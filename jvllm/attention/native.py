@@ -1,11 +1,27 @@
 """The `cpu` backend's attention: the native ragged paged-attention kernel (cpu_kernels) over the read-only pool."""
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, Callable
+
 import jax
 import numpy as np
 
-from cpu_kernels.paged_attention import paged_attention as native_paged_attention
+from cpu_kernels.paged_attention import HEAD_DIM_MULTIPLE, paged_attention as native_paged_attention
+from jvllm.attention.backend import AttentionBackend, SeparateWrite
 from models.attention import AttentionMetadata
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeCpu(SeparateWrite):
+    """SeparateWrite over the native kernel; a model whose head_dim the kernel does not take gets `fallback`."""
+
+    fallback: Callable[[], AttentionBackend] | None = None
+
+    def for_model(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: Any) -> AttentionBackend:
+        if head_dim % HEAD_DIM_MULTIPLE and self.fallback is not None:
+            return self.fallback()
+        return self
 
 
 def no_layout(q_lens: np.ndarray, query_start: np.ndarray, cached: np.ndarray, num_tokens: int,

@@ -1,0 +1,147 @@
+"""The native CPU paged attention (cpu_kernels) against the pure-jnp reference of the Pallas kernels.
+
+The reference reads every key from the pages; the native kernel reads cached keys from the pages and the step's
+own keys from its k/v arguments, so the pages it gets hold NaN wherever this step's tokens go: a kernel that reads
+a page slot it should take from k/v (or any slot no sequence owns) shows NaN."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cpu_kernels import build
+from cpu_kernels.paged_attention import paged_attention
+from pallas_kernels.reference import ragged_attention_reference
+
+TOLERANCE = dict(atol=2e-5, rtol=2e-5)  # float32 throughout; bfloat16 pools hold values the reference sees too
+
+
+def test_kernels_build_here():
+    """CI has a C++ compiler: the kernels must build, not silently fall back."""
+    assert build.available(), "cpu_kernels did not build"
+    assert build.load() is build.load()
+
+
+def random_array(rng: np.random.Generator, shape: tuple[int, ...]) -> jax.Array:
+    return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+
+def make_pool(rng: np.random.Generator, kv_lens: list[int], page_size: int, kv_heads: int, head_dim: int):
+    """-> (k_pages, v_pages [N, page, KVH, hd], tables [S, P]): each sequence's pages distinct, scrambled, never
+    page 0; every slot no sequence owns holds NaN."""
+    needed = [-(-n // page_size) for n in kv_lens]
+    num_pages = 1 + sum(needed) + 2
+    free = rng.permutation(np.arange(1, num_pages))
+    tables = np.zeros((len(kv_lens), max(needed)), np.int32)
+    owned = np.zeros((num_pages, page_size), bool)
+    cursor = 0
+    for row, (count, length) in enumerate(zip(needed, kv_lens)):
+        tables[row, :count] = free[cursor:cursor + count]
+        cursor += count
+        for pos in range(length):
+            owned[tables[row, pos // page_size], pos % page_size] = True
+    mask = jnp.asarray(owned)[:, :, None, None]
+    shape = (num_pages, page_size, kv_heads, head_dim)
+    k_pages, v_pages = (jnp.where(mask, random_array(rng, shape), jnp.nan) for _ in range(2))
+    return k_pages, v_pages, tables
+
+
+def run_case(rng, chunks: list[tuple[int, int]], *, heads: int, kv_heads: int, head_dim: int, page_size: int,
+             pool_dtype=jnp.float32, padding_rows: int = 0, padding_tokens: int = 0, sliding_window=None,
+             soft_cap=None):
+    """chunks: (cached tokens, tokens this step) per sequence. Compares the kernel with the reference."""
+    kv_lens = [cached + new for cached, new in chunks]
+    full_k, full_v, block_tables = make_pool(rng, kv_lens, page_size, kv_heads, head_dim)
+    q_lens = [new for _, new in chunks]
+    starts = np.concatenate([[0], np.cumsum(q_lens)[:-1]]).astype(np.int32)
+    num_tokens = sum(q_lens) + padding_tokens
+    q = random_array(rng, (num_tokens, heads, head_dim))
+
+    def own(pages: jax.Array) -> jax.Array:  # [T, KVH, hd]: each token's K or V, read from the full pool
+        rows = np.zeros((num_tokens, 2), np.int32)  # (page, offset); padding tokens read page 0
+        for s, (cached, new) in enumerate(chunks):
+            for i in range(new):
+                pos = cached + i
+                rows[starts[s] + i] = (block_tables[s, pos // page_size], pos % page_size)
+        return pages[rows[:, 0], rows[:, 1]]
+
+    if pool_dtype == jnp.bfloat16:  # the reference sees the same rounded values, in float32
+        k_pages, v_pages = (p.astype(jnp.bfloat16).astype(jnp.float32) for p in (full_k, full_v))
+    else:
+        k_pages, v_pages = full_k, full_v
+    k, v = own(k_pages), own(v_pages)
+
+    seqs = len(chunks) + padding_rows
+    pad = lambda a: jnp.asarray(np.concatenate([np.asarray(a, np.int32), np.zeros(padding_rows, np.int32)]))
+    tables = jnp.asarray(np.concatenate([block_tables, np.zeros((padding_rows, block_tables.shape[1]), np.int32)]))
+    query_start, q_len, kv_len = pad(starts), pad(q_lens), pad(kv_lens)
+    expected = ragged_attention_reference(q, k_pages, v_pages, query_start, q_len, kv_len, tables,
+                                          scale=head_dim ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap)
+
+    poisoned = np.zeros(k_pages.shape[:2], bool)  # this step's slots: the kernel must take them from k/v
+    for s, (cached, new) in enumerate(chunks):
+        for pos in range(cached, cached + new):
+            poisoned[block_tables[s, pos // page_size], pos % page_size] = True
+    mask = jnp.asarray(poisoned)[:, :, None, None]
+    k_in, v_in = jnp.where(mask, jnp.nan, k_pages), jnp.where(mask, jnp.nan, v_pages)
+    if pool_dtype == jnp.bfloat16:  # stored as bits, as the cpu backend stores a bfloat16 pool
+        k_in, v_in = (jax.lax.bitcast_convert_type(p.astype(jnp.bfloat16), jnp.uint16) for p in (k_in, v_in))
+    got = jax.jit(paged_attention, static_argnames=("scale", "sliding_window", "soft_cap"))(
+        q, k, v, k_in, v_in, query_start, q_len, kv_len, tables, scale=head_dim ** -0.5,
+        sliding_window=sliding_window, soft_cap=soft_cap)
+    assert got.shape == q.shape and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected, np.float32), **TOLERANCE)
+    if padding_tokens:
+        assert not np.asarray(got[sum(q_lens):]).any(), "padding tokens must come back as zeros"
+
+
+MIXED = [(0, 5), (3, 17), (40, 64), (100, 1), (0, 33), (70, 90)]  # fresh, chunked, decode rows, > 64 keys
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 4), (8, 2), (8, 1), (9, 3)])
+def test_prefill_and_decode_mix(head_dim, heads, kv_heads):
+    run_case(np.random.default_rng(head_dim * heads + kv_heads), MIXED, heads=heads, kv_heads=kv_heads,
+             head_dim=head_dim, page_size=16)
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+def test_pages_and_pool_dtypes(page_size, pool_dtype):
+    run_case(np.random.default_rng(page_size), MIXED, heads=8, kv_heads=2, head_dim=64, page_size=page_size,
+             pool_dtype=pool_dtype, padding_rows=3, padding_tokens=11)
+
+
+@pytest.mark.parametrize("seqs", [1, 2, 5, 32])
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_rows(seqs, pool_dtype):
+    """One token per sequence, as a decode step lays them out (some threads get a single row, or a single head)."""
+    rng = np.random.default_rng(seqs)
+    chunks = [(int(c), 1) for c in rng.integers(0, 300, seqs)]
+    run_case(rng, chunks, heads=9, kv_heads=3, head_dim=64, page_size=16, pool_dtype=pool_dtype, padding_rows=2)
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 50])
+def test_sliding_window(window):
+    run_case(np.random.default_rng(window), MIXED, heads=8, kv_heads=4, head_dim=64, page_size=16,
+             sliding_window=window)
+
+
+@pytest.mark.parametrize("cap", [2.0, 50.0])
+def test_soft_cap(cap):
+    run_case(np.random.default_rng(int(cap)), MIXED, heads=8, kv_heads=4, head_dim=128, page_size=16, soft_cap=cap,
+             sliding_window=20)
+
+
+def test_long_prompt_in_blocks():
+    """A 300-token chunk after 200 cached tokens: many query blocks and key blocks of one sequence."""
+    run_case(np.random.default_rng(7), [(200, 300)], heads=4, kv_heads=2, head_dim=64, page_size=16)
+
+
+def test_head_dim_not_a_multiple_of_16():
+    q = jnp.zeros((2, 2, 24), jnp.float32)
+    pages = jnp.zeros((2, 16, 2, 24), jnp.float32)
+    ints = jnp.zeros(1, jnp.int32)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        paged_attention(q, q, q, pages, pages, ints, ints, ints, jnp.zeros((1, 1), jnp.int32), 1.0)
