@@ -1,54 +1,44 @@
-"""Read llama-family GGUF files into HF-style config dicts, float32 numpy weights and fast tokenizers."""
+"""Read GGUF files (Llama, Mixtral, Qwen2/3 and their MoEs, Phi-3, Gemma 2/3) into HF-style config dicts, float32
+numpy weights with HF names and fast tokenizers."""
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import gguf
 import numpy as np
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 from transformers import PreTrainedTokenizerFast
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+from jvllm.model_loader.gguf_arch import (
+    SUPPORTED_ARCHITECTURES,  # noqa: F401  (importable from here too)
+    Architecture,
+    GGUFHeader,
+    architecture_for,
+    fuse_phi3_attention,
+    hf_name,
+    split_experts,
+)
 
-# GGUF per-block tensor names -> Hugging Face LlamaForCausalLM names (suffix .weight/.bias kept).
-_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-# Tensors llama.cpp derives from the config rather than from checkpoint weights.
-_DERIVED_TENSORS = {"rope_freqs.weight"}
+# Tensors llama.cpp derives from the config (rope frequency factors), read into the config instead.
+_DERIVED_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 # Pre-tokenizer regexes keyed by `tokenizer.ggml.pre`; gpt2-style ones use ByteLevel's own regex.
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
     r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_SUPPORTED_PRE = ("default", "gpt2", "smollm", "llama-bpe")
+# Qwen2's (Qwen2.5, Qwen3): the Llama 3 regex with every digit on its own.
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SUPPORTED_PRE = ("default", "gpt2", "smollm", "llama-bpe", "qwen2")
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    """A metadata value as plain Python (str/int/float/bool/list), or `default` when absent."""
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def _architecture(reader: gguf.GGUFReader) -> str:
-    arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    return arch
+def open_gguf(source: str | GGUFHeader) -> GGUFHeader:
+    """A file's header, parsed once (a large vocabulary takes seconds): pass it to each reader below."""
+    return source if isinstance(source, GGUFHeader) else GGUFHeader(gguf.GGUFReader(source))
 
 
 def _llama3_rope_scaling(rope_freqs: np.ndarray, theta: float, low: float = 1.0,
@@ -74,51 +64,73 @@ def _llama3_rope_scaling(rope_freqs: np.ndarray, theta: float, low: float = 1.0,
     return scaling
 
 
-def read_gguf_config(path: str) -> dict:
-    """An HF config.json-style dict for the llama-family model stored in a GGUF file."""
-    reader = gguf.GGUFReader(path)
-    arch = _architecture(reader)
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    tensor_names = {t.name for t in reader.tensors}
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens) if tokens else None)
-    if vocab is None:
-        vocab = next(int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight")
-    theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+def _rope_scaling(header: GGUFHeader, theta: float) -> dict[str, Any] | None:
+    """HF rope_scaling from `rope.scaling.*` (linear, yarn) or llama.cpp's llama3 `rope_freqs` tensor."""
+    scaling_type = header.arch_field("rope.scaling.type")
+    if scaling_type in ("linear", "yarn"):
+        scaling = {"rope_type": scaling_type, "factor": float(header.arch_field("rope.scaling.factor", 1.0))}
+        optional = (("original_max_position_embeddings", "rope.scaling.original_context_length", int),
+                    ("beta_fast", "rope.scaling.yarn_beta_fast", float),
+                    ("beta_slow", "rope.scaling.yarn_beta_slow", float),
+                    ("attention_factor", "rope.scaling.yarn_attn_factor", float))
+        for hf_key, gguf_key, kind in optional:
+            value = header.arch_field(gguf_key)
+            if value is not None:
+                scaling[hf_key] = kind(value)
+        return scaling
+    if "rope_freqs.weight" in header.tensors:
+        return _llama3_rope_scaling(header.tensors["rope_freqs.weight"].data, theta)
+    return None
+
+
+def _vocab_size(header: GGUFHeader) -> int:
+    """The embedding table's rows (what the weights hold), else the declared or listed vocabulary."""
+    table = header.shape("token_embd.weight")
+    if table is not None:
+        return table[0]
+    tokens = header.field("tokenizer.ggml.tokens")
+    vocab = header.arch_field("vocab_size") or (len(tokens) if tokens else None)
+    return int(vocab if vocab is not None else header.shape("output.weight")[0])
+
+
+def read_gguf_config(source: str | GGUFHeader) -> dict:
+    """An HF config.json-style dict for the model stored in a GGUF file (a path or its open_gguf header)."""
+    header = open_gguf(source)
+    architecture = architecture_for(header)
+    hidden = int(header.arch_field("embedding_length"))
+    heads = int(header.arch_field("attention.head_count"))
+    head_dim = int(header.arch_field("attention.key_length") or hidden // heads)
+    theta = float(header.arch_field("rope.freq_base", 10000.0))
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [architecture.hf_class],
+        "model_type": architecture.model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "intermediate_size": int(header.arch_field("feed_forward_length")),
+        "num_hidden_layers": header.num_layers(),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "num_key_value_heads": int(header.arch_field("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(header.arch_field("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": theta,
-        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
-        "vocab_size": int(vocab),
-        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "max_position_embeddings": int(header.arch_field("context_length", 2048)),
+        "vocab_size": _vocab_size(header),
+        "tie_word_embeddings": "output.weight" not in header.tensors,
         "hidden_act": "silu",
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in header.tensors,
         "mlp_bias": False,
     }
+    rotary_dim = header.arch_field("rope.dimension_count")
+    if rotary_dim and int(rotary_dim) != head_dim:  # RoPE on the leading dims of each head only
+        config["partial_rotary_factor"] = int(rotary_dim) / head_dim
     for hf_key, gguf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                              ("pad_token_id", "padding_token_id")):
-        value = _field(reader, f"tokenizer.ggml.{gguf_key}")
+        value = header.field(f"tokenizer.ggml.{gguf_key}")
         if value is not None:
             config[hf_key] = int(value)
-    scaling_type = _field(reader, f"{arch}.rope.scaling.type")
-    if scaling_type in ("linear", "yarn"):
-        config["rope_scaling"] = {"rope_type": scaling_type,
-                                  "factor": float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))}
-        original = _field(reader, f"{arch}.rope.scaling.original_context_length")
-        if original is not None:
-            config["rope_scaling"]["original_max_position_embeddings"] = int(original)
-    elif "rope_freqs.weight" in tensor_names:
-        freqs = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-        config["rope_scaling"] = _llama3_rope_scaling(freqs.data, theta)
+    scaling = _rope_scaling(header, theta)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
+    config.update(architecture.extra_config(header))
     return config
 
 
@@ -134,38 +146,41 @@ def _unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def _hf_name(gguf_name: str) -> str:
-    stem, _, suffix = gguf_name.rpartition(".")
-    match = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
-    if match and match.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}.{suffix}"
-    if stem in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
-    raise ValueError(f"unexpected tensor {gguf_name!r} in a llama GGUF file")
+def _dequantized(tensor: Any) -> np.ndarray:
+    """A tensor as float32 in numpy order: GGUF lists dims fastest-first and the reader's array is already
+    reversed, so a projection comes out [out_features, in_features] like torch's Linear.weight."""
+    array = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    expected = tuple(int(d) for d in reversed(tensor.shape))
+    return array if array.shape == expected else array.reshape(expected)
 
 
-def load_gguf_tensors(path: str) -> dict[str, np.ndarray]:
-    """All weights dequantized to float32 numpy, with Hugging Face names and [out, in] layouts."""
-    reader = gguf.GGUFReader(path)
-    arch = _architecture(reader)
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", heads))
+def _restore(name: str, array: np.ndarray, architecture: Architecture, header: GGUFHeader) -> np.ndarray:
+    """Undo what llama.cpp's converter did to one tensor: q/k row order, norm offset, squeezed shapes."""
+    if architecture.permuted_rope and ".self_attn.q_proj." in name:
+        return _unpermute_rope_rows(array, int(header.arch_field("attention.head_count")))
+    if architecture.permuted_rope and ".self_attn.k_proj." in name:
+        heads = int(header.arch_field("attention.head_count"))
+        return _unpermute_rope_rows(array, int(header.arch_field("attention.head_count_kv", heads)))
+    if architecture.norm_offset and name.endswith("norm.weight"):
+        return array - np.float32(architecture.norm_offset)
+    if name.endswith(".shared_expert_gate.weight"):  # HF's Linear(hidden, 1)
+        return array.reshape(1, -1)
+    return array
+
+
+def load_gguf_tensors(source: str | GGUFHeader) -> dict[str, np.ndarray]:
+    """All weights dequantized to float32 numpy, with the names and [out, in] layouts of the HF checkpoint
+    (experts one tensor each, Phi-3's fused projections fused)."""
+    header = open_gguf(source)
+    architecture = architecture_for(header)
     out: dict[str, np.ndarray] = {}
-    for tensor in reader.tensors:
+    for tensor in header.reader.tensors:
         if tensor.name in _DERIVED_TENSORS:
             continue
-        # GGUF lists dims fastest-first; the reader's array is already in numpy (reversed) order,
-        # so dequantize yields [out_features, in_features] like torch's Linear.weight.
-        array = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        expected = tuple(int(d) for d in reversed(tensor.shape))
-        if array.shape != expected:
-            array = array.reshape(expected)
-        name = _hf_name(tensor.name)
-        if ".self_attn.q_proj." in name:
-            array = _unpermute_rope_rows(array, heads)
-        elif ".self_attn.k_proj." in name:
-            array = _unpermute_rope_rows(array, kv_heads)
-        out[name] = array
+        name = hf_name(tensor.name, architecture)
+        out.update(split_experts(name, _restore(name, _dequantized(tensor), architecture, header)))
+    if architecture.hf_class == "Phi3ForCausalLM":
+        fuse_phi3_attention(out)
     return out
 
 
@@ -178,29 +193,33 @@ def _pre_tokenizer(pre: str, add_prefix_space: bool) -> pre_tokenizers.PreTokeni
             pre_tokenizers.Digits(individual_digits=True),
             pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True),
         ])
-    if pre == "llama-bpe":
+    if pre in ("llama-bpe", "qwen2"):
+        split = _LLAMA3_SPLIT if pre == "llama-bpe" else _QWEN2_SPLIT
         return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=False),
         ])
     raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; supported: {', '.join(_SUPPORTED_PRE)}")
 
 
-def gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:
+def gguf_tokenizer(source: str | GGUFHeader) -> PreTrainedTokenizerFast:
     """A fast tokenizer rebuilt from the GGUF `tokenizer.*` metadata (no torch, no HF files)."""
-    reader = gguf.GGUFReader(path)
-    kind = _field(reader, "tokenizer.ggml.model")
+    header = open_gguf(source)
+    kind = header.field("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE)")
-    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
-    token_types: list[int] = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
+        raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE). "
+                         "Pass tokenizer=<a Hugging Face tokenizer folder> to load this model")
+    tokens: list[str] = header.field("tokenizer.ggml.tokens")
+    token_types: list[int] = header.field("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in header.field("tokenizer.ggml.merges", [])]
     vocab = {token: i for i, token in enumerate(tokens)}
 
     tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    add_prefix_space = bool(_field(reader, "tokenizer.ggml.add_space_prefix", False))
-    tokenizer.pre_tokenizer = _pre_tokenizer(_field(reader, "tokenizer.ggml.pre", "default"),
-                                             add_prefix_space)
+    add_prefix_space = bool(header.field("tokenizer.ggml.add_space_prefix", False))
+    pre = header.field("tokenizer.ggml.pre", "default")
+    tokenizer.pre_tokenizer = _pre_tokenizer(pre, add_prefix_space)
+    if pre == "qwen2":  # Qwen's own tokenizer composes text to NFC first
+        tokenizer.normalizer = normalizers.NFC()
     tokenizer.decoder = decoders.ByteLevel()
 
     # Control tokens are matched before pre-tokenization and dropped by skip_special_tokens;
@@ -212,12 +231,12 @@ def gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:
     tokenizer.add_tokens([t for t in added if not t.special])
 
     def token_at(key: str) -> str | None:
-        index = _field(reader, f"tokenizer.ggml.{key}")
+        index = header.field(f"tokenizer.ggml.{key}")
         return tokens[int(index)] if index is not None and 0 <= int(index) < len(tokens) else None
 
     bos, eos = token_at("bos_token_id"), token_at("eos_token_id")
-    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False)) and bos is not None
-    add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False)) and eos is not None
+    add_bos = bool(header.field("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    add_eos = bool(header.field("tokenizer.ggml.add_eos_token", False)) and eos is not None
     prefix = [f"{bos}:0"] if add_bos else []
     suffix = [f"{eos}:0"] if add_eos else []
     used = ([bos] if add_bos else []) + ([eos] if add_eos and eos != bos else [])
@@ -228,14 +247,14 @@ def gguf_tokenizer(path: str) -> PreTrainedTokenizerFast:
         special_tokens=specials,
     )
 
-    context = _field(reader, f"{_field(reader, 'general.architecture')}.context_length")
+    context = header.arch_field("context_length")
     kwargs: dict[str, Any] = {
         "tokenizer_object": tokenizer,
         "bos_token": bos,
         "eos_token": eos,
         "unk_token": token_at("unknown_token_id"),
         "pad_token": token_at("padding_token_id"),
-        "chat_template": _field(reader, "tokenizer.chat_template"),
+        "chat_template": header.field("tokenizer.chat_template"),
         "add_bos_token": add_bos,
         "add_eos_token": add_eos,
         "clean_up_tokenization_spaces": False,  # byte-level BPE round-trips spaces exactly

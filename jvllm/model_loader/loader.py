@@ -92,27 +92,47 @@ def _converted_folder(gguf_path: str) -> Path:
     return cache_root() / "converted" / f"{Path(gguf_path).stem}-{key}"
 
 
-def _gguf_as_hf_folder(gguf_path: str) -> Path:
-    """Convert a GGUF once (dequantize, tokenizer) into a cached safetensors folder; later starts reuse it."""
+def _gguf_as_hf_folder(gguf_path: str, tokenizer_required: bool = True) -> Path:
+    """Convert a GGUF once (dequantize, tokenizer) into a cached safetensors folder; later starts reuse it.
+    With `tokenizer_required=False` (an explicit tokenizer folder is given) a tokenizer kind the GGUF reader
+    cannot rebuild is skipped instead of raising."""
     folder = _converted_folder(gguf_path)
-    if (folder / "model.safetensors").is_file():
-        return folder
+    if not (folder / "model.safetensors").is_file():
+        _convert_gguf(gguf_path, folder, tokenizer_required)
+    if tokenizer_required and not (folder / "tokenizer_config.json").is_file():
+        from jvllm.model_loader.gguf import gguf_tokenizer
+
+        # converted earlier without one: this raises the error naming the tokenizer kind
+        gguf_tokenizer(gguf_path).save_pretrained(folder)
+    return folder
+
+
+def _convert_gguf(gguf_path: str, folder: Path, tokenizer_required: bool) -> None:
     from safetensors.numpy import save_file
 
-    from jvllm.model_loader.gguf import gguf_tokenizer, load_gguf_tensors, read_gguf_config
+    from jvllm.model_loader.gguf import gguf_tokenizer, load_gguf_tensors, open_gguf, read_gguf_config
 
     logger.info("converting %s into %s (first start only)", gguf_path, folder)
+    header = open_gguf(gguf_path)
+    config = read_gguf_config(header)  # an unsupported architecture fails here, before any work
+    try:
+        tokenizer = gguf_tokenizer(header)
+    except ValueError as error:
+        if tokenizer_required:
+            raise
+        logger.info("not converting the GGUF tokenizer (%s); using the tokenizer given", error)
+        tokenizer = None
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "config.json").write_text(json.dumps(read_gguf_config(gguf_path), indent=2))
-    gguf_tokenizer(gguf_path).save_pretrained(tmp)
-    save_file({k: np.ascontiguousarray(v) for k, v in load_gguf_tensors(gguf_path).items()},
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    save_file({k: np.ascontiguousarray(v) for k, v in load_gguf_tensors(header).items()},
               str(tmp / "model.safetensors"))
     if folder.exists():  # another process finished the same conversion first
         shutil.rmtree(tmp)
     else:
         os.replace(tmp, folder)
-    return folder
 
 
 def read_safetensors(folder: Path) -> dict[str, np.ndarray]:
@@ -144,7 +164,7 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
     if load_format not in ("auto", "safetensors", "gguf", "dummy"):
         raise ValueError(f"unknown load_format {load_format!r}; choose auto, safetensors, gguf or dummy")
     path, name = resolve_model_path(model)
-    folder = _gguf_as_hf_folder(path) if path.endswith(".gguf") else Path(path)
+    folder = _gguf_as_hf_folder(path, tokenizer_required=tokenizer is None) if path.endswith(".gguf") else Path(path)
     hf_config = json.loads((folder / "config.json").read_text())
     config = config_from_hf(hf_config)
     model_cls = model_class_for(config.architecture)

@@ -248,7 +248,7 @@ def test_linear_rope_scaling(tmp_path):
 
 
 def test_unsupported_architecture_and_tokenizer(tmp_path):
-    with pytest.raises(ValueError, match=r"'qwen2'.*supported: llama"):
-        read_gguf_config(_write_gguf(tmp_path / "q.gguf", arch="qwen2"))
+    with pytest.raises(ValueError, match=r"'falcon'.*supported: llama, qwen2"):
+        read_gguf_config(_write_gguf(tmp_path / "f.gguf", arch="falcon"))
     with pytest.raises(ValueError, match="tokenizer model 'llama'"):
         gguf_tokenizer(_write_gguf(tmp_path / "spm.gguf", tokenizer_model="llama"))
