@@ -24,10 +24,11 @@ def _jvllm_cache(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def default_engine(_jvllm_cache):
-    """SmolLM2-135M-Instruct (float32, xla attention), shared by every test that only reads it."""
+    """SmolLM2-135M-Instruct in float32 everywhere (no bf16 batched copy: its numbers are compared with
+    transformers'), the default attention backend, shared by every test that only reads it."""
     from jvllm import Engine
 
-    return Engine(kv_cache_memory_bytes=256 << 20, max_num_seqs=32, max_model_len=2048)
+    return Engine(dtype="float32", kv_cache_memory_bytes=256 << 20, max_num_seqs=32, max_model_len=2048)
 
 
 @pytest.fixture(scope="session")

@@ -17,8 +17,8 @@ LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 def engine(tiny_model_factory):
     from jvllm import Engine
 
-    return Engine(model=str(tiny_model_factory("llama")), max_num_seqs=8, kv_cache_memory_bytes=64 << 20,
-                  max_model_len=512)
+    return Engine(model=str(tiny_model_factory("llama")), dtype="float32", max_num_seqs=8,
+                  kv_cache_memory_bytes=64 << 20, max_model_len=512)
 
 
 @pytest.fixture

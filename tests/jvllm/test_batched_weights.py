@@ -48,7 +48,7 @@ def test_batched_copy_holds_bf16_matrices_and_serves_multi_row_steps(tiny_llama)
 
 def test_bf16_weights_compute_the_same_model_within_bf16_rounding(tiny_llama):
     """Prompt logprobs from a multi-row prefill: bf16 weight copy vs float32 weights, same random model."""
-    exact = prompt_logprobs(Engine(tiny_llama, precompile=False, max_num_seqs=4))
+    exact = prompt_logprobs(Engine(tiny_llama, precompile=False, max_num_seqs=4, batched_weight_dtype=None))
     rounded = prompt_logprobs(Engine(tiny_llama, precompile=False, max_num_seqs=4, batched_weight_dtype="bfloat16"))
     for a, b in zip(exact, rounded):
         assert a.shape == b.shape and len(a) > 3
@@ -85,3 +85,19 @@ def test_a_step_of_more_rows_than_the_transposed_dot_limit_matches_float32(tiny_
     assert len(exact) > OUT_IN_TRANSPOSED_DOT_MAX_ROWS
     np.testing.assert_allclose(rounded, exact, atol=5e-3, rtol=0)
     assert not np.array_equal(rounded, exact)
+
+
+@pytest.mark.parametrize("options,copy", [({}, "bfloat16"), ({"dtype": "float32"}, None),
+                                          ({"batched_weight_dtype": "none"}, None),
+                                          ({"batched_weight_dtype": None}, None),
+                                          ({"dtype": "bfloat16"}, None),
+                                          ({"dtype": "float32", "batched_weight_dtype": "bfloat16"}, "bfloat16")])
+def test_auto_adds_a_bf16_copy_only_when_dtype_is_auto_too(tiny_llama, options, copy):
+    """On CPU the default engine runs batched steps on a bf16 copy; dtype="float32" keeps every step in float32."""
+    engine = Engine(tiny_llama, precompile=False, max_num_seqs=4, **options)
+    batched = engine.runner.step_weights.batched
+    assert (batched is None) == (copy is None)
+    if copy is not None:
+        assert {str(w.dtype) for w in batched.leaves if w.ndim >= 2} == {copy}
+        assert engine.runner.step_weights.for_rows(2) is batched
+    assert engine.runner.step_weights.for_rows(1) is engine.runner.step_weights.weights

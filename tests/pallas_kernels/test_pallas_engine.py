@@ -26,7 +26,7 @@ def pallas_engine(**overrides) -> Engine:
     """The default model on the pallas backend with a pool just big enough for PROMPTS (interpret mode costs
     grow with the pool). Each step shape compiles when first run (interpret-mode kernels make every shape
     slow to compile)."""
-    settings = dict(attention_backend="pallas", kv_cache_memory_bytes=16 * PAGE_BYTES_F32, max_model_len=64,
+    settings = dict(attention_backend="pallas", dtype="float32", kv_cache_memory_bytes=16 * PAGE_BYTES_F32, max_model_len=64,
                     max_num_seqs=4, precompile=False)
     settings.update(overrides)
     engine = Engine(**settings)
