@@ -3,7 +3,9 @@
 The engine is `Engine()` with default settings (options only where flags say). Scenarios (all greedy,
 ignore_eos, prefill included in the timing; each timed --repeats times after a warm-up, the median reported):
   chat     uneven chat prompts x output-len tokens, jvllm vs transformers, each pass on new prompts
-  traffic  fixed-length vs long-tailed prompt and output lengths with the same totals (benchmarks/traffic.py)
+  traffic  fixed-length vs long-tailed prompt and output lengths with the same totals (benchmarks/traffic.py), with
+           --traffic-requests requests (sustained traffic) and with --num-prompts (one batch: its longest output
+           decodes alone at the end)
   batch   N prompts x input-len tokens -> output-len tokens, jvllm and transformers, ratio printed; the two
           engines' timed passes alternate (jvllm, transformers, jvllm, ...), so a drift of the machine's speed
           during the run reaches both sides of the ratio
@@ -185,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--traffic-requests", type=int, default=256,
+                        help="requests of the traffic scenario, 4x max_num_seqs by default, so that the batch stays "
+                             "full as in a server's traffic (it also runs --num-prompts requests, one batch's worth)")
     parser.add_argument("--wide", type=int, default=64, help="concurrent requests of the 'wide' scenario")
     parser.add_argument("--single-output-len", type=int, default=128)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
@@ -234,15 +239,18 @@ def main(argv: list[str] | None = None) -> int:
                   f"{chat['ratio_vs_transformers']:.2f}x (pass by pass: "
                   f"{', '.join(f'{r:.2f}x' for r in chat['pass_ratios'])})", flush=True)
     if "traffic" in scenarios:
-        total_in, total_out = args.num_prompts * args.input_len, args.num_prompts * args.output_len
-        make = {"fixed": lambda seed: workloads.fixed(args.num_prompts, args.input_len, args.output_len,
-                                                      cfg.vocab_size, 100 + seed),
-                "varied": lambda seed: workloads.varied(args.num_prompts, total_in, total_out, cfg.vocab_size,
-                                                        200 + seed)}
-        mix = results["traffic"] = traffic.fixed_vs_varied(engine, make, args.repeats)
-        print(f"[traffic] fixed {mix['fixed']['output_tokens_per_s']:.1f} out tok/s, varied (prompts 16-1024, "
-              f"outputs 16-256, same totals) {mix['varied']['output_tokens_per_s']:.1f} -> varied/fixed "
-              f"{mix['varied_over_fixed']:.2f}", flush=True)
+        results["traffic"] = {}
+        for num in sorted({args.traffic_requests, args.num_prompts}, reverse=True):
+            total_in, total_out = num * args.input_len, num * args.output_len
+            make = {"fixed": lambda seed, n=num: workloads.fixed(n, args.input_len, args.output_len, cfg.vocab_size,
+                                                                 100 + seed),
+                    "varied": lambda seed, n=num, i=total_in, o=total_out: workloads.varied(n, i, o, cfg.vocab_size,
+                                                                                        200 + seed)}
+            mix = results["traffic"][str(num)] = traffic.fixed_vs_varied(engine, make, args.repeats)
+            print(f"[traffic] {num} requests: fixed ({args.input_len} in, {args.output_len} out) "
+                  f"{mix['fixed']['output_tokens_per_s']:.1f} out tok/s, varied (prompts 16-1024, outputs 16-256, "
+                  f"same totals) {mix['varied']['output_tokens_per_s']:.1f} -> varied/fixed "
+                  f"{mix['varied_over_fixed']:.2f}", flush=True)
     if "batch" in scenarios:
         prompts = random_prompts(args.num_prompts, args.input_len, cfg.vocab_size, seed=0)
         if baseline is not None:

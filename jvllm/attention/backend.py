@@ -73,6 +73,12 @@ class AttentionBackend(abc.ABC):
         """The dtype a pool holding values of the model's `dtype` is stored in."""
         return dtype
 
+    @property
+    def mixes_decode_rows(self) -> bool:
+        """Whether a prefill step attends one-token (decode) rows as cheaply as a decode step does, so the runner
+        may put decode rows and prefill chunks in one step."""
+        return False
+
     def for_model(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: Any) -> AttentionBackend:
         """This backend set up for a model's attention shapes (a backend whose work layout depends on them)."""
         return self

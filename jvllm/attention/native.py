@@ -18,6 +18,10 @@ class NativeCpu(SeparateWrite):
 
     fallback: Callable[[], AttentionBackend] | None = None
 
+    @property
+    def mixes_decode_rows(self) -> bool:
+        return True  # one kernel walks any mix of chunk lengths
+
     def for_model(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: Any) -> AttentionBackend:
         if head_dim % HEAD_DIM_MULTIPLE and self.fallback is not None:
             return self.fallback()

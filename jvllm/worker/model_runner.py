@@ -171,7 +171,8 @@ class ModelRunner:
     # ---- steps ----------------------------------------------------------------------------------------
     def dispatch(self, chunks: list[ScheduledChunk], source: DispatchedGroup | None = None) -> list[DispatchedGroup]:
         """Start the device steps of `chunks` without waiting for them: one-token chunks in a decode step, the
-        others in a prefill step. With `source` (the previous step, one group), `chunks` are look-ahead chunks
+        others in a prefill step, or all in one prefill step where the backend attends decode rows inside
+        ragged steps and that is cheaper (ShapeSet.mixed_is_cheaper). With `source` (the previous step, one group), `chunks` are look-ahead chunks
         of its requests: one decode step, each input token taken on the device from the id `source` sampled;
         if some are grammar-constrained, its sampler waits for finish_head."""
         if source is not None:
@@ -181,6 +182,9 @@ class ModelRunner:
         # Prompt logprobs are computed by prefill steps only (a one-token chunk of a prompt may want them).
         decodes = [c for c in chunks if c.num_tokens == 1 and not _wants_prompt_logprobs(c)]
         prefills = [c for c in chunks if c not in decodes]
+        if decodes and prefills and self.backend.mixes_decode_rows and self.shapes.mixed_is_cheaper(
+                len(decodes), sum(c.num_tokens for c in prefills)):
+            return [self._dispatch_group(decodes + prefills, "prefill")]  # one ragged step: weights read once
         groups = [(decodes, "decode"), (prefills, "prefill")]
         return [self._dispatch_group(group, kind) for group, kind in groups if group]
 

@@ -13,6 +13,10 @@ import dataclasses
 from jvllm.utils import next_power_of_2
 
 PREFILL_MIN_TOKENS = 16
+# A step's fixed cost (every weight read once, every layer dispatched) in prefill tokens: a CPU step of 1-64 token
+# rows costs about what 48 prefill tokens do (benchmarks.step_times on the 2-core CPU, SmolLM2: a 1-row decode step
+# ~33 ms, a 2048-token prefill step ~0.7 ms per token).
+STEP_FLOOR_TOKENS = 48
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -62,3 +66,12 @@ class ShapeSet:
     def prefill(self, num_tokens: int) -> StepShape:
         size = next(n for n in self.prefill_sizes if n >= num_tokens)
         return StepShape("prefill", size, min(size, self.max_num_seqs))
+
+    def mixed_is_cheaper(self, decode_rows: int, prefill_tokens: int) -> bool:
+        """Whether one prefill step holding both the decode rows and the prefill chunks costs no more than a decode
+        step plus a prefill step: cost ~ padded tokens, with a floor of STEP_FLOOR_TOKENS per step."""
+        total = decode_rows + prefill_tokens
+        if total > self.max_num_batched_tokens:
+            return False
+        cost = lambda shape: max(shape.tokens, STEP_FLOOR_TOKENS)  # noqa: E731
+        return cost(self.prefill(total)) <= cost(self.decode(decode_rows)) + cost(self.prefill(prefill_tokens))
