@@ -18,6 +18,12 @@ KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: (k_pages, v_pages), ea
 LayerAttention = Callable[..., tuple[jax.Array, Any]]
 
 
+def attention_mesh(attention: LayerAttention) -> Any:
+    """The tensor-parallel mesh a layer attention runs its shards on (its `mesh` attribute), None on one device:
+    the layer's other per-device pieces (the MoE experts' Pallas kernel) run on the same mesh."""
+    return getattr(attention, "mesh", None)
+
+
 def value_dtype(pool_dtype: Any) -> jnp.dtype:
     """The dtype of the values a pool of `pool_dtype` holds (the model computes in it)."""
     return jnp.dtype(jnp.bfloat16) if jnp.dtype(pool_dtype) == BF16_BITS else jnp.dtype(pool_dtype)

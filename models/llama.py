@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.attention import AttentionMetadata, KVCache, LayerAttention, value_dtype
+from models.attention import AttentionMetadata, KVCache, LayerAttention, attention_mesh, value_dtype
 from models.config import ModelConfig
 from models.layers import MLP, Linear, RMSNorm, mlp_hf_parameters
 from models.hf_names import ArraySource, DerivedTensors, row_range
@@ -70,7 +70,9 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, cos, sin, pages, md, attention):
         attn_out, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, pages, md, attention)
         x = x + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x)).astype(x.dtype), new_kv
+        h = self.post_attention_layernorm(x)
+        mlp_out = self.mlp(h, attention_mesh(attention)) if isinstance(self.mlp, SparseMoE) else self.mlp(h)
+        return x + mlp_out.astype(x.dtype), new_kv
 
 
 class LlamaForCausalLM(nnx.Module):

@@ -1,25 +1,36 @@
 """Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): top-k routing, token choices grouped by expert,
 each group through its expert's MLP, outputs weighted and summed back per token.
 
-The grouped products are `jax.lax.ragged_dot` except on XLA CPU, whose ragged_dot runs ~50x slower than a dense
-matmul of the same active size (docs/design.md); there a loop walks (expert, row tile) work items, each three
-small dots against one expert's weights (`expert_mlp_tiles`).
+The grouped products (`expert_implementation`) are the Pallas grouped-matmul kernel on a GPU (`expert_mlp_pallas`);
+on XLA CPU, whose ragged_dot runs ~50x slower than a dense matmul of the same active size (docs/design.md), a loop
+over (expert, row tile) work items, each three small dots against one expert's weights (`expert_mlp_tiles`);
+`jax.lax.ragged_dot` elsewhere. Under tensor parallelism the kernel runs per device in a shard_map
+(`sharded_routed_experts`): GSPMD does not partition a pallas_call.
 
 Expert weights are stacked, [E, in, out]. Their HF tensors are one per expert; an HF name holding
 `models.hf_names.EXPERT` stands for all of them, each expert's [out, in] tensor transposed and stacked."""
 from __future__ import annotations
 
-from typing import Iterator
+import functools
+import os
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from models.config import MoEConfig
 from models.hf_names import EXPERT
 from models.layers import MLP, Linear, mlp_hf_parameters
 from models.params import normal_param
-from pallas_kernels.grouped_matmul import work_items
+from pallas_kernels.grouped_matmul import MIN_BLOCK, grouped_matmul, work_items
+
+EXPERTS_ENV = "JVLLM_MOE_EXPERTS"  # pallas | ragged | tiles: forces the grouped products (read at trace time)
+TP_AXIS = "tp"  # the mesh axis that splits "expert_mlp" (jvllm.parallel.mesh.LOGICAL_AXIS_RULES)
+# (rows [R, D] sorted by expert, gate, up [E, D, F], down [E, F, D], group_sizes [E]) -> [R, D] float32
+ExpertProducts = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
 
 class SparseMoE(nnx.Module):
     """x [T, D] -> [T, D]: sum over each token's top-k experts of weight * down(silu(gate(x)) * up(x)), plus a
@@ -36,8 +47,10 @@ class SparseMoE(nnx.Module):
         self.shared = MLP(d, shared, dtype, rngs) if shared else None
         self.shared_gate = Linear(d, 1, bias=False, dtype=dtype, rngs=rngs) if shared else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        tokens, k = x.shape[0], self.top_k
+    def __call__(self, x: jax.Array, mesh: Mesh | AbstractMesh | None = None) -> jax.Array:
+        """`mesh`: the tensor-parallel mesh the layer's attention runs on (None on one device); the Pallas
+        products then run per device (`sharded_routed_experts`), the others are partitioned by GSPMD."""
+        k = self.top_k
         probs = jax.nn.softmax(self.router(x).astype(jnp.float32), axis=-1)  # [T, E]
         weights, experts = jax.lax.top_k(probs, k)  # [T, k] each
         if self.normalize_top_k:
@@ -45,21 +58,18 @@ class SparseMoE(nnx.Module):
         flat_experts = experts.reshape(-1)  # [T*k]: token t's choices at t*k .. t*k + k - 1
         order = jnp.argsort(flat_experts, stable=True)  # [T*k] grouped by expert
         token_of = order // k  # [T*k] the token each grouped row belongs to
+        row_weights = weights.reshape(-1)[order]  # [T*k] each grouped row's routing weight
         group_sizes = jnp.bincount(flat_experts, length=self.num_experts).astype(jnp.int32)  # [E]
-        out = self._experts(x[token_of], group_sizes)  # [T*k, D] float32
-        out = out * weights.reshape(-1)[order][:, None]
-        y = jnp.zeros((tokens, x.shape[1]), jnp.float32).at[token_of].add(out)  # [T, D]
+        implementation = expert_implementation()
+        routed = functools.partial(routed_experts, EXPERT_PRODUCTS[implementation])
+        if mesh is not None and implementation == "pallas":
+            routed = sharded_routed_experts(routed, mesh)
+        stacks = (self.gate_experts[...], self.up_experts[...], self.down_experts[...])
+        y = routed(x, token_of, row_weights, group_sizes, *stacks)  # [T, D] float32
         if self.shared is not None:
             gate = jax.nn.sigmoid(self.shared_gate(x).astype(jnp.float32))  # [T, 1]
             y = y + gate * self.shared(x).astype(jnp.float32)
         return y.astype(x.dtype)
-
-    def _experts(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
-        """rows [R, D] sorted by expert, group_sizes [E] -> each row through its expert's MLP, [R, D] float32."""
-        stacks = (self.gate_experts[...], self.up_experts[...], self.down_experts[...])
-        if jax.default_backend() == "cpu":
-            return expert_mlp_tiles(rows, *stacks, group_sizes)
-        return expert_mlp_ragged(rows, *stacks, group_sizes)
 
     def hf_parameters(self, prefix: str, expert_projections: tuple[str, str, str]) -> Iterator:
         """(parameter, HF name, transposed, logical axes) for the router, the expert stacks (names holding
@@ -74,6 +84,44 @@ class SparseMoE(nnx.Module):
         if self.shared is not None:
             yield from mlp_hf_parameters(self.shared, prefix + "shared_expert.", "shared_mlp")
             yield self.shared_gate.kernel, prefix + "shared_expert_gate.weight", True, ("embed", None)
+
+
+def expert_implementation() -> str:
+    """The grouped products a layer traced now runs: "pallas" on a GPU, "tiles" on XLA CPU, "ragged" elsewhere;
+    JVLLM_MOE_EXPERTS forces one. "pallas" off a GPU runs the kernel in interpret mode, and JVLLM_PALLAS_INTERPRET=0
+    lowers it compiled (pallas_kernels.common.default_interpret)."""
+    forced = os.environ.get(EXPERTS_ENV, "")
+    if forced:
+        if forced not in EXPERT_PRODUCTS:
+            raise ValueError(f"{EXPERTS_ENV}={forced!r}: expected one of {', '.join(EXPERT_PRODUCTS)}")
+        return forced
+    backend = jax.default_backend()
+    return "pallas" if backend == "gpu" else "tiles" if backend == "cpu" else "ragged"
+
+
+def routed_experts(products: ExpertProducts, x: jax.Array, token_of: jax.Array, row_weights: jax.Array,
+                   group_sizes: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+    """x [T, D]; token_of, row_weights [T*k] per row grouped by expert; group_sizes [E]; gate, up [E, D, F],
+    down [E, F, D] -> [T, D] float32: each token's rows through their experts, weighted and summed."""
+    out = products(x[token_of], gate, up, down, group_sizes)  # [T*k, D] float32
+    return jnp.zeros(x.shape, jnp.float32).at[token_of].add(out * row_weights[:, None])
+
+
+def sharded_routed_experts(routed: Callable[..., jax.Array], mesh: Mesh | AbstractMesh) -> Callable[..., jax.Array]:
+    """`routed` (routed_experts' signature) per device over the mesh's "tp" axis. The mesh comes with the layer's
+    attention (jvllm.parallel.ops.ShardedLayerAttention.mesh), the one shard_map already runs on. Each device holds
+    every expert's slice of the intermediate width (gate/up columns, down rows; the weights arrive so): its
+    [T, D] result is a partial sum over that slice, and one psum completes it. The routing is replicated."""
+    columns = PartitionSpec(None, None, TP_AXIS)  # gate, up [E, D, F / tp]
+    rows = PartitionSpec(None, TP_AXIS, None)  # down [E, F / tp, D]
+    whole = PartitionSpec()
+
+    def local(x: jax.Array, token_of: jax.Array, row_weights: jax.Array, group_sizes: jax.Array, gate: jax.Array,
+              up: jax.Array, down: jax.Array) -> jax.Array:
+        return jax.lax.psum(routed(x, token_of, row_weights, group_sizes, gate, up, down), TP_AXIS)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(whole, whole, whole, whole, columns, columns, rows),
+                         out_specs=whole, check_vma=False)
 
 
 def _silu_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
@@ -93,6 +141,32 @@ def expert_mlp_ragged(rows: jax.Array, gate: jax.Array, up: jax.Array, down: jax
 
     hidden = jax.nn.silu(grouped(rows, gate)) * grouped(rows, up)  # [R, F] float32
     return grouped(hidden.astype(rows.dtype), down)
+
+
+def _aligned(rows: jax.Array, gate: jax.Array, up: jax.Array,
+             down: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """D and F zero-padded to multiples of the kernel's 16 (no change for real models' widths): padded F columns
+    give silu(0) * 0 = 0 hidden units, padded D columns products that are sliced off."""
+    width, hidden = gate.shape[1:]
+    pad_d, pad_f = -width % MIN_BLOCK, -hidden % MIN_BLOCK
+    if not (pad_d or pad_f):
+        return rows, gate, up, down
+    rows = jnp.pad(rows, ((0, 0), (0, pad_d)))  # [R, D']
+    gate, up = (jnp.pad(w, ((0, 0), (0, pad_d), (0, pad_f))) for w in (gate, up))  # [E, D', F']
+    return rows, gate, up, jnp.pad(down, ((0, 0), (0, pad_f), (0, pad_d)))  # down [E, F', D']
+
+
+def expert_mlp_pallas(rows: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+                      group_sizes: jax.Array) -> jax.Array:
+    """expert_mlp_ragged's result from three launches of the Pallas grouped-matmul kernel (gate, up, down)."""
+    width = rows.shape[1]
+    rows, gate, up, down = _aligned(rows, gate, up, down)
+
+    def grouped(a: jax.Array, w: jax.Array) -> jax.Array:
+        return grouped_matmul(a.astype(w.dtype), w, group_sizes)
+
+    hidden = jax.nn.silu(grouped(rows, gate)) * grouped(rows, up)  # [R, F'] float32
+    return grouped(hidden.astype(rows.dtype), down)[:, :width]
 
 
 def tile_rows(num_rows: int, num_experts: int) -> int:
@@ -123,3 +197,7 @@ def expert_mlp_tiles(rows: jax.Array, gate: jax.Array, up: jax.Array, down: jax.
 
     out = jax.lax.fori_loop(0, count, item, jnp.zeros((num_tiles * block, width), jnp.float32))
     return out[:num_rows]
+
+
+EXPERT_PRODUCTS: dict[str, ExpertProducts] = {"pallas": expert_mlp_pallas, "ragged": expert_mlp_ragged,
+                                              "tiles": expert_mlp_tiles}

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 H100_KIND = "NVIDIA H100 80GB HBM3"  # a device kind jax's Triton lowering maps to compute capability 9.0
 TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call that carries one Pallas Triton kernel in the HLO
@@ -16,19 +16,28 @@ TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call that carries one Pallas 
 _DOT = re.compile(r"tt\.dot [^:]*?(?:inputPrecision = (\w+))? : tensor<([^>]*)> \* tensor<([^>]*)> -> tensor<([^>]*)>")
 
 
+def abstract_cuda_mesh(axis_sizes: tuple[int, ...] = (), axis_names: tuple[str, ...] = (),
+                       device_kind: str = H100_KIND) -> AbstractMesh:
+    """A mesh of abstract CUDA devices (none by default): shard_map lowers over it without any real device."""
+    return AbstractMesh(axis_sizes, axis_names, axis_types=(AxisType.Auto,) * len(axis_names),
+                        abstract_device=AbstractDevice(device_kind=device_kind, num_cores=None, platform="cuda"))
+
+
 @contextlib.contextmanager
-def abstract_gpu(device_kind: str = H100_KIND) -> Iterator[None]:
+def abstract_gpu(device_kind: str = H100_KIND, mesh: AbstractMesh | None = None) -> Iterator[None]:
     """An abstract CUDA device in scope: jax 0.11 asks it for the compute capability when lowering a Triton
-    kernel without a GPU (else "No supported GPU devices found"); jax 0.10.2 accepts it and lowers the same."""
-    device = AbstractDevice(device_kind=device_kind, num_cores=None, platform="cuda")
-    with use_abstract_mesh(AbstractMesh((), (), abstract_device=device)):
+    kernel without a GPU (else "No supported GPU devices found"); jax 0.10.2 accepts it and lowers the same.
+    `mesh` (abstract_cuda_mesh) puts a mesh of such devices in scope instead."""
+    with use_abstract_mesh(abstract_cuda_mesh(device_kind=device_kind) if mesh is None else mesh):
         yield
 
 
-def lower_for_cuda(fn: Callable, *args: Any, donate_argnums: tuple[int, ...] = ()) -> jax.stages.Lowered:
+def lower_for_cuda(fn: Callable, *args: Any, donate_argnums: tuple[int, ...] = (),
+                   mesh: AbstractMesh | None = None) -> jax.stages.Lowered:
     """`fn` jitted, traced on `args` (arrays or ShapeDtypeStructs) and lowered for CUDA; the Pallas -> Triton
-    lowering of every pallas_call runs here, nothing is compiled."""
-    with abstract_gpu():
+    lowering of every pallas_call runs here, nothing is compiled. `mesh`: an abstract mesh in scope, for `fn`'s
+    shard_maps over it."""
+    with abstract_gpu(mesh=mesh):
         return jax.jit(fn, donate_argnums=donate_argnums).trace(*args).lower(lowering_platforms=("cuda",))
 
 

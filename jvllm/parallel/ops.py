@@ -1,7 +1,9 @@
 """Per-shard pieces of the sharded step: attention and the KV write (shard_map over KV heads), the
-vocab-parallel embedding lookup, and replicated logits for the sampler. Matmuls are left to GSPMD."""
+vocab-parallel embedding lookup, and replicated logits for the sampler. Matmuls are left to GSPMD (except the MoE
+experts' Pallas kernel: models.moe runs it in a shard_map on the attention's mesh)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -28,17 +30,26 @@ REPLICATED = PartitionSpec()
 VOCAB_AXIS = LOGICAL_AXIS_RULES["vocab"]
 
 
-def sharded_layer_attention(attention: Callable, mesh: Mesh, result: Any) -> Callable:
-    """Run a layer's attention on each device's own heads: q by heads, k/v and pages by KV heads, the
-    metadata replicated. Nothing is gathered: each shard's query heads use only that shard's KV heads.
-    `result`: the partition specs of the attention's per-layer result (new pages, or the step's k/v)."""
+@dataclasses.dataclass(frozen=True)
+class ShardedLayerAttention:
+    """A layer's attention run on each device's own heads: q by heads, k/v and pages by KV heads, the metadata
+    replicated. Nothing is gathered: each shard's query heads use only that shard's KV heads. `result`: the
+    partition specs of the attention's per-layer result (new pages, or the step's k/v). The model reads `mesh`
+    (models.attention.attention_mesh) to run its other per-device pieces, the MoE experts' kernel, on it too."""
 
-    def call(q, k, v, pages, md, scale, sliding_window=None, soft_cap=None):
+    attention: Callable
+    mesh: Mesh
+    result: Any
+
+    def __call__(self, q, k, v, pages, md, scale, sliding_window=None, soft_cap=None):
         def local(q, k, v, pages, md):
-            return attention(q, k, v, pages, md, scale, sliding_window, soft_cap)
-        return shard_map(local, mesh, in_specs=(HEADS, KV, KV, (PAGES, PAGES), REPLICATED),
-                         out_specs=(HEADS, result))(q, k, v, pages, md)
-    return call
+            return self.attention(q, k, v, pages, md, scale, sliding_window, soft_cap)
+        return shard_map(local, self.mesh, in_specs=(HEADS, KV, KV, (PAGES, PAGES), REPLICATED),
+                         out_specs=(HEADS, self.result))(q, k, v, pages, md)
+
+
+def sharded_layer_attention(attention: Callable, mesh: Mesh, result: Any) -> ShardedLayerAttention:
+    return ShardedLayerAttention(attention, mesh, result)
 
 
 def sharded_pool_write(write: Callable, mesh: Mesh) -> Callable:
