@@ -28,7 +28,8 @@ def default_engine(_jvllm_cache):
     transformers'), the default attention backend, shared by every test that only reads it."""
     from jvllm import Engine
 
-    return Engine(dtype="float32", kv_cache_memory_bytes=256 << 20, max_num_seqs=32, max_model_len=2048)
+    return Engine(dtype="float32", kv_cache_memory_bytes=256 << 20, max_num_seqs=32, max_model_len=2048,
+                  precompile=False)  # shapes compile when first met; tests/jvllm/test_no_compile.py covers precompiling
 
 
 @pytest.fixture(scope="session")
@@ -88,3 +89,29 @@ def hf_smollm():
     folder, name = os.path.split(default_model_path())
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     return model.eval()
+
+
+# The longest files, longest first (durations on the 2-core CI machine). With `--dist loadfile` each file goes whole
+# to the next free worker in collection order, so starting the long ones first keeps both workers busy to the end
+# instead of leaving one file running alone.
+LONGEST_FILES = [
+    "tests/parallel/test_tensor_parallel.py",
+    "tests/notebooks/test_notebooks.py",
+    "tests/jvllm/test_no_compile.py",
+    "tests/models/test_llama_parity.py",
+    "tests/models/test_gguf_families.py",
+    "tests/models/test_family_parity.py",
+    "tests/server/test_cli_serve.py",
+    "tests/jvllm/test_logprobs.py",
+    "tests/jvllm/test_cli.py",
+]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: position for position, name in enumerate(LONGEST_FILES)}
+
+    def file_rank(item: pytest.Item) -> int:
+        path = pathlib.Path(str(item.fspath)).resolve().relative_to(pathlib.Path(str(config.rootpath)).resolve())
+        return rank.get(path.as_posix(), len(LONGEST_FILES))
+
+    items.sort(key=file_rank)  # stable: the other files keep their order

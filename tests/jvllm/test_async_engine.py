@@ -18,7 +18,7 @@ def engine(tiny_model_factory):
     from jvllm import Engine
 
     return Engine(model=str(tiny_model_factory("llama")), dtype="float32", max_num_seqs=8,
-                  kv_cache_memory_bytes=64 << 20, max_model_len=512)
+                  kv_cache_memory_bytes=64 << 20, max_model_len=512, precompile=False)
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ def tiny_llama(tiny_model_factory):
 @pytest.fixture(scope="module")
 def bf16_engine(tiny_llama):
     assert jax.default_backend() == "cpu"
-    return Engine(tiny_llama, dtype="bfloat16", max_num_seqs=4)
+    return Engine(tiny_llama, dtype="bfloat16", max_num_seqs=4, precompile=False)
 
 
 def run_and_capture(engine: Engine, prompts: list[str]) -> tuple[list, list]:
@@ -58,4 +58,4 @@ def test_every_step_has_two_rows_and_a_request_gets_its_batch_tokens_alone(bf16_
     assert calls and all(c.input_ids.shape[0] >= 2 and c.metadata.q_lens.shape[0] >= 2 for c in calls)
     together, _ = run_and_capture(bf16_engine, prompts)
     assert alone[0] == together[0] and len(alone[0]) == GREEDY.max_tokens
-    assert Engine(tiny_llama, max_num_seqs=4).runner.shapes.min_rows == 1  # float32 weights: 1-row steps stay
+    assert Engine(tiny_llama, max_num_seqs=4, precompile=False).runner.shapes.min_rows == 1  # float32 weights: 1-row steps stay

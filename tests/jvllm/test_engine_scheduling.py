@@ -75,7 +75,8 @@ def small_engine(default_engine):
 
     model = default_engine.model
     kv_bytes = default_engine.runner.kv_pool_bytes(model.config, model.dtype, POOL_PAGES, 16)
-    engine = Engine(kv_cache_memory_bytes=kv_bytes, max_num_seqs=8, max_model_len=512)
+    engine = Engine(dtype="float32", kv_cache_memory_bytes=kv_bytes, max_num_seqs=8, max_model_len=512,
+                    precompile=False)
     assert engine.config.num_pages == POOL_PAGES
     return engine
 
@@ -90,7 +91,8 @@ def test_chunked_prefill_matches_one_shot_prefill(default_engine):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     expected = default_engine.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0]
 
-    engine = Engine(max_num_batched_tokens=64, kv_cache_memory_bytes=64 << 20, max_num_seqs=8, max_model_len=1024)
+    engine = Engine(dtype="float32", max_num_batched_tokens=64, kv_cache_memory_bytes=64 << 20, max_num_seqs=8,
+                    max_model_len=1024, precompile=False)
     plans = _record_plans(engine)
     got = engine.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0]
 

@@ -14,7 +14,8 @@ QUESTIONS = ["What is 12 times 12?", "Name a prime number above 50.", "Why is th
 
 @pytest.fixture(scope="module")
 def uncached_engine(_jvllm_cache):
-    return Engine(dtype="float32", kv_cache_memory_bytes=256 << 20, max_num_seqs=32, max_model_len=2048, enable_prefix_caching=False)
+    return Engine(dtype="float32", kv_cache_memory_bytes=256 << 20, max_num_seqs=32, max_model_len=2048,
+                  enable_prefix_caching=False, precompile=False)
 
 
 def _prompts(engine: Engine) -> list[dict]:
@@ -56,7 +57,7 @@ def test_prompt_sharing_512_tokens_reports_at_least_496_cached(default_engine, u
 def test_chunked_prefill_and_preemption_with_the_cache_match_the_uncached_engine(uncached_engine):
     tight = Engine(dtype="float32", kv_cache_memory_bytes=(24 * 16) * 30 * 2 * 3 * 64 * 4, max_num_seqs=8,
                    max_model_len=512,
-                   max_num_batched_tokens=48)  # 24 pages: too few for every request at once, prompts chunked
+                   max_num_batched_tokens=48, precompile=False)  # 24 pages: too few for every request at once, prompts chunked
     prompts = _prompts(tight) * 2
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     got = tight.generate(prompts, params, use_tqdm=False)

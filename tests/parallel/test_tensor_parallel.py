@@ -217,19 +217,25 @@ def test_shard_reads_repeat_kv_heads_transpose_and_pad():
 
 
 # ---- TP=N against TP=1 (subprocesses with virtual devices) ------------------------------------------------
+SAMPLING_CHECKED_ON = ("llama_gqa", "qwen2_moe_padded")  # a dense model at TP 2/4 and a padded MoE at TP 2/3
+
 @pytest.mark.parametrize("name, tps", [("llama_gqa", [2, 4]), ("llama_mqa", [4]), ("qwen2_padded", [2, 3]),
                                        ("qwen2_moe_padded", [2, 3]), ("mixtral", [2]), ("phi3_fused", [2]),
                                        ("qwen3", [2]), ("qwen3_moe", [2]), ("gemma2", [2]), ("gemma3", [2])])
 def test_tp_logits_and_greedy_tokens_match_tp1(tiny_models, name, tps):
-    result = run_worker("compare", {"model": tiny_models[name], "tps": tps, "prompts": PROMPTS}, devices=max(tps))
+    # The sharded sampler (seeded sampling, logprobs, token masks) does not depend on the family: checked on one.
+    sampling = name in SAMPLING_CHECKED_ON
+    result = run_worker("compare", {"model": tiny_models[name], "tps": tps, "prompts": PROMPTS, "sampling": sampling},
+                        devices=max(tps))
     for tp, run in result["runs"].items():
         tp = int(tp)
         assert run["max_abs_logit_diff"] < LOGITS_ATOL, (name, tp, run["max_abs_logit_diff"])
         assert run["tokens"] == result["reference_tokens"], (name, tp)
-        assert run["sampled_tokens"] == result["reference_sampled"], (name, tp)  # seeded, temperature 0.8
-        assert run["constrained"] == result["reference_constrained"], (name, tp)  # regex-masked, seeded
-        assert re.fullmatch("[a-z ]{1,40}", run["constrained"]["text"]), run["constrained"]
-        assert run["max_abs_logprob_diff"] < LOGITS_ATOL, (name, tp, run["max_abs_logprob_diff"])
+        if sampling:
+            assert run["sampled_tokens"] == result["reference_sampled"], (name, tp)  # seeded, temperature 0.8
+            assert run["constrained"] == result["reference_constrained"], (name, tp)  # regex-masked, seeded
+            assert re.fullmatch("[a-z ]{1,40}", run["constrained"]["text"]), run["constrained"]
+            assert run["max_abs_logprob_diff"] < LOGITS_ATOL, (name, tp, run["max_abs_logprob_diff"])
         placed = run["placement"]
         assert placed["largest_block"] * tp == placed["largest_weight"], placed  # no device holds a whole matrix
         assert placed["pool_spec"].startswith("P(None, None, 'tp'"), placed

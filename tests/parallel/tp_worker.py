@@ -73,24 +73,28 @@ def placement(eng) -> dict[str, Any]:
 
 
 def compare(args: dict[str, Any]) -> dict[str, Any]:
-    """TP=1 against each TP size: logits of every prompt position (xla only) and greedy tokens."""
+    """TP=1 against each TP size: logits of every prompt position (xla only) and greedy tokens; with `sampling`
+    (the default), also seeded sampling with logprobs and a regex-constrained request (the sharded sampler)."""
     prompts, max_tokens = args["prompts"], args.get("max_tokens", 8)
     backend = args.get("backend", "xla")
     overrides = args.get("engine", {})
+    sampling = args.get("sampling", True)
     ref = engine(args["model"], 1, attention_backend=backend, **overrides)
     want_logits = [ref.runner.prompt_logits(p) for p in prompts] if backend == "xla" else None
     want_tokens = greedy(ref, prompts, max_tokens)
-    want_sampled = with_logprobs(ref, prompts[0])
-    out: dict[str, Any] = {"reference_tokens": want_tokens, "reference_sampled": want_sampled["tokens"],
-                           "reference_constrained": constrained(ref, prompts[0]), "runs": {}}
+    out: dict[str, Any] = {"reference_tokens": want_tokens, "runs": {}}
+    if sampling:
+        want_sampled = with_logprobs(ref, prompts[0])
+        out.update(reference_sampled=want_sampled["tokens"], reference_constrained=constrained(ref, prompts[0]))
     for tp in args["tps"]:
         eng = engine(args["model"], tp, attention_backend=backend, **overrides)
         run = {"tokens": greedy(eng, prompts, max_tokens), "placement": placement(eng)}
-        sampled = with_logprobs(eng, prompts[0])
-        run["sampled_tokens"] = sampled["tokens"]
-        run["constrained"] = constrained(eng, prompts[0])
-        run["max_abs_logprob_diff"] = float(np.max(np.abs(np.subtract(sampled["logprobs"],
-                                                                      want_sampled["logprobs"]))))
+        if sampling:
+            sampled = with_logprobs(eng, prompts[0])
+            run["sampled_tokens"] = sampled["tokens"]
+            run["constrained"] = constrained(eng, prompts[0])
+            run["max_abs_logprob_diff"] = float(np.max(np.abs(np.subtract(sampled["logprobs"],
+                                                                          want_sampled["logprobs"]))))
         if want_logits is not None:
             diffs = [float(np.max(np.abs(eng.runner.prompt_logits(p) - w))) for p, w in zip(prompts, want_logits)]
             run["max_abs_logit_diff"] = max(diffs)

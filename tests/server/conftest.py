@@ -12,7 +12,11 @@ import pytest
 
 API_KEY = "sk-test-key"
 MODEL = "tiny-llama"
-ENGINE_ARGS = dict(max_num_seqs=64, kv_cache_memory_bytes=64 << 20, max_model_len=512)
+# float32: served outputs are compared with an offline twin's, which ran in another batch (the bf16 batched copy's
+# rounding depends on the batch); precompile=False: each shape compiles when a test first meets it
+# (tests/jvllm/test_no_compile.py covers precompiling, tests/server/test_cli_serve.py the CLI's defaults)
+ENGINE_ARGS = dict(dtype="float32", max_num_seqs=64, kv_cache_memory_bytes=64 << 20, max_model_len=512,
+                   precompile=False)
 
 
 @dataclasses.dataclass

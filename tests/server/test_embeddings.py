@@ -28,7 +28,7 @@ def embed_server():
 def offline():
     from jvllm import Engine
 
-    return Engine(model=MODEL)
+    return Engine(model=MODEL, precompile=False)
 
 
 @pytest.fixture(scope="module")
