@@ -35,6 +35,17 @@ def json_list(text: str) -> list[str]:
     return value
 
 
+def json_limits(text: str) -> dict[str, int]:
+    """--limit-mm-per-prompt takes a JSON object of modality -> count, e.g. '{"image": 4}', as vLLM's does."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a JSON object like '{{\"image\": 4}}', got {text!r}") from None
+    if not isinstance(value, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value.values()):
+        raise argparse.ArgumentTypeError(f"expected a JSON object of integers, got {text!r}")
+    return value
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=None,
@@ -62,6 +73,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=True,
                        help="compile every step shape before serving (default on; loaded from the cache after the "
                             "first start); --no-precompile compiles each shape when first used")
+    group.add_argument("--limit-mm-per-prompt", type=json_limits, default=None, metavar="JSON",
+                       help='images per prompt of a vision-language model, e.g. \'{"image": 4}\' (default 999)')
+    group.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                       help="folder that file: image URLs may read from (default: none; file: URLs are refused)")
 
 
 def add_multihost_args(parser: argparse.ArgumentParser) -> None:
@@ -84,7 +99,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 attention_backend=args.attention_backend, load_format=args.load_format, seed=args.seed,
                 tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
-                batched_weight_dtype=args.batched_weight_dtype, precompile=args.precompile)
+                batched_weight_dtype=args.batched_weight_dtype, precompile=args.precompile,
+                limit_mm_per_prompt=args.limit_mm_per_prompt, allowed_local_media_path=args.allowed_local_media_path)
 
 
 def build_parser() -> argparse.ArgumentParser:

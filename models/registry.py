@@ -9,6 +9,7 @@ from models.bert import BertModel
 from models.config import EncoderConfig, ModelConfig
 from models.gemma import GemmaForCausalLM
 from models.llama import LlamaForCausalLM
+from models.llava import text_config_dict
 
 _CAUSAL_LMS: dict[str, type[nnx.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -34,11 +35,14 @@ _ENCODERS: dict[str, type[nnx.Module]] = {
     "XLMRobertaForMaskedLM": BertModel,
 }
 
+# Vision-language models: the language model is one of the causal LMs above, the vision side is models.llava's.
+_VISION_LANGUAGE = ("LlavaForConditionalGeneration",)
+
 _DEFAULT_ARCHITECTURE = {"bert": "BertModel", "roberta": "RobertaModel", "xlm-roberta": "XLMRobertaModel"}
 
 
 def supported_architectures() -> list[str]:
-    return sorted([*_CAUSAL_LMS, *_ENCODERS])
+    return sorted([*_CAUSAL_LMS, *_ENCODERS, *_VISION_LANGUAGE])
 
 
 def is_encoder_architecture(architecture: str) -> bool:
@@ -56,10 +60,13 @@ def model_class_for(architecture: str) -> type[nnx.Module]:
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig | EncoderConfig:
-    """Read an HF config.json dict into the config type its architecture needs."""
+    """Read an HF config.json dict into the config type its architecture needs (a vision-language model's: its
+language model's)."""
     if not hf.get("architectures") and hf.get("model_type") in _DEFAULT_ARCHITECTURE:
         hf = {**hf, "architectures": [_DEFAULT_ARCHITECTURE[hf["model_type"]]]}
     architecture = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
+    if architecture in _VISION_LANGUAGE:  # the language model's config (a complete dict: see model_loader.vision)
+        hf, architecture = text_config_dict(hf), text_config_dict(hf)["architectures"][0]
     model_class_for(architecture)  # unsupported architectures fail here, with the list
     if is_encoder_architecture(architecture):
         return EncoderConfig.from_hf_dict(hf)

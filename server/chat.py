@@ -13,7 +13,9 @@ from jvllm.outputs import CompletionOutput, RequestOutput
 from server.errors import bad_request
 from server.logprobs import chat_logprobs
 from server.blocking import TemplateTimeout, with_deadline
-from server.protocol import ChatCompletionRequest, ChatMessage, invalid_text_path
+from jvllm.multimodal.chat import message_text
+from jvllm.multimodal.inputs import ProcessedImage, text_only_error
+from server.protocol import ChatCompletionRequest, ChatMessage, TextPart, invalid_text_path
 from server.responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
                               DeltaMessage, UsageInfo)
 from server.sampling import (check_fits, check_generates, check_logprobs, check_model, check_unsupported, sampling_params,
@@ -29,12 +31,16 @@ _RESERVED_TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "chat_templat
                            "continue_final_message"}
 
 
-def conversation(messages: list[ChatMessage]) -> list[dict]:
-    """Messages as the chat template sees them (content parts joined into one string, tool calls' arguments as
-    objects)."""
+def conversation(messages: list[ChatMessage], image_token: str = "") -> list[dict]:
+    """Messages as the chat template sees them (text parts joined into one string; a message with images gets one
+    `image_token` line per image before its text parts, as vLLM writes it; tool calls' arguments as objects)."""
     result = []
     for message in messages:
-        item = {"role": message.role, "content": message.text()}
+        content = message.text()
+        if message.image_urls():
+            texts = [part.text for part in message.content if isinstance(part, TextPart)]
+            content = message_text(texts, len(message.image_urls()), image_token)
+        item = {"role": message.role, "content": content}
         if message.name:
             item["name"] = message.name
         if message.tool_calls:
@@ -61,8 +67,11 @@ async def render_chat(state: ServerState, messages: list[ChatMessage], *, reques
     if tools:
         kwargs["tools"] = tools
 
+    vision = state.engine.engine.model.vision
+    image_token = "" if vision is None else vision.image_token
+
     def render() -> str:
-        return state.engine.apply_chat_template(conversation(messages),
+        return state.engine.apply_chat_template(conversation(messages, image_token),
                                                 chat_template=request_template or state.settings.chat_template,
                                                 add_generation_prompt=add_generation_prompt,
                                                 continue_final_message=continue_final_message, **kwargs)
@@ -80,6 +89,23 @@ async def render_chat(state: ServerState, messages: list[ChatMessage], *, reques
     if invalid_text_path(text) is not None:  # e.g. a surrogate made by the template from its arguments
         raise bad_request("the rendered chat is not valid UTF-8 text", "messages")
     return text
+
+
+async def chat_images(state: ServerState, messages: list[ChatMessage]) -> list[ProcessedImage]:
+    """The messages' images, loaded (data:, file: under --allowed-local-media-path, http(s)) and preprocessed on the
+    blocking-work pool; a refused or unreadable image is a 400 naming the reason."""
+    urls = [url for message in messages for url in message.image_urls()]
+    if not urls:
+        return []
+    engine = state.engine.engine
+    processor = engine.mm_processor
+    try:
+        if processor is None:
+            raise text_only_error(engine.served_model_name)
+        processor.check_count(len(urls))
+        return await state.blocking.run(lambda: [processor.process_image(engine.media.load_image(url)) for url in urls])
+    except ValueError as error:
+        raise bad_request(str(error), "messages") from None
 
 
 class _Chat:
@@ -183,14 +209,22 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                              add_generation_prompt=body.add_generation_prompt,
                              continue_final_message=body.continue_final_message, extra=body.chat_template_kwargs,
                              tools=tools.tools or None)
+    images = await chat_images(state, body.messages)
     ids = await state.tokenize(text, add_special_tokens=body.add_special_tokens)
+    if images:  # placeholders expanded here too, so the length checks and usage count every image token
+        try:
+            ids = state.engine.engine.mm_processor.expand(ids, {"image": images})[0]
+        except ValueError as error:
+            raise bad_request(str(error), "messages") from None
     wanted = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = sampling_params(body, max_tokens=check_fits(len(ids), wanted, state.engine.max_model_len),
                              logprobs=num_top, prompt_logprobs=body.prompt_logprobs, structured_outputs=constraint)
     chat = _Chat(body, state, model, len(ids), num_top, tools)
     state.log_request(chat.id, "received", repr(text)[:2000], params)
-    stream = await state.engine.add_request({"prompt": text, "prompt_token_ids": ids}, params, chat.id,
-                                            arrival_time=arrival)
+    prompt = {"prompt": text, "prompt_token_ids": ids}
+    if images:
+        prompt["multi_modal_data"] = {"image": images}
+    stream = await state.engine.add_request(prompt, params, chat.id, arrival_time=arrival)
     if body.stream:
         return sse_response(chat.events(stream), [stream])
 

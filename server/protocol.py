@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible routes (OpenAI's fields plus vLLM's sampling extras)."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -137,6 +137,16 @@ class TextPart(OpenAIModel):
     text: str
 
 
+class ImageURL(OpenAIModel):
+    url: str = Field(description="a data: URL, a file: URL under --allowed-local-media-path, or http(s)")
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(OpenAIModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class FunctionCall(OpenAIModel):
     name: str
     arguments: str = Field(description="the arguments as a JSON object in a string")
@@ -150,7 +160,7 @@ class ToolCall(OpenAIModel):
 
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
@@ -160,7 +170,13 @@ class ChatMessage(OpenAIModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def image_urls(self) -> list[str]:
+        """The URLs of its image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url.url for part in self.content if isinstance(part, ImagePart)]
 
 
 class FunctionDefinition(OpenAIModel):

@@ -1,4 +1,5 @@
-"""Prefix-cache keys: each full page's key chains its parent page's key with the page's token ids (xxhash)."""
+"""Prefix-cache keys: each full page's key chains its parent page's key with the page's token ids and the images
+its tokens hold (xxhash)."""
 from __future__ import annotations
 
 import struct
@@ -23,5 +24,13 @@ def request_page_keys(request: Request, num_pages: int, page_size: int) -> list[
     while len(keys) < num_pages:
         start = len(keys) * page_size
         tokens = [request.token_at(i) for i in range(start, start + page_size)]
-        keys.append(chain_key(keys[-1] if keys else _ROOT, tokens, salt))
+        keys.append(chain_key(keys[-1] if keys else _ROOT, tokens, salt + _images_in(request, start, page_size)))
     return keys[:num_pages]
+
+
+def _images_in(request: Request, start: int, page_size: int) -> bytes:
+    """The hash and offset of every image whose placeholder tokens overlap the page: pages of the same token ids
+    (image placeholders look alike) but different images never share a key."""
+    spans = [(item.hash, item.offset) for item in request.mm_items
+             if item.offset < start + page_size and item.end > start]
+    return b"".join(struct.pack("<Qq", key, offset) for key, offset in spans)

@@ -75,6 +75,7 @@ class Request:
         self.page_keys: list[int] = []  # prefix-cache keys of its full pages, computed as needed
         self.num_registered_pages = 0  # leading pages already offered to the prefix cache
         self.grammar: Any = None  # structured outputs: a jvllm.structured GrammarState fed every output token
+        self.mm_items: list = []  # multimodal: jvllm.core.encoder_cache.MultiModalItem per image, by offset
 
     @property
     def num_prompt_tokens(self) -> int:

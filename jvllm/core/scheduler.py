@@ -5,6 +5,7 @@ import dataclasses
 import time
 from collections import deque
 
+from jvllm.core.encoder_cache import EncoderBudget, EncoderCache, MultiModalItem
 from jvllm.core.kv_pages import PageManager
 from jvllm.core.prefix_cache import request_page_keys
 from jvllm.core.request import Request, RequestStatus
@@ -20,6 +21,8 @@ class ScheduledChunk:
     lookahead: bool = False
     start: int = dataclasses.field(init=False)  # fixed at scheduling time, before commit() moves the request on
     samples: bool = dataclasses.field(init=False)  # reaches the last known token, so its logits are sampled
+    # images whose encoder output this chunk needs and nobody has computed: encoded before the step runs
+    encode: list[MultiModalItem] = dataclasses.field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         self.start = self.request.num_computed_tokens
@@ -35,8 +38,13 @@ class Scheduler:
     """Decides each step which requests run and how many tokens each computes. Pure Python."""
 
     def __init__(self, pages: PageManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_prefix_caching: bool = False):
+                 enable_prefix_caching: bool = False, encoder_cache: EncoderCache | None = None,
+                 max_num_encoder_tokens: int = 0):
+        """`encoder_cache` (multimodal models): a chunk runs only once the images it touches have encoder rows,
+        and a step encodes at most `max_num_encoder_tokens` rows of new images."""
         self.pages = pages
+        self.encoder_cache = encoder_cache
+        self.max_num_encoder_tokens = max_num_encoder_tokens
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of those, tokens found cached
@@ -70,17 +78,24 @@ class Scheduler:
         """This step's chunks: running requests first (preempting from the back when pages run out), then
         waiting ones in FCFS order while the token budget, the sequence limit and free pages allow."""
         budget = self.max_num_batched_tokens
+        encoder = None if self.encoder_cache is None else EncoderBudget(self.max_num_encoder_tokens)
         chunks: list[ScheduledChunk] = []
         preempted = False
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            wanted = min(request.num_tokens - request.num_computed_tokens, budget)
+            count = self._encoder_room(request, wanted, encoder)
+            if count == 0 < wanted:  # its next image waits for encoder rows or budget
+                index += 1
+                continue
             reserved, evicted = self._reserve_pages(request, count)
             preempted |= evicted
             if not reserved:
+                if encoder is not None:
+                    encoder.drop(request.request_id)
                 break  # `request` itself was preempted; it was the last one running
-            chunks.append(ScheduledChunk(request, count))
+            chunks.append(self._chunk(request, count, encoder))
             budget -= count
             index += 1
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -88,10 +103,11 @@ class Scheduler:
             if not self._fork_prompt_pages(request):
                 break  # its sibling is still computing the shared prompt: wait one step, in FCFS order
             cached_pages = self._lookup_prefix(request)
-            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            count = self._encoder_room(request, min(request.num_tokens - request.num_computed_tokens, budget), encoder)
             needed = self.pages.pages_for_tokens(request.num_computed_tokens + count) - len(request.page_table)
-            if needed > self.pages.num_free_pages:
+            if count == 0 or needed > self.pages.num_free_pages:
                 self._undo_lookup(request, cached_pages)
+                self._undo_encoder(request, encoder)
                 break  # strict FCFS: later requests do not overtake the head of the queue
             if cached_pages is not None:
                 self.prefix_cache_queries += request.num_tokens
@@ -101,9 +117,27 @@ class Scheduler:
             request.set_status(RequestStatus.RUNNING)
             request.first_scheduled_time = request.first_scheduled_time or time.time()
             self.running.append(request)
-            chunks.append(ScheduledChunk(request, count))
+            chunks.append(self._chunk(request, count, encoder))
             budget -= count
         return chunks
+
+    def _encoder_room(self, request: Request, count: int, encoder: EncoderBudget | None) -> int:
+        """How many of the next `count` tokens can run: all, unless an image among them cannot be encoded yet."""
+        if encoder is None or not request.mm_items:
+            return count
+        return self.encoder_cache.schedule(request, request.num_computed_tokens, count, encoder)
+
+    def _undo_encoder(self, request: Request, encoder: EncoderBudget | None) -> None:
+        if encoder is not None:
+            encoder.drop(request.request_id)
+            self.encoder_cache.release(request)
+
+    @staticmethod
+    def _chunk(request: Request, count: int, encoder: EncoderBudget | None) -> ScheduledChunk:
+        chunk = ScheduledChunk(request, count)
+        if encoder is not None:
+            chunk.encode = encoder.items_of(request.request_id)
+        return chunk
 
     def _fork_prompt_pages(self, request: Request) -> bool:
         """An n > 1 member shares the full prompt pages its sibling already computed (read-only: both write
@@ -174,6 +208,8 @@ class Scheduler:
         self.pages.release(request.page_table)
         request.page_table = []
         request.num_computed_tokens = request.num_registered_pages = 0
+        if self.encoder_cache is not None:
+            self.encoder_cache.release(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.set_status(RequestStatus.PREEMPTED)
@@ -186,6 +222,9 @@ class Scheduler:
             chunk.request.num_computed_tokens += chunk.num_tokens
             if self.enable_prefix_caching:
                 self._register_full_pages(chunk.request)
+            if self.encoder_cache is not None:
+                self.encoder_cache.mark_ready(chunk.encode)
+                self.encoder_cache.release_passed(chunk.request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Retire a running or waiting request, returning its pages."""
@@ -198,4 +237,6 @@ class Scheduler:
             self.waiting.remove(request)
         self.pages.release(request.page_table)
         request.page_table = []
+        if self.encoder_cache is not None:
+            self.encoder_cache.release(request)
         request.set_status(status)

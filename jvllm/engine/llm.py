@@ -25,7 +25,8 @@ from jvllm.engine.output_processor import append_token, record_prompt_logprobs, 
 from jvllm.outputs import EmbeddingRequestOutput, RequestOutput
 from jvllm.engine.progress import GenerateProgress, precompile_progress
 from jvllm.engine.multihost import MultiHostRoles
-from jvllm.engine.prompts import PromptType, chat_prompts, tokenize_prompt
+from jvllm.engine.prompts import PromptType, conversation_prompts, tokenize_prompt
+from jvllm.multimodal.inputs import PromptImages, engine_multimodal
 from jvllm.core.request import Request, RequestStatus
 from jvllm.sampling_params import SamplingParams, StructuredOutputsParams
 from jvllm.core.scheduler import ScheduledChunk, Scheduler
@@ -47,7 +48,9 @@ class Engine(MultiHostRoles):
                  served_model_name: str | None = None, batched_weight_dtype: str | None = "auto",
                  pooling: str | None = None, normalize: bool | None = None, num_hosts: int | None = None,
                  host_rank: int | None = None, coordinator: str | None = None, async_scheduling: bool = True,
-                 precompile: bool = True, reasoning_parser: str | None = None):
+                 precompile: bool = True, reasoning_parser: str | None = None,
+                 limit_mm_per_prompt: dict[str, int] | None = None, allowed_local_media_path: str | None = None,
+                 encoder_cache_tokens: int | None = None):
         """`pooling` ("mean", "cls", "last", "max", "mean_sqrt_len") and `normalize` override an embedding
         model's sentence-transformers config; on a generative model, `pooling` enables embed().
 
@@ -66,6 +69,11 @@ class Engine(MultiHostRoles):
 
         `reasoning_parser` ("deepseek_r1", "qwen3"): the model thinks first, up to `</think>`; structured-output
         constraints apply to what follows.
+
+        Vision-language models (LLaVA) take images: `limit_mm_per_prompt` ({"image": N}, default 999) caps a prompt's
+        images, `allowed_local_media_path` is the folder `file:` image URLs may come from (none by default), and
+        `encoder_cache_tokens` sizes the device buffer of encoded images (rows; by default twice
+        max_num_batched_tokens and at least 8 images), which keeps repeated images from being encoded again.
 
         `batched_weight_dtype` adds a copy of the weight matrices (e.g. "bfloat16") for steps of 2+ token rows;
         "auto" (the default) adds a bfloat16 copy when a generative model runs in float32 on CPU because
@@ -107,14 +115,21 @@ class Engine(MultiHostRoles):
         self.enable_prefix_caching = enable_prefix_caching
         cfg = self.config
         self.pages = PageManager(cfg.num_pages, cfg.page_size)
+        if self.model.vision is not None and hosts.multi_host:
+            raise ValueError("vision-language models run on one host")
+        self.encoder_cache, self.mm_processor, self.media = engine_multimodal(
+            self.model, cfg.max_num_batched_tokens, limit_mm_per_prompt, allowed_local_media_path, encoder_cache_tokens)
+        image_tokens = 0 if self.model.vision is None else self.model.vision.tokens_per_image
         self.scheduler = Scheduler(self.pages, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   enable_prefix_caching=enable_prefix_caching)
+                                   enable_prefix_caching=enable_prefix_caching, encoder_cache=self.encoder_cache,
+                                   max_num_encoder_tokens=max(cfg.max_num_batched_tokens, image_tokens))
         shapes = ShapeSet(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         batched_dtype = batched_weights_for(batched_weight_dtype, dtype, self.model)
         self.channel = distributed.StepChannel() if hosts.multi_host else None
         self.runner = None if self.model.is_encoder else ModelRunner(
             self.model, num_pages=cfg.num_pages, page_size=cfg.page_size, max_model_len=cfg.max_model_len,
-            shapes=shapes, attention_backend=backend, batched_weight_dtype=batched_dtype, channel=self.channel)
+            shapes=shapes, attention_backend=backend, batched_weight_dtype=batched_dtype, channel=self.channel,
+            encoder_cache=self.encoder_cache)
         if self.channel is not None and self.channel.is_leader:
             atexit.register(self.shutdown)  # followers must not wait forever for the next step
         self.embedder = build_embedder(self.model, cfg, pooling=pooling, normalize=normalize,
@@ -184,8 +199,9 @@ class Engine(MultiHostRoles):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self._request_groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        images = PromptImages(self.mm_processor, prompt, self.model.served_name)
         text, token_ids = tokenize_prompt(self.tokenizer, prompt, self.model.config.vocab_size,
-                                          self.config.max_model_len)
+                                          self.config.max_model_len, images.expand)
         params.validate_for_vocab(self.model.config.vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > MAX_LOGPROBS:
@@ -204,6 +220,7 @@ class Engine(MultiHostRoles):
             request.cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params)
             request.grammar = grammar if grammar is None or index == 0 else grammar.copy()
+            request.mm_items = images.items
             self.scheduler.check_fits(request)
             request.prompt_source = members[0] if members else None
             members.append(request)
@@ -230,6 +247,11 @@ class Engine(MultiHostRoles):
         """Forget every cached prefix (pages in use stay valid for their requests). -> True, as vLLM's does."""
         self.scheduler.reset_prefix_cache()
         return True
+
+    def reset_mm_cache(self) -> None:
+        """Forget every encoded image that no running request still reads (vLLM's name)."""
+        if self.encoder_cache is not None:
+            self.encoder_cache.reset()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -353,12 +375,15 @@ class Engine(MultiHostRoles):
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              use_tqdm: bool = True) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate. Message contents
+        may be lists of content parts: text, and for vision-language models images (`image_url` with a data:,
+        file: or http(s): URL, or `image_pil` with a PIL image)."""
         if not messages:
             raise ValueError("chat() needs at least one message")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = chat_prompts(self.tokenizer, conversations, chat_template=chat_template,
-                               add_generation_prompt=add_generation_prompt)
+        image_token = None if self.model.vision is None else self.model.vision.image_token
+        prompts = conversation_prompts(self.tokenizer, conversations, image_token, self.media.load_image,
+                                       chat_template=chat_template, add_generation_prompt=add_generation_prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def embed(self, prompts: PromptType | Sequence[PromptType], *, truncate: bool = True,

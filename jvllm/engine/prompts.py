@@ -1,15 +1,18 @@
 """Prompts to token ids: the accepted prompt forms, their checks, and chat conversations through the template."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
+
+from jvllm.multimodal.chat import split_conversation
 
 PromptType = str | dict[str, Any]
 
 
-def tokenize_prompt(tokenizer: Any, prompt: PromptType, vocab_size: int,
-                    max_model_len: int) -> tuple[str | None, list[int]]:
+def tokenize_prompt(tokenizer: Any, prompt: PromptType, vocab_size: int, max_model_len: int,
+                    expand: Callable[[list[int]], list[int]] | None = None) -> tuple[str | None, list[int]]:
     """-> (text if known, token ids); ValueError for a form it does not take, an empty prompt, ids outside the
-    vocabulary, or a prompt that leaves no room for one generated token."""
+    vocabulary, or a prompt that leaves no room for one generated token. `expand` rewrites the ids before the
+    checks (image placeholders to their token counts). A dict prompt may carry `multi_modal_data`."""
     if isinstance(prompt, str):
         text, token_ids = prompt, tokenizer.encode(prompt)
     elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -19,6 +22,8 @@ def tokenize_prompt(tokenizer: Any, prompt: PromptType, vocab_size: int,
     else:
         raise ValueError("a prompt is a str, {'prompt': str} or {'prompt_token_ids': [int, ...]}; "
                          f"got {type(prompt).__name__}")
+    if expand is not None:
+        token_ids = expand(list(token_ids))
     if not token_ids:
         raise ValueError("the prompt is empty: it must contain at least one token")
     if any(not isinstance(t, int) or t < 0 or t >= vocab_size for t in token_ids):
@@ -38,4 +43,18 @@ def chat_prompts(tokenizer: Any, conversations: list[list[dict[str, Any]]], *, c
                                              add_generation_prompt=add_generation_prompt)
         ids = tokenizer.encode(text, add_special_tokens=False)  # the template already has BOS if needed
         prompts.append({"prompt": text, "prompt_token_ids": ids})
+    return prompts
+
+
+def conversation_prompts(tokenizer: Any, conversations: list[list[dict[str, Any]]], image_token: str | None,
+                         load_image: Callable[[str], Any], *, chat_template: str | None,
+                         add_generation_prompt: bool) -> list[dict[str, Any]]:
+    """Conversations whose messages may hold content parts -> prompts: the template's text and ids, plus the images
+    (in order) as multi_modal_data. `image_token` None (a text-only model) refuses image parts."""
+    split = [split_conversation(c, image_token, load_image) for c in conversations]
+    prompts = chat_prompts(tokenizer, [messages for messages, _ in split], chat_template=chat_template,
+                           add_generation_prompt=add_generation_prompt)
+    for prompt, (_, images) in zip(prompts, split):
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
     return prompts

@@ -16,7 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jvllm.model_loader.vision import complete_config, is_vision_language, load_vision
 from models.config import EncoderConfig, ModelConfig
+from models.llava import split_tensors
 from models.registry import config_from_hf, model_class_for
 
 logger = logging.getLogger("jvllm")
@@ -37,6 +39,7 @@ class LoadedModel:
     dtype: Any
     folder: Path | None = None  # the HF folder it came from (a GGUF's converted folder)
     mesh: Any = None  # the tensor-parallel jax.sharding.Mesh the weights are sharded over (None: one device)
+    vision: Any = None  # a vision-language model's vision side (jvllm.model_loader.vision.VisionModel)
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -166,6 +169,9 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
     path, name = resolve_model_path(model)
     folder = _gguf_as_hf_folder(path, tokenizer_required=tokenizer is None) if path.endswith(".gguf") else Path(path)
     hf_config = json.loads((folder / "config.json").read_text())
+    multimodal = is_vision_language(hf_config)
+    if multimodal:
+        hf_config = complete_config(folder)
     config = config_from_hf(hf_config)
     model_cls = model_class_for(config.architecture)
     jdtype = resolve_dtype(dtype)
@@ -173,15 +179,23 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
 
     tok = AutoTokenizer.from_pretrained(tokenizer or str(folder))
     if tensor_parallel_size != 1:
+        if multimodal:
+            raise ValueError(f"{config.architecture}: vision-language models run on one device; use "
+                             "tensor_parallel_size=1")
         return _load_sharded(config, model_cls, jdtype, folder, load_format, seed, tensor_parallel_size,
                              LoadedModel(config, None, None, tok, served_model_name or name, jdtype, folder))
-    if load_format == "dummy":
+    tensors = None if load_format == "dummy" else read_safetensors(folder)
+    vision_tensors = None
+    if multimodal and tensors is not None:
+        vision_tensors, tensors = split_tensors(tensors)
+    if tensors is None:
         module = model_cls(config, jdtype, nnx.Rngs(seed))
     else:
         module = abstract_module(model_cls, config, jdtype)
-        module.load_hf_weights(read_safetensors(folder), jdtype)
+        module.load_hf_weights(tensors, jdtype)
     graphdef, state = nnx.split(module)
-    return LoadedModel(config, graphdef, state, tok, served_model_name or name, jdtype, folder)
+    vision = load_vision(folder, hf_config, tok, jdtype, vision_tensors, seed) if multimodal else None
+    return LoadedModel(config, graphdef, state, tok, served_model_name or name, jdtype, folder, vision=vision)
 
 
 def _load_sharded(config: Any, model_cls: Any, jdtype: Any, folder: Path, load_format: str, seed: int, tp: int,

@@ -6,6 +6,7 @@ import dataclasses
 import numpy as np
 
 from jvllm.attention.backend import PrefillLayout
+from jvllm.core.encoder_cache import EncoderCache
 from jvllm.core.scheduler import ScheduledChunk
 from jvllm.worker.step_shapes import StepShape
 from models.attention import AttentionMetadata
@@ -19,14 +20,18 @@ class ChunkRow:
     token_ids: list[int]
     start: int
     page_table: list[int]
+    mm_rows: list[int] | None = None  # multimodal: per token, its encoder-buffer row (-1: a text token)
 
 
-def chunk_rows(chunks: list[ScheduledChunk]) -> list[ChunkRow]:
+def chunk_rows(chunks: list[ScheduledChunk], encoder_cache: EncoderCache | None = None) -> list[ChunkRow]:
     rows = []
     for chunk in chunks:
         request, start = chunk.request, chunk.start
         ids = [request.token_at(i) for i in range(start, start + chunk.num_tokens - chunk.pending_tokens)]
-        rows.append(ChunkRow(ids + [0] * chunk.pending_tokens, start, request.page_table))
+        mm_rows = None
+        if encoder_cache is not None and request.mm_items:
+            mm_rows = encoder_cache.token_rows(request, start, chunk.num_tokens)
+        rows.append(ChunkRow(ids + [0] * chunk.pending_tokens, start, request.page_table, mm_rows))
     return rows
 
 
@@ -39,12 +44,13 @@ class HostBatch:
     positions: np.ndarray  # [T] int32
     metadata: AttentionMetadata  # numpy leaves, moved to the device by the runner
     num_rows: int  # real sequence rows (the rest are padding)
+    mm_rows: np.ndarray | None = None  # [T] int32 encoder-buffer row of each token (-1: text), multimodal models
 
 
 def build_batch(rows: list[ChunkRow], shape: StepShape, page_size: int, max_pages: int,
-                prefill_layout: PrefillLayout) -> HostBatch:
+                prefill_layout: PrefillLayout, multimodal: bool = False) -> HostBatch:
     """Chunks back to back in T flat tokens; row s of the metadata is rows[s]. A decode shape needs every chunk
-    to be one token (token s is row s)."""
+    to be one token (token s is row s). `multimodal` adds the tokens' encoder-buffer rows."""
     num_tokens, num_seqs = shape.tokens, shape.seqs
     total = sum(len(r.token_ids) for r in rows)
     if total > num_tokens or len(rows) > num_seqs:
@@ -56,6 +62,7 @@ def build_batch(rows: list[ChunkRow], shape: StepShape, page_size: int, max_page
     q_lens = np.zeros(num_seqs, np.int32)
     kv_lens = np.zeros(num_seqs, np.int32)
     page_tables = np.zeros((num_seqs, max_pages), np.int32)
+    mm_rows = np.full(num_tokens, -1, np.int32) if multimodal else None
 
     cursor = 0
     for index, row in enumerate(rows):
@@ -68,6 +75,8 @@ def build_batch(rows: list[ChunkRow], shape: StepShape, page_size: int, max_page
         slot_mapping[span] = pages[pos // page_size] * page_size + pos % page_size
         query_start[index], q_lens[index], kv_lens[index] = cursor, n, start + n
         page_tables[index, : len(pages)] = pages
+        if mm_rows is not None and row.mm_rows is not None:
+            mm_rows[span] = row.mm_rows
         cursor += n
     decode = shape.kind == "decode"
     if decode and total != len(rows):
@@ -76,4 +85,4 @@ def build_batch(rows: list[ChunkRow], shape: StepShape, page_size: int, max_page
     layout = {} if decode else prefill_layout(q_lens[:n], query_start[:n], kv_lens[:n] - q_lens[:n], num_tokens,
                                               num_seqs)
     md = AttentionMetadata(slot_mapping, query_start, q_lens, kv_lens, page_tables, layout, decode)
-    return HostBatch(shape, input_ids, positions, md, n)
+    return HostBatch(shape, input_ids, positions, md, n, mm_rows)

@@ -101,14 +101,16 @@ class CompiledSteps:
         if flags.masks:
             sampling.allowed_bits, sampling.bias_ids, sampling.bias_values = empty_masks(shape.seqs, runner.vocab_size)
         call = StepCall(shape, batch.input_ids, batch.positions, batch.metadata, sampling,
-                        np.full(shape.tokens, -1, np.int32), flags)
+                        np.full(shape.tokens, -1, np.int32), flags, batch.mm_rows)
         return runner.device_inputs(call)
 
     def _compile(self, shape: StepShape) -> ShapeExecutables:
         steps, runner, compiled = self.steps, self.runner, self._compiled
         weights = runner.step_weights.for_rows(shape.tokens)
-        md, ids, positions, sampling, targets = self._examples(shape)
-        embed = compiled(f"embed {shape}", steps.embed, weights.outer, ids, positions)
+        md, ids, positions, sampling, targets, mm_rows = self._examples(shape)
+        encoder = runner.encoder
+        features = () if encoder is None else (mm_rows, encoder.buffer)
+        embed = compiled(f"embed {shape}", steps.embed, weights.outer, ids, positions, *features)
         x, cos, sin = (_spec(a) for a in embed.out_info)
         pages = runner.kv_cache[0]
         parts = runner.step_weights.parts
@@ -150,7 +152,7 @@ class CompiledSteps:
         """The head for this shape's row count (and weights: a batched copy serves multi-row steps)."""
         key = (shape.seqs, shape.tokens >= self.runner.step_weights.batched_min_rows, flags)
         if key not in self._heads:
-            _, _, _, sampling, _ = self._examples(shape, flags)
+            sampling = self._examples(shape, flags)[3]
             self._heads[key] = self._compiled(f"head S={shape.seqs} {flags}", self.steps.head, outer, x_last,
                                                    sampling, flags=flags)
         return self._heads[key]

@@ -26,7 +26,8 @@ from models.attention import AttentionMetadata
 @dataclasses.dataclass(frozen=True)
 class StepFunctions:
     """Per step shape (T tokens, S rows):
-    embed(outer, ids [T], positions [T]) -> (x [T, D], cos, sin [T, hd]);
+    embed(outer, ids [T], positions [T]) -> (x [T, D], cos, sin [T, hd]); a multimodal model's also takes
+    mm_rows [T] int32 and the encoder buffer [R, D]: a token with a row >= 0 takes that buffer row as its embedding;
     layer(layer weights, x, cos, sin, (k_pages, v_pages), md, group=) -> (x, the attention's per-layer result), one
     function per layer group (jvllm.worker.model_parts);
     last_rows(x, md) -> [S, D], each row's last token;
@@ -55,10 +56,12 @@ def _zero_stats(rows: int) -> LogprobStats:
 
 
 def build_step_functions(parts: ModelParts, backend: AttentionBackend, activation_dtype: Any, max_num_seqs: int,
-                         mesh: Mesh | None = None, vocab_size: int | None = None) -> StepFunctions:
+                         mesh: Mesh | None = None, vocab_size: int | None = None,
+                         multimodal: bool = False) -> StepFunctions:
     """With a mesh (tensor parallelism) the weights and the pool arrive sharded: attention and the pool write
     run per shard, the embedding lookup is vocab-parallel, activations between the pieces are replicated,
-    and logits are replicated (and stripped of any vocab padding past `vocab_size`) before sampling."""
+    and logits are replicated (and stripped of any vocab padding past `vocab_size`) before sampling.
+    `multimodal`: the embedding takes image features from the encoder buffer (one device only)."""
     attention = backend.layer_attention(mesh)
     embed_lookup = None if mesh is None else ops.vocab_parallel_lookup(mesh)
     gather = (lambda x: x) if mesh is None else ops.replicate(mesh)
@@ -78,6 +81,13 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
 
     def embed(outer: list[jax.Array], input_ids: jax.Array, positions: jax.Array):
         return parts.outer(outer).embed(input_ids, positions, activation_dtype, embed_lookup)
+
+    def embed_with_features(outer: list[jax.Array], input_ids: jax.Array, positions: jax.Array, mm_rows: jax.Array,
+                            mm_buffer: jax.Array):
+        """mm_rows [T] int32 (-1: a text token), mm_buffer [R, D]: image tokens take their encoder output rows."""
+        x, cos, sin = embed(outer, input_ids, positions)
+        features = mm_buffer[jnp.maximum(mm_rows, 0)].astype(x.dtype)  # [T, D]
+        return jnp.where((mm_rows >= 0)[:, None], features, x), cos, sin
 
     def layer(weights: list[jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array, pages: tuple,
               md: AttentionMetadata, *, group: int = 0):
@@ -107,7 +117,7 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
 
     layer_out = None if mesh is None else (whole, backend.layer_result_sharding(mesh))
     return StepFunctions(
-        embed=jit(embed, out_shardings=(whole, whole, whole)),
+        embed=jit(embed_with_features if multimodal else embed, out_shardings=(whole, whole, whole)),
         layer=jit(layer, out_shardings=layer_out, static_argnames=("group",),
                   donate_argnames=("pages",) if backend.step_donates_pool else ()),
         last_rows=jit(last_rows, out_shardings=whole),

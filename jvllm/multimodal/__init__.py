@@ -1,0 +1,1 @@
+"""Multimodal inputs: images in prompts and chat messages, their loading and preprocessing."""

@@ -1,0 +1,65 @@
+"""Tiny random LLaVA-1.5 models saved with transformers (CLIP tower + projector + Llama), their tokenizer (SmolLM2's
+with an `<image>` token) and CLIP image processor, and the transformers oracle for them."""
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def llava_tokenizer():
+    """SmolLM2's tokenizer (rebuilt from the default model's GGUF, no engine needed) plus `<image>` (id 49152)."""
+    from jvllm.model_loader.default_model import default_model_path
+    from jvllm.model_loader.gguf import gguf_tokenizer
+
+    tokenizer = gguf_tokenizer(default_model_path())
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    assert tokenizer.convert_tokens_to_ids("<image>") == 49152
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def make_llava(llava_tokenizer, tmp_path_factory):
+    """make(name, **overrides) -> (folder, transformers model): a tiny random LLaVA saved with save_pretrained."""
+    from tests.multimodal.helpers import build_llava
+
+    made: dict[str, tuple[pathlib.Path, object]] = {}
+
+    def make(name: str = "base", **overrides):
+        if name not in made:
+            folder = tmp_path_factory.mktemp(f"llava-{name}")
+            made[name] = (folder, build_llava(folder, llava_tokenizer, **overrides))
+        return made[name]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(make_llava):
+    return make_llava("base")
+
+
+@pytest.fixture(scope="session")
+def tiny_text_llama(llava_tokenizer, tmp_path_factory) -> pathlib.Path:
+    """A text-only tiny Llama with the same tokenizer (for the 'image given to a text-only model' errors)."""
+    import torch
+    import transformers
+
+    from tests.multimodal.helpers import TEXT
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TEXT)).eval()
+    folder = tmp_path_factory.mktemp("text-llama")
+    model.save_pretrained(folder)
+    llava_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def images():
+    """Six random RGB images of different sizes (the processor resizes and crops each to 28 x 28)."""
+    from tests.multimodal.helpers import random_image
+
+    sizes = [(40, 60), (28, 28), (90, 30), (64, 64), (33, 50), (120, 80)]
+    return [random_image(seed, size) for seed, size in enumerate(sizes)]
