@@ -37,12 +37,15 @@ class ShapeExecutables:
     layers: list[Executable]  # per layer group
     last_rows: Executable
     store_kv: Executable
-    heads: dict[SamplerFlags, Executable]
+    heads: dict[SamplerFlags, Executable]  # every pair when precompiled; else the plain head, the rest on first use
     take_ids: Executable | None  # decode shapes: input ids gathered from a previous step's
     prompt_stats: Executable | None  # prefill shapes
     _logits: Callable[[], Executable]  # all-position logits (a diagnostic), compiled when first asked for
+    _late_head: Callable[[SamplerFlags], Executable]
 
     def head(self, flags: SamplerFlags) -> Executable:
+        if flags not in self.heads:
+            self.heads[flags] = self._late_head(flags)
         return self.heads[flags]
 
     @property
@@ -71,7 +74,7 @@ class CompiledSteps:
         if executables is None:
             logger.info("compiling step shape %s", shape)
             with compile_watch().expected():  # precompiling was skipped: compiling on first use is asked for
-                executables = self._by_shape[shape] = self._compile(shape)
+                executables = self._by_shape[shape] = self._compile(shape, every_head=False)
         return executables
 
     def precompile(self, shapes: list[StepShape], progress: Any = None) -> None:
@@ -104,7 +107,9 @@ class CompiledSteps:
                         np.full(shape.tokens, -1, np.int32), flags, batch.mm_rows)
         return runner.device_inputs(call)
 
-    def _compile(self, shape: StepShape) -> ShapeExecutables:
+    def _compile(self, shape: StepShape, every_head: bool = True) -> ShapeExecutables:
+        """The shape's pieces; without `every_head`, the heads for sampler flags other than the plain ones are
+        compiled when a step first needs them (engines that skip precompiling: tests, quick experiments)."""
         steps, runner, compiled = self.steps, self.runner, self._compiled
         weights = runner.step_weights.for_rows(shape.tokens)
         md, ids, positions, sampling, targets, mm_rows = self._examples(shape)
@@ -122,7 +127,8 @@ class CompiledSteps:
             store = compiled(f"store {shape}", store, runner.kv_cache, results, md)
         last_rows = compiled(f"last rows {shape}", steps.last_rows, x, md)
         x_last = _spec(last_rows.out_info)
-        heads = {flags: self._head(shape, weights.outer, x_last, flags) for flags in ALL_FLAGS}
+        heads = {flags: self._head(shape, weights.outer, x_last, flags)
+                 for flags in (ALL_FLAGS if every_head else [SamplerFlags()])}
         take_ids = prompt_stats = None
         if shape.kind == "decode":
             source = _spec(heads[SamplerFlags()].out_info["token_ids"])
@@ -136,7 +142,12 @@ class CompiledSteps:
                 logits_cache.append(compiled(f"logits {shape}", steps.logits, weights.outer, x))
             return logits_cache[0]
 
-        return ShapeExecutables(shape, embed, layers, last_rows, store, heads, take_ids, prompt_stats, logits)
+        def late_head(flags: SamplerFlags) -> Executable:
+            with compile_watch().expected():
+                return self._head(shape, weights.outer, x_last, flags)
+
+        return ShapeExecutables(shape, embed, layers, last_rows, store, heads, take_ids, prompt_stats, logits,
+                                late_head)
 
     def _compiled(self, name: str, fn: Any, *args: Any, **static: Any) -> Executable:
         """fn (a jax.jit function) compiled for args; `name` says which piece, for profiles and errors.

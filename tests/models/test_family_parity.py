@@ -110,11 +110,16 @@ def _expert_loads(model, ids: list[int]) -> list[np.ndarray]:
     return loads
 
 
+@pytest.mark.parametrize("backend", ["cpu", "xla"])
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_prompt_logits_match_transformers(name, family_models, default_engine):
+def test_prompt_logits_match_transformers(name, backend, family_models, default_engine):
+    """On the native kernel (the CPU default) and on the plain-jnp backend (its fallback); the Pallas kernels have
+    their own test below, decode steps the generation test."""
     folder, hf_model = family_models(name)
     ids = default_engine.get_tokenizer().encode(LOGITS_TEXT)[:40]
-    assert_prompt_logits_match(_engine(folder), hf_model, ids)
+    engine = _engine(folder, attention_backend=backend)
+    assert engine.runner.backend.name == backend
+    assert_prompt_logits_match(engine, hf_model, ids)
     if _router_names(hf_model):
         loads = _expert_loads(hf_model, ids)
         assert loads, "no router ran"

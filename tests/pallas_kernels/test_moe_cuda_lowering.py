@@ -94,7 +94,7 @@ def test_engine_moe_layer_lowers_with_its_kernels(moe_engine, kind):
     matmuls, the dense group the attention kernel alone."""
     runner = moe_engine.runner
     shape = max(s for s in moe_engine.step_shapes() if s.kind == kind)
-    md, ids, positions, _, _ = runner.compiled._examples(shape)
+    md, ids, positions, _, _, _ = runner.compiled._examples(shape)
     steps, weights, parts = runner.compiled.steps, runner.step_weights.for_rows(shape.tokens), runner.step_weights.parts
     x, cos, sin = lower_jitted_for_cuda(steps.embed, weights.outer, ids, positions).out_info
     attention = KERNEL_NAMES["decode" if kind == "decode" else "ragged"]

@@ -54,7 +54,7 @@ def test_engine_step_pieces_lower_for_cuda(engine, kind, monkeypatch):
     monkeypatch.setenv("JVLLM_PALLAS_INTERPRET", "0")  # read when the kernels are traced
     runner = engine.runner
     shape = step_shape(engine, kind)
-    md, ids, positions, sampling, _ = runner.compiled._examples(shape)  # as CompiledSteps._compile gets them
+    md, ids, positions, sampling, _, _ = runner.compiled._examples(shape)  # as CompiledSteps._compile gets them
     assert md.decode == (kind == "decode")
     steps, weights = runner.compiled.steps, runner.step_weights.for_rows(shape.tokens)
 

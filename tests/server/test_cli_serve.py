@@ -98,10 +98,11 @@ def test_past_the_shutdown_timeout_open_requests_end_cleanly_and_the_server_exit
     port = _free_port()
     log_path = tmp_path / "serve.log"
     url = f"http://127.0.0.1:{port}"
-    with _serve(tiny_llama, port, log_path, "--shutdown-timeout", "2") as proc:
+    # long enough that no request can finish inside the 2 s timeout, however fast the tiny model decodes
+    with _serve(tiny_llama, port, log_path, "--shutdown-timeout", "2", "--max-model-len", "8192") as proc:
         assert wait_until(lambda: _healthy(url), timeout=180), log_path.read_text()
         client = httpx.Client(timeout=600)
-        endless = {"prompt": "go on", "max_tokens": 500, "ignore_eos": True}
+        endless = {"prompt": "go on", "max_tokens": 8000, "ignore_eos": True}
         sinks, threads = [], []
         for i in range(4):
             reply = client.send(client.build_request("POST", f"{url}/v1/completions",
