@@ -72,7 +72,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "when --dtype is auto; ~1.6x faster batched steps), none, or a dtype such as bfloat16")
     group.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=True,
                        help="compile every step shape before serving (default on; loaded from the cache after the "
-                            "first start); --no-precompile compiles each shape when first used")
+                            "first start; `generate` compiles only the shapes its one prompt can meet); "
+                            "--no-precompile compiles each shape when first used")
     group.add_argument("--limit-mm-per-prompt", type=json_limits, default=None, metavar="JSON",
                        help='images per prompt of a vision-language model, e.g. \'{"image": 4}\' (default 999)')
     group.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
@@ -225,22 +226,27 @@ def _version() -> str:
 
 def run_generate(args: argparse.Namespace) -> int:
     from jvllm import Engine, SamplingParams
+    from jvllm.engine.prompts import chat_prompts
 
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     started = time.perf_counter()
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.request_seed)
-        engine = Engine(**engine_kwargs(args))
-        loaded = time.perf_counter()
+        engine = Engine(**{**engine_kwargs(args), "precompile": False})
         if not engine.is_leader:  # multi-host: run rank 0's steps until it is done
             engine.follow()
             return 0
+        prompt: str | dict = args.prompt
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else [])
-            outputs = engine.chat(messages + [{"role": "user", "content": args.prompt}], params, use_tqdm=False)
-        else:
-            outputs = engine.generate(args.prompt, params, use_tqdm=False)
+            prompt = chat_prompts(engine.get_tokenizer(), [messages + [{"role": "user", "content": args.prompt}]],
+                                  chat_template=None, add_generation_prompt=True)[0]
+        if args.precompile:  # the one request's steps: its prompt's prefill shapes and one-row decode steps
+            prompt_tokens = len(prompt["prompt_token_ids"] if args.chat else engine.get_tokenizer().encode(prompt))
+            engine.precompile(max_step_tokens=prompt_tokens, max_rows=1)
+        loaded = time.perf_counter()
+        outputs = engine.generate(prompt, params, use_tqdm=False)
         engine.shutdown()  # multi-host: release the followers
     except (ValueError, FileNotFoundError) as error:
         print(f"jvllm: error: {error}", file=sys.stderr)

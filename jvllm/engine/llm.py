@@ -156,13 +156,20 @@ class Engine(MultiHostRoles):
         shapes: list[Any] = self.runner.step_shapes() if self.runner is not None else []
         return shapes + (self.embedder.batch_shapes() if self.embedder is not None else [])
 
-    def precompile(self) -> None:
-        """Compile every step shape (or load it from the persistent cache), with a progress bar."""
-        shapes = self.step_shapes()
+    def precompile(self, *, max_step_tokens: int | None = None, max_rows: int | None = None) -> None:
+        """Compile every step shape (or load it from the persistent cache), with a progress bar. A run whose requests
+        are all known before it starts (`jvllm generate`) may bound its steps instead: only the shapes of at most
+        `max_step_tokens` tokens and `max_rows` sequences (ShapeSet.reachable) are compiled."""
+        shapes, generation = self.step_shapes(), None
+        if self.runner is not None and (max_step_tokens is not None or max_rows is not None):
+            generation = self.runner.shapes.reachable(max_step_tokens or self.config.max_num_batched_tokens,
+                                                      max_rows or self.config.max_num_seqs)
+            left_out = set(self.runner.shapes.shapes()) - set(generation)
+            shapes = [shape for shape in shapes if shape not in left_out]
         started = time.perf_counter()
         with precompile_progress(len(shapes)) as progress:
             if self.runner is not None:
-                self.runner.precompile(progress)
+                self.runner.precompile(progress, generation)
             if self.embedder is not None:
                 self.embedder.precompile(progress)
         logger.info("precompiled %d step shapes in %.1fs", len(shapes), time.perf_counter() - started)

@@ -172,9 +172,10 @@ class ModelRunner:
         """The model's step shapes, then the vision encoder's (multimodal models)."""
         return self.shapes.shapes() + ([] if self.encoder is None else self.encoder.step_shapes())
 
-    def precompile(self, progress: Any = None) -> None:
-        """Compile (or load from the persistent cache) every executable of every step shape."""
-        self.compiled.precompile(self.shapes.shapes(), progress)
+    def precompile(self, progress: Any = None, shapes: list[StepShape] | None = None) -> None:
+        """Compile (or load from the persistent cache) every executable of every step shape (or of `shapes`), the
+        vision encoder's included."""
+        self.compiled.precompile(self.shapes.shapes() if shapes is None else shapes, progress)
         if self.encoder is not None:
             self.encoder.precompile(progress)
 

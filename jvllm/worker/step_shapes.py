@@ -59,6 +59,14 @@ class ShapeSet:
         prefill = [StepShape("prefill", n, min(n, self.max_num_seqs)) for n in self.prefill_sizes]
         return decode + prefill
 
+    def reachable(self, max_step_tokens: int, max_rows: int) -> list[StepShape]:
+        """The shapes a workload known up front can meet: steps of at most `max_step_tokens` tokens (a prompt plus
+        its output, as a preempted request recomputes both) and `max_rows` sequences."""
+        largest_decode = self.decode(min(max_rows, self.max_num_seqs))
+        largest_prefill = self.prefill(min(max(max_step_tokens, 1), self.max_num_batched_tokens))
+        return [shape for shape in self.shapes()
+                if shape <= (largest_decode if shape.kind == "decode" else largest_prefill)]
+
     def decode(self, num_rows: int) -> StepShape:
         size = next(n for n in self.decode_sizes if n >= num_rows)
         return StepShape("decode", size, size)

@@ -37,6 +37,16 @@ def test_limits_that_are_not_powers_of_two_end_the_buckets_and_two_rows_can_be_t
     assert shapes.prefill(2049) == StepShape("prefill", 3000, 48)
 
 
+def test_a_workload_known_up_front_reaches_the_shapes_that_hold_its_largest_steps():
+    shapes = ShapeSet(max_num_seqs=64, max_num_batched_tokens=2048)
+    assert shapes.reachable(max_step_tokens=6, max_rows=1) == [StepShape("decode", 1, 1), StepShape("prefill", 16, 16)]
+    assert shapes.reachable(max_step_tokens=100, max_rows=5) == [
+        StepShape("decode", n, n) for n in (1, 2, 4, 8)] + [StepShape("prefill", n, n) for n in (16, 32, 64)] + [
+        StepShape("prefill", 128, 64)]
+    assert shapes.reachable(max_step_tokens=10**6, max_rows=10**6) == shapes.shapes()
+    assert ShapeSet(48, 3000, min_rows=2).reachable(1, 1) == [StepShape("decode", 2, 2), StepShape("prefill", 16, 16)]
+
+
 @pytest.mark.parametrize("spans", [[(0, 5)], [(40, 3), (0, 100), (17, 1), (0, 16), (0, 17)], [(0, 128)]])
 def test_a_prefill_batch_has_the_shape_of_its_token_bucket_whatever_its_chunks(spans):
     shape = ShapeSet(64, 256).prefill(sum(n for _, n in spans))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import subprocess
 import sys
@@ -47,15 +48,19 @@ def test_the_command_line_silences_transformers_torch_advice(monkeypatch, capsys
     assert "generate" in capsys.readouterr().out
 
 
-def test_generate_prints_the_same_completion_as_the_engine(default_engine, capsys):
+def test_generate_prints_the_same_completion_as_the_engine(default_engine, capsys, caplog):
+    """...having compiled only the shapes its one prompt meets: a 16-token prefill step and one-row decode steps."""
     from jvllm import SamplingParams
 
     expected = default_engine.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8),
                                        use_tqdm=False)[0].outputs[0].text
+    caplog.set_level(logging.INFO, logger="jvllm")
     code = main(["generate", "The capital of France is", "--max-tokens", "8", "--kv-cache-memory-bytes", "64M",
-                 "--max-model-len", "2048", "--max-num-seqs", "32"])
+                 "--max-model-len", "2048", "--max-num-seqs", "32", "--dtype", "float32"])
     assert code == 0
     assert capsys.readouterr().out.rstrip("\n") == expected
+    assert "precompiled 2 step shapes" in caplog.text
+    assert "compiling step shape" not in caplog.text  # nothing compiled after start
 
 
 def test_generate_reports_a_bad_model_path_without_a_traceback(capsys):

@@ -19,7 +19,7 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[2]
 NOTEBOOKS_DIR = REPO / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
-EXPECTED = {"quickstart", "serving_and_metrics", "throughput", "embeddings"}
+EXPECTED = {"quickstart", "serving_and_metrics", "throughput", "embeddings", "multimodal"}
 CELL_TIMEOUT_S = 300  # per cell; the slowest (throughput's sweeps) take a minute or two on a busy 2-core CPU
 KERNEL_NAME = "jvllm-notebook-test"
 
@@ -150,9 +150,22 @@ def _check_embeddings(nb: nbformat.NotebookNode) -> None:
     assert best and "bread" in best.group(2), search
 
 
+def _check_multimodal(nb: nbformat.NotebookNode) -> None:
+    assert _data(_tagged(nb, "image"), "image/png"), "the drawing cell showed no image"
+    generated = _stdout(_tagged(nb, "generate"))
+    assert re.search(r"^\d+ prompt tokens, 576 of them the image's$", generated, re.MULTILINE), generated
+    assert re.search(r"^-> '.+'$", generated, re.MULTILINE), generated
+    assert re.search(r"^assistant: '.+'$", _stdout(_tagged(nb, "chat")), re.MULTILINE)
+    ttft = _stdout(_tagged(nb, "ttft"))
+    assert "in these 6 requests: 3 hits of 6 lookups" in ttft, ttft  # each repeat a hit, each new image a miss
+    assert re.search(r"^assistant: '.+'$", _stdout(_tagged(nb, "server-chat")), re.MULTILINE)
+    assert re.search(r"^400: could not decode the image", _stdout(_tagged(nb, "server-error")), re.MULTILINE)
+    assert "server exit code: 0" in _stdout(_tagged(nb, "server-stop"))
+
+
 CHECKS = {"quickstart": _check_quickstart, "serving_and_metrics": _check_serving_and_metrics,
-          "throughput": _check_throughput, "embeddings": _check_embeddings}
-CLEANUPS = {"serving_and_metrics": _assert_server_stopped}
+          "throughput": _check_throughput, "embeddings": _check_embeddings, "multimodal": _check_multimodal}
+CLEANUPS = {"serving_and_metrics": _assert_server_stopped, "multimodal": _assert_server_stopped}
 
 
 @pytest.mark.slow

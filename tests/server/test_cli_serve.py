@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -98,8 +99,13 @@ def test_past_the_shutdown_timeout_open_requests_end_cleanly_and_the_server_exit
     port = _free_port()
     log_path = tmp_path / "serve.log"
     url = f"http://127.0.0.1:{port}"
-    # long enough that no request can finish inside the 2 s timeout, however fast the tiny model decodes
-    with _serve(tiny_llama, port, log_path, "--shutdown-timeout", "2", "--max-model-len", "8192") as proc:
+    # requests long enough that none can finish inside the 2 s timeout, however fast the tiny model decodes: a copy
+    # of the model whose config allows 8192 positions
+    long_llama = tmp_path / "long-llama"
+    shutil.copytree(tiny_llama, long_llama)
+    config = json.loads((long_llama / "config.json").read_text())
+    (long_llama / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
+    with _serve(long_llama, port, log_path, "--shutdown-timeout", "2", "--max-model-len", "8192") as proc:
         assert wait_until(lambda: _healthy(url), timeout=180), log_path.read_text()
         client = httpx.Client(timeout=600)
         endless = {"prompt": "go on", "max_tokens": 8000, "ignore_eos": True}
