@@ -53,6 +53,8 @@ TINY = {
     "qwen3": ("qwen3", {"head_dim": 32}),
     "qwen3_moe": ("qwen3_moe", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
                                 "moe_intermediate_size": 40, "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    # Mistral: every layer attends to the last 8 tokens only (the prompts are 9-16 long)
+    "mistral_window": ("mistral", {"sliding_window": 8}),
     # sliding (8 tokens) and full layers, attention and final soft-caps, tied embeddings
     "gemma2": ("gemma2", {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 8, "query_pre_attn_scalar": 24,
                           "attn_logit_softcapping": 4.0, "final_logit_softcapping": 6.0, "pad_token_id": 0,
@@ -122,6 +124,7 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
     tokenizer_folder = _gguf_as_hf_folder(default_model_path())
     classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+               "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
                "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
                "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
                "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
@@ -221,7 +224,8 @@ SAMPLING_CHECKED_ON = ("llama_gqa", "qwen2_moe_padded")  # a dense model at TP 2
 
 @pytest.mark.parametrize("name, tps", [("llama_gqa", [2, 4]), ("llama_mqa", [4]), ("qwen2_padded", [2, 3]),
                                        ("qwen2_moe_padded", [2, 3]), ("mixtral", [2]), ("phi3_fused", [2]),
-                                       ("qwen3", [2]), ("qwen3_moe", [2]), ("gemma2", [2]), ("gemma3", [2])])
+                                       ("qwen3", [2]), ("qwen3_moe", [2]), ("mistral_window", [2]), ("gemma2", [2]),
+                                       ("gemma3", [2])])
 def test_tp_logits_and_greedy_tokens_match_tp1(tiny_models, name, tps):
     # The sharded sampler (seeded sampling, logprobs, token masks) does not depend on the family: checked on one.
     sampling = name in SAMPLING_CHECKED_ON
