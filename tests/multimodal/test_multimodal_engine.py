@@ -73,6 +73,7 @@ def _check(outputs, cases, oracle) -> None:
 
 
 def test_greedy_generation_with_one_two_and_three_images_matches_transformers(engine, oracle, images):
+    assert engine.runner.backend.name == "cpu"  # the default on a CPU: the native kernel
     cases = _prompts(images)
     outputs = engine.generate([{"prompt": text, "multi_modal_data": {"image": imgs}} if imgs else text
                                for text, imgs in cases], GREEDY, use_tqdm=False)
@@ -80,6 +81,18 @@ def test_greedy_generation_with_one_two_and_three_images_matches_transformers(en
     expected_lengths = [len(engine.tokenizer.encode(text)) + 15 * n for text, n in PROMPTS]
     assert [len(o.prompt_token_ids) for o in outputs] == expected_lengths  # each <image> became 16 tokens
     assert engine.encoder_cache.num_pinned == 0 and engine.pages.num_free_pages == engine.pages.num_usable_pages
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_the_other_attention_backends_give_transformers_tokens_too(tiny_llava, oracle, images, backend):
+    """The engine above runs the default (native cpu) kernel; the plain-jnp backend and the Pallas kernels (interpret
+    mode on CPU) take the same image prompts, one to three images, mixed with a text-only one."""
+    engine = _engine(tiny_llava[0], max_num_seqs=8, max_num_batched_tokens=256, attention_backend=backend)
+    assert engine.runner.backend.name == backend
+    cases = _prompts(images)
+    outputs = engine.generate([{"prompt": text, "multi_modal_data": {"image": imgs}} if imgs else text
+                               for text, imgs in cases], GREEDY, use_tqdm=False)
+    _check(outputs, cases, oracle)
 
 
 def test_chunked_prefill_splits_prompts_inside_image_spans(tiny_llava, oracle, images):
