@@ -237,14 +237,15 @@ def run_generate(args: argparse.Namespace) -> int:
         if not engine.is_leader:  # multi-host: run rank 0's steps until it is done
             engine.follow()
             return 0
-        prompt: str | dict = args.prompt
+        tokenizer = engine.get_tokenizer()
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else [])
-            prompt = chat_prompts(engine.get_tokenizer(), [messages + [{"role": "user", "content": args.prompt}]],
+            prompt = chat_prompts(tokenizer, [messages + [{"role": "user", "content": args.prompt}]],
                                   chat_template=None, add_generation_prompt=True)[0]
+        else:
+            prompt = {"prompt": args.prompt, "prompt_token_ids": tokenizer.encode(args.prompt)}
         if args.precompile:  # the one request's steps: its prompt's prefill shapes and one-row decode steps
-            prompt_tokens = len(prompt["prompt_token_ids"] if args.chat else engine.get_tokenizer().encode(prompt))
-            engine.precompile(max_step_tokens=prompt_tokens, max_rows=1)
+            engine.precompile(max_step_tokens=len(prompt["prompt_token_ids"]), max_rows=1)
         loaded = time.perf_counter()
         outputs = engine.generate(prompt, params, use_tqdm=False)
         engine.shutdown()  # multi-host: release the followers

@@ -8,8 +8,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Workers share the cores, so a second OpenMP thread per worker (torch, the transformers reference) mostly waits
-    # for a core while its partner spins at barriers: with the other worker busy, the throughput notebook's
-    # transformers passes took 233 s instead of 13 s. Inherited by the subprocesses (notebook kernels, servers).
+    # for a core while its partner spins at barriers (the measurement: benchmarks/results/throughput_cpu.md, CI).
+    # Inherited by the subprocesses (notebook kernels, servers).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402

@@ -1,6 +1,9 @@
-"""Test helper: redraw a tiny transformers model's weights large enough that a wrong shard, head order or bias
-moves the logits far above the tests' tolerances."""
+"""Test helpers: tiny random transformers models whose weights are redrawn large enough that a wrong shard, head
+order or bias moves the logits far above the tests' tolerances."""
 from __future__ import annotations
+
+import pathlib
+import shutil
 
 
 def redraw_weights(model, seed: int = 1) -> None:
@@ -12,3 +15,18 @@ def redraw_weights(model, seed: int = 1) -> None:
         for name, param in model.named_parameters():
             noise = 0.2 * torch.randn(param.shape, generator=generator)
             param.copy_(1.0 + noise if "norm" in name else noise)
+
+
+def save_random_model(config_cls, model_cls, settings: dict, folder: pathlib.Path, tokenizer_dir: pathlib.Path):
+    """A model of `config_cls(**settings)` (seed 0, weights redrawn), saved into `folder` with the tokenizer files of
+    `tokenizer_dir` that the model's own files do not replace; -> the model (eval mode)."""
+    import torch
+
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**settings)).eval()
+    redraw_weights(model)
+    model.save_pretrained(folder)
+    for item in pathlib.Path(tokenizer_dir).iterdir():
+        if item.is_file() and not (folder / item.name).exists():
+            shutil.copy(item, folder / item.name)
+    return model

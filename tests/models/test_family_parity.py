@@ -10,7 +10,6 @@ through the paged decode path over 32 tokens, and the same tokens with chunked p
 from __future__ import annotations
 
 import pathlib
-import shutil
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jvllm import Engine, SamplingParams  # noqa: E402
-from tests.hf_weights import redraw_weights  # noqa: E402
+from tests.hf_weights import save_random_model  # noqa: E402
 from tests.models.test_llama_parity import (  # noqa: E402
     GENERATION_TEXTS, LOGITS_TEXT, _assert_greedy_match, _hf_greedy, assert_prompt_logits_match)
 
@@ -71,14 +70,9 @@ def family_models(smollm_tokenizer_dir, tmp_path_factory):
     def get(name: str):
         if name not in built:
             config_name, model_name, overrides = FAMILIES[name]
-            config = getattr(transformers, config_name)(**{**BASE, **overrides})
-            torch.manual_seed(0)
-            model = getattr(transformers, model_name)(config).eval()
-            redraw_weights(model)
             folder = tmp_path_factory.mktemp(f"family-{name}")
-            model.save_pretrained(folder)
-            for item in smollm_tokenizer_dir.iterdir():
-                shutil.copy(item, folder / item.name)
+            model = save_random_model(getattr(transformers, config_name), getattr(transformers, model_name),
+                                      {**BASE, **overrides}, folder, smollm_tokenizer_dir)
             built[name] = (folder, model)
         return built[name]
 

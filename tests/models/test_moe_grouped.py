@@ -11,16 +11,21 @@ from models import moe
 from models.moe import expert_mlp_pallas, expert_mlp_ragged, expert_mlp_tiles, tile_rows
 
 
-@pytest.mark.parametrize("sizes", [[5, 0, 20, 7], [0, 0, 2, 0], [1, 1], [64, 0, 0, 0, 0, 0, 0, 1], [3] * 16])
-def test_tiles_match_ragged_dot(sizes):
-    rng = np.random.default_rng(sum(sizes))
-    experts, width, hidden = len(sizes), 32, 24
+def _expert_inputs(sizes: list[int], width: int, hidden: int, seed: int) -> tuple[jax.Array, ...]:
+    """Random (rows [sum(sizes), width], gate and up [E, width, hidden], down [E, hidden, width], group sizes [E])."""
+    rng = np.random.default_rng(seed)
+    experts = len(sizes)
     rows = jnp.asarray(rng.standard_normal((sum(sizes), width)), jnp.float32)
     gate, up = (jnp.asarray(rng.standard_normal((experts, width, hidden)), jnp.float32) for _ in range(2))
     down = jnp.asarray(rng.standard_normal((experts, hidden, width)), jnp.float32)
-    group_sizes = jnp.asarray(sizes, jnp.int32)
-    got = jax.jit(expert_mlp_tiles)(rows, gate, up, down, group_sizes)
-    want = expert_mlp_ragged(rows, gate, up, down, group_sizes)
+    return rows, gate, up, down, jnp.asarray(sizes, jnp.int32)
+
+
+@pytest.mark.parametrize("sizes", [[5, 0, 20, 7], [0, 0, 2, 0], [1, 1], [64, 0, 0, 0, 0, 0, 0, 1], [3] * 16])
+def test_tiles_match_ragged_dot(sizes):
+    inputs = _expert_inputs(sizes, width=32, hidden=24, seed=sum(sizes))
+    got = jax.jit(expert_mlp_tiles)(*inputs)
+    want = expert_mlp_ragged(*inputs)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
@@ -37,14 +42,9 @@ def test_pallas_products_match_ragged_dot(sizes, width, hidden, monkeypatch):
     """The grouped-matmul kernel (interpret mode) for gate, up and down; widths off the kernel's multiple of 16
     are zero-padded inside and give the same result."""
     monkeypatch.delenv("JVLLM_PALLAS_INTERPRET", raising=False)
-    rng = np.random.default_rng(len(sizes) + width)
-    experts = len(sizes)
-    rows = jnp.asarray(rng.standard_normal((sum(sizes), width)), jnp.float32)
-    gate, up = (jnp.asarray(rng.standard_normal((experts, width, hidden)), jnp.float32) for _ in range(2))
-    down = jnp.asarray(rng.standard_normal((experts, hidden, width)), jnp.float32)
-    group_sizes = jnp.asarray(sizes, jnp.int32)
-    got = jax.jit(expert_mlp_pallas)(rows, gate, up, down, group_sizes)
-    want = expert_mlp_ragged(rows, gate, up, down, group_sizes)
+    inputs = _expert_inputs(sizes, width, hidden, seed=len(sizes) + width)
+    got = jax.jit(expert_mlp_pallas)(*inputs)
+    want = expert_mlp_ragged(*inputs)
     assert got.shape == want.shape == (sum(sizes), width)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
 

@@ -5,7 +5,6 @@ with uneven expert loads (checked through transformers' router)."""
 from __future__ import annotations
 
 import pathlib
-import shutil
 
 import numpy as np
 import pytest
@@ -15,7 +14,8 @@ transformers = pytest.importorskip("transformers")
 
 from jvllm import Engine, SamplingParams  # noqa: E402
 from models import moe  # noqa: E402
-from tests.hf_weights import redraw_weights  # noqa: E402
+from tests.hf_weights import save_random_model  # noqa: E402
+from tests.models.test_family_parity import _expert_loads  # noqa: E402
 
 LOGITS_ATOL = 1e-4
 BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -32,23 +32,13 @@ PROMPTS = [_rng.integers(3, 49152, n).tolist() for n in (5, 17, 37)]  # page bou
 
 
 @pytest.fixture(scope="module")
-def moe_models(tmp_path_factory) -> dict[str, tuple[pathlib.Path, object]]:
+def moe_models(smollm_tokenizer_dir, tmp_path_factory) -> dict[str, tuple[pathlib.Path, object]]:
     """name -> (folder, transformers model): random weights redrawn large (std 0.2), SmolLM2's tokenizer."""
-    from jvllm.model_loader.default_model import default_model_path
-    from jvllm.model_loader.loader import _gguf_as_hf_folder
-
-    tokenizer_folder = _gguf_as_hf_folder(default_model_path())
     built = {}
     for name, (config_name, model_name, overrides) in FAMILIES.items():
-        torch.manual_seed(0)
-        model = getattr(transformers, model_name)(getattr(transformers, config_name)(**{**BASE, **overrides})).eval()
-        redraw_weights(model)
         folder = tmp_path_factory.mktemp(f"moe-{name}")
-        model.save_pretrained(folder)
-        for item in tokenizer_folder.iterdir():
-            if item.is_file() and not (folder / item.name).exists():
-                shutil.copy(item, folder / item.name)
-        built[name] = (folder, model)
+        built[name] = (folder, save_random_model(getattr(transformers, config_name), getattr(transformers, model_name),
+                                                 {**BASE, **overrides}, folder, smollm_tokenizer_dir))
     return built
 
 
@@ -63,26 +53,6 @@ def _run(engine: Engine) -> tuple[list[np.ndarray], list[list[int]]]:
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     return logits, [list(o.outputs[0].token_ids) for o in outputs]
-
-
-def _expert_loads(model, ids: list[int]) -> list[np.ndarray]:
-    """Per MoE layer, the token choices each expert receives for `ids` (transformers' routing of the same weights)."""
-    top_k, loads = model.config.num_experts_per_tok, []
-
-    def record(_module, _inputs, output):
-        logits = output[0] if isinstance(output, tuple) else output
-        chosen = torch.topk(logits.float().softmax(-1), top_k, dim=-1).indices.reshape(-1)
-        loads.append(np.bincount(chosen.numpy(), minlength=logits.shape[-1]))
-
-    routers = [name for name, _ in model.named_modules() if name.endswith((".mlp.gate", ".block_sparse_moe.gate"))]
-    hooks = [model.get_submodule(name).register_forward_hook(record) for name in routers]
-    try:
-        with torch.no_grad():
-            model(torch.tensor([ids]))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return loads
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

@@ -16,7 +16,6 @@ import json
 import os
 import pathlib
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -25,7 +24,7 @@ import sys
 import pytest
 
 from jvllm.parallel.mesh import check_tensor_parallel_size, working_sizes
-from tests.hf_weights import redraw_weights
+from tests.hf_weights import save_random_model
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "parallel" / "tp_worker.py"
@@ -116,7 +115,7 @@ def free_port() -> int:
 def tiny_models(tmp_path_factory) -> dict[str, str]:
     """name -> folder of a tiny random HF model (weights std 0.2, norms 1 +- 0.2, biases +- 0.2, so that a
     wrong shard, head order or bias moves the logits far above the tolerance) with SmolLM2's tokenizer."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from jvllm.model_loader.default_model import default_model_path
     from jvllm.model_loader.loader import _gguf_as_hf_folder
@@ -137,15 +136,8 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
         settings = {**dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                            bos_token_id=1, eos_token_id=2, tie_word_embeddings=False), **overrides}
-        config_cls, model_cls = classes[kind]
-        torch.manual_seed(0)
-        model = model_cls(config_cls(**settings)).eval()
-        redraw_weights(model)
         folder = tmp_path_factory.mktemp(f"tp-{name}")
-        model.save_pretrained(folder)
-        for item in tokenizer_folder.iterdir():
-            if item.is_file() and not (folder / item.name).exists():
-                shutil.copy(item, folder / item.name)
+        save_random_model(*classes[kind], settings, folder, tokenizer_folder)
         folders[name] = str(folder)
     return folders
 
