@@ -69,6 +69,9 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
+    # Multimodal RoPE (Qwen2-VL): positions arrive as [3, T] (temporal, height, width) and these counts of the
+    # head's frequencies turn with each; None: plain positions [T].
+    mrope_section: tuple[int, ...] | None = None
 
     def layer_window(self, index: int) -> int | None:
         """The sliding window of layer `index`, or None where it attends to the whole context."""
@@ -135,6 +138,7 @@ class ModelConfig:
             fused_projections=architecture.startswith("Phi3"),
             rotary_dim=_rotary_dim(hf, int(head_dim)),
             moe=MoEConfig.from_hf_dict(hf, num_layers),
+            mrope_section=_mrope_section(hf, int(head_dim)),
             **(_gemma_settings(hf, model_type, num_layers) if model_type.startswith("gemma") else {}),
         )
 
@@ -174,7 +178,7 @@ def _rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     merged = {**scaling, **{k: v for k, v in params.items() if k != "rope_theta"}}
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     rope_type = "longrope" if rope_type == "su" else rope_type  # LongRoPE's earlier name in Phi-3 configs
-    if rope_type == "default":
+    if rope_type in ("default", "mrope"):  # M-RoPE's frequencies are the default ones (see _mrope_section)
         return theta, None
     if rope_type not in ("linear", "llama3", "yarn", "dynamic", "longrope"):
         raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3, yarn, "
@@ -188,6 +192,16 @@ def _rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         if merged.get("factor") is None:
             merged["factor"] = int(hf["max_position_embeddings"]) / merged["original_max_position_embeddings"]
     return theta, merged
+
+
+def _mrope_section(hf: dict[str, Any], head_dim: int) -> tuple[int, ...] | None:
+    section = (hf.get("rope_parameters") or {}).get("mrope_section") or (hf.get("rope_scaling") or {}).get(
+        "mrope_section")
+    if section is None:
+        return None
+    if len(section) != 3 or sum(section) != head_dim // 2:
+        raise ValueError(f"mrope_section {section} must be 3 counts summing to head_dim / 2 = {head_dim // 2}")
+    return tuple(int(n) for n in section)
 
 
 def _rotary_dim(hf: dict[str, Any], head_dim: int) -> int | None:

@@ -15,7 +15,7 @@ from models.layers import MLP, Linear, RMSNorm, mlp_hf_parameters
 from models.hf_names import ArraySource, DerivedTensors, row_range
 from models.moe import SparseMoE
 from models.params import normal_param
-from models.rope import apply_rotary, attention_factor, inverse_frequencies, rotary_tables
+from models.rope import apply_rotary, attention_factor, inverse_frequencies, mrope_rotary_tables, rotary_tables
 
 LayerResults = list  # per layer: what the attention call returned beside its output
 EmbedLookup = Callable[[jax.Array, jax.Array], jax.Array]  # (table [V, D], ids [T]) -> [T, D]
@@ -107,12 +107,16 @@ class LlamaForCausalLM(nnx.Module):
 
     def embed(self, input_ids: jax.Array, positions: jax.Array, activation_dtype: jnp.dtype,
               embed: EmbedLookup | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """input_ids, positions [T] int32 -> (x [T, D], the RoPE tables cos, sin [T, hd]) for the layers."""
+        """input_ids [T], positions [T] int32 ([3, T] with multimodal RoPE) -> (x [T, D], the RoPE tables cos, sin
+        [T, hd]) for the layers."""
         table = self.embed_tokens[...]
         x = (table[input_ids] if embed is None else embed(table, input_ids)).astype(activation_dtype)  # [T, D]
         cfg = self.config  # static: the frequencies become trace-time constants, not state
         inv_freq = inverse_frequencies(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
-        cos, sin = rotary_tables(positions, inv_freq, attention_factor(cfg.rope_scaling_dict))  # [T, hd] each
+        if cfg.mrope_section is not None:
+            cos, sin = mrope_rotary_tables(positions, inv_freq, cfg.mrope_section)  # [T, hd] each
+        else:
+            cos, sin = rotary_tables(positions, inv_freq, attention_factor(cfg.rope_scaling_dict))  # [T, hd] each
         return x, cos, sin
 
     def finish(self, x: jax.Array) -> jax.Array:

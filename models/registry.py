@@ -9,7 +9,7 @@ from models.bert import BertModel
 from models.config import EncoderConfig, ModelConfig
 from models.gemma import GemmaForCausalLM
 from models.llama import LlamaForCausalLM
-from models.llava import text_config_dict
+from models import llava, qwen2_vl
 
 _CAUSAL_LMS: dict[str, type[nnx.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -35,8 +35,10 @@ _ENCODERS: dict[str, type[nnx.Module]] = {
     "XLMRobertaForMaskedLM": BertModel,
 }
 
-# Vision-language models: the language model is one of the causal LMs above, the vision side is models.llava's.
-_VISION_LANGUAGE = ("LlavaForConditionalGeneration",)
+# Vision-language models -> their language model's config dict (one of the causal LMs above); the vision sides are
+# models.llava's and models.qwen2_vl's.
+_VISION_LANGUAGE = {"LlavaForConditionalGeneration": llava.text_config_dict,
+                    "Qwen2VLForConditionalGeneration": qwen2_vl.text_config_dict}
 
 _DEFAULT_ARCHITECTURE = {"bert": "BertModel", "roberta": "RobertaModel", "xlm-roberta": "XLMRobertaModel"}
 
@@ -66,7 +68,8 @@ language model's)."""
         hf = {**hf, "architectures": [_DEFAULT_ARCHITECTURE[hf["model_type"]]]}
     architecture = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
     if architecture in _VISION_LANGUAGE:  # the language model's config (a complete dict: see model_loader.vision)
-        hf, architecture = text_config_dict(hf), text_config_dict(hf)["architectures"][0]
+        hf = _VISION_LANGUAGE[architecture](hf)
+        architecture = hf["architectures"][0]
     model_class_for(architecture)  # unsupported architectures fail here, with the list
     if is_encoder_architecture(architecture):
         return EncoderConfig.from_hf_dict(hf)

@@ -90,6 +90,17 @@ def rotary_tables(positions: jnp.ndarray, inv_freq: np.ndarray,
     return scale * jnp.cos(angles), scale * jnp.sin(angles)
 
 
+def mrope_rotary_tables(positions: jnp.ndarray, inv_freq: np.ndarray,
+                        section: tuple[int, ...]) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Multimodal RoPE (Qwen2-VL): positions [3, T] int32 (temporal, height, width) -> (cos, sin) [T, hd] float32.
+    The first section[0] frequencies turn with the temporal positions, the next section[1] with the heights, the
+    last section[2] with the widths; text tokens carry three equal positions, which gives plain RoPE."""
+    axis = np.repeat(np.arange(len(section)), section)  # [hd/2]: the position row driving each frequency
+    angles = positions.astype(jnp.float32)[axis].T * jnp.asarray(inv_freq)[None, :]  # [T, hd/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [T, hd]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
 def apply_rotary(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
     """x [T, heads, hd] rotated by per-token tables [T, rd]; math in float32, result in x.dtype. With rd < hd
     (partial rotary), only the first rd dims of each head rotate and the rest pass through."""

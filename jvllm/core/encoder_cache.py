@@ -16,12 +16,13 @@ from jvllm.utils import cdiv
 ENCODER_BLOCK_ROWS = 16  # the buffer's allocation unit
 
 
-def encoder_cache_rows(tokens_per_image: int, max_num_batched_tokens: int, requested: int | None) -> int:
+def encoder_cache_rows(max_image_tokens: int, max_num_batched_tokens: int, requested: int | None) -> int:
     """The buffer's rows: `requested` (the engine's `encoder_cache_tokens`), by default room for a whole step's
-    worth of image tokens twice over and at least 8 images; always at least one image, plus the reserved block."""
-    rows = requested if requested is not None else max(2 * max_num_batched_tokens, 8 * tokens_per_image)
-    if rows < tokens_per_image:
-        raise ValueError(f"encoder_cache_tokens={rows} cannot hold one image ({tokens_per_image} tokens)")
+    worth of image tokens twice over and at least 8 of the largest images; always at least one largest image, plus
+    the reserved block."""
+    rows = requested if requested is not None else max(2 * max_num_batched_tokens, 8 * max_image_tokens)
+    if rows < max_image_tokens:
+        raise ValueError(f"encoder_cache_tokens={rows} cannot hold one image ({max_image_tokens} tokens)")
     return (cdiv(rows, ENCODER_BLOCK_ROWS) + 1) * ENCODER_BLOCK_ROWS
 
 
@@ -34,7 +35,8 @@ class MultiModalItem:
     hash: int  # 64-bit content hash of the encoder input (its bytes and shape)
     offset: int  # first placeholder token in the prompt
     length: int  # placeholder tokens, which is also the encoder's output rows for it
-    data: Any  # the encoder's input (numpy pixel values [C, H, W]); opaque here
+    data: Any  # the encoder's input (numpy pixel values, or flattened patches); opaque here
+    grid: tuple[int, int] | None = None  # its tokens' (rows, columns) in the image, for M-RoPE models (Qwen2-VL)
 
     @property
     def end(self) -> int:

@@ -119,7 +119,7 @@ class Engine(MultiHostRoles):
             raise ValueError("vision-language models run on one host")
         self.encoder_cache, self.mm_processor, self.media = engine_multimodal(
             self.model, cfg.max_num_batched_tokens, limit_mm_per_prompt, allowed_local_media_path, encoder_cache_tokens)
-        image_tokens = 0 if self.model.vision is None else self.model.vision.tokens_per_image
+        image_tokens = 0 if self.model.vision is None else self.model.vision.max_image_tokens
         self.scheduler = Scheduler(self.pages, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    enable_prefix_caching=enable_prefix_caching, encoder_cache=self.encoder_cache,
                                    max_num_encoder_tokens=max(cfg.max_num_batched_tokens, image_tokens))

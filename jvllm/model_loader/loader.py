@@ -16,9 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jvllm.model_loader.vision import complete_config, is_vision_language, load_vision
+from jvllm.model_loader.vision import complete_config, is_vision_language, load_vision, split_tensors
 from models.config import EncoderConfig, ModelConfig
-from models.llava import split_tensors
 from models.registry import config_from_hf, model_class_for
 
 logger = logging.getLogger("jvllm")
@@ -187,7 +186,7 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
     tensors = None if load_format == "dummy" else read_safetensors(folder)
     vision_tensors = None
     if multimodal and tensors is not None:
-        vision_tensors, tensors = split_tensors(tensors)
+        vision_tensors, tensors = split_tensors(hf_config, tensors)
     if tensors is None:
         module = model_cls(config, jdtype, nnx.Rngs(seed))
     else:

@@ -41,13 +41,39 @@ class ProcessedImage:
     """An image already through the model's image processor (MultiModalProcessor.process_image), so a server can
     preprocess off the engine's thread; multi_modal_data["image"] takes these beside PIL images."""
 
-    pixel_values: np.ndarray  # [C, H, W] float32
+    pixel_values: np.ndarray  # the encoder's input: [C, H, W] (LLaVA) or flattened patches [P, patch_dim] (Qwen2-VL)
     hash: int
+    num_tokens: int  # the placeholder tokens it fills in a prompt
+    grid: tuple[int, int] | None = None  # those tokens' (rows, columns) for M-RoPE models
 
 
 def as_image_list(data: Any) -> list[Any]:
     """multi_modal_data["image"]: one image or a list of them."""
     return list(data) if isinstance(data, (list, tuple)) else [data]
+
+
+def as_pil_image(image: Any) -> Any:
+    """A PIL image (loaded) from a PIL image or an HWC uint8 array; ValueError for anything else."""
+    from PIL import Image
+
+    if isinstance(image, np.ndarray):
+        try:
+            image = Image.fromarray(image)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"unsupported image array ({image.dtype}, shape {image.shape}): {error}") from None
+    if not isinstance(image, Image.Image):
+        raise ValueError(f"an image must be a PIL.Image or a numpy array, got {type(image).__name__}")
+    return image
+
+
+def run_image_processor(processor: Any, image: Any, **kwargs: Any) -> dict[str, np.ndarray]:
+    """The processor's numpy outputs for one image; ValueError if it cannot read it."""
+    image = as_pil_image(image)
+    try:
+        image.load()
+        return dict(processor(images=[image], return_tensors="np", **kwargs))
+    except Exception as error:  # PIL and the processor raise many kinds for unreadable or odd images
+        raise ValueError(f"could not process the image ({image.mode}, {image.size}): {error}") from None
 
 
 class MultiModalProcessor:
@@ -58,42 +84,37 @@ class MultiModalProcessor:
         self.vision = vision
         self.limits = parse_limits(limits)
         self.image_token_id = vision.image_token_id
-        self.tokens_per_image = vision.tokens_per_image
-        cfg = vision.config.vision
-        self.pixel_shape = (cfg.num_channels, cfg.image_size, cfg.image_size)
+        self.tokens_per_image = vision.tokens_per_image  # None: it depends on the image's size
+        self.max_image_tokens = vision.max_image_tokens
 
-    def preprocess(self, image: Any) -> np.ndarray:
-        """One image (PIL, or an HWC uint8 array) -> pixel values [C, H, W] float32; ValueError if it is not an image
-        the processor can read."""
-        from PIL import Image
+    def preprocess(self, image: Any) -> ProcessedImage:
+        """One image (PIL, or an HWC uint8 array) through the model's image processor; ValueError if it is not an
+        image the processor can read."""
+        if self.tokens_per_image is not None:  # LLaVA: resized and cropped to the tower's input
+            pixels = np.asarray(run_image_processor(self.vision.image_processor, image)["pixel_values"][0], np.float32)
+            return self._checked(ProcessedImage(pixels, content_hash(pixels), self.tokens_per_image))
+        # Qwen2-VL: resized to a multiple of the merged patch size, within the processor's pixel bounds
+        out = run_image_processor(self.vision.image_processor, image, **self.vision.processor_kwargs)
+        patches = np.asarray(out["pixel_values"], np.float32)  # [P, patch_dim]
+        _, rows, cols = (int(n) for n in out["image_grid_thw"][0])  # in patches
+        merge = self.vision.config.vision.spatial_merge_size
+        grid = (rows // merge, cols // merge)
+        return self._checked(ProcessedImage(patches, content_hash(patches), grid[0] * grid[1], grid))
 
-        if isinstance(image, np.ndarray):
-            try:
-                image = Image.fromarray(image)
-            except (TypeError, ValueError) as error:
-                raise ValueError(f"unsupported image array ({image.dtype}, shape {image.shape}): {error}") from None
-        if not isinstance(image, Image.Image):
-            raise ValueError(f"an image must be a PIL.Image or a numpy array, got {type(image).__name__}")
-        try:
-            image.load()
-            pixels = self.vision.image_processor(images=[image], return_tensors="np")["pixel_values"][0]
-        except Exception as error:  # PIL and the processor raise many kinds for unreadable or odd images
-            raise ValueError(f"could not process the image ({image.mode}, {image.size}): {error}") from None
-        pixels = np.asarray(pixels, np.float32)
-        if pixels.shape != self.pixel_shape:
-            raise ValueError(f"the image processor made pixel values of shape {pixels.shape}; the vision tower "
-                             f"takes {self.pixel_shape}")
-        return pixels
+    def _checked(self, image: ProcessedImage) -> ProcessedImage:
+        """A processed image whose input shape and token count this model's encoder takes."""
+        shape, want = image.pixel_values.shape, self.vision.input_shape(image.num_tokens)
+        if shape != want:
+            raise ValueError(f"processed pixel values of shape {shape}; the vision encoder takes {want} for an "
+                             f"image of {image.num_tokens} tokens")
+        if image.num_tokens > self.max_image_tokens:
+            raise ValueError(f"the image needs {image.num_tokens} tokens; this engine encodes images of at most "
+                             f"{self.max_image_tokens}")
+        return image
 
     def process_image(self, image: Any) -> ProcessedImage:
-        """Preprocess and hash one image (a ProcessedImage passes through)."""
-        if isinstance(image, ProcessedImage):
-            if image.pixel_values.shape != self.pixel_shape:
-                raise ValueError(f"processed pixel values of shape {image.pixel_values.shape}; the vision tower "
-                                 f"takes {self.pixel_shape}")
-            return image
-        pixels = self.preprocess(image)
-        return ProcessedImage(pixels, content_hash(pixels))
+        """Preprocess and hash one image (a ProcessedImage is checked and passes through)."""
+        return self._checked(image) if isinstance(image, ProcessedImage) else self.preprocess(image)
 
     def check_count(self, num_images: int) -> None:
         limit = self.limits["image"]
@@ -103,7 +124,7 @@ class MultiModalProcessor:
     def expand(self, token_ids: list[int],
                multi_modal_data: dict[str, Any] | None) -> tuple[list[int], list[MultiModalItem]]:
         """Prompt ids with each image placeholder expanded (a single placeholder token per image, or an already
-        expanded run of exactly tokens_per_image) -> (ids, one item per image in prompt order)."""
+        expanded run of the image's token count) -> (ids, one item per image in prompt order)."""
         data = dict(multi_modal_data or {})
         unknown = sorted(set(data) - set(MODALITIES))
         if unknown:
@@ -120,16 +141,21 @@ class MultiModalProcessor:
         items: list[MultiModalItem] = []
         cursor = 0
         for (start, length), image in zip(runs, processed):
+            if length not in (1, image.num_tokens):
+                raise ValueError(f"a run of {length} image tokens: each image takes one placeholder "
+                                 f"({self.vision.image_token}) or exactly its {image.num_tokens} tokens")
             expanded += token_ids[cursor:start]
-            items.append(MultiModalItem("image", image.hash, len(expanded), self.tokens_per_image, image.pixel_values))
-            expanded += [self.image_token_id] * self.tokens_per_image
+            items.append(MultiModalItem("image", image.hash, len(expanded), image.num_tokens, image.pixel_values,
+                                        image.grid))
+            expanded += [self.image_token_id] * image.num_tokens
             cursor = start + length
         return expanded + token_ids[cursor:], items
 
     def _placeholder_runs(self, token_ids: list[int]) -> list[tuple[int, int]]:
-        """(start, length) of each image's placeholder: one image token (to expand) or an already expanded run of
-        tokens_per_image. Adjacent placeholders form one run: k < tokens_per_image tokens are k images, a multiple
-        of tokens_per_image that many expanded images."""
+        """(start, length) of each image's placeholder: one image token (to expand) or an already expanded run.
+        With a fixed token count n (LLaVA), adjacent placeholders form one run: k < n tokens are k images, a
+        multiple of n that many expanded images; otherwise (Qwen2-VL, whose images sit between vision-start and
+        vision-end tokens) each run is one image."""
         n = self.tokens_per_image
         runs: list[tuple[int, int]] = []
         index = 0
@@ -141,7 +167,9 @@ class MultiModalProcessor:
             while end < len(token_ids) and token_ids[end] == self.image_token_id:
                 end += 1
             length = end - index
-            if length % n == 0:
+            if n is None:
+                runs.append((index, length))
+            elif length % n == 0:
                 runs += [(start, n) for start in range(index, end, n)]
             elif length < n:
                 runs += [(start, 1) for start in range(index, end)]
@@ -180,7 +208,7 @@ def engine_multimodal(loaded: Any, max_num_batched_tokens: int, limits: dict[str
     vision = loaded.vision
     if vision is None:
         return None, None, media
-    rows = encoder_cache_rows(vision.tokens_per_image, max_num_batched_tokens, encoder_cache_tokens)
+    rows = encoder_cache_rows(vision.max_image_tokens, max_num_batched_tokens, encoder_cache_tokens)
     return EncoderCache(rows, ENCODER_BLOCK_ROWS), MultiModalProcessor(vision, limits), media
 
 

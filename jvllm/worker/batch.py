@@ -8,6 +8,7 @@ import numpy as np
 from jvllm.attention.backend import PrefillLayout
 from jvllm.core.encoder_cache import EncoderCache
 from jvllm.core.scheduler import ScheduledChunk
+from jvllm.multimodal.positions import mrope_positions
 from jvllm.worker.step_shapes import StepShape
 from models.attention import AttentionMetadata
 
@@ -21,9 +22,12 @@ class ChunkRow:
     start: int
     page_table: list[int]
     mm_rows: list[int] | None = None  # multimodal: per token, its encoder-buffer row (-1: a text token)
+    positions: np.ndarray | None = None  # [3, n] int32 M-RoPE positions when they differ from the token indices
 
 
-def chunk_rows(chunks: list[ScheduledChunk], encoder_cache: EncoderCache | None = None) -> list[ChunkRow]:
+def chunk_rows(chunks: list[ScheduledChunk], encoder_cache: EncoderCache | None = None,
+               mrope: bool = False) -> list[ChunkRow]:
+    """`mrope`: the model takes multimodal RoPE positions, which a request's images shift."""
     rows = []
     for chunk in chunks:
         request, start = chunk.request, chunk.start
@@ -31,7 +35,8 @@ def chunk_rows(chunks: list[ScheduledChunk], encoder_cache: EncoderCache | None 
         mm_rows = None
         if encoder_cache is not None and request.mm_items:
             mm_rows = encoder_cache.token_rows(request, start, chunk.num_tokens)
-        rows.append(ChunkRow(ids + [0] * chunk.pending_tokens, start, request.page_table, mm_rows))
+        positions = mrope_positions(request.mm_items, start, chunk.num_tokens) if mrope and request.mm_items else None
+        rows.append(ChunkRow(ids + [0] * chunk.pending_tokens, start, request.page_table, mm_rows, positions))
     return rows
 
 
@@ -41,22 +46,23 @@ class HostBatch:
 
     shape: StepShape
     input_ids: np.ndarray  # [T] int32
-    positions: np.ndarray  # [T] int32
+    positions: np.ndarray  # [T] int32; [3, T] for M-RoPE models
     metadata: AttentionMetadata  # numpy leaves, moved to the device by the runner
     num_rows: int  # real sequence rows (the rest are padding)
     mm_rows: np.ndarray | None = None  # [T] int32 encoder-buffer row of each token (-1: text), multimodal models
 
 
 def build_batch(rows: list[ChunkRow], shape: StepShape, page_size: int, max_pages: int,
-                prefill_layout: PrefillLayout, multimodal: bool = False) -> HostBatch:
+                prefill_layout: PrefillLayout, multimodal: bool = False, mrope: bool = False) -> HostBatch:
     """Chunks back to back in T flat tokens; row s of the metadata is rows[s]. A decode shape needs every chunk
-    to be one token (token s is row s). `multimodal` adds the tokens' encoder-buffer rows."""
+    to be one token (token s is row s). `multimodal` adds the tokens' encoder-buffer rows; `mrope` makes the
+    positions [3, T] (a row without its own takes its token indices on all three)."""
     num_tokens, num_seqs = shape.tokens, shape.seqs
     total = sum(len(r.token_ids) for r in rows)
     if total > num_tokens or len(rows) > num_seqs:
         raise ValueError(f"{len(rows)} chunks of {total} tokens do not fit a {shape} step")
     input_ids = np.zeros(num_tokens, np.int32)
-    positions = np.zeros(num_tokens, np.int32)
+    positions = np.zeros((3, num_tokens) if mrope else num_tokens, np.int32)
     slot_mapping = np.zeros(num_tokens, np.int32)  # padding writes into the reserved page 0
     query_start = np.zeros(num_seqs, np.int32)
     q_lens = np.zeros(num_seqs, np.int32)
@@ -71,7 +77,7 @@ def build_batch(rows: list[ChunkRow], shape: StepShape, page_size: int, max_page
         pos = np.arange(start, start + n, dtype=np.int32)
         pages = np.asarray(row.page_table, np.int32)
         input_ids[span] = row.token_ids
-        positions[span] = pos
+        positions[..., span] = pos if row.positions is None else row.positions
         slot_mapping[span] = pages[pos // page_size] * page_size + pos % page_size
         query_start[index], q_lens[index], kv_lens[index] = cursor, n, start + n
         page_tables[index, : len(pages)] = pages

@@ -18,10 +18,11 @@ from jvllm.parallel.mesh import host_array, named_sharding, put_replicated
 from jvllm.sample.logprobs import TokenLogprobs, host_rows
 from jvllm.sample.tensors import ALL_TOKENS, RowSpec, SamplerFlags, build_sampling_tensors, combine_allowed_bits
 from jvllm.utils import cdiv
+from jvllm.multimodal.positions import mrope_positions
 from jvllm.worker.batch import ChunkRow, HostBatch, build_batch, chunk_rows
 from jvllm.worker.compile_watch import compile_watch
 from jvllm.worker.compiled_steps import CompiledSteps
-from jvllm.worker.encoder_runner import EncoderRunner
+from jvllm.worker.encoder_runner import encoder_runner
 from jvllm.worker.step_functions import build_step_functions
 from jvllm.worker.step_shapes import ShapeSet, StepShape
 from jvllm.worker.weights import BATCHED_MIN_ROWS, StepWeights
@@ -39,7 +40,7 @@ class StepCall:
 
     shape: StepShape
     input_ids: np.ndarray | jax.Array  # [T] int32; on the device for a look-ahead step
-    positions: np.ndarray  # [T] int32
+    positions: np.ndarray  # [T] int32; [3, T] for M-RoPE models
     metadata: AttentionMetadata  # numpy leaves
     sampling: Any = None  # SamplingTensors (numpy leaves); None for an all-logits call
     prompt_targets: np.ndarray | None = None  # [T] int32
@@ -129,9 +130,10 @@ class ModelRunner:
         self.max_pages = cdiv(cdiv(max_model_len, page_size), PAGE_TABLE_MULTIPLE) * PAGE_TABLE_MULTIPLE
         self.history_width = max_model_len
         self.vocab_size = cfg.vocab_size
+        self.mrope = cfg.mrope_section is not None  # positions [3, T] (Qwen2-VL)
         self.kv_cache = self._new_pool(num_pages)
         activations = value_dtype(self.kv_cache[0][0].dtype)
-        self.encoder = None if loaded.vision is None else EncoderRunner(loaded.vision, encoder_cache, activations)
+        self.encoder = None if loaded.vision is None else encoder_runner(loaded.vision, encoder_cache, activations)
         steps = build_step_functions(self.step_weights.parts, self.backend, activations, shapes.max_num_seqs,
                                      self.mesh, cfg.vocab_size, multimodal=self.encoder is not None)
         self.compiled = CompiledSteps(steps, self)
@@ -223,7 +225,8 @@ class ModelRunner:
     def step_call(self, chunks: list[ScheduledChunk], kind: str) -> tuple[StepCall, list]:
         """The host inputs of one group's step, and the requests that asked for prompt logprobs."""
         shape = self.shape_for(chunks, kind)
-        batch = self._host_batch(chunk_rows(chunks, None if self.encoder is None else self.encoder.cache), shape)
+        cache = None if self.encoder is None else self.encoder.cache
+        batch = self._host_batch(chunk_rows(chunks, cache, self.mrope), shape)
         prompt_targets, prompt_rows = prompt_logprob_targets(chunks, shape.tokens)
         sampling, flags = build_sampling_tensors(
             [self._row_spec(c) for c in chunks], shape.seqs, vocab_size=self.vocab_size,
@@ -233,7 +236,7 @@ class ModelRunner:
 
     def _host_batch(self, rows: list[ChunkRow], shape: StepShape) -> HostBatch:
         return build_batch(rows, shape, self.page_size, self.max_pages, self.backend.prefill_layout,
-                           multimodal=self.encoder is not None)
+                           multimodal=self.encoder is not None, mrope=self.mrope)
 
     def run_call(self, call: StepCall, defer_head: bool = False) -> Any:
         """Run one device step (sending it to the other hosts first, on rank 0 of a multi-host mesh);
@@ -357,7 +360,8 @@ class ModelRunner:
             raise ValueError(f"prompt_logits takes at most {self.shapes.max_num_batched_tokens} tokens, got {n}")
         shape = self.shapes.prefill(n)
         row = ChunkRow(token_ids=list(token_ids), start=0, page_table=[0] * cdiv(n, self.page_size),
-                       mm_rows=self._diagnostic_encode(mm_items, n) if mm_items else None)
+                       mm_rows=self._diagnostic_encode(mm_items, n) if mm_items else None,
+                       positions=mrope_positions(mm_items, 0, n) if self.mrope and mm_items else None)
         batch = self._host_batch([row], shape)
         with compile_watch().expected():  # a diagnostic: its executable is compiled on first use
             logits = self.run_call(StepCall(shape, batch.input_ids, batch.positions, batch.metadata,

@@ -63,3 +63,39 @@ def images():
 
     sizes = [(40, 60), (28, 28), (90, 30), (64, 64), (33, 50), (120, 80)]
     return [random_image(seed, size) for seed, size in enumerate(sizes)]
+
+
+@pytest.fixture(scope="session")
+def qwen2_vl_tok():
+    from tests.multimodal.qwen2_vl_helpers import qwen2_vl_tokenizer
+
+    return qwen2_vl_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_vl(qwen2_vl_tok, tmp_path_factory):
+    """(folder, transformers model): a tiny random Qwen2-VL saved with save_pretrained."""
+    from tests.multimodal.qwen2_vl_helpers import build_qwen2_vl
+
+    folder = tmp_path_factory.mktemp("qwen2-vl")
+    return folder, build_qwen2_vl(folder, qwen2_vl_tok)
+
+
+@pytest.fixture(scope="session")
+def qwen2_vl_oracle(tiny_qwen2_vl, qwen2_vl_tok):
+    """(text, images) -> transformers' greedy ids and logits for it (32 new tokens), memoized."""
+    from tests.multimodal.helpers import hf_greedy
+    from tests.multimodal.qwen2_vl_helpers import MAX_TOKENS, qwen2_vl_hf_processor
+
+    folder, model = tiny_qwen2_vl
+    processor = qwen2_vl_hf_processor(folder, qwen2_vl_tok)
+    cache: dict = {}
+
+    def run(text: str, images: list):
+        key = (text, tuple(id(image) for image in images))
+        if key not in cache:
+            inputs = dict(processor(text=text, images=images or None, return_tensors="pt"))
+            cache[key] = hf_greedy(model, inputs, MAX_TOKENS)
+        return cache[key]
+
+    return run

@@ -1,0 +1,72 @@
+"""Test helpers: a tiny random Qwen2-VL saved with transformers, its tokenizer (SmolLM2's plus the vision tokens), its
+PIL image processor and transformers' Qwen2VLProcessor over them."""
+from __future__ import annotations
+
+import pathlib
+
+VISION_START_ID, VISION_END_ID, IMAGE_PAD_ID = 49152, 49153, 49154
+VIDEO_PAD_ID = 49155  # no such token in the tokenizer: the config needs an id, the tests send no video
+QWEN2VL_TEXT = dict(vocab_size=49156, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=512,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                    bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+QWEN2VL_VISION = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+# Resized images hold 2x2 to 4x4 merged tokens (28 x 28 pixels each): 4 to 16 image tokens per image.
+IMAGE_PROCESSOR = dict(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16, patch_size=14, merge_size=2,
+                       temporal_patch_size=2)
+PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # one image in a prompt, as Qwen2-VL's template writes it
+MAX_TOKENS = 32  # new tokens in the engine tests' greedy comparisons
+
+
+def qwen2_vl_tokenizer():
+    """SmolLM2's tokenizer (rebuilt from the default model's GGUF) plus Qwen2-VL's vision tokens."""
+    from jvllm.model_loader.default_model import default_model_path
+    from jvllm.model_loader.gguf import gguf_tokenizer
+
+    tokenizer = gguf_tokenizer(default_model_path())
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]})
+    ids = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"])
+    assert ids == [VISION_START_ID, VISION_END_ID, IMAGE_PAD_ID], ids
+    return tokenizer
+
+
+def build_qwen2_vl(folder: pathlib.Path, tokenizer):
+    """Save a tiny random Qwen2VLForConditionalGeneration (weights redrawn large, see tests/hf_weights.py), the
+    tokenizer and a PIL Qwen2-VL image processor config into `folder`; -> the transformers model (float32, eval)."""
+    import torch
+    import transformers
+
+    from tests.hf_weights import redraw_weights
+
+    config = transformers.Qwen2VLConfig(text_config=QWEN2VL_TEXT, vision_config=QWEN2VL_VISION,
+                                        image_token_id=IMAGE_PAD_ID, video_token_id=VIDEO_PAD_ID,
+                                        vision_start_token_id=VISION_START_ID, vision_end_token_id=VISION_END_ID)
+    torch.manual_seed(0)
+    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
+    redraw_weights(model)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    transformers.Qwen2VLImageProcessorPil(**IMAGE_PROCESSOR).save_pretrained(folder)
+    loaded = transformers.AutoImageProcessor.from_pretrained(str(folder), backend="pil")
+    assert isinstance(loaded, transformers.Qwen2VLImageProcessorPil), type(loaded)
+    return model
+
+
+def qwen2_vl_hf_processor(folder: pathlib.Path, tokenizer):
+    """transformers' Qwen2VLProcessor over the folder's image processor (PIL backend) and the tokenizer: each
+    `<|image_pad|>` in the text becomes one per merged token of its image."""
+    import transformers
+
+    class ImageOnlyProcessor(transformers.Qwen2VLProcessor):
+        """Without torchvision transformers has no video processor class to check a None video_processor against."""
+
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument_name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    image_processor = transformers.AutoImageProcessor.from_pretrained(str(folder), backend="pil")
+    processor = ImageOnlyProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    assert processor.image_token == "<|image_pad|>" and processor.image_token_id == IMAGE_PAD_ID
+    return processor
