@@ -89,3 +89,27 @@ def test_an_image_for_a_text_only_model_is_a_400(text_server, images):
     ok = client.chat.completions.create(model="tiny-llama", max_tokens=4,
                                         messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
     assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_qwen2_vl_over_the_openai_client(tiny_qwen2_vl):
+    """Two base64 images of different sizes (so different token counts) through the server match the offline
+    engine, and usage counts each image's own tokens."""
+    from tests.multimodal.helpers import random_image
+
+    urls = [data_url(random_image(20, (56, 84))), data_url(random_image(21, (300, 500)))]
+    live = start_server(tiny_qwen2_vl[0], engine_args=ENGINE_ARGS, served_model_names=["tiny-qwen2-vl"])
+    try:
+        reply = _client(live).chat.completions.create(model="tiny-qwen2-vl", messages=_messages(*urls),
+                                                      max_tokens=16, temperature=0.0)
+        with pytest.raises(openai.BadRequestError, match="limit_mm_per_prompt allows 2"):
+            _client(live).chat.completions.create(model="tiny-qwen2-vl", messages=_messages(*urls, urls[0]))
+    finally:
+        live.stop()
+    offline = Engine(str(tiny_qwen2_vl[0]), **ENGINE_ARGS)
+    want = offline.chat(_messages(*urls), SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)[0]
+    assert reply.choices[0].message.content == want.outputs[0].text
+    assert reply.usage.prompt_tokens == len(want.prompt_token_ids)
+    images = [item.length for item in offline.mm_processor.expand(want.prompt_token_ids,
+                                                                  {"image": [random_image(20, (56, 84)),
+                                                                             random_image(21, (300, 500))]})[1]]
+    assert images == [6, 15]  # 4x6 and 6x10 patches, merged 2x2

@@ -215,3 +215,25 @@ def test_step_shapes_include_the_encoder_and_nothing_compiles_after_start(tiny_q
     engine.pages.check_integrity()
     engine.encoder_cache.check_integrity()
     assert engine.encoder_cache.num_pinned == 0 and engine.pages.num_free_pages == engine.pages.num_usable_pages
+
+
+def test_refused_qwen2_vl_inputs_name_the_reason_and_the_engine_keeps_serving(engine, qwen_images):
+    from jvllm.multimodal.inputs import ProcessedImage
+
+    quick = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    image = engine.mm_processor.process_image(qwen_images[0])  # 6 tokens
+    start = engine.tokenizer.encode("look: <|vision_start|>")
+    with pytest.raises(ValueError, match="a run of 5 image tokens"):  # an expanded run must hold exactly 6
+        engine.generate({"prompt_token_ids": start + [IMAGE_PAD_ID] * 5, "multi_modal_data": {"image": image}},
+                        quick, use_tqdm=False)
+    wrong_shape = ProcessedImage(image.pixel_values[:-4], image.hash, image.num_tokens, image.grid)
+    too_big = ProcessedImage(np.zeros((17 * 4, 1176), np.float32), 1, 17, (1, 17))
+    for bad, reason in [(wrong_shape, "processed pixel values of shape"), (too_big, "at most 16")]:
+        with pytest.raises(ValueError, match=reason):
+            engine.generate(_request(f"{P} x", [bad]), quick, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"2 image placeholder\(s\) \(<\|vision_start\|><\|image_pad\|>"):
+        engine.generate(_request(f"{P} and {P}", [qwen_images[0]]), quick, use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+    expanded = start + [IMAGE_PAD_ID] * 6  # an already expanded run is taken as it is
+    out = engine.generate({"prompt_token_ids": expanded, "multi_modal_data": {"image": image}}, quick, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4 and out[0].prompt_token_ids == expanded

@@ -161,6 +161,9 @@ def _check_multimodal(nb: nbformat.NotebookNode) -> None:
     assert re.search(r"^assistant: '.+'$", _stdout(_tagged(nb, "server-chat")), re.MULTILINE)
     assert re.search(r"^400: could not decode the image", _stdout(_tagged(nb, "server-error")), re.MULTILINE)
     assert "server exit code: 0" in _stdout(_tagged(nb, "server-stop"))
+    qwen = _stdout(_tagged(nb, "qwen"))  # the smaller copy takes fewer tokens: 6 x 9 and 13 x 17 token grids
+    assert "image tokens: [54, 221] token grids (rows, columns): [(6, 9), (13, 17)]" in qwen, qwen
+    assert re.search(r"^-> '.+'$", qwen, re.MULTILINE), qwen
 
 
 CHECKS = {"quickstart": _check_quickstart, "serving_and_metrics": _check_serving_and_metrics,
