@@ -10,10 +10,9 @@ from flax import nnx
 
 from models.bert import _ACTIVATIONS, Dense, LayerNorm
 from models.params import normal_param
+from models.vision_weights import VisionParameter
 
 ACTIVATIONS = {**_ACTIVATIONS, "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x)}
-# (parameter, HF tensor name under the tower's prefix, stored transposed vs. the HF tensor)
-VisionParameter = tuple[nnx.Param, str, bool]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,9 @@ import numpy as np
 from flax import nnx
 
 from models.bert import Dense
-from models.clip import ACTIVATIONS, ClipVisionConfig, ClipVisionTower, VisionParameter, dense_parameters
+from models import vision_weights
+from models.clip import ACTIVATIONS, ClipVisionConfig, ClipVisionTower, dense_parameters
+from models.vision_weights import VisionParameter, load_parameters
 
 # Text model_type of a LLaVA checkpoint -> the architecture jvllm serves it as.
 TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -119,36 +121,15 @@ class LlavaVision(nnx.Module):
             yield from params if projector.has_bias else params[:1]
 
     def load_hf_weights(self, tensors: Mapping[str, np.ndarray], dtype: jnp.dtype) -> None:
-        """Fill every parameter from canonically named tensors (canonical_tensor_names)."""
-        for param, name, transpose in self.hf_parameters():
-            if name not in tensors:
-                raise ValueError(f"weights are missing tensor {name!r}")
-            array = np.asarray(tensors[name])
-            if transpose:  # torch [out, in] (a conv kernel [out, C, P, P]) -> [in, out]
-                array = array.reshape(array.shape[0], -1).T
-            param.set_value(jnp.asarray(array, dtype=dtype))
+        """Fill every parameter from canonically named tensors (split_tensors' vision side)."""
+        load_parameters(self.hf_parameters(), tensors, dtype)
         if not self.multi_modal_projector.has_bias:
             for name in ("linear_1", "linear_2"):
                 dense: Dense = getattr(self.multi_modal_projector, name)
                 dense.bias.set_value(jnp.zeros(dense.bias.shape, dtype))
 
 
-def canonical_name(name: str) -> str | None:
-    """A LLaVA checkpoint tensor's canonical name ('vision_tower.', 'multi_modal_projector.', or the language
-    model's 'model.' / 'lm_head.'), None for tensors of no part."""
-    for old, new in _PREFIXES:
-        if name.startswith(old):
-            return new + name[len(old):]
-    return None
-
-
 def split_tensors(tensors: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """-> (the vision side's tensors, the language model's tensors under Llama's names)."""
-    vision: dict[str, np.ndarray] = {}
-    text: dict[str, np.ndarray] = {}
-    for name, array in tensors.items():
-        canonical = canonical_name(name)
-        if canonical is None:
-            continue
-        (text if canonical.startswith(("model.", "lm_head.")) else vision)[canonical] = array
-    return vision, text
+    """-> (the vision side's tensors under 'vision_tower.' and 'multi_modal_projector.', the language model's
+    tensors under Llama's names)."""
+    return vision_weights.split_tensors(tensors, _PREFIXES)

@@ -10,7 +10,9 @@ import numpy as np
 from flax import nnx
 
 from models.bert import _MASKED, Dense, LayerNorm
-from models.clip import ACTIVATIONS, VisionParameter, _norm, dense_parameters
+from models import vision_weights
+from models.clip import ACTIVATIONS, _norm, dense_parameters
+from models.vision_weights import VisionParameter, load_parameters
 from models.params import normal_param
 from models.rope import apply_rotary
 
@@ -223,13 +225,7 @@ class Qwen2VisionTower(nnx.Module):
 
     def load_hf_weights(self, tensors: Mapping[str, np.ndarray], dtype: jnp.dtype) -> None:
         """Fill every parameter from canonically named tensors (split_tensors' vision side)."""
-        for param, name, transpose in self.hf_parameters():
-            if name not in tensors:
-                raise ValueError(f"weights are missing tensor {name!r}")
-            array = np.asarray(tensors[name])
-            if transpose:  # torch [out, in] (the conv kernel [out, C, T, P, P]) -> [in, out]
-                array = array.reshape(array.shape[0], -1).T
-            param.set_value(jnp.asarray(array, dtype=dtype))
+        load_parameters(self.hf_parameters(), tensors, dtype)
 
 
 def vision_rotary_positions(grid_h: int, grid_w: int, merge: int) -> np.ndarray:
@@ -245,22 +241,6 @@ def vision_rotary_positions(grid_h: int, grid_w: int, merge: int) -> np.ndarray:
     return np.stack([block_major(rows), block_major(cols)], axis=-1).astype(np.int32)
 
 
-def canonical_name(name: str) -> str | None:
-    """A Qwen2-VL checkpoint tensor's canonical name ('visual.', or the language model's 'model.' / 'lm_head.'),
-    None for tensors of no part."""
-    for old, new in _PREFIXES:
-        if name.startswith(old):
-            return new + name[len(old):]
-    return None
-
-
 def split_tensors(tensors: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """-> (the vision tower's tensors under 'visual.', the language model's under 'model.' / 'lm_head.')."""
-    vision: dict[str, np.ndarray] = {}
-    text: dict[str, np.ndarray] = {}
-    for name, array in tensors.items():
-        canonical = canonical_name(name)
-        if canonical is None:
-            continue
-        (vision if canonical.startswith("visual.") else text)[canonical] = array
-    return vision, text
+    return vision_weights.split_tensors(tensors, _PREFIXES)
