@@ -35,13 +35,21 @@ def json_list(text: str) -> list[str]:
     return value
 
 
-def json_limits(text: str) -> dict[str, int]:
-    """--limit-mm-per-prompt takes a JSON object of modality -> count, e.g. '{"image": 4}', as vLLM's does."""
+def json_object(text: str, example: str = '{"max_pixels": 802816}') -> dict:
+    """A JSON object argument (--mm-processor-kwargs, and --limit-mm-per-prompt below), as vLLM takes them."""
     try:
         value = json.loads(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a JSON object like '{{\"image\": 4}}', got {text!r}") from None
-    if not isinstance(value, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value.values()):
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object like '{example}', got {text!r}")
+    return value
+
+
+def json_limits(text: str) -> dict[str, int]:
+    """--limit-mm-per-prompt takes a JSON object of modality -> count, e.g. '{"image": 4}', as vLLM's does."""
+    value = json_object(text, '{"image": 4}')
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value.values()):
         raise argparse.ArgumentTypeError(f"expected a JSON object of integers, got {text!r}")
     return value
 
@@ -76,6 +84,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "--no-precompile compiles each shape when first used")
     group.add_argument("--limit-mm-per-prompt", type=json_limits, default=None, metavar="JSON",
                        help='images per prompt of a vision-language model, e.g. \'{"image": 4}\' (default 999)')
+    group.add_argument("--mm-processor-kwargs", type=json_object, default=None, metavar="JSON",
+                       help='image processor settings of a vision-language model, e.g. Qwen2-VL\'s '
+                            '\'{"max_pixels": 802816}\' (pixels per image; 28 x 28 pixels make one image token)')
     group.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                        help="folder that file: image URLs may read from (default: none; file: URLs are refused)")
 
@@ -101,7 +112,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 attention_backend=args.attention_backend, load_format=args.load_format, seed=args.seed,
                 tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
                 batched_weight_dtype=args.batched_weight_dtype, precompile=args.precompile,
-                limit_mm_per_prompt=args.limit_mm_per_prompt, allowed_local_media_path=args.allowed_local_media_path)
+                limit_mm_per_prompt=args.limit_mm_per_prompt, allowed_local_media_path=args.allowed_local_media_path,
+                mm_processor_kwargs=args.mm_processor_kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -50,7 +50,7 @@ class Engine(MultiHostRoles):
                  host_rank: int | None = None, coordinator: str | None = None, async_scheduling: bool = True,
                  precompile: bool = True, reasoning_parser: str | None = None,
                  limit_mm_per_prompt: dict[str, int] | None = None, allowed_local_media_path: str | None = None,
-                 encoder_cache_tokens: int | None = None):
+                 encoder_cache_tokens: int | None = None, mm_processor_kwargs: dict[str, Any] | None = None):
         """`pooling` ("mean", "cls", "last", "max", "mean_sqrt_len") and `normalize` override an embedding
         model's sentence-transformers config; on a generative model, `pooling` enables embed().
 
@@ -70,10 +70,12 @@ class Engine(MultiHostRoles):
         `reasoning_parser` ("deepseek_r1", "qwen3"): the model thinks first, up to `</think>`; structured-output
         constraints apply to what follows.
 
-        Vision-language models (LLaVA) take images: `limit_mm_per_prompt` ({"image": N}, default 999) caps a prompt's
-        images, `allowed_local_media_path` is the folder `file:` image URLs may come from (none by default), and
-        `encoder_cache_tokens` sizes the device buffer of encoded images (rows; by default twice
-        max_num_batched_tokens and at least 8 images), which keeps repeated images from being encoded again.
+        Vision-language models (LLaVA, Qwen2-VL) take images: `limit_mm_per_prompt` ({"image": N}, default 999) caps
+        a prompt's images, `allowed_local_media_path` is the folder `file:` image URLs may come from (none by
+        default), and `encoder_cache_tokens` sizes the device buffer of encoded images (rows; by default twice
+        max_num_batched_tokens and at least 8 of the largest images), which keeps repeated images from being encoded
+        again. `mm_processor_kwargs` sets the image processor: Qwen2-VL's `min_pixels` and `max_pixels` bound each
+        image's size, so its token count (one token per 28 x 28 pixels; by default at most 1280 tokens).
 
         `batched_weight_dtype` adds a copy of the weight matrices (e.g. "bfloat16") for steps of 2+ token rows;
         "auto" (the default) adds a bfloat16 copy when a generative model runs in float32 on CPU because
@@ -96,7 +98,7 @@ class Engine(MultiHostRoles):
         started = time.perf_counter()
         self.model = load_model(model, dtype=dtype, load_format=load_format, tokenizer=tokenizer,
                                 served_model_name=served_model_name, seed=seed,
-                                tensor_parallel_size=tensor_parallel_size)
+                                tensor_parallel_size=tensor_parallel_size, mm_processor_kwargs=mm_processor_kwargs)
         self.tokenizer = self.model.tokenizer
         import jax.numpy as jnp
 

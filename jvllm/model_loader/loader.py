@@ -159,10 +159,11 @@ def abstract_module(model_cls: Any, config: Any, dtype: Any) -> Any:
 
 def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_format: str = "auto",
                tokenizer: str | None = None, served_model_name: str | None = None, seed: int = 0,
-               tensor_parallel_size: int = 1) -> LoadedModel:
+               tensor_parallel_size: int = 1, mm_processor_kwargs: dict[str, Any] | None = None) -> LoadedModel:
     """Load config, tokenizer and weights (or random weights with load_format='dummy'). With
     tensor_parallel_size > 1 the weights are placed shard by shard on a mesh (jvllm.parallel.sharding) and
-    the returned config holds the KV heads the model really has (repeated when tp exceeds them)."""
+    the returned config holds the KV heads the model really has (repeated when tp exceeds them).
+    `mm_processor_kwargs`: a vision-language model's image-processor settings (jvllm.model_loader.vision)."""
     if load_format not in ("auto", "safetensors", "gguf", "dummy"):
         raise ValueError(f"unknown load_format {load_format!r}; choose auto, safetensors, gguf or dummy")
     path, name = resolve_model_path(model)
@@ -193,7 +194,8 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
         module = abstract_module(model_cls, config, jdtype)
         module.load_hf_weights(tensors, jdtype)
     graphdef, state = nnx.split(module)
-    vision = load_vision(folder, hf_config, tok, jdtype, vision_tensors, seed) if multimodal else None
+    vision = load_vision(folder, hf_config, tok, jdtype, vision_tensors, seed,
+                         mm_processor_kwargs) if multimodal else None
     return LoadedModel(config, graphdef, state, tok, served_model_name or name, jdtype, folder, vision=vision)
 
 

@@ -73,8 +73,9 @@ def split_tensors(hf: dict[str, Any], tensors: dict) -> tuple[dict, dict]:
 
 
 def load_vision(folder: Path, hf_config: dict[str, Any], tokenizer: Any, dtype: Any, tensors: dict | None,
-                seed: int) -> VisionModel:
-    """The vision module with its weights from `tensors` (canonical names; None: random weights)."""
+                seed: int, mm_processor_kwargs: dict[str, Any] | None = None) -> VisionModel:
+    """The vision module with its weights from `tensors` (canonical names; None: random weights).
+    `mm_processor_kwargs` (vLLM's): Qwen2-VL takes `min_pixels` and `max_pixels`, LLaVA nothing."""
     qwen = is_qwen2_vl(hf_config)
     config = Qwen2VLConfig.from_hf_dict(hf_config) if qwen else LlavaConfig.from_hf_dict(hf_config)
     build = (lambda rngs: Qwen2VisionTower(config.vision, dtype, rngs)) if qwen else (
@@ -88,10 +89,16 @@ def load_vision(folder: Path, hf_config: dict[str, Any], tokenizer: Any, dtype: 
     token = tokenizer.convert_ids_to_tokens(config.image_token_id)
     if not isinstance(token, str):
         raise ValueError(f"the tokenizer has no token for the image token id {config.image_token_id}")
+    settings = dict(mm_processor_kwargs or {})
+    supported = ("min_pixels", "max_pixels") if qwen else ()
+    unknown = sorted(set(settings) - set(supported))
+    if unknown:
+        raise ValueError(f"mm_processor_kwargs: unsupported key {unknown[0]!r} for {hf_config['architectures'][0]}; "
+                         f"supported: {', '.join(supported) or 'none'}")
     if not qwen:
         return VisionModel(config, graphdef, state, clip_image_processor(folder, config), token,
                            config.tokens_per_image)
-    processor, max_tokens, kwargs = qwen2_vl_image_processor(folder, config)
+    processor, max_tokens, kwargs = qwen2_vl_image_processor(folder, config, **settings)
     start, end = (tokenizer.convert_ids_to_tokens(i) for i in (config.vision_start_token_id,
                                                                  config.vision_end_token_id))
     placeholder = f"{start}{token}{end}" if isinstance(start, str) and isinstance(end, str) else token
@@ -111,10 +118,11 @@ def clip_image_processor(folder: Path, config: LlavaConfig) -> Any:
     return CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
 
 
-def qwen2_vl_image_processor(folder: Path, config: Qwen2VLConfig) -> tuple[Any, int, dict[str, Any]]:
+def qwen2_vl_image_processor(folder: Path, config: Qwen2VLConfig, min_pixels: int | None = None,
+                             max_pixels: int | None = None) -> tuple[Any, int, dict[str, Any]]:
     """-> (the folder's Qwen2-VL image processor on the PIL backend, the most tokens an image may take, the size
-    bounds to call it with). Images the processor would leave larger than DEFAULT_MAX_IMAGE_TOKENS are resized
-    down to it."""
+    bounds to call it with). `min_pixels` / `max_pixels` replace the processor's bounds; without `max_pixels`,
+    images the processor would leave larger than DEFAULT_MAX_IMAGE_TOKENS are resized down to it."""
     from transformers import AutoImageProcessor, Qwen2VLImageProcessorPil
 
     vision = config.vision
@@ -129,9 +137,17 @@ def qwen2_vl_image_processor(folder: Path, config: Qwen2VLConfig) -> tuple[Any, 
         raise ValueError(f"the image processor's patch, merge and temporal sizes {geometry} do not match the "
                          f"vision config's")
     token_pixels = (vision.patch_size * vision.spatial_merge_size) ** 2
-    min_pixels, max_pixels = int(processor.size["shortest_edge"]), int(processor.size["longest_edge"])
+    for name, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < token_pixels):
+            raise ValueError(f"mm_processor_kwargs: {name} must be an integer of at least {token_pixels} (one "
+                             f"image token), got {value!r}")
+    explicit_max = max_pixels is not None
+    min_pixels = int(processor.size["shortest_edge"]) if min_pixels is None else min_pixels
+    max_pixels = int(processor.size["longest_edge"]) if max_pixels is None else max_pixels
+    if min_pixels > max_pixels:
+        raise ValueError(f"mm_processor_kwargs: min_pixels {min_pixels} exceeds max_pixels {max_pixels}")
     max_tokens = max_pixels // token_pixels
-    if max_tokens > DEFAULT_MAX_IMAGE_TOKENS:
+    if max_tokens > DEFAULT_MAX_IMAGE_TOKENS and not explicit_max:
         logger.info("images larger than %d tokens (%d pixels) are resized down to it", DEFAULT_MAX_IMAGE_TOKENS,
                     DEFAULT_MAX_IMAGE_TOKENS * token_pixels)
         max_tokens, max_pixels = DEFAULT_MAX_IMAGE_TOKENS, DEFAULT_MAX_IMAGE_TOKENS * token_pixels

@@ -237,3 +237,33 @@ def test_refused_qwen2_vl_inputs_name_the_reason_and_the_engine_keeps_serving(en
     expanded = start + [IMAGE_PAD_ID] * 6  # an already expanded run is taken as it is
     out = engine.generate({"prompt_token_ids": expanded, "multi_modal_data": {"image": image}}, quick, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4 and out[0].prompt_token_ids == expanded
+
+
+def test_mm_processor_kwargs_bound_the_image_size(tiny_qwen2_vl, qwen2_vl_tok, qwen_images):
+    """max_pixels as in vLLM: fewer tokens per image, smaller encoder buckets, still transformers' tokens (its
+    processor called with the same bounds)."""
+    from tests.multimodal.helpers import hf_greedy
+
+    folder, model = tiny_qwen2_vl
+    bounds = {"min_pixels": 28 * 28 * 2, "max_pixels": 28 * 28 * 6}
+    engine = _engine(folder, mm_processor_kwargs=bounds)
+    assert engine.model.vision.max_image_tokens == 6
+    assert [s for s in engine.step_shapes() if s.kind == "encoder"] == [StepShape("encoder", 6, 1)]
+    text, images = _prompts(qwen_images)[2]
+    processor = qwen2_vl_hf_processor(folder, qwen2_vl_tok)
+    size = {"shortest_edge": bounds["min_pixels"], "longest_edge": bounds["max_pixels"]}
+    inputs = dict(processor(text=text, images=images, images_kwargs={"size": size}, return_tensors="pt"))
+    want, logits = hf_greedy(model, inputs, MAX_TOKENS)
+    out = engine.generate(_request(text, images), GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert all(item.length <= 6 for item in engine.mm_processor.expand(out.prompt_token_ids, {"image": images})[1])
+    _assert_greedy_match(out.outputs[0].token_ids, want, logits, "three images within max_pixels")
+    for kwargs, reason in [({"max_side": 3}, "unsupported key 'max_side'"), ({"max_pixels": 100}, "at least 784"),
+                           ({"min_pixels": 28 * 28 * 8, "max_pixels": 28 * 28 * 4}, "exceeds max_pixels")]:
+        with pytest.raises(ValueError, match=reason):
+            _engine(folder, mm_processor_kwargs=kwargs)
+
+
+def test_llava_takes_no_mm_processor_kwargs(tiny_llava):
+    with pytest.raises(ValueError, match="unsupported key 'max_pixels' for LlavaForConditionalGeneration"):
+        _engine(tiny_llava[0], mm_processor_kwargs={"max_pixels": 100_000})
