@@ -113,7 +113,7 @@ class LlamaForCausalLM(nnx.Module):
         x = (table[input_ids] if embed is None else embed(table, input_ids)).astype(activation_dtype)  # [T, D]
         cfg = self.config  # static: the frequencies become trace-time constants, not state
         inv_freq = inverse_frequencies(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
-        if cfg.mrope_section is not None:
+        if positions.ndim == 2:  # M-RoPE; plain positions [T] are text, the same on all three axes
             cos, sin = mrope_rotary_tables(positions, inv_freq, cfg.mrope_section)  # [T, hd] each
         else:
             cos, sin = rotary_tables(positions, inv_freq, attention_factor(cfg.rope_scaling_dict))  # [T, hd] each
