@@ -9,7 +9,7 @@ from models.bert import BertModel
 from models.config import EncoderConfig, ModelConfig
 from models.gemma import GemmaForCausalLM
 from models.llama import LlamaForCausalLM
-from models import llava, qwen2_vl
+from models import llava, qwen2_5_vl, qwen2_vl
 
 _CAUSAL_LMS: dict[str, type[nnx.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -36,9 +36,10 @@ _ENCODERS: dict[str, type[nnx.Module]] = {
 }
 
 # Vision-language models -> their language model's config dict (one of the causal LMs above); the vision sides are
-# models.llava's and models.qwen2_vl's.
+# models.llava's, models.qwen2_vl's and models.qwen2_5_vl's.
 _VISION_LANGUAGE = {"LlavaForConditionalGeneration": llava.text_config_dict,
-                    "Qwen2VLForConditionalGeneration": qwen2_vl.text_config_dict}
+                    "Qwen2VLForConditionalGeneration": qwen2_vl.text_config_dict,
+                    "Qwen2_5_VLForConditionalGeneration": qwen2_5_vl.text_config_dict}
 
 _DEFAULT_ARCHITECTURE = {"bert": "BertModel", "roberta": "RobertaModel", "xlm-roberta": "XLMRobertaModel"}
 

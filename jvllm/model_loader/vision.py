@@ -1,5 +1,5 @@
-"""Vision-language checkpoints (LLaVA-1.5, Qwen2-VL): the vision side's module and weights, the image processor, and
-the language model's config and tensors, which load like any decoder's."""
+"""Vision-language checkpoints (LLaVA-1.5, Qwen2-VL, Qwen2.5-VL): the vision side's module and weights, the image
+processor, and the language model's config and tensors, which load like any decoder's."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,13 +9,18 @@ from typing import Any
 
 from flax import nnx
 
-from models import llava, qwen2_vl
+from models import llava, qwen2_5_vl, qwen2_vl
 from models.llava import LlavaConfig, LlavaVision
-from models.qwen2_vl import Qwen2VisionTower, Qwen2VLConfig
+from models.qwen2_5_vl import Qwen25VLConfig
+from models.qwen2_vl import Qwen2VLConfig
 
 logger = logging.getLogger("jvllm")
 
-VISION_LANGUAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration")
+# Qwen-VL architectures -> (config, vision tower, checkpoint splitter); their images are processed alike.
+_QWEN_VL = {"Qwen2VLForConditionalGeneration": (Qwen2VLConfig, qwen2_vl.Qwen2VisionTower, qwen2_vl.split_tensors),
+            "Qwen2_5_VLForConditionalGeneration": (Qwen25VLConfig, qwen2_5_vl.Qwen25VisionTower,
+                                                   qwen2_5_vl.split_tensors)}
+VISION_LANGUAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", *_QWEN_VL)
 # Qwen2-VL encodes an image in one step with dense attention over its patches: larger images are resized down to
 # this many tokens (vLLM's examples use the same bound, max_pixels = 1280 * 28 * 28).
 DEFAULT_MAX_IMAGE_TOKENS = 1280
@@ -25,7 +30,7 @@ DEFAULT_MAX_IMAGE_TOKENS = 1280
 class VisionModel:
     """The vision side of a loaded vision-language model."""
 
-    config: LlavaConfig | Qwen2VLConfig
+    config: LlavaConfig | Qwen2VLConfig | Qwen25VLConfig
     graphdef: Any
     state: Any
     image_processor: Any  # a transformers image processor on its PIL backend (numpy out, no torch)
@@ -55,8 +60,9 @@ def is_vision_language(hf_config: dict[str, Any]) -> bool:
     return (hf_config.get("architectures") or [""])[0] in VISION_LANGUAGE_ARCHITECTURES
 
 
-def is_qwen2_vl(hf_config: dict[str, Any]) -> bool:
-    return (hf_config.get("architectures") or [""])[0] == "Qwen2VLForConditionalGeneration"
+def qwen_vl_parts(hf_config: dict[str, Any]) -> tuple | None:
+    """A Qwen-VL checkpoint's (config class, vision tower class, checkpoint splitter); None for LLaVA."""
+    return _QWEN_VL.get((hf_config.get("architectures") or [""])[0])
 
 
 def complete_config(folder: Path) -> dict[str, Any]:
@@ -69,16 +75,18 @@ def complete_config(folder: Path) -> dict[str, Any]:
 
 def split_tensors(hf: dict[str, Any], tensors: dict) -> tuple[dict, dict]:
     """-> (the vision side's tensors, the language model's tensors under Llama's names)."""
-    return qwen2_vl.split_tensors(tensors) if is_qwen2_vl(hf) else llava.split_tensors(tensors)
+    parts = qwen_vl_parts(hf)
+    return llava.split_tensors(tensors) if parts is None else parts[2](tensors)
 
 
 def load_vision(folder: Path, hf_config: dict[str, Any], tokenizer: Any, dtype: Any, tensors: dict | None,
                 seed: int, mm_processor_kwargs: dict[str, Any] | None = None) -> VisionModel:
     """The vision module with its weights from `tensors` (canonical names; None: random weights).
     `mm_processor_kwargs` (vLLM's): Qwen2-VL takes `min_pixels` and `max_pixels`, LLaVA nothing."""
-    qwen = is_qwen2_vl(hf_config)
-    config = Qwen2VLConfig.from_hf_dict(hf_config) if qwen else LlavaConfig.from_hf_dict(hf_config)
-    build = (lambda rngs: Qwen2VisionTower(config.vision, dtype, rngs)) if qwen else (
+    parts = qwen_vl_parts(hf_config)
+    qwen = parts is not None
+    config = parts[0].from_hf_dict(hf_config) if qwen else LlavaConfig.from_hf_dict(hf_config)
+    build = (lambda rngs: parts[1](config.vision, dtype, rngs)) if qwen else (
         lambda rngs: LlavaVision(config, dtype, rngs))
     if tensors is None:
         module = build(nnx.Rngs(seed + 1))
@@ -118,9 +126,9 @@ def clip_image_processor(folder: Path, config: LlavaConfig) -> Any:
     return CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
 
 
-def qwen2_vl_image_processor(folder: Path, config: Qwen2VLConfig, min_pixels: int | None = None,
+def qwen2_vl_image_processor(folder: Path, config: Qwen2VLConfig | Qwen25VLConfig, min_pixels: int | None = None,
                              max_pixels: int | None = None) -> tuple[Any, int, dict[str, Any]]:
-    """-> (the folder's Qwen2-VL image processor on the PIL backend, the most tokens an image may take, the size
+    """-> (the folder's Qwen2-VL image processor (Qwen2.5-VL's too) on the PIL backend, the most tokens an image may take, the size
     bounds to call it with). `min_pixels` / `max_pixels` replace the processor's bounds; without `max_pixels`,
     images the processor would leave larger than DEFAULT_MAX_IMAGE_TOKENS are resized down to it."""
     from transformers import AutoImageProcessor, Qwen2VLImageProcessorPil

@@ -82,13 +82,20 @@ def tiny_qwen2_vl(qwen2_vl_tok, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def qwen2_vl_oracle(tiny_qwen2_vl, qwen2_vl_tok):
+def tiny_qwen2_5_vl(qwen2_vl_tok, tmp_path_factory):
+    """(folder, transformers model): a tiny random Qwen2.5-VL (window attention in its vision tower)."""
+    from tests.multimodal.qwen2_vl_helpers import build_qwen2_5_vl
+
+    folder = tmp_path_factory.mktemp("qwen2.5-vl")
+    return folder, build_qwen2_5_vl(folder, qwen2_vl_tok)
+
+
+def _qwen_oracle(folder, model, tokenizer):
     """(text, images) -> transformers' greedy ids and logits for it (32 new tokens), memoized."""
     from tests.multimodal.helpers import hf_greedy
     from tests.multimodal.qwen2_vl_helpers import MAX_TOKENS, qwen2_vl_hf_processor
 
-    folder, model = tiny_qwen2_vl
-    processor = qwen2_vl_hf_processor(folder, qwen2_vl_tok)
+    processor = qwen2_vl_hf_processor(folder, tokenizer)
     cache: dict = {}
 
     def run(text: str, images: list):
@@ -99,3 +106,20 @@ def qwen2_vl_oracle(tiny_qwen2_vl, qwen2_vl_tok):
         return cache[key]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def qwen2_vl_oracle(tiny_qwen2_vl, qwen2_vl_tok):
+    return _qwen_oracle(*tiny_qwen2_vl, qwen2_vl_tok)
+
+
+@pytest.fixture(scope="session")
+def qwen2_5_vl_oracle(tiny_qwen2_5_vl, qwen2_vl_tok):
+    return _qwen_oracle(*tiny_qwen2_5_vl, qwen2_vl_tok)
+
+
+@pytest.fixture(params=["qwen2_vl", "qwen2_5_vl"])
+def qwen_vl(request):
+    """(folder, transformers model, oracle) of each Qwen-VL family's tiny model."""
+    folder, model = request.getfixturevalue(f"tiny_{request.param}")
+    return folder, model, request.getfixturevalue(f"{request.param}_oracle")

@@ -70,3 +70,32 @@ def qwen2_vl_hf_processor(folder: pathlib.Path, tokenizer):
     processor = ImageOnlyProcessor(image_processor=image_processor, tokenizer=tokenizer)
     assert processor.image_token == "<|image_pad|>" and processor.image_token_id == IMAGE_PAD_ID
     return processor
+
+
+# Qwen2.5-VL: 4 blocks, 1 and 3 attending over the whole image, 0 and 2 within windows of 56 pixels = 4 x 4 patches
+# (2 x 2 merged tokens).
+QWEN25VL_VISION = dict(depth=4, fullatt_block_indexes=[1, 3], hidden_size=32, intermediate_size=64, out_hidden_size=64,
+                       num_heads=4, hidden_act="silu", patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                       window_size=56, in_channels=3)
+
+
+def build_qwen2_5_vl(folder: pathlib.Path, tokenizer):
+    """Save a tiny random Qwen2_5_VLForConditionalGeneration (weights redrawn large), the tokenizer and the same PIL
+    Qwen2-VL image processor config (Qwen2.5-VL's) into `folder`; -> the transformers model (float32, eval)."""
+    import torch
+    import transformers
+
+    from tests.hf_weights import redraw_weights
+
+    config = transformers.Qwen2_5_VLConfig(text_config=QWEN2VL_TEXT, vision_config=QWEN25VL_VISION,
+                                           image_token_id=IMAGE_PAD_ID, video_token_id=VIDEO_PAD_ID,
+                                           vision_start_token_id=VISION_START_ID, vision_end_token_id=VISION_END_ID)
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    redraw_weights(model)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    transformers.Qwen2VLImageProcessorPil(**IMAGE_PROCESSOR).save_pretrained(folder)
+    loaded = transformers.AutoImageProcessor.from_pretrained(str(folder), backend="pil")
+    assert isinstance(loaded, transformers.Qwen2VLImageProcessorPil), type(loaded)
+    return model

@@ -1,6 +1,7 @@
-"""Qwen2-VL in the engine against transformers (float32): placeholder expansion, multimodal RoPE positions, prompt
-logits and greedy generation with one, two and three images of different sizes on every attention backend, chunked
-prefill inside image spans, prefix-cache keys, the encoder cache, chat content parts, and no compile after start."""
+"""Qwen2-VL and Qwen2.5-VL in the engine against transformers (float32): placeholder expansion, multimodal RoPE
+positions, prompt logits and greedy generation with one, two and three images of different sizes on every attention
+backend (both families); on Qwen2-VL, chunked prefill inside image spans, prefix-cache keys, the encoder cache, chat
+content parts, processor bounds, refused inputs and no compile after start."""
 from __future__ import annotations
 
 import random
@@ -70,8 +71,9 @@ def _check(outputs, cases, oracle) -> None:
                 assert abs(entry[token].logprob - ref[step, token]) < LOGITS_ATOL
 
 
-def test_placeholders_and_rope_positions_match_transformers(engine, tiny_qwen2_vl, qwen2_vl_tok, qwen_images):
-    folder, model = tiny_qwen2_vl
+def test_placeholders_and_rope_positions_match_transformers(qwen_vl, qwen2_vl_tok, qwen_images):
+    folder, model, _ = qwen_vl
+    engine = _engine(folder)
     processor = qwen2_vl_hf_processor(folder, qwen2_vl_tok)
     for text, images in _prompts(qwen_images)[:3]:
         inputs = processor(text=text, images=images, return_tensors="pt")
@@ -86,8 +88,8 @@ def test_placeholders_and_rope_positions_match_transformers(engine, tiny_qwen2_v
 
 
 @pytest.mark.parametrize("num_images", [1, 2, 3])
-def test_prompt_logits_match_transformers(num_images, tiny_qwen2_vl, qwen2_vl_tok, qwen_images):
-    folder, model = tiny_qwen2_vl
+def test_prompt_logits_match_transformers(num_images, qwen_vl, qwen2_vl_tok, qwen_images):
+    folder, model, _ = qwen_vl
     engine = _engine(folder, attention_backend="xla")
     text, images = _prompts(qwen_images)[num_images - 1]
     inputs = dict(qwen2_vl_hf_processor(folder, qwen2_vl_tok)(text=text, images=images, return_tensors="pt"))
@@ -99,22 +101,24 @@ def test_prompt_logits_match_transformers(num_images, tiny_qwen2_vl, qwen2_vl_to
     np.testing.assert_allclose(got, want, rtol=0, atol=LOGITS_ATOL)
 
 
-def test_greedy_generation_with_one_two_and_three_images_matches_transformers(engine, qwen2_vl_oracle, qwen_images):
+def test_greedy_generation_with_one_two_and_three_images_matches_transformers(qwen_vl, qwen_images):
+    folder, _, oracle = qwen_vl
+    engine = _engine(folder)
     assert engine.runner.backend.name == "cpu"  # the default on a CPU: the native kernel
     cases = _prompts(qwen_images)
     outputs = engine.generate([_request(t, i) for t, i in cases], GREEDY, use_tqdm=False)
-    _check(outputs, cases, qwen2_vl_oracle)
+    _check(outputs, cases, oracle)
     assert engine.encoder_cache.num_pinned == 0 and engine.pages.num_free_pages == engine.pages.num_usable_pages
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
-def test_the_other_attention_backends_give_transformers_tokens_too(tiny_qwen2_vl, qwen2_vl_oracle, qwen_images,
-                                                                  backend):
-    engine = _engine(tiny_qwen2_vl[0], attention_backend=backend)
+def test_the_other_attention_backends_give_transformers_tokens_too(qwen_vl, qwen_images, backend):
+    folder, _, oracle = qwen_vl
+    engine = _engine(folder, attention_backend=backend)
     assert engine.runner.backend.name == backend
     cases = _prompts(qwen_images)
     outputs = engine.generate([_request(t, i) for t, i in cases], GREEDY, use_tqdm=False)
-    _check(outputs, cases, qwen2_vl_oracle)
+    _check(outputs, cases, oracle)
 
 
 def test_chunked_prefill_splits_prompts_inside_image_spans(tiny_qwen2_vl, qwen2_vl_oracle, qwen_images):

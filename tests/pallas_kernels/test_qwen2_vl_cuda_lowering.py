@@ -1,4 +1,4 @@
-"""A Qwen2-VL engine's steps lower for CUDA on a CPU-only machine (jax 0.10.2 and 0.11.2): the embedding with M-RoPE
+"""Qwen2-VL and Qwen2.5-VL engines' steps lower for CUDA on a CPU-only machine (jax 0.10.2 and 0.11.2): the embedding with M-RoPE
 positions [3, T] and image rows, a layer with the Pallas attention kernel, and every packed encoder step (plain XLA,
 the encoder buffer donated). Dummy bfloat16 weights of a tiny config; no torch needed, nothing runs."""
 from __future__ import annotations
@@ -9,21 +9,26 @@ from jvllm import Engine
 from pallas_kernels.cuda_lowering import TRITON_CALL, lower_jitted_for_cuda, triton_kernels
 from pallas_kernels.variants import KERNEL_NAMES
 from tests.multimodal.qwen2_vl_helpers import (IMAGE_PAD_ID, IMAGE_PROCESSOR, QWEN2VL_TEXT, QWEN2VL_VISION,
-                                               VIDEO_PAD_ID, VISION_END_ID, VISION_START_ID, qwen2_vl_tokenizer)
+                                               QWEN25VL_VISION, VIDEO_PAD_ID, VISION_END_ID, VISION_START_ID,
+                                               qwen2_vl_tokenizer)
 from tests.pallas_kernels.test_pallas_engine_lowering import donated_arguments
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*[Tt]riton.*")
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory) -> Engine:
+FAMILIES = {"Qwen2VL": QWEN2VL_VISION, "Qwen2_5_VL": QWEN25VL_VISION}  # transformers' class prefix -> vision config
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def engine(request, tmp_path_factory) -> Engine:
     import transformers
 
-    folder = tmp_path_factory.mktemp("qwen2-vl-dummy")
-    config = transformers.Qwen2VLConfig(text_config=QWEN2VL_TEXT, vision_config=QWEN2VL_VISION,
-                                        image_token_id=IMAGE_PAD_ID, video_token_id=VIDEO_PAD_ID,
-                                        vision_start_token_id=VISION_START_ID, vision_end_token_id=VISION_END_ID)
-    config.architectures = ["Qwen2VLForConditionalGeneration"]
+    family = request.param
+    folder = tmp_path_factory.mktemp(f"{family}-dummy")
+    config = getattr(transformers, f"{family}Config")(
+        text_config=QWEN2VL_TEXT, vision_config=FAMILIES[family], image_token_id=IMAGE_PAD_ID,
+        video_token_id=VIDEO_PAD_ID, vision_start_token_id=VISION_START_ID, vision_end_token_id=VISION_END_ID)
+    config.architectures = [f"{family}ForConditionalGeneration"]
     config.save_pretrained(folder)
     qwen2_vl_tokenizer().save_pretrained(folder)
     transformers.Qwen2VLImageProcessorPil(**IMAGE_PROCESSOR).save_pretrained(folder)
