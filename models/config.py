@@ -182,7 +182,7 @@ def _rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         return theta, None
     if rope_type not in ("linear", "llama3", "yarn", "dynamic", "longrope"):
         raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3, yarn, "
-                         "dynamic, longrope")
+                         "dynamic, longrope, mrope")
     merged["rope_type"] = rope_type
     merged.pop("type", None)
     if rope_type in ("yarn", "longrope"):  # transformers' defaults: the model's own context, the factor stretching it

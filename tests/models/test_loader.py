@@ -78,5 +78,5 @@ def test_dynamic_ntk_scaling_is_the_default_rotation_within_max_position_embeddi
     plain = ModelConfig.from_hf_dict(base)
     np.testing.assert_array_equal(inverse_frequencies(16, 10000.0, dynamic.rope_scaling_dict),
                                   inverse_frequencies(16, 10000.0, plain.rope_scaling_dict))
-    with pytest.raises(ValueError, match="supported: default, linear, llama3, yarn, dynamic, longrope"):
-        ModelConfig.from_hf_dict({**base, "rope_scaling": {"rope_type": "mrope", "factor": 2.0}})
+    with pytest.raises(ValueError, match="supported: default, linear, llama3, yarn, dynamic, longrope, mrope"):
+        ModelConfig.from_hf_dict({**base, "rope_scaling": {"rope_type": "fope", "factor": 2.0}})
