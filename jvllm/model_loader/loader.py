@@ -157,6 +157,16 @@ def abstract_module(model_cls: Any, config: Any, dtype: Any) -> Any:
     return nnx.eval_shape(lambda: model_cls(config, dtype, None))
 
 
+def processor_chat_template(folder: Path) -> str | None:
+    """The chat template a vision-language checkpoint keeps beside its processor (chat_template.json, as the llava-hf
+    and Qwen-VL repositories do) rather than in its tokenizer config; None when there is none."""
+    path = folder / "chat_template.json"
+    if not path.is_file():
+        return None
+    template = json.loads(path.read_text()).get("chat_template")
+    return template if isinstance(template, str) else None
+
+
 def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_format: str = "auto",
                tokenizer: str | None = None, served_model_name: str | None = None, seed: int = 0,
                tensor_parallel_size: int = 1, mm_processor_kwargs: dict[str, Any] | None = None) -> LoadedModel:
@@ -178,6 +188,8 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer or str(folder))
+    if tok.chat_template is None:
+        tok.chat_template = processor_chat_template(folder)
     if tensor_parallel_size != 1:
         if multimodal:
             raise ValueError(f"{config.architecture}: vision-language models run on one device; use "

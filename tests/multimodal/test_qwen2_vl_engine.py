@@ -271,3 +271,25 @@ def test_mm_processor_kwargs_bound_the_image_size(tiny_qwen2_vl, qwen2_vl_tok, q
 def test_llava_takes_no_mm_processor_kwargs(tiny_llava):
     with pytest.raises(ValueError, match="unsupported key 'max_pixels' for LlavaForConditionalGeneration"):
         _engine(tiny_llava[0], mm_processor_kwargs={"max_pixels": 100_000})
+
+
+def test_a_chat_template_kept_beside_the_processor_is_used(tiny_qwen2_vl, tmp_path, qwen_images):
+    """Checkpoints whose tokenizer config has no chat template but whose folder has chat_template.json (the
+    processor's, as hub vision-language repositories keep it) chat with that template."""
+    import json
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_qwen2_vl[0], folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    for path in folder.glob("chat_template.jinja"):
+        path.unlink()
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    engine = _engine(folder)
+    assert engine.tokenizer.chat_template == template
+    parts = [{"type": "image_pil", "image_pil": qwen_images[1]}, {"type": "text", "text": "Say what it is."}]
+    out = engine.chat([{"role": "user", "content": parts}], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert out.prompt.startswith(f"<user>{P}\nSay what it is.\n<assistant>")
