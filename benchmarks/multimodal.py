@@ -1,13 +1,14 @@
-"""Time to first token of an image prompt, first time and repeated, on a tiny random LLaVA-1.5 or Qwen2-VL: the
-repeated image's encoder output comes from the encoder cache. Prints both medians and their ratio; --json writes them.
+"""Time to first token of an image prompt, first time and repeated, on a tiny random LLaVA-1.5, Qwen2-VL or
+Qwen2.5-VL: the repeated image's encoder output comes from the encoder cache. Prints both medians and their ratio;
+--json writes them.
 
-The model is built with transformers (random weights, saved to a temporary folder) unless --model names a
-vision-language folder. LLaVA: a CLIP tower with LLaVA-1.5's geometry (336 x 336 pixels in 14-pixel patches: 576
-image tokens) but narrow layers, and a small Llama. Qwen2-VL: its vision transformer with the real patch geometry and
-image processor (the 400 x 500 test images become 28 x 36 patches, 252 tokens) but narrow layers, and a small Qwen2
-language model with M-RoPE. Prefix caching is off by default, and each request's text differs, so the repeated
-request saves exactly the encoder work (--prefix-caching measures the default engine, where the repeat also reuses
-the prompt's KV pages)."""
+The model is built with transformers (random weights, saved to a temporary folder; --family picks it) unless --model
+names a vision-language folder. LLaVA: a CLIP tower with LLaVA-1.5's geometry (336 x 336 pixels in 14-pixel
+patches: 576 image tokens) but narrow layers, and a small Llama. Qwen2-VL and Qwen2.5-VL: their vision transformer
+(Qwen2.5-VL's windowed) with the real patch geometry and image processor (the 400 x 500 test images become 28 x 36
+patches, 252 tokens) but narrow layers, and a small Qwen2 language model with M-RoPE. Prefix caching is off by
+default, and each request's text differs, so the repeated request saves exactly the encoder work (--prefix-caching
+measures the default engine, where the repeat also reuses the prompt's KV pages)."""
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,9 @@ def build_tiny_llava(folder: str, vision_hidden: int, vision_layers: int) -> Non
                                        crop_size={"height": 336, "width": 336}).save_pretrained(folder)
 
 
-def build_tiny_qwen2_vl(folder: str, vision_hidden: int, vision_layers: int) -> None:
-    """Save a random Qwen2-VL (SmolLM2's tokenizer plus the vision tokens, Qwen2-VL's default processor)."""
+def build_tiny_qwen_vl(folder: str, vision_hidden: int, vision_layers: int, family: str = "Qwen2VL") -> None:
+    """Save a random Qwen2-VL or (family "Qwen2_5_VL") Qwen2.5-VL: SmolLM2's tokenizer plus the vision tokens,
+    Qwen2-VL's default image processor (both families use it)."""
     import torch
     import transformers
 
@@ -64,19 +66,25 @@ def build_tiny_qwen2_vl(folder: str, vision_hidden: int, vision_layers: int) -> 
     text = dict(vocab_size=len(tokenizer) + 1, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=1,
                 eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]})
-    vision = dict(depth=vision_layers, embed_dim=vision_hidden, hidden_size=128, num_heads=vision_hidden // 64,
-                  mlp_ratio=4)
+    if family == "Qwen2VL":
+        vision = dict(depth=vision_layers, embed_dim=vision_hidden, hidden_size=128, num_heads=vision_hidden // 64,
+                      mlp_ratio=4)
+    else:  # Qwen2.5-VL's layout: windows of 112 pixels, full attention in every fourth block as in the real ones
+        vision = dict(depth=vision_layers, hidden_size=vision_hidden, out_hidden_size=128,
+                      intermediate_size=2 * vision_hidden, num_heads=vision_hidden // 64, window_size=112,
+                      fullatt_block_indexes=list(range(3, vision_layers, 4)))
     ids = tokenizer.convert_tokens_to_ids([start, end, pad])
-    config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, vision_start_token_id=ids[0],
-                                        vision_end_token_id=ids[1], image_token_id=ids[2],
-                                        video_token_id=len(tokenizer))
+    config = getattr(transformers, f"{family}Config")(
+        text_config=text, vision_config=vision, vision_start_token_id=ids[0], vision_end_token_id=ids[1],
+        image_token_id=ids[2], video_token_id=len(tokenizer))
     torch.manual_seed(0)
-    transformers.Qwen2VLForConditionalGeneration(config).save_pretrained(folder)
+    getattr(transformers, f"{family}ForConditionalGeneration")(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     transformers.Qwen2VLImageProcessorPil().save_pretrained(folder)
 
 
-BUILDERS = {"llava": build_tiny_llava, "qwen2_vl": build_tiny_qwen2_vl}
+BUILDERS = {"llava": build_tiny_llava, "qwen2_vl": build_tiny_qwen_vl,
+            "qwen2_5_vl": lambda folder, hidden, layers: build_tiny_qwen_vl(folder, hidden, layers, "Qwen2_5_VL")}
 
 
 def image(seed: int):
@@ -131,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         cache = engine.encoder_cache
         image_tokens = engine.mm_processor.process_image(image(0)).num_tokens
     tiny = {"llava": f"tiny random LLaVA (CLIP {args.vision_layers} x {args.vision_hidden}, 336 px / 14)",
-            "qwen2_vl": f"tiny random Qwen2-VL (ViT {args.vision_layers} x {args.vision_hidden}, 14 px patches)"}
+            "qwen2_vl": f"tiny random Qwen2-VL (ViT {args.vision_layers} x {args.vision_hidden}, 14 px patches)",
+            "qwen2_5_vl": f"tiny random Qwen2.5-VL (windowed ViT {args.vision_layers} x {args.vision_hidden}, 14 px "
+                          "patches)"}
     results = {
         "command": command_line("benchmarks.multimodal", argv), "machine": machine_info(),
         "model": args.model or tiny[args.family], "image_tokens": image_tokens, "prefix_caching": args.prefix_caching,
