@@ -2,27 +2,22 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from models.bert import Dense
-from models.clip import ACTIVATIONS, dense_parameters
+from models.clip import ACTIVATIONS
 from models.layers import RMSNorm
-from models.params import normal_param
-from models.qwen2_vl import Qwen2VisionTower, VisionAttention, split_tensors, text_config_dict
-from models.vision_weights import VisionParameter, load_parameters
+from models.qwen2_vl import PatchGeometry, Qwen2VisionTower, split_tensors, text_config_dict
 
 __all__ = ["Qwen25VisionConfig", "Qwen25VisionTower", "Qwen25VLConfig", "split_tensors", "text_config_dict"]
 
-_EPS = 1e-6  # every RMSNorm of the tower and the merger
-
 
 @dataclasses.dataclass(frozen=True)
-class Qwen25VisionConfig:
+class Qwen25VisionConfig(PatchGeometry):
     """A Qwen2.5-VL vision config (`qwen2_5_vl_vision`), read from its HF dict."""
 
     depth: int
@@ -41,22 +36,8 @@ class Qwen25VisionConfig:
 
     @property
     def embed_dim(self) -> int:
-        """The ViT's width under Qwen2-VL's name (models.qwen2_vl.VisionAttention reads it)."""
+        """The ViT's width under Qwen2-VL's name (the shared blocks and merger of models.qwen2_vl read it)."""
         return self.hidden_size
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        """Values in one flattened patch: channels x frames x pixels."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
-    @property
-    def merge_unit(self) -> int:
-        """Patches merged into one output token."""
-        return self.spatial_merge_size ** 2
 
     @property
     def window_patches(self) -> int:
@@ -119,6 +100,8 @@ class Qwen25VLConfig:
 class VisionMlp(nnx.Module):
     """down_proj(act(gate_proj(x)) * up_proj(x)), every projection with a bias."""
 
+    parameter_names = ("gate_proj", "up_proj", "down_proj")  # the HF names of its Dense layers, under "mlp."
+
     def __init__(self, cfg: Qwen25VisionConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
         d, f = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj, self.up_proj = Dense(d, f, dtype, rngs), Dense(d, f, dtype, rngs)
@@ -129,78 +112,18 @@ class VisionMlp(nnx.Module):
         return self.down_proj(ACTIVATIONS[self.act_name](self.gate_proj(x)) * self.up_proj(x))
 
 
-class VisionBlock(nnx.Module):
-    """Pre-RMSNorm block: x + attn(norm1(x)), then + mlp(norm2(x))."""
+class Qwen25VisionTower(Qwen2VisionTower):
+    """Qwen2.5-VL's `visual`: Qwen2-VL's tower with RMSNorms and gated MLPs, its blocks attending within windows
+    (or over the whole image in fullatt_block_indexes)."""
 
-    def __init__(self, cfg: Qwen25VisionConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
-        self.norm1, self.norm2 = RMSNorm(cfg.hidden_size, _EPS, dtype), RMSNorm(cfg.hidden_size, _EPS, dtype)
-        self.attn = VisionAttention(cfg, dtype, rngs)
-        self.mlp = VisionMlp(cfg, dtype, rngs)
+    norm = RMSNorm
+    mlp = VisionMlp
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
-        x = x + self.attn(self.norm1(x), cos, sin, mask)
-        return x + self.mlp(self.norm2(x))
-
-
-class PatchMerger(nnx.Module):
-    """ln_q (RMSNorm), then each run of merge_unit consecutive patches concatenated and projected by
-    mlp.2(GELU(mlp.0(.))) to the language model's width."""
-
-    def __init__(self, cfg: Qwen25VisionConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
-        width = cfg.hidden_size * cfg.merge_unit
-        self.ln_q = RMSNorm(cfg.hidden_size, _EPS, dtype)
-        self.mlp0, self.mlp2 = Dense(width, width, dtype, rngs), Dense(width, cfg.out_hidden_size, dtype, rngs)
-        self.width = width
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x [P, D] -> [P // merge_unit, out_hidden_size]."""
-        merged = self.ln_q(x).reshape(-1, self.width)  # [P / merge_unit, D * merge_unit]
-        return self.mlp2(jax.nn.gelu(self.mlp0(merged), approximate=False))
-
-
-class Qwen25VisionTower(nnx.Module):
-    """Qwen2.5-VL's `visual`: patch embedding (the Conv3d as one matmul over flattened patches), `depth` blocks with
-    2D rotary positions attending within windows (or the whole image in fullatt_block_indexes), the patch merger."""
-
-    def __init__(self, cfg: Qwen25VisionConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
-        self.config = cfg
-        self.patch_embed = normal_param(rngs, (cfg.patch_dim, cfg.hidden_size), dtype)  # [patch_dim, D], no bias
-        self.blocks = nnx.List([VisionBlock(cfg, dtype, rngs) for _ in range(cfg.depth)])
-        self.merger = PatchMerger(cfg, dtype, rngs)
-
-    rotary_tables = Qwen2VisionTower.rotary_tables  # Qwen2-VL's 2D tables: reads config.head_dim and rope_theta
-
-    def __call__(self, patches: jax.Array, hw_positions: jax.Array, segments: jax.Array) -> jax.Array:
-        """patches [P, patch_dim] (images back to back in the processor's order, then padding rows), hw_positions
-        [P, 2] int32 (row, col) in the image's patch grid, segments [P] int32 (image index, -1 for padding) ->
-        [P // merge_unit, out_hidden_size]. P must be a multiple of merge_unit. A video's frames each need a
-        segment of their own (transformers attends, and windows, per frame)."""
-        kernel = self.patch_embed[...]
-        x = jnp.einsum("pk,kd->pd", patches.astype(kernel.dtype), kernel,
-                       preferred_element_type=jnp.float32).astype(kernel.dtype)  # [P, D]
-        cos, sin = self.rotary_tables(hw_positions)
+    def block_masks(self, hw_positions: jax.Array, segments: jax.Array) -> list[jax.Array]:
+        """Windows of window_patches x window_patches patches tiling each image from its top-left corner; the
+        full-attention blocks see the whole image."""
         same_image = segments[:, None] == segments[None, :]  # [P, P]: padding rows see only padding rows
         window = hw_positions // self.config.window_patches  # [P, 2] (window row, window col)
         same_window = same_image & jnp.all(window[:, None, :] == window[None, :, :], axis=-1)  # [P, P]
-        for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, same_image if i in self.config.fullatt_block_indexes else same_window)
-        return self.merger(x)
-
-    def hf_parameters(self, prefix: str = "visual.") -> Iterator[VisionParameter]:
-        """Every parameter with its HF name under `prefix`."""
-        yield self.patch_embed, prefix + "patch_embed.proj.weight", True  # Conv3d [D, C, T, P, P]
-        for i, block in enumerate(self.blocks):
-            p = f"{prefix}blocks.{i}."
-            yield block.norm1.weight, p + "norm1.weight", False
-            yield block.norm2.weight, p + "norm2.weight", False
-            yield from dense_parameters(block.attn.qkv, p + "attn.qkv")
-            yield from dense_parameters(block.attn.proj, p + "attn.proj")
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                yield from dense_parameters(getattr(block.mlp, name), p + "mlp." + name)
-        yield self.merger.ln_q.weight, prefix + "merger.ln_q.weight", False
-        yield from dense_parameters(self.merger.mlp0, prefix + "merger.mlp.0")
-        yield from dense_parameters(self.merger.mlp2, prefix + "merger.mlp.2")
-
-    def load_hf_weights(self, tensors: Mapping[str, np.ndarray], dtype: jnp.dtype) -> None:
-        """Fill every parameter from canonically named tensors (split_tensors' vision side)."""
-        load_parameters(self.hf_parameters(), tensors, dtype)
+        full = self.config.fullatt_block_indexes
+        return [same_image if i in full else same_window for i in range(len(self.blocks))]

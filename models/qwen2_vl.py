@@ -11,12 +11,12 @@ from flax import nnx
 
 from models.bert import _MASKED, Dense, LayerNorm
 from models import vision_weights
-from models.clip import ACTIVATIONS, _norm, dense_parameters
+from models.clip import ACTIVATIONS, dense_parameters
 from models.vision_weights import VisionParameter, load_parameters
 from models.params import normal_param
 from models.rope import apply_rotary
 
-_EPS = 1e-6  # every LayerNorm of the tower and the merger
+_EPS = 1e-6  # every norm of the tower and the merger (Qwen2.5-VL's too)
 # Checkpoint name prefixes -> canonical ones: transformers >= 4.52 names the parts model.visual.*,
 # model.language_model.*, lm_head.*; older checkpoints (and the Qwen hub repos) visual.*, model.*, lm_head.*.
 _PREFIXES = (
@@ -25,21 +25,9 @@ _PREFIXES = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class Qwen2VisionConfig:
-    """A Qwen2-VL vision config (`qwen2_vl_vision`), read from its HF dict."""
-
-    depth: int
-    embed_dim: int
-    hidden_size: int  # the language model's width: the merger's output
-    hidden_act: str
-    mlp_ratio: float
-    num_heads: int
-    in_channels: int
-    patch_size: int
-    spatial_merge_size: int
-    temporal_patch_size: int
-    rope_theta: float = 10000.0
+class PatchGeometry:
+    """What the Qwen-VL vision configs derive alike from their embed_dim, num_heads, in_channels, patch_size,
+    temporal_patch_size and spatial_merge_size."""
 
     @property
     def head_dim(self) -> int:
@@ -55,9 +43,31 @@ class Qwen2VisionConfig:
         """Patches merged into one output token."""
         return self.spatial_merge_size ** 2
 
+
+@dataclasses.dataclass(frozen=True)
+class Qwen2VisionConfig(PatchGeometry):
+    """A Qwen2-VL vision config (`qwen2_vl_vision`), read from its HF dict."""
+
+    depth: int
+    embed_dim: int
+    hidden_size: int  # the language model's width: the merger's output
+    hidden_act: str
+    mlp_ratio: float
+    num_heads: int
+    in_channels: int
+    patch_size: int
+    spatial_merge_size: int
+    temporal_patch_size: int
+    rope_theta: float = 10000.0
+
     @property
     def mlp_dim(self) -> int:
         return int(self.embed_dim * self.mlp_ratio)
+
+    @property
+    def out_hidden_size(self) -> int:
+        """The merger's output width (Qwen2.5-VL's config name for it)."""
+        return self.hidden_size
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> "Qwen2VisionConfig":
@@ -137,6 +147,10 @@ class VisionAttention(nnx.Module):
 
 
 class VisionMlp(nnx.Module):
+    """fc2(act(fc1(x)))."""
+
+    parameter_names = ("fc1", "fc2")  # the HF names of its Dense layers, under "mlp."
+
     def __init__(self, cfg: Qwen2VisionConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
         self.fc1 = Dense(cfg.embed_dim, cfg.mlp_dim, dtype, rngs)
         self.fc2 = Dense(cfg.mlp_dim, cfg.embed_dim, dtype, rngs)
@@ -147,15 +161,15 @@ class VisionMlp(nnx.Module):
 
 
 class VisionBlock(nnx.Module):
-    """Pre-LayerNorm block: x + attn(norm1(x)), then + mlp(norm2(x))."""
+    """Pre-norm block: x + attn(norm1(x)), then + mlp(norm2(x)); `norm` and `mlp` are the family's classes."""
 
-    def __init__(self, cfg: Qwen2VisionConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
-        self.norm1, self.norm2 = LayerNorm(cfg.embed_dim, _EPS, dtype), LayerNorm(cfg.embed_dim, _EPS, dtype)
+    def __init__(self, cfg: Any, dtype: jnp.dtype, rngs: nnx.Rngs | None, norm: type, mlp: type):
+        self.norm1, self.norm2 = norm(cfg.embed_dim, _EPS, dtype), norm(cfg.embed_dim, _EPS, dtype)
         self.attn = VisionAttention(cfg, dtype, rngs)
-        self.mlp = VisionMlp(cfg, dtype, rngs)
+        self.mlp = mlp(cfg, dtype, rngs)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, same_image: jax.Array) -> jax.Array:
-        x = x + self.attn(self.norm1(x), cos, sin, same_image)
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
+        x = x + self.attn(self.norm1(x), cos, sin, mask)
         return x + self.mlp(self.norm2(x))
 
 
@@ -163,40 +177,50 @@ class PatchMerger(nnx.Module):
     """ln_q, then each run of merge_unit consecutive patches (one merge block) concatenated and projected by
     mlp.2(GELU(mlp.0(.))) to the language model's width."""
 
-    def __init__(self, cfg: Qwen2VisionConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
+    def __init__(self, cfg: Any, dtype: jnp.dtype, rngs: nnx.Rngs | None, norm: type):
         width = cfg.embed_dim * cfg.merge_unit
-        self.ln_q = LayerNorm(cfg.embed_dim, _EPS, dtype)
-        self.mlp0, self.mlp2 = Dense(width, width, dtype, rngs), Dense(width, cfg.hidden_size, dtype, rngs)
+        self.ln_q = norm(cfg.embed_dim, _EPS, dtype)
+        self.mlp0, self.mlp2 = Dense(width, width, dtype, rngs), Dense(width, cfg.out_hidden_size, dtype, rngs)
         self.width = width
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """x [P, D] -> [P // merge_unit, hidden_size]."""
+        """x [P, D] -> [P // merge_unit, out_hidden_size]."""
         merged = self.ln_q(x).reshape(-1, self.width)  # [P / merge_unit, D * merge_unit]
         return self.mlp2(jax.nn.gelu(self.mlp0(merged), approximate=False))
 
 
 class Qwen2VisionTower(nnx.Module):
     """Qwen2-VL's `visual`: patch embedding (the Conv3d as one matmul over flattened patches), `depth` blocks with
-    per-image attention and 2D rotary positions, and the patch merger."""
+    per-image attention and 2D rotary positions, and the patch merger. Qwen2.5-VL's tower (models.qwen2_5_vl) is
+    this one with other `norm` and `mlp` classes and windowed blocks (`block_masks`)."""
 
-    def __init__(self, cfg: Qwen2VisionConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
+    norm: type = LayerNorm
+    mlp: type = VisionMlp
+
+    def __init__(self, cfg: Any, dtype: jnp.dtype, rngs: nnx.Rngs | None):
         self.config = cfg
         self.patch_embed = normal_param(rngs, (cfg.patch_dim, cfg.embed_dim), dtype)  # [patch_dim, D], no bias
-        self.blocks = nnx.List([VisionBlock(cfg, dtype, rngs) for _ in range(cfg.depth)])
-        self.merger = PatchMerger(cfg, dtype, rngs)
+        self.blocks = nnx.List([VisionBlock(cfg, dtype, rngs, self.norm, self.mlp) for _ in range(cfg.depth)])
+        self.merger = PatchMerger(cfg, dtype, rngs, self.norm)
 
     def __call__(self, patches: jax.Array, hw_positions: jax.Array, segments: jax.Array) -> jax.Array:
         """patches [P, patch_dim] (images back to back in the processor's order, then padding rows), hw_positions
         [P, 2] int32 (row, col) in the image's patch grid, segments [P] int32 (image index, -1 for padding) ->
-        [P // merge_unit, hidden_size]. P must be a multiple of merge_unit."""
+        [P // merge_unit, out_hidden_size]. P must be a multiple of merge_unit. A video's frames would each need a
+        segment of their own."""
         kernel = self.patch_embed[...]
         x = jnp.einsum("pk,kd->pd", patches.astype(kernel.dtype), kernel,
                        preferred_element_type=jnp.float32).astype(kernel.dtype)  # [P, D]
         cos, sin = self.rotary_tables(hw_positions)
-        same_image = segments[:, None] == segments[None, :]  # [P, P]: padding rows see only padding rows
-        for block in self.blocks:
-            x = block(x, cos, sin, same_image)
+        for block, mask in zip(self.blocks, self.block_masks(hw_positions, segments)):
+            x = block(x, cos, sin, mask)
         return self.merger(x)
+
+    def block_masks(self, hw_positions: jax.Array, segments: jax.Array) -> list[jax.Array]:
+        """Per block, which keys [P, P] each query sees: every patch of its own image (padding rows see only
+        padding rows)."""
+        same_image = segments[:, None] == segments[None, :]  # [P, P]
+        return [same_image] * len(self.blocks)
 
     def rotary_tables(self, hw_positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """hw_positions [P, 2] -> (cos, sin) [P, hd] float32: the first hd/4 frequencies of each half turn with
@@ -213,19 +237,26 @@ class Qwen2VisionTower(nnx.Module):
         yield self.patch_embed, prefix + "patch_embed.proj.weight", True  # Conv3d [D, C, T, P, P]
         for i, block in enumerate(self.blocks):
             p = f"{prefix}blocks.{i}."
-            yield from _norm(block.norm1, p + "norm1")
-            yield from _norm(block.norm2, p + "norm2")
+            yield from _norm_parameters(block.norm1, p + "norm1")
+            yield from _norm_parameters(block.norm2, p + "norm2")
             yield from dense_parameters(block.attn.qkv, p + "attn.qkv")
             yield from dense_parameters(block.attn.proj, p + "attn.proj")
-            yield from dense_parameters(block.mlp.fc1, p + "mlp.fc1")
-            yield from dense_parameters(block.mlp.fc2, p + "mlp.fc2")
-        yield from _norm(self.merger.ln_q, prefix + "merger.ln_q")
+            for name in block.mlp.parameter_names:
+                yield from dense_parameters(getattr(block.mlp, name), p + "mlp." + name)
+        yield from _norm_parameters(self.merger.ln_q, prefix + "merger.ln_q")
         yield from dense_parameters(self.merger.mlp0, prefix + "merger.mlp.0")
         yield from dense_parameters(self.merger.mlp2, prefix + "merger.mlp.2")
 
     def load_hf_weights(self, tensors: Mapping[str, np.ndarray], dtype: jnp.dtype) -> None:
         """Fill every parameter from canonically named tensors (split_tensors' vision side)."""
         load_parameters(self.hf_parameters(), tensors, dtype)
+
+
+def _norm_parameters(norm: nnx.Module, name: str) -> Iterator[VisionParameter]:
+    """A LayerNorm's weight and bias, or an RMSNorm's weight."""
+    yield norm.weight, name + ".weight", False
+    if hasattr(norm, "bias"):
+        yield norm.bias, name + ".bias", False
 
 
 def vision_rotary_positions(grid_h: int, grid_w: int, merge: int) -> np.ndarray:

@@ -128,9 +128,9 @@ def clip_image_processor(folder: Path, config: LlavaConfig) -> Any:
 
 def qwen2_vl_image_processor(folder: Path, config: Qwen2VLConfig | Qwen25VLConfig, min_pixels: int | None = None,
                              max_pixels: int | None = None) -> tuple[Any, int, dict[str, Any]]:
-    """-> (the folder's Qwen2-VL image processor (Qwen2.5-VL's too) on the PIL backend, the most tokens an image may take, the size
-    bounds to call it with). `min_pixels` / `max_pixels` replace the processor's bounds; without `max_pixels`,
-    images the processor would leave larger than DEFAULT_MAX_IMAGE_TOKENS are resized down to it."""
+    """-> (the folder's Qwen2-VL image processor (Qwen2.5-VL's too) on the PIL backend, the most tokens an image may
+    take, the size bounds to call it with). `min_pixels` / `max_pixels` replace the processor's bounds; without
+    `max_pixels`, images the processor would leave larger than DEFAULT_MAX_IMAGE_TOKENS are resized down to it."""
     from transformers import AutoImageProcessor, Qwen2VLImageProcessorPil
 
     vision = config.vision

@@ -20,7 +20,7 @@ def mrope_positions(items: Sequence[MultiModalItem], start: int, count: int) -> 
     index = np.arange(start, start + count, dtype=np.int64)  # [count]
     positions = np.repeat(index[None], 3, axis=0)  # [3, count]
     shift = 0  # of the images so far
-    for item in sorted(items, key=lambda item: item.offset):
+    for item in items:
         rows, cols = item.grid
         base = item.offset + shift
         inside = (index >= item.offset) & (index < item.end)

@@ -92,20 +92,10 @@ def tiny_qwen2_5_vl(qwen2_vl_tok, tmp_path_factory):
 
 def _qwen_oracle(folder, model, tokenizer):
     """(text, images) -> transformers' greedy ids and logits for it (32 new tokens), memoized."""
-    from tests.multimodal.helpers import hf_greedy
+    from tests.multimodal.helpers import greedy_oracle
     from tests.multimodal.qwen2_vl_helpers import MAX_TOKENS, qwen2_vl_hf_processor
 
-    processor = qwen2_vl_hf_processor(folder, tokenizer)
-    cache: dict = {}
-
-    def run(text: str, images: list):
-        key = (text, tuple(id(image) for image in images))
-        if key not in cache:
-            inputs = dict(processor(text=text, images=images or None, return_tensors="pt"))
-            cache[key] = hf_greedy(model, inputs, MAX_TOKENS)
-        return cache[key]
-
-    return run
+    return greedy_oracle(model, qwen2_vl_hf_processor(folder, tokenizer), MAX_TOKENS)
 
 
 @pytest.fixture(scope="session")

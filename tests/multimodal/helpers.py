@@ -85,8 +85,91 @@ def hf_greedy(model, inputs: dict, max_new_tokens: int) -> tuple[list[int], np.n
     return new, torch.stack(out.logits)[:, 0].float().numpy()
 
 
+def greedy_oracle(model, processor, max_new_tokens: int = 32):
+    """(text, images) -> transformers' greedy ids and logits for it (through `processor`), memoized."""
+    cache: dict = {}
+
+    def run(text: str, images: list) -> tuple[list[int], np.ndarray]:
+        key = (text, tuple(id(image) for image in images))
+        if key not in cache:
+            cache[key] = hf_greedy(model, hf_inputs(processor, text, images), max_new_tokens)
+        return cache[key]
+
+    return run
+
+
 def hf_logits(model, inputs: dict) -> np.ndarray:
     import torch
 
     with torch.no_grad():
         return model(**inputs).logits[0].float().numpy()
+
+
+LOGPROB_ATOL = 1e-4  # jvllm's logprob of each greedy token against transformers' (float32)
+
+
+def check_against_oracle(outputs, cases, oracle) -> None:
+    """Each output's greedy tokens against transformers' for its (text, images) case (identical, or diverging only
+    at a near tie), and the logprob of every token before any divergence within LOGPROB_ATOL."""
+    import torch
+
+    from tests.models.test_llama_parity import _assert_greedy_match
+
+    for output, (text, images) in zip(outputs, cases):
+        want, logits = oracle(text, images)
+        got = output.outputs[0]
+        _assert_greedy_match(got.token_ids, want, logits, f"{text!r} with {len(images)} image(s)")
+        ref = torch.log_softmax(torch.tensor(logits), -1).numpy()
+        for step, (token, entry) in enumerate(zip(got.token_ids, got.logprobs)):
+            if got.token_ids[:step + 1] == want[:step + 1]:
+                assert abs(entry[token].logprob - ref[step, token]) < LOGPROB_ATOL
+
+
+def record_split_image_spans(engine) -> list:
+    """Wrap the engine's scheduler: -> a list that collects every image item a scheduled chunk ends inside of."""
+    split: list = []
+    schedule = engine.scheduler.schedule
+
+    def schedule_and_note_splits():
+        chunks = schedule()
+        for chunk in chunks:
+            end = chunk.start + chunk.num_tokens
+            split.extend(item for item in chunk.request.mm_items if item.offset < end < item.end)
+        return chunks
+
+    engine.scheduler.schedule = schedule_and_note_splits
+    return split
+
+
+def record_encoded(engine) -> list[int]:
+    """Wrap the engine's encoder: -> a list that collects the hash of every image it encodes."""
+    encoded: list[int] = []
+    encode = engine.runner.encoder.encode
+    engine.runner.encoder.encode = lambda items: (encoded.extend(i.hash for i in items), encode(items))[1]
+    return encoded
+
+
+def run_random_image_workload(engine, images: list, placeholder: str, num_requests: int = 24) -> None:
+    """Requests arriving a few per step until `num_requests` were added and all finished: 1 to 100 random words
+    with 0 to 3 images each at random places, greedy or sampled, n of 1 or 2."""
+    import random
+
+    from jvllm import SamplingParams
+
+    rng = random.Random(0)
+    words = "the a river mill children sea boats tide stone light door".split()
+    pending = num_requests
+    while pending or engine.has_unfinished_requests():
+        for _ in range(rng.randint(0, 3)):
+            if pending:
+                pending -= 1
+                count = rng.randint(0, 3)
+                parts = [rng.choice(words) for _ in range(rng.randint(1, 100))]
+                for _ in range(count):
+                    parts.insert(rng.randint(0, len(parts)), placeholder)
+                chosen = [images[rng.randint(0, len(images) - 1)] for _ in range(count)]
+                params = SamplingParams(max_tokens=rng.randint(1, 24), temperature=rng.choice([0.0, 0.8]),
+                                        n=rng.choice([1, 1, 2]), seed=rng.randint(0, 99))
+                engine.add_request(f"r{pending}", {"prompt": " ".join(parts), "multi_modal_data": {"image": chosen}},
+                                   params)
+        engine.step()

@@ -1,8 +1,11 @@
-"""Test helpers: a tiny random Qwen2-VL saved with transformers, its tokenizer (SmolLM2's plus the vision tokens), its
-PIL image processor and transformers' Qwen2VLProcessor over them."""
+"""Test helpers: tiny random Qwen2-VL and Qwen2.5-VL models saved with transformers, their tokenizer (SmolLM2's plus
+the vision tokens), PIL image processor and transformers' Qwen2VLProcessor over them, and the vision towers' features
+on both sides (Flax, packed; transformers, per image)."""
 from __future__ import annotations
 
 import pathlib
+
+import numpy as np
 
 VISION_START_ID, VISION_END_ID, IMAGE_PAD_ID = 49152, 49153, 49154
 VIDEO_PAD_ID = 49155  # no such token in the tokenizer: the config needs an id, the tests send no video
@@ -12,6 +15,11 @@ QWEN2VL_TEXT = dict(vocab_size=49156, hidden_size=64, intermediate_size=128, num
                     bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
 QWEN2VL_VISION = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=14,
                       spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+# Qwen2.5-VL: 4 blocks, 1 and 3 attending over the whole image, 0 and 2 within windows of 56 pixels = 4 x 4 patches
+# (2 x 2 merged tokens).
+QWEN25VL_VISION = dict(depth=4, fullatt_block_indexes=[1, 3], hidden_size=32, intermediate_size=64, out_hidden_size=64,
+                       num_heads=4, hidden_act="silu", patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                       window_size=56, in_channels=3)
 # Resized images hold 2x2 to 4x4 merged tokens (28 x 28 pixels each): 4 to 16 image tokens per image.
 IMAGE_PROCESSOR = dict(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16, patch_size=14, merge_size=2,
                        temporal_patch_size=2)
@@ -34,16 +42,25 @@ def qwen2_vl_tokenizer():
 def build_qwen2_vl(folder: pathlib.Path, tokenizer):
     """Save a tiny random Qwen2VLForConditionalGeneration (weights redrawn large, see tests/hf_weights.py), the
     tokenizer and a PIL Qwen2-VL image processor config into `folder`; -> the transformers model (float32, eval)."""
+    return _build(folder, tokenizer, "Qwen2VL", QWEN2VL_VISION)
+
+
+def build_qwen2_5_vl(folder: pathlib.Path, tokenizer):
+    """The same for Qwen2_5_VLForConditionalGeneration (which uses Qwen2-VL's image processor)."""
+    return _build(folder, tokenizer, "Qwen2_5_VL", QWEN25VL_VISION)
+
+
+def _build(folder: pathlib.Path, tokenizer, family: str, vision: dict):
     import torch
     import transformers
 
     from tests.hf_weights import redraw_weights
 
-    config = transformers.Qwen2VLConfig(text_config=QWEN2VL_TEXT, vision_config=QWEN2VL_VISION,
-                                        image_token_id=IMAGE_PAD_ID, video_token_id=VIDEO_PAD_ID,
-                                        vision_start_token_id=VISION_START_ID, vision_end_token_id=VISION_END_ID)
+    config = getattr(transformers, f"{family}Config")(
+        text_config=QWEN2VL_TEXT, vision_config=vision, image_token_id=IMAGE_PAD_ID, video_token_id=VIDEO_PAD_ID,
+        vision_start_token_id=VISION_START_ID, vision_end_token_id=VISION_END_ID)
     torch.manual_seed(0)
-    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
+    model = getattr(transformers, f"{family}ForConditionalGeneration")(config).eval()
     redraw_weights(model)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -72,30 +89,54 @@ def qwen2_vl_hf_processor(folder: pathlib.Path, tokenizer):
     return processor
 
 
-# Qwen2.5-VL: 4 blocks, 1 and 3 attending over the whole image, 0 and 2 within windows of 56 pixels = 4 x 4 patches
-# (2 x 2 merged tokens).
-QWEN25VL_VISION = dict(depth=4, fullatt_block_indexes=[1, 3], hidden_size=32, intermediate_size=64, out_hidden_size=64,
-                       num_heads=4, hidden_act="silu", patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
-                       window_size=56, in_channels=3)
+def newer_checkpoint_name(name: str) -> str:
+    """A tensor name as transformers >= 4.52 writes it (model.visual.*, model.language_model.*) from the older layout
+    that save_pretrained still writes for the Qwen-VL families (visual.*, model.*)."""
+    if name.startswith("visual."):
+        return "model." + name
+    return "model.language_model." + name[len("model."):] if name.startswith("model.") else name
 
 
-def build_qwen2_5_vl(folder: pathlib.Path, tokenizer):
-    """Save a tiny random Qwen2_5_VLForConditionalGeneration (weights redrawn large), the tokenizer and the same PIL
-    Qwen2-VL image processor config (Qwen2.5-VL's) into `folder`; -> the transformers model (float32, eval)."""
+def processed_images(image_processor, images: list) -> tuple[np.ndarray, np.ndarray]:
+    """The image processor's (pixel_values [P, patch_dim], image_grid_thw [N, 3])."""
+    out = image_processor(images=images, return_tensors="np")
+    return np.asarray(out["pixel_values"], np.float32), np.asarray(out["image_grid_thw"])
+
+
+def hf_image_features(model, pixels: np.ndarray, grids: np.ndarray) -> list[np.ndarray]:
+    """transformers' merged features of each image."""
     import torch
-    import transformers
 
-    from tests.hf_weights import redraw_weights
+    with torch.no_grad():
+        out = model.model.get_image_features(pixel_values=torch.tensor(pixels), image_grid_thw=torch.tensor(grids))
+    return [features.numpy() for features in out.pooler_output]
 
-    config = transformers.Qwen2_5_VLConfig(text_config=QWEN2VL_TEXT, vision_config=QWEN25VL_VISION,
-                                           image_token_id=IMAGE_PAD_ID, video_token_id=VIDEO_PAD_ID,
-                                           vision_start_token_id=VISION_START_ID, vision_end_token_id=VISION_END_ID)
-    torch.manual_seed(0)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
-    redraw_weights(model)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    transformers.Qwen2VLImageProcessorPil(**IMAGE_PROCESSOR).save_pretrained(folder)
-    loaded = transformers.AutoImageProcessor.from_pretrained(str(folder), backend="pil")
-    assert isinstance(loaded, transformers.Qwen2VLImageProcessorPil), type(loaded)
-    return model
+
+def load_tower(tower_cls, cfg, vision_tensors: dict[str, np.ndarray]):
+    """A Flax tower of `cfg` with the given canonically named weights (float32)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    module = nnx.eval_shape(lambda: tower_cls(cfg, jnp.float32, nnx.Rngs(0)))
+    module.load_hf_weights(vision_tensors, jnp.float32)
+    return module
+
+
+def packed_features(tower, pixels: np.ndarray, grids: np.ndarray, padded_len: int) -> list[np.ndarray]:
+    """Every image's patches in one call of the Flax tower, padded to `padded_len` rows -> each image's features."""
+    import jax.numpy as jnp
+
+    from models.qwen2_vl import vision_rotary_positions
+
+    cfg = tower.config
+    positions = np.concatenate([vision_rotary_positions(int(h), int(w), cfg.spatial_merge_size) for _, h, w in grids])
+    segments = np.concatenate([np.full(t * h * w, i, np.int32) for i, (t, h, w) in enumerate(grids)])
+    pad = padded_len - len(pixels)
+    pixels = np.concatenate([pixels, np.zeros((pad, pixels.shape[1]), np.float32)])
+    positions = np.concatenate([positions, np.zeros((pad, 2), np.int32)])
+    segments = np.concatenate([segments, np.full(pad, -1, np.int32)])
+    out = np.asarray(tower(jnp.asarray(pixels), jnp.asarray(positions), jnp.asarray(segments)))
+    assert out.shape == (padded_len // cfg.merge_unit, cfg.out_hidden_size)
+    assert np.isfinite(out).all()  # the padding rows' tokens too
+    bounds = np.cumsum([0] + [int(np.prod(g)) // cfg.merge_unit for g in grids])
+    return [out[a:b] for a, b in zip(bounds[:-1], bounds[1:])]

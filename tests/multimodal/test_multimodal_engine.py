@@ -3,9 +3,6 @@ and the engine's multimodal machinery: chunked prefill inside image spans, prefi
 the encoder cache (hits, eviction under pressure) and no compile after start-up."""
 from __future__ import annotations
 
-import random
-
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -13,11 +10,12 @@ torch = pytest.importorskip("torch")
 from jvllm import Engine, SamplingParams  # noqa: E402
 from jvllm.worker.compile_watch import compile_watch  # noqa: E402
 from jvllm.worker.step_shapes import StepShape  # noqa: E402
-from tests.models.test_llama_parity import _assert_greedy_match  # noqa: E402
-from tests.multimodal.helpers import data_url, hf_greedy, hf_inputs, hf_processor  # noqa: E402
+from tests.multimodal.helpers import (  # noqa: E402
+    check_against_oracle, data_url, greedy_oracle, hf_processor, record_encoded, record_split_image_spans,
+    run_random_image_workload,
+)
 
 MAX_TOKENS = 32
-LOGPROB_ATOL = 1e-4
 PROMPTS = [  # (text, number of images): one, two and three images, and text only, in one batch
     ("USER: <image>\nWhat is shown here? ASSISTANT:", 1),
     ("Compare <image> with <image>, then say which is brighter.", 2),
@@ -41,16 +39,7 @@ def engine(tiny_llava):
 def oracle(tiny_llava, llava_tokenizer):
     """(text, images) -> transformers' greedy ids and logits for it."""
     folder, model = tiny_llava
-    processor = hf_processor(folder, llava_tokenizer, model)
-    cache: dict = {}
-
-    def run(text: str, images: list) -> tuple[list[int], np.ndarray]:
-        key = (text, tuple(id(image) for image in images))
-        if key not in cache:
-            cache[key] = hf_greedy(model, hf_inputs(processor, text, images), MAX_TOKENS)
-        return cache[key]
-
-    return run
+    return greedy_oracle(model, hf_processor(folder, llava_tokenizer, model), MAX_TOKENS)
 
 
 def _prompts(images: list) -> list[tuple[str, list]]:
@@ -61,23 +50,12 @@ def _prompts(images: list) -> list[tuple[str, list]]:
     return result
 
 
-def _check(outputs, cases, oracle) -> None:
-    for output, (text, images) in zip(outputs, cases):
-        want, logits = oracle(text, images)
-        got = output.outputs[0]
-        _assert_greedy_match(got.token_ids, want, logits, f"{text!r} with {len(images)} image(s)")
-        ref = torch.log_softmax(torch.tensor(logits), -1).numpy()
-        for step, (token, entry) in enumerate(zip(got.token_ids, got.logprobs)):
-            if got.token_ids[:step + 1] == want[:step + 1]:
-                assert abs(entry[token].logprob - ref[step, token]) < LOGPROB_ATOL
-
-
 def test_greedy_generation_with_one_two_and_three_images_matches_transformers(engine, oracle, images):
     assert engine.runner.backend.name == "cpu"  # the default on a CPU: the native kernel
     cases = _prompts(images)
     outputs = engine.generate([{"prompt": text, "multi_modal_data": {"image": imgs}} if imgs else text
                                for text, imgs in cases], GREEDY, use_tqdm=False)
-    _check(outputs, cases, oracle)
+    check_against_oracle(outputs, cases, oracle)
     expected_lengths = [len(engine.tokenizer.encode(text)) + 15 * n for text, n in PROMPTS]
     assert [len(o.prompt_token_ids) for o in outputs] == expected_lengths  # each <image> became 16 tokens
     assert engine.encoder_cache.num_pinned == 0 and engine.pages.num_free_pages == engine.pages.num_usable_pages
@@ -92,27 +70,17 @@ def test_the_other_attention_backends_give_transformers_tokens_too(tiny_llava, o
     cases = _prompts(images)
     outputs = engine.generate([{"prompt": text, "multi_modal_data": {"image": imgs}} if imgs else text
                                for text, imgs in cases], GREEDY, use_tqdm=False)
-    _check(outputs, cases, oracle)
+    check_against_oracle(outputs, cases, oracle)
 
 
 def test_chunked_prefill_splits_prompts_inside_image_spans(tiny_llava, oracle, images):
     engine = _engine(tiny_llava[0], max_num_seqs=4, max_num_batched_tokens=16)
-    spans_split = []
-    schedule = engine.scheduler.schedule
-
-    def schedule_and_note_splits():
-        chunks = schedule()
-        for chunk in chunks:
-            end = chunk.start + chunk.num_tokens
-            spans_split.extend(item for item in chunk.request.mm_items if item.offset < end < item.end)
-        return chunks
-
-    engine.scheduler.schedule = schedule_and_note_splits
+    spans_split = record_split_image_spans(engine)
     cases = _prompts(images)[:3]
     outputs = engine.generate([{"prompt": t, "multi_modal_data": {"image": i}} for t, i in cases], GREEDY,
                               use_tqdm=False)
     assert spans_split, "no chunk ended inside an image's placeholder span"
-    _check(outputs, cases, oracle)
+    check_against_oracle(outputs, cases, oracle)
 
 
 def test_prefix_cache_keys_include_the_images(tiny_llava, oracle, images):
@@ -126,7 +94,7 @@ def test_prefix_cache_keys_include_the_images(tiny_llava, oracle, images):
 
     def run(image):
         out = engine.generate({"prompt": text, "multi_modal_data": {"image": [image]}}, GREEDY, use_tqdm=False)[0]
-        _check([out], [(text, [image])], oracle)
+        check_against_oracle([out], [(text, [image])], oracle)
         return out
 
     first = run(images[0])
@@ -140,9 +108,7 @@ def test_prefix_cache_keys_include_the_images(tiny_llava, oracle, images):
 
 def test_a_repeated_image_comes_from_the_encoder_cache(tiny_llava, oracle, images):
     engine = _engine(tiny_llava[0], enable_prefix_caching=False)
-    encoded: list[int] = []
-    encode = engine.runner.encoder.encode
-    engine.runner.encoder.encode = lambda items: (encoded.extend(i.hash for i in items), encode(items))[1]
+    encoded = record_encoded(engine)
     cache = engine.encoder_cache
     first = engine.generate({"prompt": "<image> once", "multi_modal_data": {"image": images[3]}}, GREEDY,
                             use_tqdm=False)[0]
@@ -151,7 +117,7 @@ def test_a_repeated_image_comes_from_the_encoder_cache(tiny_llava, oracle, image
     twice = engine.generate({"prompt": text, "multi_modal_data": {"image": [images[3], images[3]]}}, GREEDY,
                             use_tqdm=False)[0]
     assert len(encoded) == 1 and cache.hits == 1  # nothing encoded again
-    _check([first, twice], [("<image> once", [images[3]]), (text, [images[3], images[3]])], oracle)
+    check_against_oracle([first, twice], [("<image> once", [images[3]]), (text, [images[3], images[3]])], oracle)
 
 
 def test_encoder_cache_pressure_evicts_least_recently_used_images(tiny_llava, oracle, images):
@@ -159,13 +125,11 @@ def test_encoder_cache_pressure_evicts_least_recently_used_images(tiny_llava, or
     engine = _engine(tiny_llava[0], encoder_cache_tokens=48, enable_prefix_caching=False)
     cache = engine.encoder_cache
     assert cache.capacity == 48
-    encoded: list[int] = []
-    encode = engine.runner.encoder.encode
-    engine.runner.encoder.encode = lambda items: (encoded.extend(i.hash for i in items), encode(items))[1]
+    encoded = record_encoded(engine)
     cases = _prompts(images)
     outputs = engine.generate([{"prompt": t, "multi_modal_data": {"image": i}} if i else t for t, i in cases],
                               GREEDY, use_tqdm=False)
-    _check(outputs, cases, oracle)
+    check_against_oracle(outputs, cases, oracle)
     assert len(set(encoded)) == 6 and len(encoded) == 6  # each image encoded once, some evicted since
     assert sum(key in cache for key in encoded) <= 3
     cache.check_integrity()
@@ -186,7 +150,8 @@ def test_chat_with_image_content_parts(engine, oracle, images, tmp_path):
     text = engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": "<image>\n<image>\n<image>\nWhat is in these pictures?"}], tokenize=False,
         add_generation_prompt=True)
-    _check([out], [(text, images[:3])], oracle)  # PNG keeps the pixels: the decoded images are the originals
+    # PNG keeps the pixels: the decoded images are the originals
+    check_against_oracle([out], [(text, images[:3])], oracle)
 
 
 def test_step_shapes_include_the_encoder_and_nothing_compiles_after_start(tiny_llava, images):
@@ -194,26 +159,9 @@ def test_step_shapes_include_the_encoder_and_nothing_compiles_after_start(tiny_l
                      kv_cache_memory_bytes=16 * 16 * 512, encoder_cache_tokens=64)
     assert engine.step_shapes()[-1] == StepShape("encoder", 16, 1)
     assert [s.kind for s in engine.step_shapes()].count("encoder") == 1
-    rng = random.Random(0)
     watch = compile_watch()
     before = watch.total
-    words = "the a river mill children sea boats tide stone light door".split()
-    pending = 24
-    while pending or engine.has_unfinished_requests():
-        for _ in range(rng.randint(0, 3)):
-            if pending:
-                pending -= 1
-                count = rng.randint(0, 3)
-                text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 100)))
-                parts = text.split(" ")
-                for _ in range(count):
-                    parts.insert(rng.randint(0, len(parts)), "<image>")
-                chosen = [images[rng.randint(0, len(images) - 1)] for _ in range(count)]
-                params = SamplingParams(max_tokens=rng.randint(1, 24), temperature=rng.choice([0.0, 0.8]),
-                                        n=rng.choice([1, 1, 2]), seed=rng.randint(0, 99))
-                engine.add_request(f"r{pending}", {"prompt": " ".join(parts), "multi_modal_data": {"image": chosen}},
-                                   params)
-        engine.step()
+    run_random_image_workload(engine, images, "<image>")
     assert watch.total == before, f"{watch.total - before} executables compiled after start-up"
     assert engine.scheduler.num_preemptions > 0  # the KV pool was tight
     engine.pages.check_integrity()

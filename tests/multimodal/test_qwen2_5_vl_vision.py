@@ -14,6 +14,9 @@ from models.qwen2_5_vl import (  # noqa: E402
 )
 from models.qwen2_vl import vision_rotary_positions  # noqa: E402
 from tests.multimodal.helpers import random_image  # noqa: E402
+from tests.multimodal.qwen2_vl_helpers import (  # noqa: E402
+    hf_image_features, load_tower, newer_checkpoint_name, packed_features, processed_images,
+)
 
 FEATURES_ATOL = 1e-4  # features reach |x| ~ 3; measured max difference ~3e-6
 # (height, width) -> patch grids 4x6 (two window columns, the second partial), 6x10 (2 x 3 windows, partial ones at
@@ -22,15 +25,6 @@ SIZES = [(56, 84), (84, 140), (28, 28)]
 # Full attention in every block instead (windows ignored) must miss transformers by far more than FEATURES_ATOL
 # (measured ~0.3).
 WINDOWS_MATTER = 100 * FEATURES_ATOL
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen2_5_vl(qwen2_vl_tok, tmp_path_factory):
-    """(folder, transformers model): a tiny random Qwen2.5-VL saved with save_pretrained."""
-    from tests.multimodal.qwen2_vl_helpers import build_qwen2_5_vl
-
-    folder = tmp_path_factory.mktemp("qwen2.5-vl")
-    return folder, build_qwen2_5_vl(folder, qwen2_vl_tok)
 
 
 @pytest.fixture(scope="module")
@@ -54,49 +48,10 @@ def image_processor(tiny_qwen2_5_vl):
     return transformers.AutoImageProcessor.from_pretrained(str(tiny_qwen2_5_vl[0]), backend="pil")
 
 
-def _tower(cfg: Qwen25VisionConfig, vision_tensors: dict[str, np.ndarray]) -> Qwen25VisionTower:
-    """A Flax tower of `cfg` with the given canonically named weights (float32)."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    module = nnx.eval_shape(lambda: Qwen25VisionTower(cfg, jnp.float32, nnx.Rngs(0)))
-    module.load_hf_weights(vision_tensors, jnp.float32)
-    return module
-
-
 @pytest.fixture(scope="module")
 def tower(hf_config, tensors) -> Qwen25VisionTower:
-    return _tower(Qwen25VisionConfig.from_hf_dict(hf_config["vision_config"]), split_tensors(tensors)[0])
-
-
-def _pixels(image_processor, images: list) -> tuple[np.ndarray, np.ndarray]:
-    """The image processor's (pixel_values [P, patch_dim], image_grid_thw [N, 3])."""
-    out = image_processor(images=images, return_tensors="np")
-    return np.asarray(out["pixel_values"], np.float32), np.asarray(out["image_grid_thw"])
-
-
-def _hf_features(model, pixels: np.ndarray, grids: np.ndarray) -> list[np.ndarray]:
-    with torch.no_grad():
-        out = model.model.get_image_features(pixel_values=torch.tensor(pixels), image_grid_thw=torch.tensor(grids))
-    return [features.numpy() for features in out.pooler_output]
-
-
-def _packed_features(tower, pixels: np.ndarray, grids: np.ndarray, padded_len: int) -> list[np.ndarray]:
-    """Every image's patches in one call, padded to `padded_len` rows -> each image's features."""
-    import jax.numpy as jnp
-
-    cfg = tower.config
-    positions = np.concatenate([vision_rotary_positions(int(h), int(w), cfg.spatial_merge_size) for _, h, w in grids])
-    segments = np.concatenate([np.full(t * h * w, i, np.int32) for i, (t, h, w) in enumerate(grids)])
-    pad = padded_len - len(pixels)
-    pixels = np.concatenate([pixels, np.zeros((pad, pixels.shape[1]), np.float32)])
-    positions = np.concatenate([positions, np.zeros((pad, 2), np.int32)])
-    segments = np.concatenate([segments, np.full(pad, -1, np.int32)])
-    out = np.asarray(tower(jnp.asarray(pixels), jnp.asarray(positions), jnp.asarray(segments)))
-    assert out.shape == (padded_len // cfg.merge_unit, cfg.out_hidden_size)
-    assert np.isfinite(out).all()  # the padding rows' tokens too
-    bounds = np.cumsum([0] + [int(np.prod(g)) // cfg.merge_unit for g in grids])
-    return [out[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    return load_tower(Qwen25VisionTower, Qwen25VisionConfig.from_hf_dict(hf_config["vision_config"]),
+                      split_tensors(tensors)[0])
 
 
 def _max_difference(got: list[np.ndarray], want: list[np.ndarray]) -> float:
@@ -106,9 +61,9 @@ def _max_difference(got: list[np.ndarray], want: list[np.ndarray]) -> float:
 
 def test_one_image_matches_transformers(tiny_qwen2_5_vl, tower, image_processor):
     model = tiny_qwen2_5_vl[1]
-    pixels, grids = _pixels(image_processor, [random_image(0, SIZES[1])])
+    pixels, grids = processed_images(image_processor, [random_image(0, SIZES[1])])
     assert grids.tolist() == [[1, 6, 10]]
-    got, want = _packed_features(tower, pixels, grids, len(pixels)), _hf_features(model, pixels, grids)
+    got, want = packed_features(tower, pixels, grids, len(pixels)), hf_image_features(model, pixels, grids)
     assert got[0].shape == (15, 64)
     print(f"one image: max |jax - torch| = {_max_difference(got, want):.2e}, max |torch| = {np.abs(want[0]).max():.2f}")
     np.testing.assert_allclose(got[0], want[0], rtol=0, atol=FEATURES_ATOL)
@@ -116,10 +71,10 @@ def test_one_image_matches_transformers(tiny_qwen2_5_vl, tower, image_processor)
 
 def test_packed_images_with_padding_match_transformers(tiny_qwen2_5_vl, tower, image_processor, hf_config, tensors):
     model = tiny_qwen2_5_vl[1]
-    pixels, grids = _pixels(image_processor, [random_image(seed, size) for seed, size in enumerate(SIZES)])
+    pixels, grids = processed_images(image_processor, [random_image(seed, size) for seed, size in enumerate(SIZES)])
     assert grids.tolist() == [[1, 4, 6], [1, 6, 10], [1, 4, 4]] and len(pixels) == 100
-    got = _packed_features(tower, pixels, grids, padded_len=128)  # 28 padding rows
-    want = _hf_features(model, pixels, grids)
+    got = packed_features(tower, pixels, grids, padded_len=128)  # 28 padding rows
+    want = hf_image_features(model, pixels, grids)
     assert [g.shape for g in got] == [(6, 64), (15, 64), (4, 64)]
     print(f"three packed images: max |jax - torch| = {_max_difference(got, want):.2e}")
     for g, w in zip(got, want):
@@ -127,7 +82,8 @@ def test_packed_images_with_padding_match_transformers(tiny_qwen2_5_vl, tower, i
 
     cfg = Qwen25VisionConfig.from_hf_dict(hf_config["vision_config"])
     everywhere = dataclasses.replace(cfg, fullatt_block_indexes=tuple(range(cfg.depth)))
-    full = _packed_features(_tower(everywhere, split_tensors(tensors)[0]), pixels, grids, padded_len=128)
+    full_tower = load_tower(Qwen25VisionTower, everywhere, split_tensors(tensors)[0])
+    full = packed_features(full_tower, pixels, grids, padded_len=128)
     print(f"full attention in every block: max |jax - torch| = {_max_difference(full, want):.2e}")
     assert _max_difference(full, want) > WINDOWS_MATTER
     assert float(np.abs(full[2] - want[2]).max()) < FEATURES_ATOL  # the 4x4 image is one window: no change there
@@ -158,20 +114,15 @@ def test_checkpoints_with_either_naming_load_the_same(tensors, hf_config, tower,
     loads the same from either."""
     assert "visual.patch_embed.proj.weight" in tensors and "model.embed_tokens.weight" in tensors
 
-    def newer(name: str) -> str:
-        if name.startswith("visual."):
-            return "model." + name
-        return "model.language_model." + name[len("model."):] if name.startswith("model.") else name
-
-    old, new = tensors, {newer(k): v for k, v in tensors.items()}
+    old, new = tensors, {newer_checkpoint_name(k): v for k, v in tensors.items()}
     (old_vision, old_text), (new_vision, new_text) = split_tensors(old), split_tensors(new)
     assert sorted(old_vision) == sorted(new_vision) and sorted(old_text) == sorted(new_text)
     assert len(old_vision) + len(old_text) == len(tensors) and "lm_head.weight" in old_text
     assert all(name.startswith("visual.") for name in old_vision)
     assert len(old_vision) == len(list(tower.hf_parameters()))  # every vision tensor is used
-    pixels, grids = _pixels(image_processor, [random_image(3, SIZES[0])])
+    pixels, grids = processed_images(image_processor, [random_image(3, SIZES[0])])
     cfg = Qwen25VisionConfig.from_hf_dict(hf_config["vision_config"])
-    outputs = [_packed_features(_tower(cfg, vision), pixels, grids, len(pixels))[0]
+    outputs = [packed_features(load_tower(Qwen25VisionTower, cfg, vision), pixels, grids, len(pixels))[0]
                for vision in (old_vision, new_vision)]
     np.testing.assert_array_equal(outputs[0], outputs[1])
 

@@ -4,8 +4,6 @@ backend (both families); on Qwen2-VL, chunked prefill inside image spans, prefix
 content parts, processor bounds, refused inputs and no compile after start."""
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 
@@ -16,7 +14,9 @@ from jvllm.multimodal.positions import mrope_positions  # noqa: E402
 from jvllm.worker.compile_watch import compile_watch  # noqa: E402
 from jvllm.worker.step_shapes import StepShape  # noqa: E402
 from tests.models.test_llama_parity import _assert_greedy_match  # noqa: E402
-from tests.multimodal.helpers import data_url, random_image  # noqa: E402
+from tests.multimodal.helpers import (  # noqa: E402
+    check_against_oracle, data_url, random_image, record_encoded, record_split_image_spans, run_random_image_workload,
+)
 from tests.multimodal.qwen2_vl_helpers import IMAGE_PAD_ID, MAX_TOKENS, PLACEHOLDER, qwen2_vl_hf_processor  # noqa: E402
 
 LOGITS_ATOL = 1e-4
@@ -60,17 +60,6 @@ def _request(text: str, images: list):
     return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
 
 
-def _check(outputs, cases, oracle) -> None:
-    for output, (text, images) in zip(outputs, cases):
-        want, logits = oracle(text, images)
-        got = output.outputs[0]
-        _assert_greedy_match(got.token_ids, want, logits, f"{text!r} with {len(images)} image(s)")
-        ref = torch.log_softmax(torch.tensor(logits), -1).numpy()
-        for step, (token, entry) in enumerate(zip(got.token_ids, got.logprobs)):
-            if got.token_ids[:step + 1] == want[:step + 1]:
-                assert abs(entry[token].logprob - ref[step, token]) < LOGITS_ATOL
-
-
 def test_placeholders_and_rope_positions_match_transformers(qwen_vl, qwen2_vl_tok, qwen_images):
     folder, model, _ = qwen_vl
     engine = _engine(folder)
@@ -107,7 +96,7 @@ def test_greedy_generation_with_one_two_and_three_images_matches_transformers(qw
     assert engine.runner.backend.name == "cpu"  # the default on a CPU: the native kernel
     cases = _prompts(qwen_images)
     outputs = engine.generate([_request(t, i) for t, i in cases], GREEDY, use_tqdm=False)
-    _check(outputs, cases, oracle)
+    check_against_oracle(outputs, cases, oracle)
     assert engine.encoder_cache.num_pinned == 0 and engine.pages.num_free_pages == engine.pages.num_usable_pages
 
 
@@ -118,26 +107,16 @@ def test_the_other_attention_backends_give_transformers_tokens_too(qwen_vl, qwen
     assert engine.runner.backend.name == backend
     cases = _prompts(qwen_images)
     outputs = engine.generate([_request(t, i) for t, i in cases], GREEDY, use_tqdm=False)
-    _check(outputs, cases, oracle)
+    check_against_oracle(outputs, cases, oracle)
 
 
 def test_chunked_prefill_splits_prompts_inside_image_spans(tiny_qwen2_vl, qwen2_vl_oracle, qwen_images):
     engine = _engine(tiny_qwen2_vl[0], max_num_seqs=4, max_num_batched_tokens=16)
-    spans_split = []
-    schedule = engine.scheduler.schedule
-
-    def schedule_and_note_splits():
-        chunks = schedule()
-        for chunk in chunks:
-            end = chunk.start + chunk.num_tokens
-            spans_split.extend(item for item in chunk.request.mm_items if item.offset < end < item.end)
-        return chunks
-
-    engine.scheduler.schedule = schedule_and_note_splits
+    spans_split = record_split_image_spans(engine)
     cases = _prompts(qwen_images)[:3]
     outputs = engine.generate([_request(t, i) for t, i in cases], GREEDY, use_tqdm=False)
     assert spans_split, "no chunk ended inside an image's placeholder span"
-    _check(outputs, cases, qwen2_vl_oracle)
+    check_against_oracle(outputs, cases, qwen2_vl_oracle)
 
 
 def test_prefix_cache_keys_include_the_images(tiny_qwen2_vl, qwen2_vl_oracle, qwen_images):
@@ -152,7 +131,7 @@ def test_prefix_cache_keys_include_the_images(tiny_qwen2_vl, qwen2_vl_oracle, qw
 
     def run(image):
         out = engine.generate(_request(text, [image]), GREEDY, use_tqdm=False)[0]
-        _check([out], [(text, [image])], qwen2_vl_oracle)
+        check_against_oracle([out], [(text, [image])], qwen2_vl_oracle)
         return out
 
     first = run(qwen_images[0])
@@ -167,9 +146,7 @@ def test_prefix_cache_keys_include_the_images(tiny_qwen2_vl, qwen2_vl_oracle, qw
 
 def test_a_repeated_image_comes_from_the_encoder_cache(tiny_qwen2_vl, qwen2_vl_oracle, qwen_images):
     engine = _engine(tiny_qwen2_vl[0], enable_prefix_caching=False)
-    encoded: list[int] = []
-    encode = engine.runner.encoder.encode
-    engine.runner.encoder.encode = lambda items: (encoded.extend(i.hash for i in items), encode(items))[1]
+    encoded = record_encoded(engine)
     cache = engine.encoder_cache
     once = f"{P} once"
     first = engine.generate(_request(once, [qwen_images[3]]), GREEDY, use_tqdm=False)[0]
@@ -177,7 +154,7 @@ def test_a_repeated_image_comes_from_the_encoder_cache(tiny_qwen2_vl, qwen2_vl_o
     text = f"The same picture twice: {P} and {P}, what differs?"
     twice = engine.generate(_request(text, [qwen_images[3]] * 2), GREEDY, use_tqdm=False)[0]
     assert len(encoded) == 1 and cache.hits == 1  # nothing encoded again
-    _check([first, twice], [(once, [qwen_images[3]]), (text, [qwen_images[3]] * 2)], qwen2_vl_oracle)
+    check_against_oracle([first, twice], [(once, [qwen_images[3]]), (text, [qwen_images[3]] * 2)], qwen2_vl_oracle)
 
 
 def test_chat_with_image_content_parts(engine, qwen2_vl_oracle, qwen_images):
@@ -189,31 +166,16 @@ def test_chat_with_image_content_parts(engine, qwen2_vl_oracle, qwen_images):
     text = engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": f"{P}\n{P}\nWhat is in these pictures?"}], tokenize=False,
         add_generation_prompt=True)
-    _check([out], [(text, [qwen_images[4], qwen_images[1]])], qwen2_vl_oracle)
+    check_against_oracle([out], [(text, [qwen_images[4], qwen_images[1]])], qwen2_vl_oracle)
 
 
 def test_step_shapes_include_the_encoder_and_nothing_compiles_after_start(tiny_qwen2_vl, qwen_images):
     engine = _engine(tiny_qwen2_vl[0], precompile=True, max_num_seqs=4, max_num_batched_tokens=64,
                      kv_cache_memory_bytes=16 * 16 * 512, encoder_cache_tokens=48)
     assert [s for s in engine.step_shapes() if s.kind == "encoder"] == [StepShape("encoder", 16, 1)]
-    rng = random.Random(0)
     watch = compile_watch()
     before = watch.total
-    words = "the a river mill children sea boats tide stone light door".split()
-    pending = 24
-    while pending or engine.has_unfinished_requests():
-        for _ in range(rng.randint(0, 3)):
-            if pending:
-                pending -= 1
-                count = rng.randint(0, 3)
-                parts = [rng.choice(words) for _ in range(rng.randint(1, 100))]
-                for _ in range(count):
-                    parts.insert(rng.randint(0, len(parts)), P)
-                chosen = [qwen_images[rng.randint(0, len(qwen_images) - 1)] for _ in range(count)]
-                params = SamplingParams(max_tokens=rng.randint(1, 24), temperature=rng.choice([0.0, 0.8]),
-                                        n=rng.choice([1, 1, 2]), seed=rng.randint(0, 99))
-                engine.add_request(f"r{pending}", _request(" ".join(parts), chosen), params)
-        engine.step()
+    run_random_image_workload(engine, qwen_images, P)
     assert watch.total == before, f"{watch.total - before} executables compiled after start-up"
     assert engine.scheduler.num_preemptions > 0  # the KV pool was tight
     engine.pages.check_integrity()

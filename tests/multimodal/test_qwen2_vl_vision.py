@@ -11,7 +11,9 @@ from models.qwen2_vl import (  # noqa: E402
     Qwen2VisionConfig, Qwen2VisionTower, split_tensors, vision_rotary_positions,
 )
 from tests.multimodal.helpers import random_image  # noqa: E402
-from tests.multimodal.qwen2_vl_helpers import qwen2_vl_hf_processor  # noqa: E402
+from tests.multimodal.qwen2_vl_helpers import (  # noqa: E402
+    hf_image_features, load_tower, newer_checkpoint_name, packed_features, processed_images, qwen2_vl_hf_processor,
+)
 
 FEATURES_ATOL = 1e-4  # features reach |x| ~ 3.3; measured max difference ~2e-6
 SIZES = [(56, 84), (28, 28), (90, 60)]  # -> patch grids 4x6, 4x4 (upscaled to min_pixels), 6x4
@@ -25,64 +27,31 @@ def processor(tiny_qwen2_vl, qwen2_vl_tok):
 @pytest.fixture(scope="module")
 def tower(tiny_qwen2_vl):
     """The Flax tower with the saved checkpoint's weights (float32)."""
-    import jax.numpy as jnp
     import transformers
-    from flax import nnx
     from safetensors.numpy import load_file
 
     folder = tiny_qwen2_vl[0]
     hf = transformers.AutoConfig.from_pretrained(str(folder)).to_dict()
     cfg = Qwen2VisionConfig.from_hf_dict(hf["vision_config"])
-    module = nnx.eval_shape(lambda: Qwen2VisionTower(cfg, jnp.float32, nnx.Rngs(0)))
-    module.load_hf_weights(split_tensors(load_file(str(folder / "model.safetensors")))[0], jnp.float32)
-    return module
-
-
-def _pixels(processor, images: list) -> tuple[np.ndarray, np.ndarray]:
-    """The image processor's (pixel_values [P, patch_dim], image_grid_thw [N, 3])."""
-    out = processor.image_processor(images=images, return_tensors="np")
-    return np.asarray(out["pixel_values"], np.float32), np.asarray(out["image_grid_thw"])
-
-
-def _hf_features(model, pixels: np.ndarray, grids: np.ndarray) -> list[np.ndarray]:
-    with torch.no_grad():
-        out = model.model.get_image_features(pixel_values=torch.tensor(pixels), image_grid_thw=torch.tensor(grids))
-    return [features.numpy() for features in out.pooler_output]
-
-
-def _packed_features(tower, pixels: np.ndarray, grids: np.ndarray, padded_len: int) -> list[np.ndarray]:
-    """Every image's patches in one call, padded to `padded_len` rows -> each image's features."""
-    import jax.numpy as jnp
-
-    merge = tower.config.spatial_merge_size
-    positions = np.concatenate([vision_rotary_positions(int(h), int(w), merge) for _, h, w in grids])
-    segments = np.concatenate([np.full(t * h * w, i, np.int32) for i, (t, h, w) in enumerate(grids)])
-    pad = padded_len - len(pixels)
-    pixels = np.concatenate([pixels, np.zeros((pad, pixels.shape[1]), np.float32)])
-    positions = np.concatenate([positions, np.zeros((pad, 2), np.int32)])
-    segments = np.concatenate([segments, np.full(pad, -1, np.int32)])
-    out = np.asarray(tower(jnp.asarray(pixels), jnp.asarray(positions), jnp.asarray(segments)))
-    assert out.shape == (padded_len // tower.config.merge_unit, tower.config.hidden_size)
-    assert np.isfinite(out).all()  # the padding rows' tokens too
-    bounds = np.cumsum([0] + [int(np.prod(g)) // tower.config.merge_unit for g in grids])
-    return [out[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    return load_tower(Qwen2VisionTower, cfg, split_tensors(load_file(str(folder / "model.safetensors")))[0])
 
 
 def test_one_image_matches_transformers(tiny_qwen2_vl, tower, processor):
     model = tiny_qwen2_vl[1]
-    pixels, grids = _pixels(processor, [random_image(0, SIZES[0])])
+    pixels, grids = processed_images(processor.image_processor, [random_image(0, SIZES[0])])
     assert grids.tolist() == [[1, 4, 6]]
-    (got,), (want,) = _packed_features(tower, pixels, grids, len(pixels)), _hf_features(model, pixels, grids)
+    (got,), (want,) = packed_features(tower, pixels, grids, len(pixels)), hf_image_features(model, pixels, grids)
     assert got.shape == want.shape == (6, 64)
     np.testing.assert_allclose(got, want, rtol=0, atol=FEATURES_ATOL)
 
 
 def test_packed_images_with_padding_match_transformers(tiny_qwen2_vl, tower, processor):
     model = tiny_qwen2_vl[1]
-    pixels, grids = _pixels(processor, [random_image(seed, size) for seed, size in enumerate(SIZES)])
+    pictures = [random_image(seed, size) for seed, size in enumerate(SIZES)]
+    pixels, grids = processed_images(processor.image_processor, pictures)
     assert grids.tolist() == [[1, 4, 6], [1, 4, 4], [1, 6, 4]] and len(pixels) == 64
-    got = _packed_features(tower, pixels, grids, padded_len=128)  # 64 padding rows
-    want = _hf_features(model, pixels, grids)
+    got = packed_features(tower, pixels, grids, padded_len=128)  # 64 padding rows
+    want = hf_image_features(model, pixels, grids)
     assert [g.shape for g in got] == [w.shape for w in want] == [(6, 64), (4, 64), (6, 64)]
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=0, atol=FEATURES_ATOL)
@@ -106,13 +75,8 @@ def test_checkpoints_with_either_naming_load_the_same(tiny_qwen2_vl):
     tensors = load_file(str(tiny_qwen2_vl[0] / "model.safetensors"))
     assert "visual.patch_embed.proj.weight" in tensors and "model.embed_tokens.weight" in tensors
 
-    def newer(name: str) -> str:
-        if name.startswith("visual."):
-            return "model." + name
-        return "model.language_model." + name[len("model."):] if name.startswith("model.") else name
-
     old_vision, old_text = split_tensors(tensors)
-    new_vision, new_text = split_tensors({newer(k): v for k, v in tensors.items()})
+    new_vision, new_text = split_tensors({newer_checkpoint_name(k): v for k, v in tensors.items()})
     assert sorted(old_vision) == sorted(new_vision) and sorted(old_text) == sorted(new_text)
     assert len(old_vision) + len(old_text) == len(tensors) and "lm_head.weight" in old_text
     assert all(name.startswith("visual.") for name in old_vision)
