@@ -49,7 +49,9 @@ class CompletionOutput:
     """One of the n completions of a request.
 
     finish_reason is "stop" (stop string / stop token / EOS), "length"
-    (max_tokens or max_model_len), "abort", or None while still running.
+    (max_tokens or max_model_len), "abort", "error" (the request could not go
+    on: `error` says why, e.g. its structured-output grammar met a parser
+    limit), or None while still running.
     stop_reason is the matched stop string or stop token id, None otherwise
     (including for EOS, as in vLLM).
     """
@@ -61,6 +63,7 @@ class CompletionOutput:
     logprobs: list | None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    error: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -71,7 +74,8 @@ class CompletionOutput:
             f"token_ids={_short_list(self.token_ids)}, "
             f"cumulative_logprob={self.cumulative_logprob}, "
             f"logprobs={_short_entries(self.logprobs)}, "
-            f"finish_reason={self.finish_reason!r}, stop_reason={self.stop_reason!r})"
+            f"finish_reason={self.finish_reason!r}, stop_reason={self.stop_reason!r}"
+            + (f", error={self.error!r})" if self.error else ")")
         )
 
 

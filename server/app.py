@@ -93,12 +93,13 @@ async def _tokenize(body: TokenizeRequest, state: ServerState) -> Response:
     check_model(body.model, state.settings)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages", "prompt")
-    if body.messages is not None:
+    if body.messages is not None:  # render_chat bounds the messages' characters
         text = await render_chat(state, body.messages, request_template=body.chat_template,
                                  add_generation_prompt=body.add_generation_prompt,
                                  continue_final_message=body.continue_final_message)
         ids = await state.tokenize(text, add_special_tokens=False)
     else:
+        state.limits.check_chars(len(body.prompt), "prompt")
         ids = await state.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
 
     def encode() -> bytes:  # a million ids encode in a few hundred ms: on the pool, in pieces
@@ -112,6 +113,7 @@ async def _tokenize(body: TokenizeRequest, state: ServerState) -> Response:
 async def _detokenize(body: DetokenizeRequest, state: ServerState) -> Response:
     check_model(body.model, state.settings)
     vocab = len(state.engine.tokenizer)
+    state.limits.check_tokens(len(body.tokens), "tokens")
 
     def decode() -> str | None:
         if any(t < 0 or t >= vocab for t in body.tokens):

@@ -25,7 +25,7 @@ from server.state import ServerState
 from server.structured import structured_outputs
 from server.tools import ToolPlan, plan_tools, template_messages
 from server.chat_reply import StreamedReply, whole_reply
-from server.streaming import DONE, sse, sse_response, unless_disconnected
+from server.streaming import DONE, check_not_failed, sse, sse_response, unless_disconnected
 
 _RESERVED_TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "chat_template", "add_generation_prompt",
                            "continue_final_message"}
@@ -160,7 +160,7 @@ class _Chat:
                    for index in range(self.body.n)}
         latest = None
         async for output in stream:
-            latest = output
+            latest = check_not_failed(output)
             for out in output.outputs:
                 if out.index in ended:
                     continue
@@ -203,6 +203,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     model = check_model(body.model, state.settings)
     check_generates(model, state)
     num_top = _check_request(body, state)
+    state.limits.check_tools(len(body.tools or ()))
     tools = plan_tools(body, state.settings.auto_tool_parser())
     constraint = await structured_outputs(body, state, tools.constraint(bool(body.parallel_tool_calls)))
     text = await render_chat(state, body.messages, request_template=body.chat_template,
@@ -231,7 +232,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     async def last() -> RequestOutput:
         final = None
         async for output in stream:
-            final = output
+            final = check_not_failed(output)
         assert final is not None
         return final
 

@@ -27,9 +27,14 @@ async def embedding_prompts(body: EmbeddingRequest, state: ServerState) -> list[
         for i, item in enumerate(raw):
             if isinstance(item, str):
                 state.limits.check_chars(len(item), "input" if len(raw) == 1 else f"input.{i}")
+    # Truncation keeps at most max_model_len tokens from the end. A tail of twice the longest text those can spell
+    # holds all of them, tokenized as in the whole text (the cut is max_model_len tokens away), and bounds the
+    # tokenizer's work as for every other route.
+    tail = 2 * state.limits.max_prompt_chars
     prompts: list[str | dict] = []
     for item in raw:
         if isinstance(item, str):
+            item = item[-tail:] if len(item) > tail else item
             if not body.add_special_tokens:
                 item = {"prompt": item, "prompt_token_ids": await state.tokenize(item, add_special_tokens=False)}
             prompts.append(item)

@@ -8,6 +8,7 @@ from server.errors import bad_request
 
 # Bodies beyond this answer 413 before they are parsed (--max-request-body-bytes).
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
+MAX_TOOLS = 128  # OpenAI's own limit on `tools`; each one's parameters schema may become part of a grammar
 
 
 def longest_token_chars(tokenizer: Any) -> int:
@@ -23,6 +24,8 @@ class AdmissionLimits:
     max_n: int  # completions per prompt
     max_sequences: int  # sequences one HTTP request may queue: prompts x n
     max_prompt_chars: int  # no longer text can fit in max_model_len tokens
+    max_prompt_tokens: int  # token id lists (prompts, /detokenize): max_model_len
+    max_tools: int = MAX_TOOLS
 
     @classmethod
     def resolve(cls, *, max_num_seqs: int, max_waiting_requests: int | None, max_model_len: int, tokenizer: Any,
@@ -37,7 +40,7 @@ class AdmissionLimits:
         if max_prompt_chars < 1:
             raise ValueError(f"--max-prompt-chars must be >= 1, got {max_prompt_chars}")
         return cls(max_n=max_n, max_sequences=max_num_seqs + (max_waiting_requests or max_num_seqs),
-                   max_prompt_chars=max_prompt_chars)
+                   max_prompt_chars=max_prompt_chars, max_prompt_tokens=max_model_len)
 
     def check_n(self, n: int, best_of: int | None) -> None:
         for name, value in (("n", n), ("best_of", best_of)):
@@ -56,3 +59,12 @@ class AdmissionLimits:
         if num_chars > self.max_prompt_chars:
             raise bad_request(f"{param} has {num_chars} characters; at most {self.max_prompt_chars} can fit in "
                               "this model's context (--max-prompt-chars)", param)
+
+    def check_tokens(self, num_tokens: int, param: str) -> None:
+        if num_tokens > self.max_prompt_tokens:
+            raise bad_request(f"{param} has {num_tokens} tokens; at most {self.max_prompt_tokens} (the model's "
+                              "context length) are accepted", param)
+
+    def check_tools(self, num_tools: int) -> None:
+        if num_tools > self.max_tools:
+            raise bad_request(f"tools has {num_tools} functions; at most {self.max_tools} are allowed", "tools")

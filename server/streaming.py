@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from jvllm.engine.request_stream import RequestStream
 from jvllm.outputs import RequestOutput
-from server.errors import ClientGone, error_body, to_api_error
+from server.errors import APIError, ClientGone, error_body, to_api_error
 
 logger = logging.getLogger("jvllm.server")
 T = TypeVar("T")
@@ -44,11 +44,21 @@ def sse_response(events: AsyncIterator[str], streams: list[RequestStream]) -> St
     return StreamingResponse(body(), media_type="text/event-stream", headers=_SSE_HEADERS)
 
 
+def check_not_failed(output: RequestOutput) -> RequestOutput:
+    """A completion that finished with "error" (its grammar met a parser limit) fails the whole request: a 400, or
+    an error event once streaming has begun."""
+    for completion in output.outputs:
+        if completion.finish_reason == "error":
+            raise APIError(400, completion.error or "the request could not be completed", code="generation_failed")
+    return output
+
+
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(index of the stream, output) in arrival order over several requests (one per prompt)."""
+    """(index of the stream, output) in arrival order over several requests (one per prompt); a failed output
+    raises (check_not_failed)."""
     if len(streams) == 1:
         async for output in streams[0]:
-            yield 0, output
+            yield 0, check_not_failed(output)
         return
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
@@ -71,7 +81,7 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reques
             elif isinstance(item, BaseException):
                 raise item
             else:
-                yield index, item
+                yield index, check_not_failed(item)
     finally:
         for task in tasks:
             task.cancel()

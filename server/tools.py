@@ -40,10 +40,13 @@ class ToolPlan:
             return StructuredOutputsParams(json=schemas[self.named])
         if self.mode != "required":
             return None
-        one_call = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+        # Each function's schema moves under the list schema's $defs, its own local $refs re-rooted there.
+        definitions = {f"tool{i}": rerooted(schema, f"#/$defs/tool{i}") for i, schema in enumerate(schemas.values())}
+        one_call = [{"type": "object",
+                     "properties": {"name": {"const": name}, "parameters": {"$ref": f"#/$defs/{key}"}},
                      "required": ["name", "parameters"], "additionalProperties": False}
-                    for name, schema in schemas.items()]
-        calls = {"type": "array", "minItems": 1, "items": {"anyOf": one_call}}
+                    for name, key in zip(schemas, definitions)]
+        calls = {"type": "array", "minItems": 1, "items": {"anyOf": one_call}, "$defs": definitions}
         if not parallel:
             calls["maxItems"] = 1
         return StructuredOutputsParams(json=calls)
@@ -68,6 +71,23 @@ class ToolPlan:
         if made_calls and self.mode in ("auto", "required") and finish_reason == "stop":
             return "tool_calls"
         return finish_reason
+
+
+def rerooted(schema: Any, base: str) -> Any:
+    """A copy of `schema` whose local $refs ("#", "#/$defs/X", any "#/..." pointer) point into it once it sits at
+    the JSON pointer `base` of a larger schema."""
+    copy = json.loads(json.dumps(schema))
+    stack = [copy]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#"):
+                node["$ref"] = base + ref[1:]
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return copy
 
 
 def plan_tools(body: ChatCompletionRequest, parser: ToolParser | None) -> ToolPlan:

@@ -15,6 +15,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"  # the request could not go on (Request.error says why)
 
     @property
     def is_finished(self) -> bool:
@@ -29,8 +30,10 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
-_ENDS = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+_ENDS = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+         RequestStatus.FINISHED_ERROR}
 _ALLOWED: dict[RequestStatus, set[RequestStatus]] = {
     RequestStatus.WAITING: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED},
     RequestStatus.RUNNING: {RequestStatus.PREEMPTED, *_ENDS},
@@ -62,6 +65,7 @@ class Request:
         self.page_table: list[int] = []
         self.num_computed_tokens = 0
         self.stop_reason: str | int | None = None
+        self.error: str | None = None  # why it finished with FINISHED_ERROR
         self.num_preemptions = 0
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.first_scheduled_time: float | None = None

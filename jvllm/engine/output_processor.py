@@ -29,6 +29,9 @@ def append_token(request: Request, result: StepResult, decode: Callable[[int], s
     request.output_token_ids.append(token_id)
     if request.grammar is not None:
         request.grammar.accept(token_id)
+        if request.grammar.error is not None:  # a parser limit met while masking: the output breaks its constraint
+            request.error = f"the output cannot follow its structured-output constraint: {request.grammar.error}"
+            return RequestStatus.FINISHED_ERROR
     if request.params.logprobs is not None and result.token_logprobs is not None:
         request.cumulative_logprob += result.token_logprobs.logprob
         request.logprobs.append(result.token_logprobs.as_dict(token_id, request.params.logprobs, decode))
@@ -63,6 +66,7 @@ def completion_output(request: Request, index: int) -> CompletionOutput:
         logprobs=list(request.logprobs) if request.params.logprobs is not None else None,
         finish_reason=request.status.finish_reason,
         stop_reason=request.stop_reason,
+        error=request.error,
     )
 
 
