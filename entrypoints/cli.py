@@ -89,6 +89,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             '\'{"max_pixels": 802816}\' (pixels per image; 28 x 28 pixels make one image token)')
     group.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                        help="folder that file: image URLs may read from (default: none; file: URLs are refused)")
+    group.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                       help="the only hosts (names or IP addresses) http(s) image URLs may be fetched from; listed "
+                            "hosts may be private or loopback (default: any host, but public addresses only: "
+                            "loopback, private, link-local and cloud metadata addresses are refused)")
+    group.add_argument("--max-image-pixels", type=human_int, default=4096 * 4096, metavar="N",
+                       help="largest decoded image (width x height), checked before decoding (default 16777216, "
+                            "4096 x 4096)")
 
 
 def add_multihost_args(parser: argparse.ArgumentParser) -> None:
@@ -113,7 +120,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
                 batched_weight_dtype=args.batched_weight_dtype, precompile=args.precompile,
                 limit_mm_per_prompt=args.limit_mm_per_prompt, allowed_local_media_path=args.allowed_local_media_path,
-                mm_processor_kwargs=args.mm_processor_kwargs)
+                mm_processor_kwargs=args.mm_processor_kwargs, allowed_media_domains=args.allowed_media_domains,
+                max_image_pixels=args.max_image_pixels)
 
 
 def build_parser() -> argparse.ArgumentParser:

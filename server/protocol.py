@@ -138,7 +138,8 @@ class TextPart(OpenAIModel):
 
 
 class ImageURL(OpenAIModel):
-    url: str = Field(description="a data: URL, a file: URL under --allowed-local-media-path, or http(s)")
+    url: str = Field(description="a data: URL, a file: URL under --allowed-local-media-path, or http(s) from a "
+                                 "public address (or a host in --allowed-media-domains)")
     detail: Literal["auto", "low", "high"] | None = None
 
 

@@ -26,7 +26,7 @@ from jvllm.outputs import EmbeddingRequestOutput, RequestOutput
 from jvllm.engine.progress import GenerateProgress, precompile_progress
 from jvllm.engine.multihost import MultiHostRoles
 from jvllm.engine.prompts import PromptType, conversation_prompts, tokenize_prompt
-from jvllm.multimodal.inputs import PromptImages, engine_multimodal
+from jvllm.multimodal.inputs import DEFAULT_MAX_IMAGE_PIXELS, PromptImages, engine_multimodal
 from jvllm.core.request import Request, RequestStatus
 from jvllm.sampling_params import SamplingParams, StructuredOutputsParams
 from jvllm.core.scheduler import ScheduledChunk, Scheduler
@@ -50,7 +50,8 @@ class Engine(MultiHostRoles):
                  host_rank: int | None = None, coordinator: str | None = None, async_scheduling: bool = True,
                  precompile: bool = True, reasoning_parser: str | None = None,
                  limit_mm_per_prompt: dict[str, int] | None = None, allowed_local_media_path: str | None = None,
-                 encoder_cache_tokens: int | None = None, mm_processor_kwargs: dict[str, Any] | None = None):
+                 encoder_cache_tokens: int | None = None, mm_processor_kwargs: dict[str, Any] | None = None,
+                 allowed_media_domains: list[str] | None = None, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
         """`pooling` ("mean", "cls", "last", "max", "mean_sqrt_len") and `normalize` override an embedding
         model's sentence-transformers config; on a generative model, `pooling` enables embed().
 
@@ -76,6 +77,8 @@ class Engine(MultiHostRoles):
         max_num_batched_tokens and at least 8 of the largest images), which keeps repeated images from being encoded
         again. `mm_processor_kwargs` sets the image processor: Qwen2-VL's `min_pixels` and `max_pixels` bound each
         image's size, so its token count (one token per 28 x 28 pixels; by default at most 1280 tokens).
+        http(s) image URLs are fetched from public addresses only, unless `allowed_media_domains` lists hosts: then
+        only those hosts, which may be private. `max_image_pixels` (default 4096 x 4096) bounds a decoded image.
 
         `batched_weight_dtype` adds a copy of the weight matrices (e.g. "bfloat16") for steps of 2+ token rows;
         "auto" (the default) adds a bfloat16 copy when a generative model runs in float32 on CPU because
@@ -120,7 +123,8 @@ class Engine(MultiHostRoles):
         if self.model.vision is not None and hosts.multi_host:
             raise ValueError("vision-language models run on one host")
         self.encoder_cache, self.mm_processor, self.media = engine_multimodal(
-            self.model, cfg.max_num_batched_tokens, limit_mm_per_prompt, allowed_local_media_path, encoder_cache_tokens)
+            self.model, cfg.max_num_batched_tokens, limit_mm_per_prompt, allowed_local_media_path, encoder_cache_tokens,
+            allowed_media_domains=allowed_media_domains, max_image_pixels=max_image_pixels)
         image_tokens = 0 if self.model.vision is None else self.model.vision.max_image_tokens
         self.scheduler = Scheduler(self.pages, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    enable_prefix_caching=enable_prefix_caching, encoder_cache=self.encoder_cache,
@@ -238,9 +242,10 @@ class Engine(MultiHostRoles):
         self._request_groups[request_id] = members
 
     def check_structured_outputs(self, params: StructuredOutputsParams) -> None:
-        """Compile a constraint's grammar; ValueError naming the field when it does not compile (add_request
-        does the same; this lets a server refuse the request before queueing it)."""
-        self._grammars.new_state(params)
+        """Compile a constraint's grammar; ValueError naming the field when it is over a limit or does not compile.
+        The compiled grammar is kept, so add_request does not compile it again; this lets a server refuse the
+        request, and do the compiling, before queueing it."""
+        self._grammars.compiled(params)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop requests now and free their pages; unknown ids are ignored, as in vLLM."""

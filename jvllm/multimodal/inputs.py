@@ -9,7 +9,7 @@ import numpy as np
 import xxhash
 
 from jvllm.core.encoder_cache import ENCODER_BLOCK_ROWS, EncoderCache, MultiModalItem, encoder_cache_rows
-from jvllm.multimodal.media import MediaLoader
+from jvllm.multimodal.media import DEFAULT_MAX_IMAGE_PIXELS, MediaLoader
 
 MODALITIES = ("image",)
 DEFAULT_LIMIT_PER_PROMPT = 999  # vLLM's default per modality
@@ -199,12 +199,15 @@ class PromptImages:
 
 
 def engine_multimodal(loaded: Any, max_num_batched_tokens: int, limits: dict[str, int] | None,
-                      allowed_local_media_path: str | None, encoder_cache_tokens: int | None
+                      allowed_local_media_path: str | None, encoder_cache_tokens: int | None, *,
+                      allowed_media_domains: list[str] | None = None,
+                      max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
                       ) -> tuple[EncoderCache | None, MultiModalProcessor | None, MediaLoader]:
     """An engine's multimodal parts: the encoder cache and the prompt processor (vision-language models only),
     and the media loader. Limits are checked for every model."""
     parse_limits(limits)
-    media = MediaLoader(allowed_local_media_path)
+    media = MediaLoader(allowed_local_media_path, allowed_media_domains=allowed_media_domains,
+                        max_image_pixels=max_image_pixels)
     vision = loaded.vision
     if vision is None:
         return None, None, media

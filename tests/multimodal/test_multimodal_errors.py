@@ -26,7 +26,8 @@ def _engine(folder, **overrides) -> Engine:
 @pytest.fixture(scope="module")
 def engine(tiny_llava, tmp_path_factory):
     media = tmp_path_factory.mktemp("media")
-    return _engine(tiny_llava[0], limit_mm_per_prompt={"image": 2}, allowed_local_media_path=str(media))
+    return _engine(tiny_llava[0], limit_mm_per_prompt={"image": 2}, allowed_local_media_path=str(media),
+                   allowed_media_domains=["127.0.0.1"], max_image_pixels=2048 * 2048)
 
 
 def _still_serving(engine: Engine, image) -> None:
@@ -161,8 +162,15 @@ def image_server(images):
 
 
 def test_http_images_with_a_timeout_and_a_size_limit(image_server, images):
-    loader = MediaLoader(None, timeout_s=0.5, max_bytes=len(_Handler.png) * 10)
+    loader = MediaLoader(None, allowed_media_domains=["127.0.0.1"], timeout_s=0.5, max_bytes=len(_Handler.png) * 10)
     assert loader.load_image(f"{image_server}/ok.png").size == images[3].size
     for path, reason in [("/missing.png", "HTTP 404"), ("/big.png", "larger than"), ("/slow.png", "timed out")]:
         with pytest.raises(ValueError, match=reason):
             loader.load_image(image_server + path)
+
+
+def test_the_engine_passes_its_media_settings_to_the_loader(engine, image_server, images):
+    """Engine(allowed_media_domains=..., max_image_pixels=...) reach the loader its chat() uses."""
+    assert engine.media.url_policy.allowed_domains == frozenset({"127.0.0.1"})
+    assert engine.media.max_image_pixels == 2048 * 2048
+    assert engine.media.load_image(f"{image_server}/ok.png").size == images[3].size

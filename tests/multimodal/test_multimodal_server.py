@@ -69,7 +69,9 @@ def test_a_local_file_under_the_allowed_path(server, media_dir, images):
 @pytest.mark.parametrize("urls, reason", [
     (["file:///etc/hostname"], "outside the allowed local media path"),
     (["data:image/png;base64," + base64.b64encode(b"garbage").decode()], "could not decode the image"),
-    (["https://"], "fetching the image failed"),
+    (["https://"], "has no host"),
+    (["http://127.0.0.1:9/internal-admin"], "non-public address 127.0.0.1"),
+    (["http://169.254.169.254/latest/meta-data/"], "non-public address 169.254.169.254"),
     (["gopher://x/y.png"], "unsupported image URL scheme"),
     (["data:image/png;base64,AAAA"] * 3, "limit_mm_per_prompt allows 2"),
 ])
