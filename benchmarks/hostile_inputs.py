@@ -1,8 +1,9 @@
 """Hostile inputs against a real `jvllm serve` (the default model): grammars and schemas that crashed the grammar
 compiler, huge choice lists, huge tokenizer inputs; then the image loader on loopback URLs, redirects and an image
 bomb. Prints each case's status, time and the server's memory (resident and peak, and the grammar sandbox's), and
-asserts the targets: no crash, every answer a 4xx or a 200 whose output holds, peak memory up by < 1 GB, /health
-answering throughout, no loopback fetch. Not part of CI: `python -m benchmarks.hostile_inputs --json out.json`.
+asserts the targets: no crash, every answer a 4xx or a 200 whose output holds, peak memory up by < 1 GB and no
+growth on a second pass, /health answering throughout, no loopback fetch.
+Not part of CI: `python -m benchmarks.hostile_inputs --json out.json`.
 """
 from __future__ import annotations
 
@@ -221,6 +222,9 @@ def main(argv: list[str] | None = None) -> None:
             except httpx.HTTPError:
                 time.sleep(0.5)
         rows, baseline = run_http_cases(url, server.pid)
+        after_first = _status(server.pid)
+        print("second pass (caches warm): resident memory must not grow again", flush=True)
+        again, _ = run_http_cases(url, server.pid)
         final = _status(server.pid)
         media = media_cases()
         server.send_signal(signal.SIGTERM)
@@ -231,13 +235,16 @@ def main(argv: list[str] | None = None) -> None:
     log.seek(0)
     text = log.read()
     results = dict(command=command_line("benchmarks.hostile_inputs", argv), cases=rows, media=media,
-                   server_peak_before_mib=round(baseline), server_peak_after_mib=round(final["VmHWM"]),
-                   server_rss_after_mib=round(final["VmRSS"]), exit_code=exit_code,
+                   second_pass=again, server_peak_before_mib=round(baseline),
+                   server_rss_after_first_pass_mib=round(after_first["VmRSS"]),
+                   server_peak_after_mib=round(final["VmHWM"]), server_rss_after_mib=round(final["VmRSS"]),
+                   exit_code=exit_code,
                    tracebacks_in_log=text.count("Traceback"))
-    print(json.dumps({k: v for k, v in results.items() if k not in ("cases", "media")}, indent=1))
+    print(json.dumps({k: v for k, v in results.items() if k not in ("cases", "second_pass", "media")}, indent=1))
     write_json(args.json, results)
-    assert all(row["status"] in (200, 400, 413) for row in rows), "a case crashed the server or was not a 4xx/200"
-    assert all(row["output_holds"] is not False for row in rows), "a 200 broke its constraint"
+    assert all(row["status"] in (200, 400, 413) for row in rows + again), "a case crashed the server or got a 5xx"
+    assert all(row["output_holds"] is not False for row in rows + again), "a 200 broke its constraint"
+    assert final["VmRSS"] - after_first["VmRSS"] < 64, "resident memory grew again on the second pass"
     assert final["VmHWM"] - baseline < 1024, "peak memory rose by more than 1 GB"
     assert media[-1]["outcome"] == "[]", "the default loader fetched a loopback URL"
     assert all(row["outcome"].startswith("refused") for row in media[:-2]), "an unsafe image was accepted"

@@ -19,6 +19,7 @@ from server.completions import create_completion
 from server.embeddings import create_embedding
 from server.errors import APIError, ClientGone, bad_request, error_response, install_error_handlers, to_api_error
 from server.limits import AdmissionLimits
+from server.memory_trim import TrimAfterLargeBodies
 from server.metrics import ServerMetrics
 from server.openapi_streams import document_event_streams, streamed
 from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
@@ -182,6 +183,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
                        allow_methods=settings.allowed_methods, allow_headers=settings.allowed_headers,
                        allow_credentials=settings.allow_credentials)
+    app.add_middleware(TrimAfterLargeBodies)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_body_bytes)
     document_event_streams(app)
     return app

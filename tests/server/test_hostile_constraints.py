@@ -161,6 +161,17 @@ def test_memory_settles_after_the_largest_tokenizer_and_grammar_requests(server)
     assert resident_mb() - before < 300
 
 
+def test_the_heap_is_trimmed_after_a_large_body_only(server, monkeypatch):
+    from server import memory_trim
+
+    trims = []
+    monkeypatch.setattr(memory_trim, "release_freed_memory", lambda: trims.append(1))
+    assert post(server, "/tokenize", {"model": MODEL, "prompt": "small"}).status_code == 200
+    assert wait_until(lambda: False, timeout=0.3) is False and trims == []
+    refused(post(server, "/tokenize", {"model": MODEL, "prompt": "x" * (memory_trim.TRIM_AFTER_BYTES + 10)}))
+    assert wait_until(lambda: trims == [1], timeout=10)
+
+
 @st.composite
 def deep_or_wide_constraint(draw) -> dict:
     """Grammars and schemas deep (chains, nesting, $ref chains) or wide (alternatives, properties, enums)."""
