@@ -9,7 +9,7 @@ from jvllm.core.request import Request, RequestStatus
 from jvllm.sampling_params import SamplingParams
 
 S = RequestStatus
-FINISHED = (S.FINISHED_STOPPED, S.FINISHED_LENGTH, S.FINISHED_ABORTED)
+FINISHED = (S.FINISHED_STOPPED, S.FINISHED_LENGTH, S.FINISHED_ABORTED, S.FINISHED_ERROR)
 LEGAL = {
     (S.WAITING, S.RUNNING),
     (S.WAITING, S.FINISHED_ABORTED),
@@ -17,6 +17,7 @@ LEGAL = {
     (S.RUNNING, S.FINISHED_STOPPED),
     (S.RUNNING, S.FINISHED_LENGTH),
     (S.RUNNING, S.FINISHED_ABORTED),
+    (S.RUNNING, S.FINISHED_ERROR),
     (S.PREEMPTED, S.WAITING),
     (S.PREEMPTED, S.FINISHED_ABORTED),
 }
@@ -28,6 +29,7 @@ PATHS = {
     S.FINISHED_STOPPED: [S.RUNNING, S.FINISHED_STOPPED],
     S.FINISHED_LENGTH: [S.RUNNING, S.FINISHED_LENGTH],
     S.FINISHED_ABORTED: [S.FINISHED_ABORTED],
+    S.FINISHED_ERROR: [S.RUNNING, S.FINISHED_ERROR],
 }
 
 
@@ -95,6 +97,7 @@ def test_preemption_round_trip_then_finish():
 @pytest.mark.parametrize("status,reason", [
     (S.WAITING, None), (S.RUNNING, None), (S.PREEMPTED, None),
     (S.FINISHED_STOPPED, "stop"), (S.FINISHED_LENGTH, "length"), (S.FINISHED_ABORTED, "abort"),
+    (S.FINISHED_ERROR, "error"),
 ])
 def test_finish_reason_mapping(status, reason):
     assert status.finish_reason == reason
