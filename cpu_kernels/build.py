@@ -15,8 +15,13 @@ import shutil
 import subprocess
 import tempfile
 
-SOURCE = pathlib.Path(__file__).with_name("paged_attention.cc")
-TARGETS = {"jvllm_paged_attention": "JvllmPagedAttention"}  # XLA custom-call name -> exported handler symbol
+HERE = pathlib.Path(__file__).parent
+SOURCES = [HERE / "paged_attention.cc", HERE / "quantized_matmul.cc"]
+HEADERS = [HERE / "run_items.h"]
+TARGETS = {  # XLA custom-call name -> exported handler symbol
+    "jvllm_paged_attention": "JvllmPagedAttention",
+    "jvllm_quantized_matmul": "JvllmQuantizedMatmul",
+}
 FLAGS = ["-std=c++17", "-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared"]
 
 
@@ -52,7 +57,8 @@ def _library_path(compiler: str) -> pathlib.Path:
     import jaxlib
 
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), jaxlib.__version__.encode(), compiler.encode(), " ".join(FLAGS).encode(),
+    sources = [path.read_bytes() for path in (*SOURCES, *HEADERS)]
+    for part in (*sources, jaxlib.__version__.encode(), compiler.encode(), " ".join(FLAGS).encode(),
                  _cpu_flags().encode(), platform.machine().encode()):
         key.update(part)
         key.update(b"\0")
@@ -65,10 +71,10 @@ def _build(compiler: str, target: pathlib.Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         partial = pathlib.Path(tmp) / target.name
-        command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(partial)]
+        command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(partial)]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
-            raise KernelsUnavailable(f"building {SOURCE.name} failed:\n{' '.join(command)}\n{result.stderr[-4000:]}")
+            raise KernelsUnavailable(f"building the CPU kernels failed:\n{' '.join(command)}\n{result.stderr[-4000:]}")
         os.replace(partial, target)  # atomic: concurrent builders each finish a whole file
 
 

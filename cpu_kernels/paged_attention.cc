@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "run_items.h"
 
 namespace ffi = xla::ffi;
 
@@ -440,32 +441,6 @@ class Attention {
   std::vector<int64_t> item_start_;  // [seqs + 1] first work item of each sequence
 };
 
-// Runs every item of `work` on the caller and the pool's threads; returns when all are done.
-template <typename Work>
-void RunItems(ffi::ThreadPool& pool, const Work& work) {
-  const int64_t total = work.num_items();
-  if (total == 0) return;
-  struct Shared {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  auto drain = [shared, &work, total]() {
-    int64_t finished = 0;
-    for (int64_t item; (item = shared->next.fetch_add(1)) < total;) {
-      work.Run(item);
-      ++finished;
-    }
-    if (finished) shared->done.fetch_add(finished);
-  };
-  // A helper that starts after the work is gone touches only `shared` (kept alive by its copy).
-  static const int64_t max_helpers = getenv("JV_HELPERS") ? atoi(getenv("JV_HELPERS")) : 1 << 20;
-  const int64_t helpers = std::min<int64_t>(std::min<int64_t>(pool.num_threads(), max_helpers), total - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(drain)(drain));
-  drain();
-  while (shared->done.load() < total) std::this_thread::yield();
-}
-
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                               ffi::Buffer<ffi::F32> v, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                               ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> q_lens,
@@ -499,13 +474,13 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                           static_cast<const float*>(k_pages.untyped_data()),
                           static_cast<const float*>(v_pages.untyped_data()), query_start.typed_data(),
                           q_lens.typed_data(), kv_lens.typed_data(), page_tables.typed_data(), dst);
-    RunItems(pool, work);
+    jvllm::RunItems(pool, work);
   } else if (type == ffi::DataType::U16 || type == ffi::DataType::BF16) {
     Attention<uint16_t> work(sh, opt, q.typed_data(), k.typed_data(), v.typed_data(),
                              static_cast<const uint16_t*>(k_pages.untyped_data()),
                              static_cast<const uint16_t*>(v_pages.untyped_data()), query_start.typed_data(),
                              q_lens.typed_data(), kv_lens.typed_data(), page_tables.typed_data(), dst);
-    RunItems(pool, work);
+    jvllm::RunItems(pool, work);
   } else {
     return ffi::Error::InvalidArgument("paged_attention: pages must be float32 or bfloat16 (bits)");
   }

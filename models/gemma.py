@@ -45,8 +45,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         """-> (x [T, D] scaled by sqrt(D) rounded to the table's dtype, cos, sin): [T, hd], or [2, T, hd] holding
         the global and the local layers' tables when their RoPE bases differ (Gemma 3)."""
         x, cos, sin = super().embed(input_ids, positions, activation_dtype, embed)
-        table_dtype = self.embed_tokens[...].dtype
-        x = x * jnp.asarray(self.config.hidden_size ** 0.5, table_dtype).astype(activation_dtype)
+        x = x * jnp.asarray(self.config.hidden_size ** 0.5, self.embedding_dtype).astype(activation_dtype)
         cfg = self.config
         if cfg.local_rope_theta is not None:
             local_freq = inverse_frequencies(cfg.head_dim, cfg.local_rope_theta, None)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.params import normal_param
+from models.quantized import check_blocks, quantized_dot
 
 
 # Up to this many token rows, a kernel stored [out, in] is applied as (kernel @ x^T)^T, which XLA CPU runs faster
@@ -25,21 +26,34 @@ def stored_out_in(d_in: int, d_out: int) -> bool:
 def out_in_kernel_leaves(state: nnx.State) -> list[bool]:
     """Per leaf of a Llama state, in jax.tree.flatten order: whether it is a Linear kernel [in, out] that the
     batched copy stores [out, in]."""
-    return [getattr(path[-2], "key", None) == "kernel" and leaf.ndim == 2 and stored_out_in(*leaf.shape)
-            for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]]
+    return [getattr(path[-2], "key", None) == "kernel" and leaf.ndim == 2 and jnp.issubdtype(leaf.dtype, jnp.floating)
+            and stored_out_in(*leaf.shape) for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]]
 
 
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias), accumulation in float32. The kernel is [in, out], or [out, in] in the runner's
-    batched copy when `stored_out_in` (told apart by shape: such a kernel is never square)."""
+    batched copy when `stored_out_in` (told apart by shape: such a kernel is never square). A quantized Linear
+    (`quant` names a models.quantized format) holds its GGUF blocks instead, [out, row bytes] uint8."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs | None):
         self.kernel = normal_param(rngs, (d_in, d_out), dtype)
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
         self.d_in, self.d_out = d_in, d_out
+        self.quant: str | None = None
+
+    def set_quantized(self, blocks: jax.Array, fmt: str) -> None:
+        """Hold GGUF blocks [out, row bytes] of format `fmt` in place of the float kernel."""
+        check_blocks(blocks, self.d_out, self.d_in, fmt, f"a {self.d_in} -> {self.d_out} projection")
+        self.kernel = nnx.Param(blocks)
+        self.quant = fmt
 
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel[...]
+        if self.quant is not None:
+            y = quantized_dot(x, kernel, self.quant)  # [T, out] float32
+            if self.bias is not None:
+                y = y + self.bias[...].astype(jnp.float32)
+            return y.astype(x.dtype)
         # Cast the activation to the weight dtype, never the weights up: bf16 weights with f32 activations
         # must stay a bf16 x bf16 -> f32 dot (the fast CPU path), not a per-step f32 copy of the weights.
         xk = x.astype(kernel.dtype)  # [T, in]

@@ -15,6 +15,7 @@ from models.layers import MLP, Linear, RMSNorm, mlp_hf_parameters
 from models.hf_names import ArraySource, DerivedTensors, row_range
 from models.moe import SparseMoE
 from models.params import normal_param
+from models.quantized import check_blocks, dequantized_rows, quantized_dot
 from models.rope import apply_rotary, attention_factor, inverse_frequencies, mrope_rotary_tables, rotary_tables
 
 LayerResults = list  # per layer: what the attention call returned beside its output
@@ -89,6 +90,33 @@ class LlamaForCausalLM(nnx.Module):
         self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else normal_param(
             rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
+        self.embed_quant: str | None = None  # a models.quantized format: the table holds GGUF blocks [V, row bytes]
+        self.head_quant: str | None = None  # the same for an untied LM head
+
+    def set_quantized_embedding(self, blocks: jax.Array, fmt: str) -> None:
+        """Hold the embedding table (and, tied, the LM head) as GGUF blocks [V, row bytes] of format `fmt`."""
+        check_blocks(blocks, self.config.vocab_size, self.config.hidden_size, fmt, "the embedding table")
+        self.embed_tokens = nnx.Param(blocks)
+        self.embed_quant = fmt
+
+    def set_quantized_head(self, blocks: jax.Array, fmt: str) -> None:
+        """Hold an untied LM head as GGUF blocks [V, row bytes] of format `fmt` (one row per token)."""
+        if self.lm_head is None:
+            raise ValueError("the model ties its LM head to the embedding table")
+        check_blocks(blocks, self.config.vocab_size, self.config.hidden_size, fmt, "the LM head")
+        self.lm_head = nnx.Param(blocks)
+        self.head_quant = fmt
+
+    @property
+    def embedding_dtype(self) -> jnp.dtype:
+        """The dtype the table's rows come out in (float32 for GGUF blocks)."""
+        return jnp.dtype(jnp.float32) if self.embed_quant else self.embed_tokens[...].dtype
+
+    def embedding_rows(self, table: jax.Array, input_ids: jax.Array) -> jax.Array:
+        """Rows `input_ids` [T] of the table -> [T, D]."""
+        if self.embed_quant is None:
+            return table[input_ids]
+        return dequantized_rows(table, input_ids, self.embed_quant, self.config.hidden_size)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache, md: AttentionMetadata,
                  attention: LayerAttention, embed: EmbedLookup | None = None) -> tuple[jax.Array, LayerResults]:
@@ -110,7 +138,10 @@ class LlamaForCausalLM(nnx.Module):
         """input_ids [T], positions [T] int32 ([3, T] with multimodal RoPE) -> (x [T, D], the RoPE tables cos, sin
         [T, hd]) for the layers."""
         table = self.embed_tokens[...]
-        x = (table[input_ids] if embed is None else embed(table, input_ids)).astype(activation_dtype)  # [T, D]
+        if embed is not None and self.embed_quant is not None:
+            raise ValueError("a quantized embedding table runs on one device")
+        x = (self.embedding_rows(table, input_ids) if embed is None else embed(table, input_ids))  # [T, D]
+        x = x.astype(activation_dtype)
         cfg = self.config  # static: the frequencies become trace-time constants, not state
         inv_freq = inverse_frequencies(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
         if positions.ndim == 2:  # M-RoPE; plain positions [T] are text, the same on all three axes
@@ -127,8 +158,12 @@ class LlamaForCausalLM(nnx.Module):
         """hidden [S, D] -> logits [S, V] float32."""
         if self.lm_head is None:
             table = self.embed_tokens[...]
+            if self.embed_quant is not None:
+                return quantized_dot(hidden, table, self.embed_quant)
             return jnp.einsum("sd,vd->sv", hidden.astype(table.dtype), table, preferred_element_type=jnp.float32)
         head = self.lm_head[...]
+        if self.head_quant is not None:
+            return quantized_dot(hidden, head, self.head_quant)
         return jnp.einsum("sd,dv->sv", hidden.astype(head.dtype), head, preferred_element_type=jnp.float32)
 
     def hf_parameters(self, available: Container[str]) -> Iterator[HFParameter]:

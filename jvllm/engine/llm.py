@@ -51,7 +51,8 @@ class Engine(MultiHostRoles):
                  precompile: bool = True, reasoning_parser: str | None = None,
                  limit_mm_per_prompt: dict[str, int] | None = None, allowed_local_media_path: str | None = None,
                  encoder_cache_tokens: int | None = None, mm_processor_kwargs: dict[str, Any] | None = None,
-                 allowed_media_domains: list[str] | None = None, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
+                 allowed_media_domains: list[str] | None = None, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                 quantization: str | None = None):
         """`pooling` ("mean", "cls", "last", "max", "mean_sqrt_len") and `normalize` override an embedding
         model's sentence-transformers config; on a generative model, `pooling` enables embed().
 
@@ -80,6 +81,10 @@ class Engine(MultiHostRoles):
         http(s) image URLs are fetched from public addresses only, unless `allowed_media_domains` lists hosts: then
         only those hosts, which may be private. `max_image_pixels` (default 4096 x 4096) bounds a decoded image.
 
+        A GGUF model keeps its quantized blocks (Q8_0, Q4_0, Q4_1) in memory and multiplies them with native CPU
+        kernels when `dtype` is "auto" on one CPU device, as llama.cpp does; `quantization="gguf"` keeps them
+        anywhere, and a float `dtype` dequantizes them at load (`dtype="float32"`: transformers' float32 numbers).
+
         `batched_weight_dtype` adds a copy of the weight matrices (e.g. "bfloat16") for steps of 2+ token rows;
         "auto" (the default) adds a bfloat16 copy when a generative model runs in float32 on CPU because
         `dtype` was "auto" (~1.6x faster batched steps; outputs then depend slightly on the batch), and none
@@ -101,7 +106,8 @@ class Engine(MultiHostRoles):
         started = time.perf_counter()
         self.model = load_model(model, dtype=dtype, load_format=load_format, tokenizer=tokenizer,
                                 served_model_name=served_model_name, seed=seed,
-                                tensor_parallel_size=tensor_parallel_size, mm_processor_kwargs=mm_processor_kwargs)
+                                tensor_parallel_size=tensor_parallel_size, mm_processor_kwargs=mm_processor_kwargs,
+                                quantization=quantization)
         self.tokenizer = self.model.tokenizer
         import jax.numpy as jnp
 

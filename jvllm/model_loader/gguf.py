@@ -21,7 +21,7 @@ from jvllm.model_loader.gguf_arch import (
 )
 
 # Tensors llama.cpp derives from the config (rope frequency factors), read into the config instead.
-_DERIVED_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+DERIVED_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 # Pre-tokenizer regexes keyed by `tokenizer.ggml.pre`; gpt2-style ones use ByteLevel's own regex.
 _LLAMA3_SPLIT = (
@@ -146,7 +146,7 @@ def _unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def _dequantized(tensor: Any) -> np.ndarray:
+def dequantized_tensor(tensor: Any) -> np.ndarray:
     """A tensor as float32 in numpy order: GGUF lists dims fastest-first and the reader's array is already
     reversed, so a projection comes out [out_features, in_features] like torch's Linear.weight."""
     array = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
@@ -154,7 +154,7 @@ def _dequantized(tensor: Any) -> np.ndarray:
     return array if array.shape == expected else array.reshape(expected)
 
 
-def _restore(name: str, array: np.ndarray, architecture: Architecture, header: GGUFHeader) -> np.ndarray:
+def restore_tensor(name: str, array: np.ndarray, architecture: Architecture, header: GGUFHeader) -> np.ndarray:
     """Undo what llama.cpp's converter did to one tensor: q/k row order, norm offset, squeezed shapes."""
     if architecture.permuted_rope and ".self_attn.q_proj." in name:
         return _unpermute_rope_rows(array, int(header.arch_field("attention.head_count")))
@@ -175,10 +175,10 @@ def load_gguf_tensors(source: str | GGUFHeader) -> dict[str, np.ndarray]:
     architecture = architecture_for(header)
     out: dict[str, np.ndarray] = {}
     for tensor in header.reader.tensors:
-        if tensor.name in _DERIVED_TENSORS:
+        if tensor.name in DERIVED_TENSORS:
             continue
         name = hf_name(tensor.name, architecture)
-        out.update(split_experts(name, _restore(name, _dequantized(tensor), architecture, header)))
+        out.update(split_experts(name, restore_tensor(name, dequantized_tensor(tensor), architecture, header)))
     if architecture.hf_class == "Phi3ForCausalLM":
         fuse_phi3_attention(out)
     return out

@@ -94,13 +94,15 @@ def _converted_folder(gguf_path: str) -> Path:
     return cache_root() / "converted" / f"{Path(gguf_path).stem}-{key}"
 
 
-def _gguf_as_hf_folder(gguf_path: str, tokenizer_required: bool = True) -> Path:
-    """Convert a GGUF once (dequantize, tokenizer) into a cached safetensors folder; later starts reuse it.
-    With `tokenizer_required=False` (an explicit tokenizer folder is given) a tokenizer kind the GGUF reader
-    cannot rebuild is skipped instead of raising."""
+def _gguf_as_hf_folder(gguf_path: str, tokenizer_required: bool = True, weights: bool = True) -> Path:
+    """Convert a GGUF once into a cached folder: config and tokenizer, and with `weights` the dequantized weights as
+    safetensors; later starts reuse it. With `tokenizer_required=False` (an explicit tokenizer folder is given) a
+    tokenizer kind the GGUF reader cannot rebuild is skipped instead of raising."""
     folder = _converted_folder(gguf_path)
-    if not (folder / "model.safetensors").is_file():
-        _convert_gguf(gguf_path, folder, tokenizer_required)
+    if not (folder / "config.json").is_file():
+        _convert_gguf_metadata(gguf_path, folder, tokenizer_required)
+    if weights and not (folder / "model.safetensors").is_file():
+        _convert_gguf_weights(gguf_path, folder)
     if tokenizer_required and not (folder / "tokenizer_config.json").is_file():
         from jvllm.model_loader.gguf import gguf_tokenizer
 
@@ -109,12 +111,9 @@ def _gguf_as_hf_folder(gguf_path: str, tokenizer_required: bool = True) -> Path:
     return folder
 
 
-def _convert_gguf(gguf_path: str, folder: Path, tokenizer_required: bool) -> None:
-    from safetensors.numpy import save_file
+def _convert_gguf_metadata(gguf_path: str, folder: Path, tokenizer_required: bool) -> None:
+    from jvllm.model_loader.gguf import gguf_tokenizer, open_gguf, read_gguf_config
 
-    from jvllm.model_loader.gguf import gguf_tokenizer, load_gguf_tensors, open_gguf, read_gguf_config
-
-    logger.info("converting %s into %s (first start only)", gguf_path, folder)
     header = open_gguf(gguf_path)
     config = read_gguf_config(header)  # an unsupported architecture fails here, before any work
     try:
@@ -129,12 +128,40 @@ def _convert_gguf(gguf_path: str, folder: Path, tokenizer_required: bool) -> Non
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
-    save_file({k: np.ascontiguousarray(v) for k, v in load_gguf_tensors(header).items()},
-              str(tmp / "model.safetensors"))
     if folder.exists():  # another process finished the same conversion first
         shutil.rmtree(tmp)
     else:
         os.replace(tmp, folder)
+
+
+def _convert_gguf_weights(gguf_path: str, folder: Path) -> None:
+    from safetensors.numpy import save_file
+
+    from jvllm.model_loader.gguf import load_gguf_tensors
+
+    logger.info("dequantizing %s into %s (first float start only)", gguf_path, folder)
+    partial = folder / f"model.safetensors.tmp{os.getpid()}"
+    save_file({k: np.ascontiguousarray(v) for k, v in load_gguf_tensors(gguf_path).items()}, str(partial))
+    os.replace(partial, folder / "model.safetensors")  # atomic: a concurrent converter writes the same file
+
+
+def keeps_gguf_blocks(quantization: str | None, dtype: Any, tensor_parallel_size: int, load_format: str) -> bool:
+    """Whether a GGUF model keeps its quantized blocks: always with quantization="gguf"; by default (None) when its
+    dtype is "auto", on one device, on CPU with the native kernels (llama.cpp's way); otherwise it is dequantized to
+    its float dtype (`dtype="float32"` gives transformers' float32 numbers)."""
+    if quantization not in (None, "gguf"):
+        raise ValueError(f"unknown quantization {quantization!r} for a GGUF model; choose gguf (keep its blocks) or "
+                         "leave it unset")
+    if quantization == "gguf":
+        if tensor_parallel_size != 1:
+            raise ValueError("quantization='gguf' runs on one device; use tensor_parallel_size=1, or leave "
+                             "quantization unset to dequantize the weights")
+        return load_format != "dummy"
+    if dtype != "auto" or tensor_parallel_size != 1 or load_format == "dummy" or jax.default_backend() != "cpu":
+        return False
+    from models.quantized import native_kernel_available
+
+    return native_kernel_available()
 
 
 def read_safetensors(folder: Path) -> dict[str, np.ndarray]:
@@ -169,15 +196,22 @@ def processor_chat_template(folder: Path) -> str | None:
 
 def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_format: str = "auto",
                tokenizer: str | None = None, served_model_name: str | None = None, seed: int = 0,
-               tensor_parallel_size: int = 1, mm_processor_kwargs: dict[str, Any] | None = None) -> LoadedModel:
+               tensor_parallel_size: int = 1, mm_processor_kwargs: dict[str, Any] | None = None,
+               quantization: str | None = None) -> LoadedModel:
     """Load config, tokenizer and weights (or random weights with load_format='dummy'). With
     tensor_parallel_size > 1 the weights are placed shard by shard on a mesh (jvllm.parallel.sharding) and
     the returned config holds the KV heads the model really has (repeated when tp exceeds them).
-    `mm_processor_kwargs`: a vision-language model's image-processor settings (jvllm.model_loader.vision)."""
+    `mm_processor_kwargs`: a vision-language model's image-processor settings (jvllm.model_loader.vision).
+    `quantization`: a GGUF model keeps its quantized blocks as `keeps_gguf_blocks` says."""
     if load_format not in ("auto", "safetensors", "gguf", "dummy"):
         raise ValueError(f"unknown load_format {load_format!r}; choose auto, safetensors, gguf or dummy")
     path, name = resolve_model_path(model)
-    folder = _gguf_as_hf_folder(path, tokenizer_required=tokenizer is None) if path.endswith(".gguf") else Path(path)
+    is_gguf = path.endswith(".gguf")
+    if quantization is not None and not is_gguf:
+        raise ValueError(f"quantization={quantization!r} needs a GGUF model; {name} is a float checkpoint")
+    blocks = is_gguf and keeps_gguf_blocks(quantization, dtype, tensor_parallel_size, load_format)
+    folder = _gguf_as_hf_folder(path, tokenizer_required=tokenizer is None, weights=not blocks) if is_gguf \
+        else Path(path)
     hf_config = json.loads((folder / "config.json").read_text())
     multimodal = is_vision_language(hf_config)
     if multimodal:
@@ -196,6 +230,9 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
                              "tensor_parallel_size=1")
         return _load_sharded(config, model_cls, jdtype, folder, load_format, seed, tensor_parallel_size,
                              LoadedModel(config, None, None, tok, served_model_name or name, jdtype, folder))
+    if blocks:
+        return _load_gguf_blocks(path, config, model_cls, jdtype, LoadedModel(
+            config, None, None, tok, served_model_name or name, jdtype, folder))
     tensors = None if load_format == "dummy" else read_safetensors(folder)
     vision_tensors = None
     if multimodal and tensors is not None:
@@ -209,6 +246,20 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
     vision = load_vision(folder, hf_config, tok, jdtype, vision_tensors, seed,
                          mm_processor_kwargs) if multimodal else None
     return LoadedModel(config, graphdef, state, tok, served_model_name or name, jdtype, folder, vision=vision)
+
+
+def _load_gguf_blocks(path: str, config: Any, model_cls: Any, jdtype: Any, partial: LoadedModel) -> LoadedModel:
+    from jvllm.model_loader.gguf import open_gguf
+    from jvllm.model_loader.gguf_blocks import load_gguf_weights, read_gguf_weights
+
+    if not hasattr(model_cls, "set_quantized_embedding"):
+        raise ValueError(f"{config.architecture} does not run on GGUF blocks; leave quantization unset")
+    module = abstract_module(model_cls, config, jdtype)
+    weights = read_gguf_weights(open_gguf(path))
+    kept = load_gguf_weights(module, weights, jdtype)
+    logger.info("kept %d tensors in their GGUF blocks (%.1f MB)", kept, weights.block_bytes / 1e6)
+    graphdef, state = nnx.split(module)
+    return dataclasses.replace(partial, graphdef=graphdef, state=state)
 
 
 def _load_sharded(config: Any, model_cls: Any, jdtype: Any, folder: Path, load_format: str, seed: int, tp: int,

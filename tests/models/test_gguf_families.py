@@ -29,6 +29,7 @@ from safetensors.numpy import load_file  # noqa: E402
 from jvllm import Engine, SamplingParams  # noqa: E402
 from jvllm.model_loader.default_model import default_model_path  # noqa: E402
 from jvllm.model_loader.gguf import gguf_tokenizer, read_gguf_config  # noqa: E402
+from models.quantized import quantize_reference  # noqa: E402
 from tests.hf_weights import redraw_weights  # noqa: E402
 from tests.models.test_llama_parity import (  # noqa: E402
     LOGITS_TEXT, _assert_greedy_match, _hf_greedy)
@@ -225,8 +226,10 @@ def _add_vocab(writer: gguf.GGUFWriter, vocab: dict, kind: str, pre: str) -> Non
     writer.add_add_bos_token(False)
 
 
-def write_gguf(folder: pathlib.Path, path: pathlib.Path, arch: str, vocab: dict, tokenizer_kind: str = "gpt2") -> str:
-    """The saved HF checkpoint in `folder` as a float32 GGUF file at `path`."""
+def write_gguf(folder: pathlib.Path, path: pathlib.Path, arch: str, vocab: dict, tokenizer_kind: str = "gpt2",
+               quantize=None) -> str:
+    """The saved HF checkpoint in `folder` as a float32 GGUF file at `path`. `quantize(gguf name, array)` may name a
+    block format (models.quantized) for a tensor, which is then written in it as llama.cpp's quantize does."""
     hp = json.loads((folder / "config.json").read_text())
     writer = gguf.GGUFWriter(str(path), arch)
     extra = _arch_params(writer, hp, arch)
@@ -236,6 +239,11 @@ def write_gguf(folder: pathlib.Path, path: pathlib.Path, arch: str, vocab: dict,
     for name, array in _converted_tensors(load_file(str(folder / "model.safetensors")), hp, arch).items():
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, f"gguf has no {arch} name for {name}"
+        fmt = quantize(gguf_name, array) if quantize is not None else None
+        if fmt is not None:
+            writer.add_tensor(gguf_name, quantize_reference(array.reshape(-1, array.shape[-1]), fmt),
+                              raw_dtype=getattr(gguf.GGMLQuantizationType, fmt.upper()))
+            continue
         writer.add_tensor(gguf_name, np.ascontiguousarray(array, dtype=np.float32))
     for name, array in extra.items():
         writer.add_tensor(name, array)

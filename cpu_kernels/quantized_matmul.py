@@ -1,0 +1,25 @@
+"""Products with GGUF-quantized weights (quantized_matmul.cc) as a JAX function, for XLA CPU."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cpu_kernels.build import load
+
+# GGUF block formats the kernel reads: name -> (its code in the kernel, bytes per block of 32 weights).
+FORMATS = {"q8_0": (0, 34), "q4_0": (1, 18), "q4_1": (2, 20)}
+BLOCK = 32
+
+
+def quantized_matmul(x: jax.Array, weight: jax.Array, fmt: str) -> jax.Array:
+    """x [M, K] float, weight [N, K / 32 * block bytes] uint8 (GGUF blocks, one row per output) -> x @ W^T
+    [M, N] float32."""
+    code, block_bytes = FORMATS[fmt]
+    m, k = x.shape
+    if k % BLOCK or weight.shape[1] != k // BLOCK * block_bytes:
+        raise ValueError(f"quantized_matmul: x [M, {k}] needs a weight of {k // BLOCK * block_bytes} bytes a row "
+                         f"in {fmt}, got {weight.shape}")
+    load()
+    call = jax.ffi.ffi_call("jvllm_quantized_matmul", jax.ShapeDtypeStruct((m, weight.shape[0]), jnp.float32))
+    return call(x.astype(jnp.float32), weight, format=np.int64(code))

