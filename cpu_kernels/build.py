@@ -17,7 +17,7 @@ import tempfile
 
 HERE = pathlib.Path(__file__).parent
 SOURCES = [HERE / "paged_attention.cc", HERE / "quantized_matmul.cc"]
-HEADERS = [HERE / "run_items.h"]
+HEADERS = [HERE / "run_items.h", HERE / "int16_dots.h"]
 TARGETS = {  # XLA custom-call name -> exported handler symbol
     "jvllm_paged_attention": "JvllmPagedAttention",
     "jvllm_quantized_matmul": "JvllmQuantizedMatmul",

@@ -4,7 +4,7 @@
 // query_start[s] .. + q_lens[s] of this step, whose positions continue its cached context
 // (kv_lens[s] - q_lens[s] tokens, read from the KV pages). Keys past the cache are this step's own
 // k/v (not yet written to the pages). Work items are (sequence, KV head, block of queries); the
-// caller and the XLA intra-op pool's threads take items until none are left.
+// caller and the kernels' helper threads (run_items.h) take items until none are left.
 //
 // Pages are token-major [num_pages, page_size, kv_heads, head_dim], float32 or bfloat16 (stored as
 // its uint16 bits). q, k, v and the output are float32.
@@ -441,7 +441,7 @@ class Attention {
   std::vector<int64_t> item_start_;  // [seqs + 1] first work item of each sequence
 };
 
-ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                               ffi::Buffer<ffi::F32> v, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                               ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> q_lens,
                               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_tables,
@@ -474,13 +474,13 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                           static_cast<const float*>(k_pages.untyped_data()),
                           static_cast<const float*>(v_pages.untyped_data()), query_start.typed_data(),
                           q_lens.typed_data(), kv_lens.typed_data(), page_tables.typed_data(), dst);
-    jvllm::RunItems(pool, work);
+    jvllm::RunItems(work);
   } else if (type == ffi::DataType::U16 || type == ffi::DataType::BF16) {
     Attention<uint16_t> work(sh, opt, q.typed_data(), k.typed_data(), v.typed_data(),
                              static_cast<const uint16_t*>(k_pages.untyped_data()),
                              static_cast<const uint16_t*>(v_pages.untyped_data()), query_start.typed_data(),
                              q_lens.typed_data(), kv_lens.typed_data(), page_tables.typed_data(), dst);
-    jvllm::RunItems(pool, work);
+    jvllm::RunItems(work);
   } else {
     return ffi::Error::InvalidArgument("paged_attention: pages must be float32 or bfloat16 (bits)");
   }
@@ -491,7 +491,6 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmPagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q [T, H, hd]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k [T, KVH, hd]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v [T, KVH, hd]

@@ -1,40 +1,119 @@
-// Work items shared by the calling thread and XLA's intra-op thread pool (the CPU kernels' one way to go parallel).
+// Work items shared by the calling thread and the kernels' own helper threads (one per other core).
+//
+// A decode step makes hundreds of kernel calls of tens of microseconds each. Helpers that slept between calls took
+// longer to wake than such a call lasts, so the helpers here spin for a while after each job (kSpinNanos) and only
+// then sleep; within a step they stay awake and pick up the next call's items at once.
 #pragma once
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
-#include <memory>
+#include <mutex>
 #include <thread>
+#include <vector>
 
-#include "xla/ffi/api/ffi.h"
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define JVLLM_PAUSE() _mm_pause()
+#else
+#define JVLLM_PAUSE() std::this_thread::yield()
+#endif
 
 namespace jvllm {
 
-// Runs work.Run(item) for every item in [0, work.num_items()) on the caller and up to `max_helpers` of the pool's
-// threads, which take items from one counter; returns when all are done.
+class HelperPool {
+ public:
+  static constexpr int64_t kSpinNanos = 300000;  // a helper sleeps after this long without a job
+
+  static HelperPool& Get() {
+    static HelperPool* pool = new HelperPool();  // never destroyed: helpers may still spin at exit
+    return *pool;
+  }
+
+  int64_t num_helpers() const { return static_cast<int64_t>(threads_.size()); }
+
+  // Runs fn(ctx) on up to `helpers` helper threads while the caller runs it too; returns when all are done.
+  void Run(void (*fn)(void*), void* ctx, int64_t helpers) {
+    helpers = std::min<int64_t>(helpers, num_helpers());
+    if (helpers <= 0) {
+      fn(ctx);
+      return;
+    }
+    std::lock_guard<std::mutex> one_job(run_mutex_);  // concurrent callers take turns
+    fn_ = fn;
+    ctx_ = ctx;
+    busy_.store(helpers, std::memory_order_relaxed);
+    {
+      // under the sleepers' lock: a helper about to sleep either sees the slots or gets the notification
+      std::lock_guard<std::mutex> lock(sleep_mutex_);
+      wanted_.store(helpers, std::memory_order_release);  // a helper that takes a slot sees this job's fn_, ctx_
+    }
+    if (sleepers_.load(std::memory_order_acquire) > 0) {
+      std::lock_guard<std::mutex> lock(sleep_mutex_);
+      wake_.notify_all();
+    }
+    fn(ctx);
+    while (busy_.load(std::memory_order_acquire) > 0) JVLLM_PAUSE();
+  }
+
+ private:
+  HelperPool() {
+    const int64_t cores = std::max<unsigned>(1, std::thread::hardware_concurrency());
+    for (int64_t i = 0; i + 1 < cores; ++i) threads_.emplace_back([this] { Loop(); });
+    for (auto& thread : threads_) thread.detach();
+  }
+
+  void Loop() {
+    auto last_job = std::chrono::steady_clock::now();
+    while (true) {
+      // a job wants this helper while a slot is left (a job may want fewer helpers than there are)
+      int64_t left = wanted_.load(std::memory_order_acquire);
+      if (left > 0) {
+        if (wanted_.compare_exchange_weak(left, left - 1, std::memory_order_acq_rel)) {
+          fn_(ctx_);
+          busy_.fetch_sub(1, std::memory_order_acq_rel);
+          last_job = std::chrono::steady_clock::now();
+        }
+        continue;
+      }
+      if (std::chrono::steady_clock::now() - last_job < std::chrono::nanoseconds(kSpinNanos)) {
+        for (int i = 0; i < 64; ++i) JVLLM_PAUSE();
+        continue;
+      }
+      std::unique_lock<std::mutex> lock(sleep_mutex_);
+      sleepers_.fetch_add(1, std::memory_order_acq_rel);
+      wake_.wait(lock, [&] { return wanted_.load(std::memory_order_acquire) > 0; });
+      sleepers_.fetch_sub(1, std::memory_order_acq_rel);
+      last_job = std::chrono::steady_clock::now();
+    }
+  }
+
+  std::vector<std::thread> threads_;
+  std::mutex run_mutex_, sleep_mutex_;
+  std::condition_variable wake_;
+  std::atomic<int64_t> wanted_{0}, busy_{0}, sleepers_{0};
+  void (*fn_)(void*) = nullptr;
+  void* ctx_ = nullptr;
+};
+
+// Runs work.Run(item) for every item in [0, work.num_items()) on the caller and up to `max_helpers` helper threads,
+// which take items from one counter; returns when all are done.
 template <typename Work>
-void RunItems(xla::ffi::ThreadPool& pool, const Work& work, int64_t max_helpers = INT64_MAX) {
+void RunItems(const Work& work, int64_t max_helpers = INT64_MAX) {
   const int64_t total = work.num_items();
   if (total == 0) return;
-  struct Shared {
+  struct Job {
+    const Work* work;
+    int64_t total;
     std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
+  } job{&work, total};
+  auto drain = [](void* ctx) {
+    Job* j = static_cast<Job*>(ctx);
+    for (int64_t item; (item = j->next.fetch_add(1, std::memory_order_relaxed)) < j->total;) j->work->Run(item);
   };
-  auto shared = std::make_shared<Shared>();
-  auto drain = [shared, &work, total]() {
-    int64_t finished = 0;
-    for (int64_t item; (item = shared->next.fetch_add(1)) < total;) {
-      work.Run(item);
-      ++finished;
-    }
-    if (finished) shared->done.fetch_add(finished);
-  };
-  // A helper that starts after the work is gone touches only `shared` (kept alive by its copy).
-  const int64_t helpers = std::min<int64_t>(std::min<int64_t>(pool.num_threads(), max_helpers), total - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(drain)(drain));
-  drain();
-  while (shared->done.load() < total) std::this_thread::yield();
+  HelperPool::Get().Run(drain, &job, std::min<int64_t>(max_helpers, total - 1));
 }
 
 }  // namespace jvllm

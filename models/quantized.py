@@ -66,12 +66,17 @@ def native_kernel_available() -> bool:
     return available()
 
 
+# Steps of up to this many token rows multiply with activations quantized to int16 blocks (integer dot products,
+# each weight row read once per activation row); larger ones dequantize weight tiles to float32 once for all rows.
+INT16_ACTIVATION_MAX_ROWS = 8
+
+
 def quantized_dot(x: jax.Array, raw: jax.Array, fmt: str) -> jax.Array:
     """x [T, K] with weights raw [N, row_bytes] (one GGUF row per output) -> x @ W^T [T, N] float32."""
     if jax.default_backend() == "cpu" and native_kernel_available():
         from cpu_kernels.quantized_matmul import quantized_matmul
 
-        return quantized_matmul(x, raw, fmt)
+        return quantized_matmul(x, raw, fmt, INT16_ACTIVATION_MAX_ROWS)
     w = dequantize(raw, fmt, x.shape[-1])  # [N, K]
     return jnp.einsum("tk,nk->tn", x.astype(jnp.float32), w, preferred_element_type=jnp.float32)
 

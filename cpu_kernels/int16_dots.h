@@ -1,0 +1,115 @@
+// Integer dot products of GGUF blocks with activations quantized to int16 blocks (AVX2: 16-bit pairs multiplied
+// and summed into 32 bits), for steps of few rows: about half the instructions of dequantizing the weights to
+// float. With 15 bits per activation (one scale per block of 32) the products stay within ~3e-5 of float32's, so
+// greedy tokens follow the float32 path; llama.cpp's 8-bit activations (a third fewer instructions again) moved
+// them within 32 tokens on 3 of 4 prompts of the embedded model.
+#pragma once
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace jvllm {
+
+inline float HalfBits(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// Rows of x in blocks of 32: q = round(x / d) in [-32767, 32767] with d = max|x| / 32767, and s = d * sum(q).
+struct Int16Rows {
+  std::vector<int16_t> q;  // [M, K]
+  std::vector<float> d;    // [M, K / 32]
+  std::vector<float> s;    // [M, K / 32]
+
+  void Quantize(const float* x, int64_t m, int64_t k) {
+    const int64_t blocks = k / 32;
+    q.resize(static_cast<size_t>(m * k));
+    d.resize(static_cast<size_t>(m * blocks));
+    s.resize(static_cast<size_t>(m * blocks));
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < m * blocks; ++b) {
+      const float* src = x + b * 32;
+      __m256 v[4];
+      __m256 amax = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(src + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float max_abs = _mm_cvtss_f32(m4);
+      const __m256 inverse = _mm256_set1_ps(max_abs > 0.0f ? 32767.0f / max_abs : 0.0f);
+      __m256i ints[4];
+      __m256i total = _mm256_setzero_si256();
+      for (int i = 0; i < 4; ++i) {
+        ints[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inverse), _MM_ROUND_NEAREST));
+        total = _mm256_add_epi32(total, ints[i]);
+      }
+      // pack 2 x 8 int32 -> 16 int16 twice (the packs work within 128-bit lanes; the permute restores the order)
+      const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+      int16_t* dst = q.data() + b * 32;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                          _mm256_permutevar8x32_epi32(_mm256_packs_epi32(ints[0], ints[1]), order));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16),
+                          _mm256_permutevar8x32_epi32(_mm256_packs_epi32(ints[2], ints[3]), order));
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+      const float scale = max_abs / 32767.0f;
+      d[b] = scale;
+      s[b] = scale * static_cast<float>(_mm_cvtsi128_si32(t));
+    }
+  }
+};
+
+inline float HorizontalSum(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+// 16-bit weights (elements 0-15, 16-31) . 32 activations -> acc += (their dot product) * scale.
+inline void Accumulate(__m256i w0, __m256i w1, const int16_t* x, float scale, __m256& acc) {
+  const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
+  const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(scale), acc);
+}
+
+// 16 bytes of nibbles -> the low nibbles (elements 0-15) and the high ones (16-31) as 16-bit integers.
+inline void Nibbles16(const uint8_t* qs, __m256i& lo, __m256i& hi) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(15);
+  lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, mask));
+  hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
+}
+
+// One block -> its 32 weights as 16-bit integers (w0: elements 0-15, w1: 16-31) with the scale d and the constant c
+// of w = d * q + c, so that block . x = d * (q . x) + c * sum(x).
+inline void UnpackQ8_0(const uint8_t* b, __m256i& w0, __m256i& w1, float& d, float& c) {
+  w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)));
+  w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)));
+  d = HalfBits(b);
+  c = 0.0f;
+}
+inline void UnpackQ4_0(const uint8_t* b, __m256i& w0, __m256i& w1, float& d, float& c) {
+  Nibbles16(b + 2, w0, w1);
+  d = HalfBits(b);
+  c = -8.0f * d;
+}
+inline void UnpackQ4_1(const uint8_t* b, __m256i& w0, __m256i& w1, float& d, float& c) {
+  Nibbles16(b + 4, w0, w1);
+  d = HalfBits(b);
+  c = HalfBits(b + 2);
+}
+
+}  // namespace jvllm
+
+#endif  // __AVX2__
