@@ -60,8 +60,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="HF folder with config.json, a .gguf file, or a known name "
                             "(default: the embedded SmolLM2-135M-Instruct)")
     group.add_argument("--tokenizer", default=None, help="tokenizer folder if not the model's own")
-    group.add_argument("--dtype", default="auto", help="auto (float32 on CPU, with a bfloat16 copy for batched steps; bfloat16 on GPU), "
-                            "float32 (every step in float32), bfloat16")
+    group.add_argument("--dtype", default="auto", help="auto (float32 on CPU, with a bfloat16 copy for batched steps; "
+                            "bfloat16 on GPU; a GGUF model keeps its quantized blocks on CPU), float32 (every step in "
+                            "float32, GGUF dequantized), bfloat16")
+    group.add_argument("--quantization", default=None, choices=["gguf"],
+                       help="gguf: keep a GGUF model's quantized blocks whatever the dtype and backend (by default "
+                            "they are kept with --dtype auto on CPU)")
     group.add_argument("--max-model-len", type=human_int, default=None, help="context limit (prompt + output)")
     group.add_argument("--max-num-seqs", type=human_int, default=None, help="sequences per step")
     group.add_argument("--max-num-batched-tokens", type=human_int, default=None, help="tokens per step")
@@ -114,7 +118,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     multihost = {name: getattr(args, name) for name in ("num_hosts", "host_rank", "coordinator")
                  if getattr(args, name, None) is not None}
     return dict(**multihost, model=args.model, tokenizer=args.tokenizer, dtype=args.dtype,
-                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                quantization=args.quantization, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 attention_backend=args.attention_backend, load_format=args.load_format, seed=args.seed,
                 tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,

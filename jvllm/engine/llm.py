@@ -157,10 +157,16 @@ class Engine(MultiHostRoles):
                                          reasoning_parser)
         if precompile:
             self.precompile()
-        logger.info("engine ready: %s (%s, %s attention, max_model_len %d, tensor_parallel_size %d) in %.1fs",
-                    self.model.served_name, jnp.dtype(self.model.dtype).name,
+        logger.info("engine ready: %s (%s%s, weights %.0f MB, %s attention, max_model_len %d, tensor_parallel_size "
+                    "%d) in %.1fs", self.model.served_name, jnp.dtype(self.model.dtype).name,
+                    " with GGUF blocks" if self.model.keeps_blocks else "", self.weight_bytes / 1e6,
                     backend if self.runner is None else self.runner.backend.name, cfg.max_model_len,
                     tensor_parallel_size, time.perf_counter() - started)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the weights take: as loaded (GGUF blocks as stored), and the batched low-precision copy."""
+        return self.model.weight_bytes + (self.runner.step_weights.copy_bytes if self.runner is not None else 0)
 
     # ---- step shapes ----------------------------------------------------------------------------
     def step_shapes(self) -> list[Any]:

@@ -49,6 +49,17 @@ class LoadedModel:
         """A bidirectional encoder: embeds, never generates, needs no KV pool."""
         return self.config.is_encoder
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of every weight array (GGUF blocks as stored), the vision side's included."""
+        arrays = jax.tree.leaves(self.state) + (jax.tree.leaves(self.vision.state) if self.vision else [])
+        return sum(int(a.nbytes) for a in arrays)
+
+    @property
+    def keeps_blocks(self) -> bool:
+        """Whether some weights are GGUF blocks (uint8) rather than floats."""
+        return any(a.dtype == jnp.uint8 for a in jax.tree.leaves(self.state))
+
 
 def resolve_dtype(dtype: str | Any) -> Any:
     """'auto' is float32 on CPU (bf16 single-row matmuls are slow there) and bfloat16 on accelerators."""

@@ -76,6 +76,14 @@ class StepWeights:
             self.batched = PartWeights(cast(self.weights.outer, outer_state),
                                        [cast(w, s) for w, s in zip(self.weights.layers, layer_states)])
 
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes of the batched copy's own arrays (leaves it shares with the loaded weights not counted)."""
+        if self.batched is None:
+            return 0
+        loaded = {id(a) for a in self.weights.leaves}
+        return sum(int(a.nbytes) for a in self.batched.leaves if id(a) not in loaded)
+
     def for_rows(self, rows: int) -> PartWeights:
         if self.batched is not None and rows >= self.batched_min_rows:
             return self.batched
