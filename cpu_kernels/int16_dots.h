@@ -14,12 +14,6 @@
 
 namespace jvllm {
 
-inline float HalfBits(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-
 // Rows of x in blocks of 32: q = round(x / d) in [-32767, 32767] with d = max|x| / 32767, and s = d * sum(q).
 struct Int16Rows {
   std::vector<int16_t> q;  // [M, K]
@@ -89,25 +83,6 @@ inline void Nibbles16(const uint8_t* qs, __m256i& lo, __m256i& hi) {
   const __m128i mask = _mm_set1_epi8(15);
   lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, mask));
   hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
-}
-
-// One block -> its 32 weights as 16-bit integers (w0: elements 0-15, w1: 16-31) with the scale d and the constant c
-// of w = d * q + c, so that block . x = d * (q . x) + c * sum(x).
-inline void UnpackQ8_0(const uint8_t* b, __m256i& w0, __m256i& w1, float& d, float& c) {
-  w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)));
-  w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)));
-  d = HalfBits(b);
-  c = 0.0f;
-}
-inline void UnpackQ4_0(const uint8_t* b, __m256i& w0, __m256i& w1, float& d, float& c) {
-  Nibbles16(b + 2, w0, w1);
-  d = HalfBits(b);
-  c = -8.0f * d;
-}
-inline void UnpackQ4_1(const uint8_t* b, __m256i& w0, __m256i& w1, float& d, float& c) {
-  Nibbles16(b + 4, w0, w1);
-  d = HalfBits(b);
-  c = HalfBits(b + 2);
 }
 
 }  // namespace jvllm

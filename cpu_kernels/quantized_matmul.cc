@@ -1,26 +1,19 @@
 // Matrix products with GGUF-quantized weights for XLA CPU, as an XLA FFI custom call:
-//   y[M, N] = x[M, K] . W[N, K]^T   (x, y float32; W as its GGUF blocks, row n = K / 32 blocks of one format)
+//   y[M, N] = x[M, K] . W[N, K]^T   (x, y float32; W as its GGUF blocks, row n = whole blocks of one format)
 //
-// The weights stay in the file's blocks and are dequantized in registers (one row block at a time for a few rows
+// The weights stay in the file's blocks and are unpacked in registers (one row block at a time for a few rows
 // of x, or one tile of weight rows into a small float buffer reused by every row of x); activations and
 // accumulation stay float32, so the result is the float32 product with the dequantized weights up to summation
 // order. Work items are ranges of output rows, shared by the caller and the kernels' helper threads.
 //
-// Formats (32 weights a block, `d`/`m` IEEE half):
-//   Q8_0: d, int8 q[32]            w = d * q
-//   Q4_0: d, uint8 qs[16]          w = d * (nibble - 8)
-//   Q4_1: d, m, uint8 qs[16]       w = d * nibble + m
-// where element j < 16 of a block is the low nibble of qs[j] and element j + 16 its high nibble.
+// The block formats are described in block_formats.h.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
-#if defined(__F16C__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
+#include "block_formats.h"
 #include "int16_dots.h"
 #include "run_items.h"
 #include "xla/ffi/api/ffi.h"
@@ -29,9 +22,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kBlock = 32;  // weights per block
-constexpr int kLanes = 8;   // floats per vector (an AVX2 register; half an AVX-512 one)
-constexpr int kVecsPerBlock = kBlock / kLanes;
+constexpr int kBlock = 32;  // weights per sub-block: the unit the kernels walk a row in
 constexpr int64_t kMinRowsPerItem = 16;  // output rows per work item, at least
 
 // Weight rows stream from memory once per step, a few rows at a time: each block is fetched while the same block of
@@ -45,31 +36,10 @@ inline void Prefetch(const uint8_t* p) {
 #endif
 }
 
-typedef float V8 __attribute__((vector_size(32)));
-typedef float V8Unaligned __attribute__((vector_size(32), aligned(4)));
-typedef int32_t I32x8 __attribute__((vector_size(32)));
-
-// 8 bytes -> 8 32-bit integers (zero- or sign-extended). GCC's generic vector conversions scalarize these (and byte
-// shifts), so AVX2 builds use its extending loads.
-inline I32x8 Widen(const uint8_t* p) {
-#if defined(__AVX2__)
-  return (I32x8)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-#else
-  I32x8 out;
-  for (int i = 0; i < kLanes; ++i) out[i] = p[i];
-  return out;
-#endif
-}
-inline I32x8 WidenSigned(const uint8_t* p) {
-#if defined(__AVX2__)
-  return (I32x8)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-#else
-  I32x8 out;
-  for (int i = 0; i < kLanes; ++i) out[i] = static_cast<int8_t>(p[i]);
-  return out;
-#endif
-}
-inline V8 ToFloat(I32x8 q) { return __builtin_convertvector(q, V8); }
+using jvllm::kLanes;
+using jvllm::kVecsPerSub;
+using jvllm::V8;
+using V8Unaligned = jvllm::V8Unaligned;
 
 inline V8 LoadV(const float* p) { return *reinterpret_cast<const V8Unaligned*>(p); }
 inline void StoreV(float* p, V8 x) { *reinterpret_cast<V8Unaligned*>(p) = x; }
@@ -79,83 +49,8 @@ inline float Sum(V8 x) {
   return total;
 }
 
-inline float HalfToFloat(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-  uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff, bits;
-  if (exponent == 0x1f) {
-    bits = sign | 0x7f800000u | (mantissa << 13);
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {
-    bits = sign;
-  } else {  // subnormal: normalize
-    exponent = 113;
-    while (!(mantissa & 0x400)) {
-      mantissa <<= 1;
-      --exponent;
-    }
-    bits = sign | (exponent << 23) | ((mantissa & 0x3ff) << 13);
-  }
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return out;
-#endif
-}
-
-// One block of each format -> 32 floats in four vectors.
-struct Q8_0 {
-  static constexpr int kBytes = 34;
-#if defined(__AVX2__)
-  static constexpr auto Unpack16 = jvllm::UnpackQ8_0;
-#endif
-  static void Dequant(const uint8_t* b, V8 w[kVecsPerBlock]) {
-    const float d = HalfToFloat(b);
-    for (int v = 0; v < kVecsPerBlock; ++v) {
-      w[v] = ToFloat(WidenSigned(b + 2 + v * kLanes)) * d;
-    }
-  }
-};
-
-struct Q4_0 {
-  static constexpr int kBytes = 18;
-#if defined(__AVX2__)
-  static constexpr auto Unpack16 = jvllm::UnpackQ4_0;
-#endif
-  static void Dequant(const uint8_t* b, V8 w[kVecsPerBlock]) {
-    const float d = HalfToFloat(b);
-    const float offset = -8.0f * d;
-    for (int half = 0; half < 2; ++half) {
-      const I32x8 q = Widen(b + 2 + half * kLanes);
-      w[half] = ToFloat(q & 15) * d + offset;
-      w[half + 2] = ToFloat(q >> 4) * d + offset;
-    }
-  }
-};
-
-struct Q4_1 {
-  static constexpr int kBytes = 20;
-#if defined(__AVX2__)
-  static constexpr auto Unpack16 = jvllm::UnpackQ4_1;
-#endif
-  static void Dequant(const uint8_t* b, V8 w[kVecsPerBlock]) {
-    const float d = HalfToFloat(b), m = HalfToFloat(b + 2);
-    for (int half = 0; half < 2; ++half) {
-      const I32x8 q = Widen(b + 4 + half * kLanes);
-      w[half] = ToFloat(q & 15) * d + m;
-      w[half + 2] = ToFloat(q >> 4) * d + m;
-    }
-  }
-};
-
-enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
-
 struct Shapes {
-  int64_t m, k, n, blocks;  // blocks = k / 32
+  int64_t m, k, n, blocks;  // blocks = k / 32 (sub-blocks of 32 weights a row)
 };
 
 // Up to kDirectRows rows of x: each weight block is dequantized in registers and used at once.
@@ -222,7 +117,12 @@ class Matmul {
   }
 
  private:
-  const uint8_t* Row(int64_t n) const { return w_ + n * sh_.blocks * Fmt::kBytes; }
+  int64_t blocks_per_row() const { return sh_.k / Fmt::kWeights; }
+  const uint8_t* Row(int64_t n) const { return w_ + n * blocks_per_row() * Fmt::kBytes; }
+  // Fetches a block (its cache lines) ahead of use.
+  static void PrefetchBlock(const uint8_t* block) {
+    for (int offset = 0; offset < Fmt::kBytes; offset += 64) Prefetch(block + offset);
+  }
 
 #if defined(__AVX2__)
   // Rows [m, m + X) of x (quantized) against weight rows [n0, n1), R weight rows at a time.
@@ -246,15 +146,21 @@ class Matmul {
     for (int r = 0; r < R; ++r) {
       for (int i = 0; i < X; ++i) acc[r][i] = _mm256_setzero_ps();
     }
-    for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t block = 0; block < blocks_per_row(); ++block) {
       for (int r = 0; r < R; ++r) {
-        Prefetch(Row(n + R + r) + b * Fmt::kBytes);
-        __m256i w0, w1;
-        float d, c;
-        Fmt::Unpack16(Row(n + r) + b * Fmt::kBytes, w0, w1, d, c);
-        for (int i = 0; i < X; ++i) {
-          jvllm::Accumulate(w0, w1, xq + i * k + b * kBlock, d * xd[i * blocks + b], acc[r][i]);
-          offset[r][i] += c * xs[i * blocks + b];
+        const uint8_t* w = Row(n + r) + block * Fmt::kBytes;
+        PrefetchBlock(Row(n + R + r) + block * Fmt::kBytes);
+        float d[Fmt::kSubs], c[Fmt::kSubs];
+        Fmt::Scales(w, d, c);
+#pragma GCC unroll 8
+        for (int s = 0; s < Fmt::kSubs; ++s) {
+          const int64_t b = block * Fmt::kSubs + s;
+          __m256i w0, w1;
+          Fmt::Codes16(w, s, w0, w1);
+          for (int i = 0; i < X; ++i) {
+            jvllm::Accumulate(w0, w1, xq + i * k + b * kBlock, d[s] * xd[i * blocks + b], acc[r][i]);
+            offset[r][i] += c[s] * xs[i * blocks + b];
+          }
         }
       }
     }
@@ -275,14 +181,19 @@ class Matmul {
   template <int R>
   void DirectRows(const float* xr, int64_t m, int64_t n) const {
     V8 acc[R] = {};
-    for (int64_t b = 0; b < sh_.blocks; ++b) {
-      V8 xv[kVecsPerBlock];
-      for (int v = 0; v < kVecsPerBlock; ++v) xv[v] = LoadV(xr + b * kBlock + v * kLanes);
+    for (int64_t block = 0; block < blocks_per_row(); ++block) {
       for (int r = 0; r < R; ++r) {
-        V8 w[kVecsPerBlock];
-        Prefetch(Row(n + R + r) + b * Fmt::kBytes);
-        Fmt::Dequant(Row(n + r) + b * Fmt::kBytes, w);
-        for (int v = 0; v < kVecsPerBlock; ++v) acc[r] += w[v] * xv[v];
+        const uint8_t* src = Row(n + r) + block * Fmt::kBytes;
+        PrefetchBlock(Row(n + R + r) + block * Fmt::kBytes);
+        float d[Fmt::kSubs], c[Fmt::kSubs];
+        Fmt::Scales(src, d, c);
+#pragma GCC unroll 8
+        for (int s = 0; s < Fmt::kSubs; ++s) {
+          const float* xb = xr + (block * Fmt::kSubs + s) * kBlock;
+          V8 w[kVecsPerSub];
+          Fmt::Dequant(src, s, d[s], c[s], w);
+          for (int v = 0; v < kVecsPerSub; ++v) acc[r] += w[v] * LoadV(xb + v * kLanes);
+        }
       }
     }
     for (int r = 0; r < R; ++r) y_[m * sh_.n + n + r] = Sum(acc[r]);
@@ -300,11 +211,18 @@ class Matmul {
       for (int r = 0; r < rows; ++r) {
         const uint8_t* src = Row(n + r);
         float* dst = tile.data() + r * sh_.k;
-        for (int64_t b = 0; b < sh_.blocks; ++b) {
-          V8 w[kVecsPerBlock];
-          Prefetch(Row(n + kTileRows + r) + b * Fmt::kBytes);
-          Fmt::Dequant(src + b * Fmt::kBytes, w);
-          for (int v = 0; v < kVecsPerBlock; ++v) StoreV(dst + b * kBlock + v * kLanes, w[v]);
+        for (int64_t block = 0; block < blocks_per_row(); ++block) {
+          const uint8_t* w_block = src + block * Fmt::kBytes;
+          PrefetchBlock(Row(n + kTileRows + r) + block * Fmt::kBytes);
+          float d[Fmt::kSubs], c[Fmt::kSubs];
+          Fmt::Scales(w_block, d, c);
+#pragma GCC unroll 8
+          for (int s = 0; s < Fmt::kSubs; ++s) {
+            V8 w[kVecsPerSub];
+            Fmt::Dequant(w_block, s, d[s], c[s], w);
+            float* out = dst + (block * Fmt::kSubs + s) * kBlock;
+            for (int v = 0; v < kVecsPerSub; ++v) StoreV(out + v * kLanes, w[v]);
+          }
         }
       }
       for (int64_t p = 0; p < panels; ++p) {
@@ -369,8 +287,8 @@ class Matmul {
 template <typename Fmt>
 ffi::Error Run(Shapes sh, const float* x, const uint8_t* w, float* y, int64_t row_bytes,
                int64_t int16_max_rows) {
-  if (row_bytes != sh.blocks * Fmt::kBytes) {
-    return ffi::Error::InvalidArgument("quantized_matmul: a weight row must be K / 32 blocks of its format");
+  if (sh.k % Fmt::kWeights != 0 || row_bytes != sh.k / Fmt::kWeights * Fmt::kBytes) {
+    return ffi::Error::InvalidArgument("quantized_matmul: a weight row must be whole blocks of its format");
   }
 #if defined(__AVX2__)
   if (sh.m <= int16_max_rows) {
@@ -400,9 +318,12 @@ ffi::Error QuantizedMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
   const uint8_t* wp = w.typed_data();
   float* yp = y->typed_data();
   switch (format) {
-    case kQ8_0: return Run<Q8_0>(sh, xp, wp, yp, wd[1], int16_max_rows);
-    case kQ4_0: return Run<Q4_0>(sh, xp, wp, yp, wd[1], int16_max_rows);
-    case kQ4_1: return Run<Q4_1>(sh, xp, wp, yp, wd[1], int16_max_rows);
+    case jvllm::kQ8_0: return Run<jvllm::Q8_0>(sh, xp, wp, yp, wd[1], int16_max_rows);
+    case jvllm::kQ4_0: return Run<jvllm::Q4_0>(sh, xp, wp, yp, wd[1], int16_max_rows);
+    case jvllm::kQ4_1: return Run<jvllm::Q4_1>(sh, xp, wp, yp, wd[1], int16_max_rows);
+    case jvllm::kQ4_K: return Run<jvllm::Q4_K>(sh, xp, wp, yp, wd[1], int16_max_rows);
+    case jvllm::kQ5_K: return Run<jvllm::Q5_K>(sh, xp, wp, yp, wd[1], int16_max_rows);
+    case jvllm::kQ6_K: return Run<jvllm::Q6_K>(sh, xp, wp, yp, wd[1], int16_max_rows);
     default: return ffi::Error::InvalidArgument("quantized_matmul: unknown format");
   }
 }
@@ -412,7 +333,7 @@ ffi::Error QuantizedMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmQuantizedMatmul, QuantizedMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // w [N, K / 32 * block bytes]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // w [N, K / block weights * block bytes]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<int64_t>("format")
                                   .Attr<int64_t>("int16_max_rows"));

