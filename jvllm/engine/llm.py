@@ -81,9 +81,11 @@ class Engine(MultiHostRoles):
         http(s) image URLs are fetched from public addresses only, unless `allowed_media_domains` lists hosts: then
         only those hosts, which may be private. `max_image_pixels` (default 4096 x 4096) bounds a decoded image.
 
-        A GGUF model keeps its quantized blocks (Q8_0, Q4_0, Q4_1) in memory and multiplies them with native CPU
-        kernels when `dtype` is "auto" on one CPU device, as llama.cpp does; `quantization="gguf"` keeps them
-        anywhere, and a float `dtype` dequantizes them at load (`dtype="float32"`: transformers' float32 numbers).
+        A GGUF model keeps its quantized blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) in memory and multiplies them
+        with native CPU kernels when `dtype` is "auto" on one CPU device, as llama.cpp does; `quantization="gguf"`
+        keeps them anywhere, and a float `dtype` dequantizes them at load (`dtype="float32"`: transformers' float32
+        numbers). `quantization="int8"` quantizes a float checkpoint's projections and embeddings at load (int8 with
+        a scale per 32 weights: a quarter of float32's bytes).
 
         `batched_weight_dtype` adds a copy of the weight matrices (e.g. "bfloat16") for steps of 2+ token rows;
         "auto" (the default) adds a bfloat16 copy when a generative model runs in float32 on CPU because

@@ -175,6 +175,25 @@ def keeps_gguf_blocks(quantization: str | None, dtype: Any, tensor_parallel_size
     return native_kernel_available()
 
 
+def check_quantization(quantization: str | None, is_gguf: bool, name: str, tensor_parallel_size: int) -> None:
+    """ValueError unless `quantization` suits the model: gguf for GGUF files, int8 for float checkpoints."""
+    from jvllm.model_loader.quantize_weights import QUANTIZATIONS
+
+    if quantization is None or (is_gguf and quantization == "gguf"):
+        return
+    if quantization == "gguf":
+        raise ValueError(f"quantization='gguf' needs a GGUF model; {name} is a float checkpoint (quantization='int8' "
+                         "quantizes it at load)")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; choose gguf (a GGUF model's own blocks) or "
+                         f"{', '.join(QUANTIZATIONS)} (a float checkpoint quantized at load)")
+    if is_gguf:
+        raise ValueError(f"quantization={quantization!r} quantizes a float checkpoint; {name} is a GGUF file, which "
+                         "keeps its own blocks (quantization='gguf' or unset)")
+    if tensor_parallel_size != 1:
+        raise ValueError(f"quantization={quantization!r} runs on one device; use tensor_parallel_size=1")
+
+
 def read_safetensors(folder: Path) -> dict[str, np.ndarray]:
     from safetensors import safe_open
 
@@ -213,13 +232,13 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
     tensor_parallel_size > 1 the weights are placed shard by shard on a mesh (jvllm.parallel.sharding) and
     the returned config holds the KV heads the model really has (repeated when tp exceeds them).
     `mm_processor_kwargs`: a vision-language model's image-processor settings (jvllm.model_loader.vision).
-    `quantization`: a GGUF model keeps its quantized blocks as `keeps_gguf_blocks` says."""
+    `quantization`: a GGUF model keeps its quantized blocks as `keeps_gguf_blocks` says; a float checkpoint with
+    "int8" has its projections and embeddings quantized at load (jvllm.model_loader.quantize_weights)."""
     if load_format not in ("auto", "safetensors", "gguf", "dummy"):
         raise ValueError(f"unknown load_format {load_format!r}; choose auto, safetensors, gguf or dummy")
     path, name = resolve_model_path(model)
     is_gguf = path.endswith(".gguf")
-    if quantization is not None and not is_gguf:
-        raise ValueError(f"quantization={quantization!r} needs a GGUF model; {name} is a float checkpoint")
+    check_quantization(quantization, is_gguf, name, tensor_parallel_size)
     blocks = is_gguf and keeps_gguf_blocks(quantization, dtype, tensor_parallel_size, load_format)
     folder = _gguf_as_hf_folder(path, tokenizer_required=tokenizer is None, weights=not blocks) if is_gguf \
         else Path(path)
@@ -253,6 +272,10 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
     else:
         module = abstract_module(model_cls, config, jdtype)
         module.load_hf_weights(tensors, jdtype)
+    if quantization is not None:
+        from jvllm.model_loader.quantize_weights import quantize_module
+
+        logger.info("quantized %d tensors to %s at load", quantize_module(module, quantization), quantization)
     graphdef, state = nnx.split(module)
     vision = load_vision(folder, hf_config, tok, jdtype, vision_tensors, seed,
                          mm_processor_kwargs) if multimodal else None
