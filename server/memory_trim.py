@@ -4,31 +4,11 @@ tokenized a large input would otherwise hold its peak resident."""
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
-from typing import Callable
 
+from jvllm.heap import release_freed_memory
 from server.body_limit import ASGIApp, Message, Receive, Scope, Send
 
 TRIM_AFTER_BYTES = 512 << 10
-
-
-def _find_malloc_trim() -> Callable[[int], int] | None:
-    """glibc's malloc_trim, or None on other C libraries."""
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        return None
-
-
-_malloc_trim = _find_malloc_trim()
-
-
-def release_freed_memory() -> None:
-    """Return free heap pages of every arena to the OS (tens of ms on a GB-sized heap; no effect without glibc)."""
-    if _malloc_trim is not None:
-        _malloc_trim(0)
 
 
 class TrimAfterLargeBodies:

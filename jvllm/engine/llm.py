@@ -9,6 +9,7 @@ import random
 import time
 from typing import Any, Iterable, Sequence
 
+from jvllm.heap import release_freed_memory
 from jvllm.worker.compile_cache import enable_compilation_cache
 from jvllm.worker.compile_watch import during_start_up
 from jvllm.config import EngineConfig, build_engine_config
@@ -159,6 +160,7 @@ class Engine(MultiHostRoles):
                                          reasoning_parser)
         if precompile:
             self.precompile()
+        release_freed_memory()  # what loading and compiling freed (1 GB of an 8B GGUF's) would stay resident
         logger.info("engine ready: %s (%s%s, weights %.0f MB, %s attention, max_model_len %d, tensor_parallel_size "
                     "%d) in %.1fs", self.model.served_name, jnp.dtype(self.model.dtype).name,
                     " with GGUF blocks" if self.model.keeps_blocks else "", self.weight_bytes / 1e6,
