@@ -31,20 +31,26 @@ constexpr int kBlockQueries = 16;  // queries per work item
 constexpr int kDirectRows = 4;     // up to this many score rows, keys are read in place (no transposed copy)
 constexpr float kMasked = -1e30f;  // finite: exp() of it underflows to 0 without NaNs
 
-// 16 floats, unaligned loads and stores (GCC/Clang vector extensions: AVX-512 registers, or two AVX2 ones).
-typedef float V16 __attribute__((vector_size(64)));
-typedef float V16Unaligned __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t U16x16 __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t U32x16 __attribute__((vector_size(64)));
+// Vectors of kLanes floats (GCC/Clang vector extensions): one AVX-512 register, or one AVX2 register on machines
+// without AVX-512 (16-float vectors there are register pairs that GCC spills through the stack in loop-carried
+// sums: the decode dot products ran at a tenth of the FMA rate).
+#if defined(__AVX512F__)
 constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float VF __attribute__((vector_size(4 * kLanes)));
+typedef float VFUnaligned __attribute__((vector_size(4 * kLanes), aligned(4)));
+typedef uint16_t U16xL __attribute__((vector_size(2 * kLanes), aligned(2)));
+typedef uint32_t U32xL __attribute__((vector_size(4 * kLanes)));
 
-inline V16 LoadV(const float* p) { return *reinterpret_cast<const V16Unaligned*>(p); }
-inline V16 LoadV(const uint16_t* p) {  // bfloat16 bits -> float32
-  const U32x16 wide = __builtin_convertvector(*reinterpret_cast<const U16x16*>(p), U32x16) << 16;
-  return reinterpret_cast<const V16&>(wide);
+inline VF LoadV(const float* p) { return *reinterpret_cast<const VFUnaligned*>(p); }
+inline VF LoadV(const uint16_t* p) {  // bfloat16 bits -> float32
+  const U32xL wide = __builtin_convertvector(*reinterpret_cast<const U16xL*>(p), U32xL) << 16;
+  return reinterpret_cast<const VF&>(wide);
 }
-inline void StoreV(float* p, V16 x) { *reinterpret_cast<V16Unaligned*>(p) = x; }
-inline float Sum(V16 x) {
+inline void StoreV(float* p, VF x) { *reinterpret_cast<VFUnaligned*>(p) = x; }
+inline float Sum(VF x) {
   float total = 0.0f;
   for (int i = 0; i < kLanes; ++i) total += x[i];
   return total;
@@ -246,7 +252,7 @@ class Attention {
       for (int64_t h = 0; h < heads; ++h) {
         for (int64_t r = 0; r < rows; ++r) {
           const float* qr = queries + (h * rows + r) * hd;
-          V16 dot = {};
+          VF dot = {};
           if (own != nullptr) {
             const float* kr = own + h * hd;
             for (int64_t c = 0; c < chunks; ++c) dot += LoadV(qr + c * kLanes) * LoadV(kr + c * kLanes);
@@ -327,9 +333,9 @@ class Attention {
   template <int N>
   static void ScoreRows(const float* queries, const float* kt, int64_t hd, float* scores) {
     constexpr int kChunks = kBlockKeys / kLanes;
-    V16 acc[N][kChunks] = {};
+    VF acc[N][kChunks] = {};
     for (int64_t d = 0; d < hd; ++d) {
-      V16 keys[kChunks];
+      VF keys[kChunks];
       for (int c = 0; c < kChunks; ++c) keys[c] = LoadV(kt + d * kBlockKeys + c * kLanes);
       for (int n = 0; n < N; ++n) {
         const float q = queries[n * hd + d];
@@ -367,7 +373,7 @@ class Attention {
       const float new_max = row_max[r] > block_max ? row_max[r] : block_max;
       rescale[r] = VecExp(row_max[r] - new_max);
       for (int j = 0; j < kBlockKeys; ++j) sr[j] = VecExp(sr[j] - new_max);
-      V16 sums = {};
+      VF sums = {};
       for (int c = 0; c < kBlockKeys / kLanes; ++c) sums += LoadV(sr + c * kLanes);
       row_max[r] = new_max;
       denom[r] = denom[r] * rescale[r] + Sum(sums);
@@ -407,9 +413,9 @@ class Attention {
   }
 
   static float RowMax(const float* scores) {
-    V16 best = LoadV(scores);
+    VF best = LoadV(scores);
     for (int c = 1; c < kBlockKeys / kLanes; ++c) {
-      const V16 x = LoadV(scores + c * kLanes);
+      const VF x = LoadV(scores + c * kLanes);
       best = x > best ? x : best;
     }
     float result = best[0];
@@ -421,7 +427,7 @@ class Attention {
   template <int N>
   static void AddValues(const float* probs, const float* const* vrows, int64_t nkeys, float rescale, float* acc,
                         int64_t offset) {
-    V16 a[N];
+    VF a[N];
     for (int c = 0; c < N; ++c) a[c] = LoadV(acc + c * kLanes) * rescale;
     for (int64_t j = 0; j < nkeys; ++j) {
       const float p = probs[j];
