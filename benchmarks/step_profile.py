@@ -2,8 +2,9 @@
 
 Runs `--rows` greedy requests to capture a decode step of that many sequences, replays it under the profiler,
 and prints the step's wall time with the XLA ops (thunks) that took the most time, grouped by kind (the op
-name before its first '.', e.g. `dot`, `ynn_fusion`, `transpose_copy_fusion`, `while`). Ops that run inside a
-`while` (the paged attention loop) also count in that `while`.
+name before its first '.', e.g. `dot`, `ynn_fusion`, `transpose_copy_fusion`, `while`; custom calls by their
+target, e.g. `jvllm_quantized_matmul`, `jvllm_paged_attention`), and what the ops leave of the wall time (host work:
+dispatching the step's jitted calls, Python). Ops that run inside a `while` also count in that `while`.
 
     python -m benchmarks.step_profile --rows 64
     python -m benchmarks.step_profile --rows 32 --prefill
@@ -68,8 +69,23 @@ def replay_seconds(engine, call) -> float:
     return time.perf_counter() - started
 
 
-def op_times(trace_dir: str, steps: int) -> collections.Counter:
-    """-> microseconds per step of each XLA op in the perfetto trace under `trace_dir`."""
+def custom_call_targets(dump_dir: str) -> dict[tuple[str, str], str]:
+    """(module name, op name) -> custom-call target, from the optimized HLO text XLA dumped into `dump_dir`."""
+    import re
+
+    targets = {}
+    for path in glob.glob(f"{dump_dir}/*after_optimizations.txt"):
+        module = path.split("/")[-1].split(".")[1]  # module_0014.jit_layer.cpu_after_optimizations.txt
+        for line in open(path):
+            found = re.search(r"%(\S+) = .* custom-call\(.*custom_call_target=\"([^\"]+)\"", line)
+            if found:
+                targets[(module, found.group(1))] = found.group(2)
+    return targets
+
+
+def op_times(trace_dir: str, steps: int, targets: dict[tuple[str, str], str] | None = None) -> collections.Counter:
+    """-> microseconds per step of each XLA op in the perfetto trace under `trace_dir` (custom calls named
+    `target:op` where `targets` knows them)."""
     (path,) = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
     with gzip.open(path) as f:
         events = json.load(f)["traceEvents"]
@@ -77,7 +93,8 @@ def op_times(trace_dir: str, steps: int) -> collections.Counter:
     for event in events:
         name = event.get("name", "")
         if event.get("ph") == "X" and not name.startswith(_RUNTIME_PREFIXES) and "::" not in name:
-            totals[name] += event["dur"] / steps
+            target = (targets or {}).get((event.get("args", {}).get("hlo_module", ""), name))
+            totals[f"{target}:{name}" if target else name] += event["dur"] / steps
     return totals
 
 
@@ -94,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=15, help="how many single ops to list")
     parser.add_argument("--batched-weight-dtype", default="bfloat16", help="as in benchmarks.throughput")
     args = parser.parse_args(argv)
+    import os
+
+    dump_dir = tempfile.mkdtemp(prefix="step-profile-hlo-")  # to name each custom call by its target
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump_dir} --xla_dump_hlo_as_text"
 
     import jax
 
@@ -111,16 +132,19 @@ def main(argv: list[str] | None = None) -> int:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             for _ in range(args.steps):
                 replay_seconds(engine, call)
-        totals = op_times(trace_dir, args.steps)
+        totals = op_times(trace_dir, args.steps, custom_call_targets(dump_dir))
     kinds: collections.Counter = collections.Counter()
     for name, micros in totals.items():
-        kinds[name.split(".")[0]] += micros
+        kinds[name.split(":")[0] if ":" in name else name.split(".")[0]] += micros
     kind = "prefill" if args.prefill else "decode"
     print(f"{kind} step, {call.input_ids.shape[0]} token rows, {call.metadata.page_tables.shape[1]} pages per row: "
           f"{1e3 * statistics.median(walls):.1f} ms wall (median of {args.steps}, outside the profiler)")
     print("by kind (ms per step):")
     for kind, micros in kinds.most_common(12):
         print(f"  {micros / 1e3:8.2f}  {kind}")
+    op_ms = sum(micros for name, micros in totals.items() if not name.startswith(("shard_args", "DevicePut"))) / 1e3
+    print(f"  {1e3 * statistics.median(walls) - op_ms:8.2f}  the rest of the wall time (host: dispatch, Python; "
+          f"ops under the profiler run slower, so this is a lower bound)")
     print(f"top {args.top} ops (ms per step):")
     for name, micros in totals.most_common(args.top):
         print(f"  {micros / 1e3:8.2f}  {name}")

@@ -216,7 +216,7 @@ class Attention {
         DirectScores(s, h0, h1, cached, key0, nkeys, rows, scratch.queries.data(), scores);
         for (int64_t h = 0; h < heads; ++h) Mask(first_pos, group, key0, nkeys, rows, scores + h * rows * kBlockKeys);
         Softmax(heads * rows, scores, scratch.row_max.data(), scratch.denom.data(), scratch.rescale.data());
-        DirectValues(s, h0, h1, cached, key0, nkeys, rows, scores, scratch.rescale.data(), scratch.acc.data());
+        DirectValues(scratch, s, h0, h1, cached, key0, nkeys, rows, scores, scratch.rescale.data(), scratch.acc.data());
         continue;
       }
       for (int64_t h = h0; h < h1; ++h) {  // one head at a time: keys transposed, rows x keys by broadcasts
@@ -273,31 +273,13 @@ class Attention {
     }
   }
 
-  // acc[h, r] = acc[h, r] * rescale[h, r] + sum_j probs[h, r, j] * value_{key0 + j, h}, values read in place.
-  void DirectValues(int64_t s, int64_t h0, int64_t h1, int64_t cached, int64_t key0, int64_t nkeys, int64_t rows,
-                    const float* probs, const float* rescale, float* acc) const {
-    const int64_t hd = sh_.head_dim, chunks = hd / kLanes, heads = h1 - h0;
-    for (int64_t r = 0; r < heads * rows; ++r) {
-      float* ar = acc + r * hd;
-      for (int64_t c = 0; c < chunks; ++c) StoreV(ar + c * kLanes, LoadV(ar + c * kLanes) * rescale[r]);
-    }
-    for (int64_t j = 0; j < nkeys; ++j) {
-      const float* own;
-      const PoolT* paged = Row(v_pages_, v_, s, h0, key0 + j, cached, &own);
-      for (int64_t h = 0; h < heads; ++h) {
-        for (int64_t r = 0; r < rows; ++r) {
-          const float p = probs[(h * rows + r) * kBlockKeys + j];
-          if (p == 0.0f) continue;
-          float* ar = acc + (h * rows + r) * hd;
-          if (own != nullptr) {
-            const float* vr = own + h * hd;
-            for (int64_t c = 0; c < chunks; ++c) StoreV(ar + c * kLanes, LoadV(ar + c * kLanes) + p * LoadV(vr + c * kLanes));
-          } else {
-            const PoolT* vr = paged + h * hd;
-            for (int64_t c = 0; c < chunks; ++c) StoreV(ar + c * kLanes, LoadV(ar + c * kLanes) + p * LoadV(vr + c * kLanes));
-          }
-        }
-      }
+  // acc[h, r] = acc[h, r] * rescale[h, r] + sum_j probs[h, r, j] * value_{key0 + j, h}: head by head, each row's
+  // accumulator held in registers over the keys (accumulating in memory key by key was a store-to-load chain).
+  void DirectValues(Scratch& scratch, int64_t s, int64_t h0, int64_t h1, int64_t cached, int64_t key0, int64_t nkeys,
+                    int64_t rows, const float* probs, const float* rescale, float* acc) const {
+    for (int64_t h = 0; h < h1 - h0; ++h) {
+      Values(scratch, s, h0 + h, cached, key0, nkeys, rows, probs + h * rows * kBlockKeys, rescale + h * rows,
+             acc + h * rows * sh_.head_dim);
     }
   }
 

@@ -15,7 +15,7 @@ import pytest
 
 from jvllm import Engine, SamplingParams
 from tests.models.test_gguf_families import (
-    BASE, FAMILIES, LOGITS_ATOL, SMOLLM_GGUF, _assert_logits_match, torch, transformers, write_gguf)
+    BASE, FAMILIES, SMOLLM_GGUF, torch, transformers, write_gguf)
 from tests.models.test_llama_parity import LOGITS_TEXT
 from tests.hf_weights import redraw_weights
 
@@ -26,8 +26,11 @@ K_QUANT_CYCLE = ("q4_k", "q5_k", "q6_k")
 # Llama-shaped with rows of 256 weights (K-quant blocks): every 2-D weight in one of the K-quant formats.
 SPECS = {**FAMILIES, "llama_k": ("LlamaConfig", "LlamaForCausalLM", "llama",
                                  dict(hidden_size=256, intermediate_size=512, head_dim=64))}
-FAMILY_NAMES = ["qwen2", "qwen3", "mixtral", "phi3", "gemma2", "llama_k"]
-# Quantized weights are equal in both readings; the float32 sums only differ in order (~1e-6 of the logits).
+# Tied head and q/k norms (qwen3), fused qkv dequantized (phi3), a float32 embedding scale (gemma2), K-quants and
+# llama.cpp's q/k row order (llama_k); experts stay float, so the MoE families add nothing here.
+FAMILY_NAMES = ["qwen3", "phi3", "gemma2", "llama_k"]
+# Quantized weights are equal in all three readings; the float32 sums only differ in order (~1e-5 of the logits,
+# whose rows here are up to 512 weights wide).
 TWIN_ATOL = 2e-4
 
 
@@ -86,7 +89,9 @@ def test_quantized_family_matches_its_float32_twin_and_transformers(name, quanti
     np.testing.assert_allclose(blocks.runner.prompt_logits(prompt), float32.runner.prompt_logits(prompt),
                                rtol=0, atol=TWIN_ATOL)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(float32.model.folder, dtype=torch.float32).eval()
-    _assert_logits_match(blocks, hf_model, prompt)
+    with torch.no_grad():
+        want = hf_model(torch.tensor([prompt])).logits[0].float().numpy()
+    np.testing.assert_allclose(blocks.runner.prompt_logits(prompt), want, rtol=0, atol=TWIN_ATOL)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     got, want = (e.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
                  for e in (blocks, float32))

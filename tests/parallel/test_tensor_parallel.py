@@ -48,8 +48,7 @@ TINY = {
     "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     # q/k/v and gate/up read as row ranges of fused tensors; the MLP width 101 is padded at TP=2
     "phi3_fused": ("phi3", {"intermediate_size": 101, "partial_rotary_factor": 0.5, "pad_token_id": 0}),
-    # per-head q/k norms (dense), and experts with dense layers mixed in
-    "qwen3": ("qwen3", {"head_dim": 32}),
+    # per-head q/k norms, and experts with dense layers mixed in
     "qwen3_moe": ("qwen3_moe", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
                                 "moe_intermediate_size": 40, "norm_topk_prob": True, "mlp_only_layers": [1]}),
     # Mistral: every layer attends to the last 8 tokens only (the prompts are 9-16 long)
@@ -214,10 +213,11 @@ def test_shard_reads_repeat_kv_heads_transpose_and_pad():
 # ---- TP=N against TP=1 (subprocesses with virtual devices) ------------------------------------------------
 SAMPLING_CHECKED_ON = ("llama_gqa", "qwen2_moe_padded")  # a dense model at TP 2/4 and a padded MoE at TP 2/3
 
+# One family per sharding feature (CI time): Mixtral's experts run under the pallas experts test below, per-head q/k
+# norms under qwen3_moe (whose layer 1 is dense).
 @pytest.mark.parametrize("name, tps", [("llama_gqa", [2, 4]), ("llama_mqa", [4]), ("qwen2_padded", [2, 3]),
-                                       ("qwen2_moe_padded", [2, 3]), ("mixtral", [2]), ("phi3_fused", [2]),
-                                       ("qwen3", [2]), ("qwen3_moe", [2]), ("mistral_window", [2]), ("gemma2", [2]),
-                                       ("gemma3", [2])])
+                                       ("qwen2_moe_padded", [2, 3]), ("phi3_fused", [2]), ("qwen3_moe", [2]),
+                                       ("mistral_window", [2]), ("gemma2", [2]), ("gemma3", [2])])
 def test_tp_logits_and_greedy_tokens_match_tp1(tiny_models, name, tps):
     # The sharded sampler (seeded sampling, logprobs, token masks) does not depend on the family: checked on one.
     sampling = name in SAMPLING_CHECKED_ON

