@@ -4,7 +4,7 @@ Two engines share the process: the real one (`xla` paged attention) and one whos
 pages (it returns the queries; the K/V pool writes still run). Both replay the same captured decode step of
 `--rows` sequences, interleaved, so the difference is what paged attention costs at that context. From the
 step times and the measured prefill of every prompt it prints the wide scenario's rate with real attention and with
-attention for free, against the 750 tok/s target of issue 2:
+attention for free, against a 750 tok/s target:
 
     python -m benchmarks.decode_floor --rows 64
 """
