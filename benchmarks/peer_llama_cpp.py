@@ -12,15 +12,6 @@ import llama_cpp
 
 SEED = 1234
 WARMUP_PROMPTS = ["Hello there!", "Name three colours."]
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a short poem about the sea, in four lines, with a rhyme at the end of each pair of lines.",
-    "Explain, step by step and in simple words, how a refrigerator keeps food cold, "
-    "and why it needs electricity to do so.",
-    "You are a helpful assistant. A user writes: I am planning a weekend trip to the mountains "
-    "with two friends. We like hiking, good food and quiet places. We have a small car and a "
-    "modest budget. Please suggest a plan for Saturday and Sunday, with rough timings.",
-]
 
 
 def greedy_generate(
@@ -49,13 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=128, help="tokens to generate per prompt (EOS ignored)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--passes", type=int, default=2)
-    ap.add_argument("--prompts-json", default=None, help="JSON list of prompt strings")
+    ap.add_argument("--prompts-json", required=True, help="JSON list of prompt strings (benchmarks/peers.py writes the timed ones)")
     args = ap.parse_args(argv)
 
-    prompts = PROMPTS
-    if args.prompts_json:
-        with open(args.prompts_json, encoding="utf-8") as f:
-            prompts = [str(p) for p in json.load(f)]
+    with open(args.prompts_json, encoding="utf-8") as f:
+        prompts = [str(p) for p in json.load(f)]
 
     t_load = time.perf_counter()
     llm = llama_cpp.Llama(

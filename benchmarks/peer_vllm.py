@@ -29,15 +29,6 @@ from vllm import LLM, SamplingParams  # noqa: E402
 SEED = 0
 MAX_MODEL_LEN = 2048
 WARMUP_PROMPTS = ["Hello there!", "Name three colours."]
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a short poem about the sea, in four lines, with a rhyme at the end of each pair of lines.",
-    "Explain, step by step and in simple words, how a refrigerator keeps food cold, "
-    "and why it needs electricity to do so.",
-    "You are a helpful assistant. A user writes: I am planning a weekend trip to the mountains "
-    "with two friends. We like hiking, good food and quiet places. We have a small car and a "
-    "modest budget. Please suggest a plan for Saturday and Sunday, with rough timings.",
-]
 
 
 def params(n: int) -> SamplingParams:
@@ -93,18 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenario", choices=["single", "chat"], default="single")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--passes", type=int, default=2)
-    ap.add_argument("--prompts-json", default=None, help="JSON file: list of prompt strings")
+    ap.add_argument("--prompts-json", required=True, help="JSON list of prompt strings (benchmarks/peers.py writes the timed ones)")
     ap.add_argument("--dtype", default="bfloat16")
     a = ap.parse_args(argv)
 
-    prompts = PROMPTS
-    if a.prompts_json:
-        with open(a.prompts_json, encoding="utf-8") as f:
-            prompts = json.load(f)
-        if not (isinstance(prompts, list) and prompts and all(isinstance(p, str) for p in prompts)):
-            ap.error("--prompts-json must hold a non-empty JSON list of strings")
-    elif a.scenario == "chat":
-        ap.error("--scenario chat needs --prompts-json")
+    with open(a.prompts_json, encoding="utf-8") as f:
+        prompts = json.load(f)
+    if not (isinstance(prompts, list) and prompts and all(isinstance(p, str) for p in prompts)):
+        ap.error("--prompts-json must hold a non-empty JSON list of strings")
 
     t0 = time.perf_counter()
     llm = LLM(model=a.model, dtype=a.dtype, max_model_len=MAX_MODEL_LEN, seed=SEED, enforce_eager=False)

@@ -32,8 +32,8 @@ constexpr int kDirectRows = 4;     // up to this many score rows, keys are read 
 constexpr float kMasked = -1e30f;  // finite: exp() of it underflows to 0 without NaNs
 
 // Vectors of kLanes floats (GCC/Clang vector extensions): one AVX-512 register, or one AVX2 register on machines
-// without AVX-512 (16-float vectors there are register pairs that GCC spills through the stack in loop-carried
-// sums: the decode dot products ran at a tenth of the FMA rate).
+// without AVX-512 (16-float vectors there are register pairs, which GCC spills through the stack in loop-carried
+// sums).
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
 #else
@@ -274,7 +274,7 @@ class Attention {
   }
 
   // acc[h, r] = acc[h, r] * rescale[h, r] + sum_j probs[h, r, j] * value_{key0 + j, h}: head by head, each row's
-  // accumulator held in registers over the keys (accumulating in memory key by key was a store-to-load chain).
+  // accumulator held in registers over the keys.
   void DirectValues(Scratch& scratch, int64_t s, int64_t h0, int64_t h1, int64_t cached, int64_t key0, int64_t nkeys,
                     int64_t rows, const float* probs, const float* rescale, float* acc) const {
     for (int64_t h = 0; h < h1 - h0; ++h) {

@@ -26,7 +26,7 @@ constexpr int kBlock = 32;  // weights per sub-block: the unit the kernels walk 
 constexpr int64_t kMinRowsPerItem = 16;  // output rows per work item, at least
 
 // Weight rows stream from memory once per step, a few rows at a time: each block is fetched while the same block of
-// the rows one group earlier is multiplied (the hardware prefetchers alone left two thirds of the bandwidth unused).
+// the rows one group earlier is multiplied (the hardware prefetchers alone leave two thirds of the bandwidth unused).
 // A prefetch past the end of the weights is harmless (it never faults).
 inline void Prefetch(const uint8_t* p) {
 #if defined(__SSE__)

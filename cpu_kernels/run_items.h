@@ -56,8 +56,8 @@ class HelperPool {
     }
     fn(ctx);
     // Slots no helper has claimed yet are withdrawn: the caller waits only for helpers already at work, never for
-    // one the OS has not scheduled (on a machine whose cores also run the Python thread, that wait was most of a
-    // short call's time).
+    // one the OS has not scheduled (where the cores also run the Python thread, that can take longer than a short
+    // call lasts).
     const int64_t unclaimed = wanted_.exchange(0, std::memory_order_acq_rel);
     if (unclaimed > 0) busy_.fetch_sub(unclaimed, std::memory_order_acq_rel);
     while (busy_.load(std::memory_order_acquire) > 0) JVLLM_PAUSE();
