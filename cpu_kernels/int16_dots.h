@@ -77,12 +77,12 @@ inline void Accumulate(__m256i w0, __m256i w1, const int16_t* x, float scale, __
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(scale), acc);
 }
 
-// 16 bytes of nibbles -> the low nibbles (elements 0-15) and the high ones (16-31) as 16-bit integers.
+// 16 bytes of nibbles -> the low nibbles (elements 0-15) and the high ones (16-31) as 16-bit integers: the bytes
+// are widened once, and a widened byte shifted right by 4 is its high nibble.
 inline void Nibbles16(const uint8_t* qs, __m256i& lo, __m256i& hi) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i mask = _mm_set1_epi8(15);
-  lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, mask));
-  hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), mask));
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  lo = _mm256_and_si256(bytes, _mm256_set1_epi16(15));
+  hi = _mm256_srli_epi16(bytes, 4);
 }
 
 }  // namespace jvllm

@@ -84,7 +84,7 @@ class HelperPool {
         continue;
       }
       if (std::chrono::steady_clock::now() - last_job < std::chrono::nanoseconds(kSpinNanos)) {
-        for (int i = 0; i < 64; ++i) JVLLM_PAUSE();
+        std::this_thread::yield();
         continue;
       }
       std::unique_lock<std::mutex> lock(sleep_mutex_);
