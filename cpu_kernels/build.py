@@ -17,9 +17,10 @@ import tempfile
 
 HERE = pathlib.Path(__file__).parent
 SOURCES = [HERE / "paged_attention.cc", HERE / "quantized_matmul.cc"]
-HEADERS = [HERE / "run_items.h", HERE / "int16_dots.h"]
+HEADERS = [HERE / "run_items.h", HERE / "int16_dots.h", HERE / "block_formats.h"]
 TARGETS = {  # XLA custom-call name -> exported handler symbol
     "jvllm_paged_attention": "JvllmPagedAttention",
+    "jvllm_paged_attention_write": "JvllmPagedAttentionWrite",
     "jvllm_quantized_matmul": "JvllmQuantizedMatmul",
 }
 FLAGS = ["-std=c++17", "-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared"]

@@ -3,7 +3,8 @@
 // One call serves prefill chunks and decode rows alike: sequence s owns the flat tokens
 // query_start[s] .. + q_lens[s] of this step, whose positions continue its cached context
 // (kv_lens[s] - q_lens[s] tokens, read from the KV pages). Keys past the cache are this step's own
-// k/v (not yet written to the pages). Work items are (sequence, KV head, block of queries); the
+// k/v, read from its arguments (`jvllm_paged_attention_write` also stores them in the pages first, so the
+// pages it returns hold the step's K/V). Work items are (sequence, KV head, block of queries); the
 // caller and the kernels' helper threads (run_items.h) take items until none are left.
 //
 // Pages are token-major [num_pages, page_size, kv_heads, head_dim], float32 or bfloat16 (stored as
@@ -429,14 +430,13 @@ class Attention {
   std::vector<int64_t> item_start_;  // [seqs + 1] first work item of each sequence
 };
 
-ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                              ffi::Buffer<ffi::F32> v, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
-                              ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> q_lens,
-                              ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_tables,
-                              ffi::ResultBuffer<ffi::F32> out, float scale, int64_t sliding_window,
-                              float soft_cap) {
+// Attention over pages at k_pages / v_pages (float32 or bfloat16 bits, by `type`) into out.
+ffi::Error Attend(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                  ffi::Span<const int64_t> pd, ffi::DataType type, const void* k_pages, const void* v_pages,
+                  ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
+                  ffi::Buffer<ffi::S32> page_tables, float* dst, float scale, int64_t sliding_window,
+                  float soft_cap) {
   const auto qd = q.dimensions();
-  const auto pd = k_pages.dimensions();
   const auto td = page_tables.dimensions();
   if (qd.size() != 3 || pd.size() != 4 || td.size() != 2) {
     return ffi::Error::InvalidArgument("paged_attention: q [T,H,hd], pages [N,page,KVH,hd], tables [S,P]");
@@ -447,7 +447,6 @@ ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
         "paged_attention: heads a multiple of KV heads, one head_dim (a multiple of 16) for q and pages");
   }
   Options opt{scale, sliding_window, soft_cap};
-  float* dst = out->typed_data();
   // Tokens past the last sequence's are padding: their rows are zero.
   int64_t used = 0;
   for (int64_t s = 0; s < sh.seqs; ++s) {
@@ -456,23 +455,73 @@ ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
   used = std::min(used, sh.tokens);
   std::fill(dst + used * sh.heads * sh.head_dim, dst + sh.tokens * sh.heads * sh.head_dim, 0.0f);
 
-  const auto type = k_pages.element_type();
   if (type == ffi::DataType::F32) {
     Attention<float> work(sh, opt, q.typed_data(), k.typed_data(), v.typed_data(),
-                          static_cast<const float*>(k_pages.untyped_data()),
-                          static_cast<const float*>(v_pages.untyped_data()), query_start.typed_data(),
-                          q_lens.typed_data(), kv_lens.typed_data(), page_tables.typed_data(), dst);
+                          static_cast<const float*>(k_pages), static_cast<const float*>(v_pages),
+                          query_start.typed_data(), q_lens.typed_data(), kv_lens.typed_data(),
+                          page_tables.typed_data(), dst);
     jvllm::RunItems(work);
   } else if (type == ffi::DataType::U16 || type == ffi::DataType::BF16) {
     Attention<uint16_t> work(sh, opt, q.typed_data(), k.typed_data(), v.typed_data(),
-                             static_cast<const uint16_t*>(k_pages.untyped_data()),
-                             static_cast<const uint16_t*>(v_pages.untyped_data()), query_start.typed_data(),
-                             q_lens.typed_data(), kv_lens.typed_data(), page_tables.typed_data(), dst);
+                             static_cast<const uint16_t*>(k_pages), static_cast<const uint16_t*>(v_pages),
+                             query_start.typed_data(), q_lens.typed_data(), kv_lens.typed_data(),
+                             page_tables.typed_data(), dst);
     jvllm::RunItems(work);
   } else {
     return ffi::Error::InvalidArgument("paged_attention: pages must be float32 or bfloat16 (bits)");
   }
   return ffi::Error::Success();
+}
+
+ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                              ffi::Buffer<ffi::F32> v, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                              ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> q_lens,
+                              ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_tables,
+                              ffi::ResultBuffer<ffi::F32> out, float scale, int64_t sliding_window,
+                              float soft_cap) {
+  return Attend(q, k, v, k_pages.dimensions(), k_pages.element_type(), k_pages.untyped_data(),
+                v_pages.untyped_data(), query_start, q_lens, kv_lens, page_tables, out->typed_data(), scale,
+                sliding_window, soft_cap);
+}
+
+// Copies row t of `rows` [T, row bytes] to pool row slots[t] (pool [N * page, row bytes]); slots outside the pool
+// are skipped.
+void WriteRows(const ffi::AnyBuffer& rows, const int32_t* slots, ffi::Result<ffi::AnyBuffer>& pool) {
+  const int64_t tokens = rows.dimensions()[0];
+  const int64_t row_bytes = rows.size_bytes() / std::max<int64_t>(tokens, 1);
+  const int64_t pool_rows = pool->size_bytes() / std::max<int64_t>(row_bytes, 1);
+  const auto* src = static_cast<const uint8_t*>(rows.untyped_data());
+  auto* dst = static_cast<uint8_t*>(pool->untyped_data());
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (slots[t] >= 0 && slots[t] < pool_rows) std::memcpy(dst + slots[t] * row_bytes, src + t * row_bytes, row_bytes);
+  }
+}
+
+// The step's K/V written into the (aliased) pages at their slots, then the attention over them: the layer's own
+// pages are its result, so no pool write runs after the step.
+ffi::Error PagedAttentionWriteImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                                   ffi::AnyBuffer k_store, ffi::AnyBuffer v_store, ffi::AnyBuffer k_pages,
+                                   ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> query_start,
+                                   ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
+                                   ffi::Buffer<ffi::S32> page_tables, ffi::Buffer<ffi::S32> slot_mapping,
+                                   ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> k_out,
+                                   ffi::Result<ffi::AnyBuffer> v_out, float scale, int64_t sliding_window,
+                                   float soft_cap) {
+  const auto pd = k_pages.dimensions();
+  if (k_store.element_type() != k_pages.element_type() || v_store.element_type() != v_pages.element_type() ||
+      k_store.dimensions().size() != 3 || pd.size() != 4 ||
+      k_store.size_bytes() != k.dimensions()[0] * pd[2] * pd[3] * static_cast<int64_t>(ffi::ByteWidth(k_pages.element_type())) ||
+      v_store.size_bytes() != k_store.size_bytes() || slot_mapping.dimensions()[0] != k.dimensions()[0]) {
+    return ffi::Error::InvalidArgument("paged_attention_write: k/v to store [T, KVH, hd] in the pages' dtype");
+  }
+  if (k_out->untyped_data() != k_pages.untyped_data()) {  // not aliased: start from the pages given
+    std::memcpy(k_out->untyped_data(), k_pages.untyped_data(), k_pages.size_bytes());
+    std::memcpy(v_out->untyped_data(), v_pages.untyped_data(), v_pages.size_bytes());
+  }
+  WriteRows(k_store, slot_mapping.typed_data(), k_out);
+  WriteRows(v_store, slot_mapping.typed_data(), v_out);
+  return Attend(q, k, v, pd, k_pages.element_type(), k_out->untyped_data(), v_out->untyped_data(), query_start,
+                q_lens, kv_lens, page_tables, out->typed_data(), scale, sliding_window, soft_cap);
 }
 
 }  // namespace
@@ -489,6 +538,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmPagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_tables [S, P]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [T, H, hd]
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmPagedAttentionWrite, PagedAttentionWriteImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q [T, H, hd]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k [T, KVH, hd]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v [T, KVH, hd]
+                                  .Arg<ffi::AnyBuffer>()         // k to store [T, KVH, hd], the pages' dtype
+                                  .Arg<ffi::AnyBuffer>()         // v to store
+                                  .Arg<ffi::AnyBuffer>()         // k_pages [N, page, KVH, hd] (aliased: k_out)
+                                  .Arg<ffi::AnyBuffer>()         // v_pages (aliased: v_out)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start [S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_lens [S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens [S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_tables [S, P]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping [T]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [T, H, hd]
+                                  .Ret<ffi::AnyBuffer>()         // k_pages with the step's keys
+                                  .Ret<ffi::AnyBuffer>()         // v_pages with the step's values
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap"));

@@ -34,3 +34,36 @@ def paged_attention(
     ints = [x.astype(jnp.int32) for x in (query_start, q_lens, kv_lens, page_tables)]
     return call(*f32, k_pages, v_pages, *ints, scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0),
                 soft_cap=np.float32(soft_cap or 0.0))
+
+
+def paged_attention_write(
+    q: jax.Array,  # [T, H, hd]
+    k: jax.Array,  # [T, KVH, hd] this step's keys
+    v: jax.Array,  # [T, KVH, hd]
+    k_store: jax.Array,  # [T, KVH, hd] the keys as the pages store them (the pages' dtype)
+    v_store: jax.Array,  # [T, KVH, hd]
+    k_pages: jax.Array,  # [N, page, KVH, hd] donated: returned with the step's keys written
+    v_pages: jax.Array,  # [N, page, KVH, hd]
+    query_start: jax.Array,  # [S] int32
+    q_lens: jax.Array,  # [S] int32
+    kv_lens: jax.Array,  # [S] int32
+    page_tables: jax.Array,  # [S, P] int32
+    slot_mapping: jax.Array,  # [T] int32 page * page_size + offset of each token (outside the pool: not written)
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`paged_attention` that first writes the step's K/V into the pages at `slot_mapping`, in place (the pages
+    are aliased to the outputs) -> (out [T, H, hd] float32, k_pages, v_pages)."""
+    if q.shape[-1] % HEAD_DIM_MULTIPLE:
+        raise ValueError(f"the native paged attention needs head_dim a multiple of {HEAD_DIM_MULTIPLE}, got {q.shape[-1]}")
+    if k_store.dtype != k_pages.dtype or v_store.dtype != v_pages.dtype:
+        raise ValueError(f"K/V to store must have the pages' dtype {k_pages.dtype}, got {k_store.dtype}")
+    load()
+    outs = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+            jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype))
+    call = jax.ffi.ffi_call("jvllm_paged_attention_write", outs, input_output_aliases={5: 1, 6: 2})
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    ints = [x.astype(jnp.int32) for x in (query_start, q_lens, kv_lens, page_tables, slot_mapping)]
+    return call(*f32, k_store, v_store, k_pages, v_pages, *ints, scale=np.float32(scale),
+                sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))

@@ -25,10 +25,9 @@ def _load_xla() -> AttentionBackend:
 
 
 def _load_cpu() -> AttentionBackend:
-    from jvllm.attention import native, pool_storage, xla
+    from jvllm.attention import native
 
-    return native.NativeCpu("cpu", native.no_layout, native.paged_attention, xla.write_layers,
-                            storage_dtype=pool_storage.storage_dtype, fallback=_load_xla)
+    return native.NativeCpu("cpu", native.no_layout, native.write_and_attend, fallback=_load_xla)
 
 
 def _load_pallas() -> AttentionBackend:

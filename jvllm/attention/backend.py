@@ -1,9 +1,10 @@
 """The one interface the runner sees: per-layer attention inside the step, and storing the step's K/V after it.
 
-Two ways to get there. `InStepWrite` (the GPU kernels) writes each layer's K/V into its pages inside the step's
-jit, which donates the pool, and attends over pages only. `SeparateWrite` (XLA CPU) attends over the read-only
-pool plus the step's own K/V, and scatters that K/V into the donated pool in a jit of its own afterwards: a jit
-that both gathers from and scatters into the pool makes XLA CPU copy the whole pool every step."""
+Two ways to get there. `InStepWrite` (the GPU kernels, the native CPU kernel) writes each layer's K/V into its
+pages inside the step's jit, which donates the pool. `SeparateWrite` (XLA CPU) attends over the read-only pool
+plus the step's own K/V, and scatters that K/V into the donated pool in a jit of its own afterwards: a jit
+that both gathers from and scatters into the pool makes XLA CPU copy the whole pool every step (a custom call
+that takes the pages aliased to its outputs does not)."""
 from __future__ import annotations
 
 import abc
@@ -72,6 +73,12 @@ class AttentionBackend(abc.ABC):
     def pool_dtype(self, dtype: Any) -> Any:
         """The dtype a pool holding values of the model's `dtype` is stored in."""
         return dtype
+
+    @property
+    def attends_step_kv(self) -> bool:
+        """Whether a layer attends to this step's K/V from its own k/v (not from the pages), so a fresh chunk's
+        attention does not depend on what its pages hold."""
+        return not self.step_donates_pool
 
     @property
     def mixes_decode_rows(self) -> bool:

@@ -1,4 +1,5 @@
-"""The `cpu` backend's attention: the native ragged paged-attention kernel (cpu_kernels) over the read-only pool."""
+"""The `cpu` backend's attention: the native ragged paged-attention kernel (cpu_kernels), which writes each layer's
+K/V into its (donated) pages and attends in one call."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,16 +8,29 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from cpu_kernels.paged_attention import HEAD_DIM_MULTIPLE, paged_attention as native_paged_attention
-from jvllm.attention.backend import AttentionBackend, SeparateWrite
+from cpu_kernels.paged_attention import HEAD_DIM_MULTIPLE, paged_attention_write
+from jvllm.attention.backend import AttentionBackend, InStepWrite
+from jvllm.attention.pool_storage import as_stored, storage_dtype
 from models.attention import AttentionMetadata
 
 
 @dataclasses.dataclass(frozen=True)
-class NativeCpu(SeparateWrite):
-    """SeparateWrite over the native kernel; a model whose head_dim the kernel does not take gets `fallback`."""
+class NativeCpu(InStepWrite):
+    """InStepWrite over the native kernel; a model whose head_dim the kernel does not take gets `fallback`.
+
+    Each layer's kernel call stores the step's K/V in that layer's pages (aliased in place) before attending, so
+    no pool write runs after the layers: against a separate jit of 2 x layers row scatters, ~0.6 ms less per
+    decode step of the embedded model. The step's own keys are still read from the layer's k/v, so a fresh chunk
+    attends to itself whatever its pages hold (prompt_logits lists only the reserved page 0)."""
 
     fallback: Callable[[], AttentionBackend] | None = None
+
+    @property
+    def attends_step_kv(self) -> bool:
+        return True
+
+    def pool_dtype(self, dtype: Any) -> Any:
+        return storage_dtype(dtype)
 
     @property
     def mixes_decode_rows(self) -> bool:
@@ -34,18 +48,20 @@ def no_layout(q_lens: np.ndarray, query_start: np.ndarray, cached: np.ndarray, n
     return {}
 
 
-def paged_attention(
+def write_and_attend(
     q: jax.Array,  # [T, H, hd]
-    k: jax.Array,  # [T, KVH, hd] this step's keys (not yet in the pages)
+    k: jax.Array,  # [T, KVH, hd] this step's keys
     v: jax.Array,  # [T, KVH, hd]
-    k_pages: jax.Array,  # [N, page, KVH, hd] read only (float32, or bfloat16 stored as bits)
+    k_pages: jax.Array,  # [N, page, KVH, hd] donated (float32, or bfloat16 stored as bits)
     v_pages: jax.Array,  # [N, page, KVH, hd]
     md: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-) -> jax.Array:
-    """Causal attention of each query over its sequence's cached pages plus this step's chunk -> [T, H, hd]."""
-    out = native_paged_attention(q, k, v, k_pages, v_pages, md.query_start, md.q_lens, md.kv_lens, md.page_tables,
-                                 scale, sliding_window, soft_cap)
-    return out.astype(q.dtype)
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The step's K/V stored at md.slot_mapping, then causal attention of each query over its sequence's cached
+    pages plus this step's chunk -> (out [T, H, hd], k_pages, v_pages)."""
+    out, k_pages, v_pages = paged_attention_write(
+        q, k, v, as_stored(k, k_pages.dtype), as_stored(v, v_pages.dtype), k_pages, v_pages, md.query_start,
+        md.q_lens, md.kv_lens, md.page_tables, md.slot_mapping, scale, sliding_window, soft_cap)
+    return out.astype(q.dtype), k_pages, v_pages

@@ -2,7 +2,8 @@
 
 The reference reads every key from the pages; the native kernel reads cached keys from the pages and the step's
 own keys from its k/v arguments, so the pages it gets hold NaN wherever this step's tokens go: a kernel that reads
-a page slot it should take from k/v (or any slot no sequence owns) shows NaN."""
+a page slot it should take from k/v (or any slot no sequence owns) shows NaN. The writing variant (the `cpu`
+backend's) must return the same attention and the pages with exactly the step's K/V stored at their slots."""
 from __future__ import annotations
 
 import jax
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from cpu_kernels import build
-from cpu_kernels.paged_attention import paged_attention
+from cpu_kernels.paged_attention import paged_attention, paged_attention_write
 from pallas_kernels.reference import ragged_attention_reference
 
 TOLERANCE = dict(atol=2e-5, rtol=2e-5)  # float32 throughout; bfloat16 pools hold values the reference sees too
@@ -58,12 +59,13 @@ def run_case(rng, chunks: list[tuple[int, int]], *, heads: int, kv_heads: int, h
     num_tokens = sum(q_lens) + padding_tokens
     q = random_array(rng, (num_tokens, heads, head_dim))
 
+    rows = np.zeros((num_tokens, 2), np.int32)  # (page, offset) of each token; padding tokens: page 0
+    for s, (cached, new) in enumerate(chunks):
+        for i in range(new):
+            pos = cached + i
+            rows[starts[s] + i] = (block_tables[s, pos // page_size], pos % page_size)
+
     def own(pages: jax.Array) -> jax.Array:  # [T, KVH, hd]: each token's K or V, read from the full pool
-        rows = np.zeros((num_tokens, 2), np.int32)  # (page, offset); padding tokens read page 0
-        for s, (cached, new) in enumerate(chunks):
-            for i in range(new):
-                pos = cached + i
-                rows[starts[s] + i] = (block_tables[s, pos // page_size], pos % page_size)
         return pages[rows[:, 0], rows[:, 1]]
 
     if pool_dtype == jnp.bfloat16:  # the reference sees the same rounded values, in float32
@@ -94,6 +96,22 @@ def run_case(rng, chunks: list[tuple[int, int]], *, heads: int, kv_heads: int, h
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected, np.float32), **TOLERANCE)
     if padding_tokens:
         assert not np.asarray(got[sum(q_lens):]).any(), "padding tokens must come back as zeros"
+
+    slots = jnp.asarray(rows[:, 0] * page_size + rows[:, 1])
+    slots = slots.at[sum(q_lens):].set(-1)  # padding tokens: outside the pool, not written
+    stored = (k, v) if pool_dtype == jnp.float32 else tuple(
+        jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16) for x in (k, v))
+    written, k_out, v_out = jax.jit(paged_attention_write, static_argnames=("scale", "sliding_window", "soft_cap"))(
+        q, k, v, *stored, k_in, v_in, query_start, q_len, kv_len, tables, slots, scale=head_dim ** -0.5,
+        sliding_window=sliding_window, soft_cap=soft_cap)
+    np.testing.assert_array_equal(np.asarray(written), np.asarray(got))
+    expected_k, expected_v = (
+        np.where(np.asarray(mask), np.asarray(full), np.asarray(given)) if pool_dtype == jnp.float32 else
+        np.where(np.asarray(mask), np.asarray(jax.lax.bitcast_convert_type(full.astype(jnp.bfloat16), jnp.uint16)),
+                 np.asarray(given))
+        for full, given in ((k_pages, k_in), (v_pages, v_in)))
+    np.testing.assert_array_equal(np.asarray(k_out), expected_k)
+    np.testing.assert_array_equal(np.asarray(v_out), expected_v)
 
 
 MIXED = [(0, 5), (3, 17), (40, 64), (100, 1), (0, 33), (70, 90)]  # fresh, chunked, decode rows, > 64 keys
