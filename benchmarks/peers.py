@@ -4,7 +4,8 @@ jvllm's ratio to each peer.
 
   single  4 prompts of uneven length x `--tokens` greedy tokens each, one at a time (prefill counted, EOS ignored):
           jvllm and llama.cpp on the GGUF file, vLLM on the same weights dequantized (jvllm's converted folder)
-  chat    `--num-prompts` uneven chat prompts (the model's template) x `--chat-tokens`, one batch: jvllm, vLLM
+  chat    `--num-prompts` uneven chat prompts (the model's template) x `--chat-tokens`, one batch per pass, a new
+          set each pass: jvllm, vLLM
   traffic `--traffic-requests` requests of random tokens, long-tailed prompt and output lengths
           (benchmarks.workloads.varied: prompts 16-1024, outputs 16-256), one batch per pass, a new set each
           pass (none seen before, so no prefix cache hits): jvllm, vLLM
@@ -69,8 +70,8 @@ def run_jvllm(model: str | None, scenario: str, tokens: int, passes: int, prompt
             rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - started))
         rates = rates[1:]  # the warm-up set is not timed
     else:
-        timed(prompts[:4], 8)
-        rates = [timed(prompts, tokens) for _ in range(passes)]
+        timed(prompts["warmup"], 8)
+        rates = [timed(batch, tokens) for batch in prompts["passes"]]
     return dict(engine="jvllm", scenario=scenario, tokens=tokens, tok_per_s_median=statistics.median(rates),
                 tok_per_s_all=[round(r, 2) for r in rates], load_s=round(load_s, 1), weight_bytes=llm.weight_bytes)
 
@@ -156,8 +157,11 @@ def compare(args: argparse.Namespace, scenario: str, model: str) -> dict:
     tokens = {"single": args.tokens, "chat": args.chat_tokens}.get(scenario, 0)
     if scenario == "traffic":
         prompts = traffic_sets(args, model)
+    elif scenario == "chat":  # a new set each pass: a repeated set would be served from the prefix cache
+        prompts = {"warmup": chat_prompts(4, seed=0),
+                   "passes": [chat_prompts(args.num_prompts, seed=1 + p) for p in range(args.passes)]}
     else:
-        prompts = PROMPTS if scenario == "single" else chat_prompts(args.num_prompts, seed=1)
+        prompts = PROMPTS
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
     common = ["--tokens", str(tokens), "--passes", str(args.passes), "--prompts-json", f.name]
@@ -183,7 +187,7 @@ def compare(args: argparse.Namespace, scenario: str, model: str) -> dict:
     ratios = {peer: round(medians["jvllm"] / rate, 3) for peer, rate in medians.items() if peer != "jvllm"}
     print(f"[{scenario}] " + ", ".join(f"{name} {rate:.1f} tok/s" for name, rate in medians.items())
           + "; jvllm / " + ", jvllm / ".join(f"{peer} {ratio:.2f}x" for peer, ratio in ratios.items()), flush=True)
-    num_prompts = args.traffic_requests if scenario == "traffic" else len(prompts)
+    num_prompts = {"traffic": args.traffic_requests, "chat": args.num_prompts}.get(scenario, len(prompts))
     return dict(tokens=tokens, num_prompts=num_prompts, medians=medians, ratios=ratios, rounds=rounds)
 
 
