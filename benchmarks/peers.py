@@ -51,9 +51,12 @@ def run_jvllm(model: str | None, scenario: str, tokens: int, passes: int, prompt
     llm = LLM(model)
     load_s = time.perf_counter() - started
 
-    def timed(batch: list[str], n: int) -> float:
+    def timed(batch: list, n: int | list[int]) -> float:
+        """One generate call; `n`: tokens for every prompt, or each prompt's own -> output tok/s."""
+        lengths = n if isinstance(n, list) else [n] * len(batch)
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in lengths]
         started = time.perf_counter()
-        outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        outs = llm.generate(batch, params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - started)
 
     if scenario == "single":
@@ -61,13 +64,8 @@ def run_jvllm(model: str | None, scenario: str, tokens: int, passes: int, prompt
             timed([prompt], 16)
         rates = [timed([prompt], tokens) for _ in range(passes) for prompt in prompts]
     elif scenario == "traffic":
-        rates = []
-        for requests in [prompts["warmup"], *prompts["passes"]]:
-            started = time.perf_counter()
-            outs = llm.generate([{"prompt_token_ids": r["ids"]} for r in requests],
-                                [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True)
-                                 for r in requests], use_tqdm=False)
-            rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - started))
+        rates = [timed([{"prompt_token_ids": r["ids"]} for r in requests], [r["max_tokens"] for r in requests])
+                 for requests in [prompts["warmup"], *prompts["passes"]]]
         rates = rates[1:]  # the warm-up set is not timed
     else:
         timed(prompts["warmup"], 8)
