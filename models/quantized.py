@@ -1,5 +1,6 @@
 """Weights kept in GGUF's quantized blocks: the formats, their dequantization in jnp, and the product with them (the
-native CPU kernel on XLA CPU, dequantize-then-dot elsewhere)."""
+native CPU kernel on XLA CPU, dequantize-then-dot elsewhere); `quantized_dot` and `dequantized_rows` also take the
+per-channel formats of models.channel_quant."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,6 +9,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from models.channel_quant import CHANNEL_FORMATS, channel_dot, channel_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,8 +110,11 @@ def native_kernel_available() -> bool:
 INT16_ACTIVATION_MAX_ROWS = 8
 
 
-def quantized_dot(x: jax.Array, raw: jax.Array, fmt: str) -> jax.Array:
-    """x [T, K] with weights raw [N, row_bytes] (one GGUF row per output) -> x @ W^T [T, N] float32."""
+def quantized_dot(x: jax.Array, raw: jax.Array, fmt: str, scale: jax.Array | None = None) -> jax.Array:
+    """x [T, K] with weights raw [N, row_bytes] (one GGUF row per output) -> x @ W^T [T, N] float32. A per-channel
+    format (models.channel_quant) takes codes raw [N, K] and their scales [N] instead."""
+    if fmt in CHANNEL_FORMATS:
+        return channel_dot(x, raw, scale)
     if jax.default_backend() == "cpu" and native_kernel_available():
         from cpu_kernels.quantized_matmul import quantized_matmul
 
@@ -117,8 +123,11 @@ def quantized_dot(x: jax.Array, raw: jax.Array, fmt: str) -> jax.Array:
     return jnp.einsum("tk,nk->tn", x.astype(jnp.float32), w, preferred_element_type=jnp.float32)
 
 
-def dequantized_rows(raw: jax.Array, ids: jax.Array, fmt: str, k: int) -> jax.Array:
-    """Rows `ids` [T] of a quantized table raw [V, row_bytes] -> float32 [T, k] (an embedding lookup)."""
+def dequantized_rows(raw: jax.Array, ids: jax.Array, fmt: str, k: int, scale: jax.Array | None = None) -> jax.Array:
+    """Rows `ids` [T] of a quantized table raw [V, row_bytes] (per-channel: codes [V, k], scales [V]) -> float32
+    [T, k] (an embedding lookup)."""
+    if fmt in CHANNEL_FORMATS:
+        return channel_rows(raw, scale, ids)
     return dequantize(raw[ids], fmt, k)
 
 

@@ -1,5 +1,5 @@
 """Test helpers: tiny random transformers models whose weights are redrawn large enough that a wrong shard, head
-order or bias moves the logits far above the tests' tolerances."""
+order or bias moves the logits far above the tests' tolerances, and a tiny tokenizer made on the spot."""
 from __future__ import annotations
 
 import pathlib
@@ -30,3 +30,17 @@ def save_random_model(config_cls, model_cls, settings: dict, folder: pathlib.Pat
         if item.is_file() and not (folder / item.name).exists():
             shutil.copy(item, folder / item.name)
     return model
+
+
+def save_byte_level_tokenizer(folder: pathlib.Path, text: str) -> None:
+    """A byte-level BPE tokenizer of ~300 tokens ("<eos>" first) trained on `text`, saved into `folder` as an HF
+    tokenizer: tiny models without a download or another model's tokenizer."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator([text] * 4, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>").save_pretrained(folder)

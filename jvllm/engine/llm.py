@@ -85,8 +85,10 @@ class Engine(MultiHostRoles):
         A GGUF model keeps its quantized blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) in memory and multiplies them
         with native CPU kernels when `dtype` is "auto" on one CPU device, as llama.cpp does; `quantization="gguf"`
         keeps them anywhere, and a float `dtype` dequantizes them at load (`dtype="float32"`: transformers' float32
-        numbers). `quantization="int8"` quantizes a float checkpoint's projections and embeddings at load (int8 with
-        a scale per 32 weights: a quarter of float32's bytes).
+        numbers). `quantization="int8"` quantizes a float checkpoint's projections and embeddings at load: on CPU
+        int8 with a scale per 32 weights (a quarter of float32's bytes), on GPUs int8 with a scale per output
+        channel (half of bfloat16's bytes); `quantization="fp8"` (GPUs only) stores float8_e4m3fn with a scale
+        per output channel. Activations stay in the engine's dtype (bfloat16 on GPUs): weight-only quantization.
 
         `batched_weight_dtype` adds a copy of the weight matrices (e.g. "bfloat16") for steps of 2+ token rows;
         "auto" (the default) adds a bfloat16 copy when a generative model runs in float32 on CPU because

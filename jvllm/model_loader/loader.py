@@ -176,8 +176,9 @@ def keeps_gguf_blocks(quantization: str | None, dtype: Any, tensor_parallel_size
 
 
 def check_quantization(quantization: str | None, is_gguf: bool, name: str, tensor_parallel_size: int) -> None:
-    """ValueError unless `quantization` suits the model: gguf for GGUF files, int8 for float checkpoints."""
-    from jvllm.model_loader.quantize_weights import QUANTIZATIONS
+    """ValueError unless `quantization` suits the model: gguf for GGUF files, int8 (or fp8 off CPU) for float
+    checkpoints."""
+    from jvllm.model_loader.quantize_weights import QUANTIZATIONS, storage_format
 
     if quantization is None or (is_gguf and quantization == "gguf"):
         return
@@ -192,6 +193,7 @@ def check_quantization(quantization: str | None, is_gguf: bool, name: str, tenso
                          "keeps its own blocks (quantization='gguf' or unset)")
     if tensor_parallel_size != 1:
         raise ValueError(f"quantization={quantization!r} runs on one device; use tensor_parallel_size=1")
+    storage_format(quantization)  # refuses fp8 on CPU before any weight is read
 
 
 def read_safetensors(folder: Path) -> dict[str, np.ndarray]:
@@ -233,7 +235,8 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
     the returned config holds the KV heads the model really has (repeated when tp exceeds them).
     `mm_processor_kwargs`: a vision-language model's image-processor settings (jvllm.model_loader.vision).
     `quantization`: a GGUF model keeps its quantized blocks as `keeps_gguf_blocks` says; a float checkpoint with
-    "int8" has its projections and embeddings quantized at load (jvllm.model_loader.quantize_weights)."""
+    "int8" or "fp8" has its projections and embeddings quantized at load, in the format of the backend
+    (jvllm.model_loader.quantize_weights)."""
     if load_format not in ("auto", "safetensors", "gguf", "dummy"):
         raise ValueError(f"unknown load_format {load_format!r}; choose auto, safetensors, gguf or dummy")
     path, name = resolve_model_path(model)

@@ -32,8 +32,8 @@ def batched_weights_for(requested: Any, dtype: Any, loaded: Any) -> Any:
         return resolve_dtype(requested)
     if dtype != "auto" or loaded.is_encoder or jax.default_backend() != "cpu" or jnp.dtype(loaded.dtype) != jnp.float32:
         return None
-    if any(leaf.dtype == jnp.uint8 for leaf in jax.tree.leaves(loaded.state)):
-        return None  # GGUF blocks: the native kernels serve batched steps from the blocks themselves
+    if any(leaf.dtype.itemsize == 1 for leaf in jax.tree.leaves(loaded.state)):
+        return None  # quantized weights (GGUF blocks: the native kernels serve batched steps from the blocks)
     weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(loaded.state))
     if weight_bytes > AUTO_COPY_MAX_RAM_FRACTION * _host_memory_bytes():
         return None
@@ -48,10 +48,12 @@ def _host_memory_bytes() -> int:
 
 
 def cast_matrices(weights: list[jax.Array], dtype: Any, out_in: list[bool] | None = None) -> list[jax.Array]:
-    """A copy of the weights with every float matrix (ndim >= 2) in `dtype`; norms, biases and quantized blocks keep
-    theirs. The leaves flagged in `out_in` (Linear kernels [in, out]) are stored transposed, [out, in]."""
+    """A copy of the weights with every float matrix (ndim >= 2) in `dtype`; norms, biases and quantized weights
+    (GGUF blocks, int8 and float8 codes) keep theirs. The leaves flagged in `out_in` (Linear kernels [in, out]) are
+    stored transposed, [out, in]."""
     flags = out_in or [False] * len(weights)
-    return [(a.T if flip else a).astype(dtype) if a.ndim >= 2 and jnp.issubdtype(a.dtype, jnp.floating) else a
+    return [(a.T if flip else a).astype(dtype)
+            if a.ndim >= 2 and jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize > 1 else a
             for a, flip in zip(weights, flags)]
 
 
