@@ -34,4 +34,8 @@ for shape in smollm2 llama8b; do
         --dtype bfloat16 --batched-weight-dtype none --no-baseline --num-prompts 64 --input-len 128 \
         --output-len 128 --wide 256 --json "$out/throughput_${shape}_gpu.json"
 done
+# the same 8B shape with fp8 weights (per-channel codes, bf16 activations): single stream and the 64-prompt batch
+step throughput_llama8b_fp8 python3 -m benchmarks.throughput --model .gpu/llama8b-shape --load-format dummy \
+    --dtype bfloat16 --quantization fp8 --batched-weight-dtype none --no-baseline --scenarios single,batch \
+    --num-prompts 64 --input-len 128 --output-len 128 --json "$out/throughput_llama8b_fp8_gpu.json"
 exit $status
