@@ -3,25 +3,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
-# Defaults for vLLM's CPU backend; set before importing vllm, caller's values win. For best speed the
-# caller should also set LD_PRELOAD=<libtcmalloc_minimal.so.4>:<venv>/lib/libiomp5.so (vLLM CPU guide).
-ENV_DEFAULTS = {
-    "VLLM_CPU_KVCACHE_SPACE": "4",  # GiB of KV cache
-    "VLLM_CPU_OMP_THREADS_BIND": "0-1",  # both cores of this machine
-    "HF_HUB_OFFLINE": "1",  # local folder only; the hub is unreachable here
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-}
-for _k, _v in ENV_DEFAULTS.items():
-    os.environ.setdefault(_k, _v)
-# This folder's modules (kernels.py, common.py, ...) would shadow packages that vllm/transformers import.
-_here = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+import peer_vllm_env  # this folder is sys.path[0] when run as a script
+
+peer_vllm_env.prepare()
 
 import vllm  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
