@@ -8,9 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.channel_quant import CHANNEL_FORMATS, check_channels
-from models.params import normal_param
-from models.quantized import check_blocks, quantized_dot
+from models.params import normal_param, value_or_none
+from models.quantized import check_quantized, quantized_dot
 
 
 # Up to this many token rows, a kernel stored [out, in] is applied as (kernel @ x^T)^T, which XLA CPU runs faster
@@ -48,20 +47,15 @@ class Linear(nnx.Module):
     def set_quantized(self, blocks: jax.Array, fmt: str, scale: jax.Array | None = None) -> None:
         """Hold GGUF blocks [out, row bytes] of format `fmt` in place of the float kernel, or for a per-channel
         format its codes [out, in] and `scale` [out]."""
-        what = f"a {self.d_in} -> {self.d_out} projection"
-        if fmt in CHANNEL_FORMATS:
-            check_channels(blocks, scale, self.d_out, self.d_in, fmt, what)
+        if check_quantized(blocks, scale, self.d_out, self.d_in, fmt, f"a {self.d_in} -> {self.d_out} projection"):
             self.scale = nnx.data(nnx.Param(scale))  # data, though it was a static None
-        else:
-            check_blocks(blocks, self.d_out, self.d_in, fmt, what)
         self.kernel = nnx.Param(blocks)
         self.quant = fmt
 
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel[...]
         if self.quant is not None:
-            scale = None if self.scale is None else self.scale[...]  # [out]
-            y = quantized_dot(x, kernel, self.quant, scale)  # [T, out] float32
+            y = quantized_dot(x, kernel, self.quant, value_or_none(self.scale))  # [T, out] float32; scale [out]
             if self.bias is not None:
                 y = y + self.bias[...].astype(jnp.float32)
             return y.astype(x.dtype)

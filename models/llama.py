@@ -10,13 +10,12 @@ import numpy as np
 from flax import nnx
 
 from models.attention import AttentionMetadata, KVCache, LayerAttention, attention_mesh, value_dtype
-from models.channel_quant import CHANNEL_FORMATS, check_channels
 from models.config import ModelConfig
 from models.layers import MLP, Linear, RMSNorm, mlp_hf_parameters
 from models.hf_names import ArraySource, DerivedTensors, row_range
 from models.moe import SparseMoE
-from models.params import normal_param
-from models.quantized import check_blocks, dequantized_rows, quantized_dot
+from models.params import normal_param, value_or_none
+from models.quantized import check_quantized, dequantized_rows, quantized_dot
 from models.rope import apply_rotary, attention_factor, inverse_frequencies, mrope_rotary_tables, rotary_tables
 
 LayerResults = list  # per layer: what the attention call returned beside its output
@@ -98,11 +97,8 @@ class LlamaForCausalLM(nnx.Module):
 
     def _check_quantized(self, blocks: jax.Array, fmt: str, scale: jax.Array | None, what: str) -> nnx.Param | None:
         """ValueError unless `blocks` (and `scale`) hold a [V, D] table in format `fmt`; -> the scale's Param."""
-        rows, k = self.config.vocab_size, self.config.hidden_size
-        if fmt in CHANNEL_FORMATS:
-            check_channels(blocks, scale, rows, k, fmt, what)
+        if check_quantized(blocks, scale, self.config.vocab_size, self.config.hidden_size, fmt, what):
             return nnx.data(nnx.Param(scale))  # data, though the attribute was a static None
-        check_blocks(blocks, rows, k, fmt, what)
         return None
 
     def set_quantized_embedding(self, blocks: jax.Array, fmt: str, scale: jax.Array | None = None) -> None:
@@ -130,8 +126,8 @@ class LlamaForCausalLM(nnx.Module):
         """Rows `input_ids` [T] of the table -> [T, D]."""
         if self.embed_quant is None:
             return table[input_ids]
-        scale = None if self.embed_scale is None else self.embed_scale[...]  # [V]
-        return dequantized_rows(table, input_ids, self.embed_quant, self.config.hidden_size, scale)
+        return dequantized_rows(table, input_ids, self.embed_quant, self.config.hidden_size,
+                                value_or_none(self.embed_scale))
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache, md: AttentionMetadata,
                  attention: LayerAttention, embed: EmbedLookup | None = None) -> tuple[jax.Array, LayerResults]:
@@ -174,13 +170,11 @@ class LlamaForCausalLM(nnx.Module):
         if self.lm_head is None:
             table = self.embed_tokens[...]
             if self.embed_quant is not None:
-                scale = None if self.embed_scale is None else self.embed_scale[...]  # [V]
-                return quantized_dot(hidden, table, self.embed_quant, scale)
+                return quantized_dot(hidden, table, self.embed_quant, value_or_none(self.embed_scale))
             return jnp.einsum("sd,vd->sv", hidden.astype(table.dtype), table, preferred_element_type=jnp.float32)
         head = self.lm_head[...]
         if self.head_quant is not None:
-            scale = None if self.head_scale is None else self.head_scale[...]  # [V]
-            return quantized_dot(hidden, head, self.head_quant, scale)
+            return quantized_dot(hidden, head, self.head_quant, value_or_none(self.head_scale))
         return jnp.einsum("sd,dv->sv", hidden.astype(head.dtype), head, preferred_element_type=jnp.float32)
 
     def hf_parameters(self, available: Container[str]) -> Iterator[HFParameter]:

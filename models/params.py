@@ -12,3 +12,8 @@ def normal_param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype: jnp.dtype
     if rngs is None:
         return nnx.Param(jax.ShapeDtypeStruct(shape, dtype))
     return nnx.Param((jax.random.normal(rngs.params(), shape, jnp.float32) * 0.02).astype(dtype))
+
+
+def value_or_none(param: nnx.Param | None) -> jax.Array | None:
+    """The array a Param holds, or None for an absent one (e.g. the scale of a format that has none)."""
+    return None if param is None else param[...]

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.channel_quant import CHANNEL_FORMATS, channel_dot, channel_rows
+from models.channel_quant import CHANNEL_FORMATS, channel_dot, channel_rows, check_channels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +80,16 @@ def _dequantize_k(blocks: jax.Array, fmt: str) -> jax.Array:
         qh = blocks[..., 16:48].reshape(*lead, 1, 32)
         q = q | (((qh >> jnp.arange(8, dtype=jnp.uint8).reshape(8, 1)) & 1) << 4)
     return d * q.astype(jnp.float32) - dm
+
+
+def check_quantized(raw: jax.Array, scale: jax.Array | None, rows: int, k: int, fmt: str, what: str) -> bool:
+    """ValueError unless `raw` holds [rows, k] weights in format `fmt`: GGUF blocks [rows, row bytes], or per-channel
+    codes [rows, k] with `scale` [rows]; -> whether the format is per-channel (it then needs its scale)."""
+    if fmt in CHANNEL_FORMATS:
+        check_channels(raw, scale, rows, k, fmt, what)
+        return True
+    check_blocks(raw, rows, k, fmt, what)
+    return False
 
 
 def dequantize(raw: jax.Array, fmt: str, k: int) -> jax.Array:
