@@ -61,6 +61,7 @@ def bench(args: argparse.Namespace, url: str, name: str, tokenizer: str, rate: s
         command = [args.vllm_python, str(HERE / "peer_vllm_cli.py"), "bench", "serve", "--backend", "openai",
                    "--base-url", url, "--model", name, "--tokenizer", tokenizer, "--dataset-name", "random",
                    "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+                   "--random-range-ratio", str(args.range_ratio),
                    "--num-prompts", str(prompts), "--request-rate", rate, "--ignore-eos", "--seed", str(seed),
                    "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles",
                    "50,99", "--disable-tqdm", "--save-result", "--result-dir", folder, "--result-filename", "r.json"]
@@ -136,6 +137,8 @@ def main() -> None:
     parser.add_argument("--warmup-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--range-ratio", type=float, default=0.0,
+                        help="lengths uniform in len * (1 +- ratio) (vLLM's --random-range-ratio; 0: all equal)")
     parser.add_argument("--rates", default="inf,4", help="comma-separated request rates (requests/s; inf: all at once)")
     parser.add_argument("--rounds", type=int, default=2, help="fresh servers per engine, alternating")
     parser.add_argument("--port", type=int, default=8765)
@@ -154,8 +157,8 @@ def main() -> None:
             rounds.setdefault(name, []).append(one_round(args, name, command, env, folder, round_index))
     summary = summarize(rounds, args.rates.split(","))
     if args.out:
-        settings = {key: getattr(args, key) for key in ("num_prompts", "input_len", "output_len", "rates",
-                                                        "vllm_dtype", "warmup_prompts")}
+        keys = ("num_prompts", "input_len", "output_len", "range_ratio", "rates", "vllm_dtype", "warmup_prompts")
+        settings = {key: getattr(args, key) for key in keys}
         pathlib.Path(args.out).write_text(json.dumps(dict(model=gguf, settings=settings, **summary, rounds=rounds),
                                                      indent=1) + "\n")
 

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import runpy
 import statistics
 import sys
 import time
 
-import peer_vllm_env  # this folder is sys.path[0] when run as a script
-
-peer_vllm_env.prepare()
+# by path: the spawned engine process re-runs this script without its folder on sys.path
+runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_vllm_env.py"))["prepare"]()
 
 import vllm  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402

