@@ -2,7 +2,7 @@
 //   y[M, N] = x[M, K] . W[N, K]^T   (x, y float32; W as its GGUF blocks, row n = whole blocks of one format)
 //
 // The weights stay in the file's blocks and are unpacked in registers (one row block at a time for a few rows
-// of x, or one tile of weight rows into a small float buffer reused by every row of x); activations and
+// of x, or into float tiles reused by every row of x: float_tiles.h); activations and
 // accumulation stay float32, so the result is the float32 product with the dequantized weights up to summation
 // order. Work items are ranges of output rows, shared by the caller and the kernels' helper threads.
 //
@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "block_formats.h"
+#include "float_tiles.h"
 #include "int16_dots.h"
 #include "run_items.h"
 #include "xla/ffi/api/ffi.h"
@@ -22,27 +23,14 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kBlock = 32;  // weights per sub-block: the unit the kernels walk a row in
 constexpr int64_t kMinRowsPerItem = 16;  // output rows per work item, at least
 
-// Weight rows stream from memory once per step, a few rows at a time: each block is fetched while the same block of
-// the rows one group earlier is multiplied (the hardware prefetchers alone leave two thirds of the bandwidth unused).
-// A prefetch past the end of the weights is harmless (it never faults).
-inline void Prefetch(const uint8_t* p) {
-#if defined(__SSE__)
-  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-#else
-  __builtin_prefetch(p);
-#endif
-}
-
+using jvllm::kBlock;
 using jvllm::kLanes;
 using jvllm::kVecsPerSub;
+using jvllm::LoadV;
 using jvllm::V8;
-using V8Unaligned = jvllm::V8Unaligned;
 
-inline V8 LoadV(const float* p) { return *reinterpret_cast<const V8Unaligned*>(p); }
-inline void StoreV(float* p, V8 x) { *reinterpret_cast<V8Unaligned*>(p) = x; }
 inline float Sum(V8 x) {
   float total = 0.0f;
   for (int i = 0; i < kLanes; ++i) total += x[i];
@@ -53,24 +41,9 @@ struct Shapes {
   int64_t m, k, n, blocks;  // blocks = k / 32 (sub-blocks of 32 weights a row)
 };
 
-// Up to kDirectRows rows of x: each weight block is dequantized in registers and used at once.
+// Up to kDirectRows rows of x: each weight block is dequantized in registers and used at once; from 2, the paths of
+// float_tiles.h.
 constexpr int64_t kDirectRows = 1;
-// Otherwise kTileRows weight rows at a time are dequantized into a float tile reused by every panel of kPanelRows
-// rows of x (6 x 16: 12 accumulators, two x vectors and a broadcast weight fill AVX2's 16 registers).
-constexpr int kTileRows = 6;
-constexpr int kPanelRows = 16;
-
-// x [M, K] -> panels [ceil(M / 16), K, 16]: panel p holds rows 16p.. k-major, padded with zero rows.
-inline void PackPanels(const float* x, int64_t m, int64_t k, std::vector<float>& out) {
-  const int64_t panels = (m + kPanelRows - 1) / kPanelRows;
-  out.assign(static_cast<size_t>(panels * k * kPanelRows), 0.0f);
-  for (int64_t row = 0; row < m; ++row) {
-    float* dst = out.data() + (row / kPanelRows) * k * kPanelRows + row % kPanelRows;
-    const float* src = x + row * k;
-    for (int64_t c = 0; c < k; ++c) dst[c * kPanelRows] = src[c];
-  }
-}
-
 #if defined(__AVX2__)
 using Int16Rows = jvllm::Int16Rows;
 #else
@@ -80,17 +53,18 @@ struct Int16Rows {};
 template <typename Fmt>
 class Matmul {
  public:
-  // With `xq` (x quantized to int16 blocks), rows are multiplied with integer dot products.
-  // With `panels` (x packed by PackPanels), rows are multiplied from dequantized weight tiles.
+  // With `xq` (x quantized to int16 blocks), rows are multiplied with integer dot products; from 2 rows without it,
+  // from dequantized weight tiles (`panels`: x packed by PackPanels where that path takes them).
   Matmul(Shapes sh, const float* x, const uint8_t* w, float* y, const Int16Rows* xq = nullptr,
          const float* panels = nullptr)
-      : sh_(sh), x_(x), w_(w), y_(y), xq_(xq), panels_(panels) {}
+      : sh_(sh), x_(x), w_(w), y_(y), xq_(xq), tiles_(sh.m, sh.k, sh.n, x, w, y, panels) {}
 
   // Two contiguous ranges of rows per thread: each thread streams long runs of the weights, and one that started
-  // late still finds work.
+  // late still finds work. The blocked path takes whole tiles.
   int64_t rows_per_item() const {
     const int64_t items = 2 * (jvllm::HelperPool::Get().num_helpers() + 1);
-    return std::max<int64_t>(kMinRowsPerItem, ((sh_.n + items - 1) / items + 3) / 4 * 4);
+    const int64_t unit = xq_ == nullptr && sh_.m >= jvllm::kBlockedMinRows ? jvllm::kTileCols : 4;
+    return std::max<int64_t>(kMinRowsPerItem, ((sh_.n + items - 1) / items + unit - 1) / unit * unit);
   }
   int64_t num_items() const { return (sh_.n + rows_per_item() - 1) / rows_per_item(); }
 
@@ -112,17 +86,14 @@ class Matmul {
     if (sh_.m <= kDirectRows) {
       for (int64_t m = 0; m < sh_.m; ++m) Direct(m, n0, n1);
     } else {
-      Tiled(n0, n1);
+      tiles_.Run(n0, n1);
     }
   }
 
  private:
   int64_t blocks_per_row() const { return sh_.k / Fmt::kWeights; }
   const uint8_t* Row(int64_t n) const { return w_ + n * blocks_per_row() * Fmt::kBytes; }
-  // Fetches a block (its cache lines) ahead of use.
-  static void PrefetchBlock(const uint8_t* block) {
-    for (int offset = 0; offset < Fmt::kBytes; offset += 64) Prefetch(block + offset);
-  }
+  static void PrefetchBlock(const uint8_t* block) { jvllm::PrefetchBlock<Fmt>(block); }
 
 #if defined(__AVX2__)
   // Rows [m, m + X) of x (quantized) against weight rows [n0, n1), R weight rows at a time.
@@ -199,89 +170,12 @@ class Matmul {
     for (int r = 0; r < R; ++r) y_[m * sh_.n + n + r] = Sum(acc[r]);
   }
 
-  // Every row of x against weight rows [n0, n1): kTileRows weight rows at a time are dequantized into a float tile
-  // [kTileRows, K], then every panel of kPanelRows rows of x (packed k-major) is multiplied with it: per k, the
-  // panel's two vectors of x times each tile row's weight broadcast (an outer product into 12 accumulators).
-  void Tiled(int64_t n0, int64_t n1) const {
-    thread_local std::vector<float> tile;
-    tile.resize(static_cast<size_t>(kTileRows) * sh_.k);
-    const int64_t panels = (sh_.m + kPanelRows - 1) / kPanelRows;
-    for (int64_t n = n0; n < n1; n += kTileRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kTileRows, n1 - n));
-      for (int r = 0; r < rows; ++r) {
-        const uint8_t* src = Row(n + r);
-        float* dst = tile.data() + r * sh_.k;
-        for (int64_t block = 0; block < blocks_per_row(); ++block) {
-          const uint8_t* w_block = src + block * Fmt::kBytes;
-          PrefetchBlock(Row(n + kTileRows + r) + block * Fmt::kBytes);
-          float d[Fmt::kSubs], c[Fmt::kSubs];
-          Fmt::Scales(w_block, d, c);
-#pragma GCC unroll 8
-          for (int s = 0; s < Fmt::kSubs; ++s) {
-            V8 w[kVecsPerSub];
-            Fmt::Dequant(w_block, s, d[s], c[s], w);
-            float* out = dst + (block * Fmt::kSubs + s) * kBlock;
-            for (int v = 0; v < kVecsPerSub; ++v) StoreV(out + v * kLanes, w[v]);
-          }
-        }
-      }
-      for (int64_t p = 0; p < panels; ++p) {
-        if (rows == kTileRows) {
-          PanelTimesTile<kTileRows>(tile.data(), p, n);
-        } else {
-          for (int r = 0; r < rows; ++r) PanelTimesTile<1>(tile.data() + r * sh_.k, p, n + r);
-        }
-      }
-    }
-  }
-
-  template <int R>
-  void PanelTimesTile(const float* tile, int64_t p, int64_t n) const {
-    const int64_t k = sh_.k;
-    const float* panel = panels_ + p * k * kPanelRows;  // [K, kPanelRows]
-    float out[R][kPanelRows];
-#if defined(__AVX2__)
-    __m256 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < k; ++c) {
-      const __m256 x0 = _mm256_loadu_ps(panel + c * kPanelRows), x1 = _mm256_loadu_ps(panel + c * kPanelRows + 8);
-      for (int r = 0; r < R; ++r) {
-        const __m256 w = _mm256_broadcast_ss(tile + r * k + c);
-        acc[r][0] = _mm256_fmadd_ps(w, x0, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(w, x1, acc[r][1]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(out[r], acc[r][0]);
-      _mm256_storeu_ps(out[r] + 8, acc[r][1]);
-    }
-#else
-    V8 acc[R][2] = {};
-    for (int64_t c = 0; c < k; ++c) {
-      const V8 x0 = LoadV(panel + c * kPanelRows), x1 = LoadV(panel + c * kPanelRows + kLanes);
-      for (int r = 0; r < R; ++r) {
-        const float w = tile[r * k + c];
-        acc[r][0] += w * x0;
-        acc[r][1] += w * x1;
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      StoreV(out[r], acc[r][0]);
-      StoreV(out[r] + kLanes, acc[r][1]);
-    }
-#endif
-    const int64_t m0 = p * kPanelRows, live = std::min<int64_t>(kPanelRows, sh_.m - m0);
-    for (int r = 0; r < R; ++r) {
-      for (int64_t i = 0; i < live; ++i) y_[(m0 + i) * sh_.n + n + r] = out[r][i];
-    }
-  }
-
   Shapes sh_;
   const float* x_;
   const uint8_t* w_;
   float* y_;
   const Int16Rows* xq_;
-  const float* panels_;
+  jvllm::FloatTiles<Fmt> tiles_;
 };
 
 template <typename Fmt>
@@ -300,7 +194,7 @@ ffi::Error Run(Shapes sh, const float* x, const uint8_t* w, float* y, int64_t ro
   }
 #endif
   thread_local std::vector<float> panels;
-  if (sh.m > kDirectRows) PackPanels(x, sh.m, sh.k, panels);
+  if (sh.m > kDirectRows && sh.m < jvllm::kBlockedMinRows) jvllm::PackPanels(x, sh.m, sh.k, panels);
   Matmul<Fmt> work(sh, x, w, y, nullptr, panels.data());
   jvllm::RunItems(work);
   return ffi::Error::Success();

@@ -43,7 +43,13 @@ def random_blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
     return quantize_reference(weights, fmt)
 
 
-@pytest.mark.parametrize("fmt, m, n, k", cases([1, 2, 3, 4, 5, 17, 64], [1, 5, 17]))
+# Prefill-sized products (the blocked path from 128 rows): ragged row groups and blocks of x, depth slices, tiles
+# split across chunks (K = 8192: two tiles a chunk), in both block sizes.
+PREFILL_CASES = [("q4_1", 130, 33, 576), ("q8_0", 263, 130, 96), ("q6_k", 134, 7, 768), ("q4_1", 129, 50, 8192),
+                 ("q4_k", 128, 40, 8192)]
+
+
+@pytest.mark.parametrize("fmt, m, n, k", cases([1, 2, 3, 4, 5, 17, 64], [1, 5, 17]) + PREFILL_CASES)
 def test_kernel_matches_dequantize_then_float64_matmul(fmt, m, n, k):
     raw = random_blocks(fmt, n, k, seed=m * 1000 + n)
     x = np.random.default_rng(n).standard_normal((m, k)).astype(np.float32)
