@@ -81,6 +81,24 @@ class FloatTiles {
   int64_t blocks_per_row() const { return k_ / Fmt::kWeights; }
   const uint8_t* Row(int64_t n) const { return w_ + n * blocks_per_row() * Fmt::kBytes; }
 
+  // Weight row n -> dst [K] floats, while the blocks of row n + ahead are fetched.
+  void DequantizeRow(int64_t n, int64_t ahead, float* dst) const {
+    const uint8_t* src = Row(n);
+    for (int64_t block = 0; block < blocks_per_row(); ++block) {
+      const uint8_t* w_block = src + block * Fmt::kBytes;
+      PrefetchBlock<Fmt>(Row(n + ahead) + block * Fmt::kBytes);
+      float d[Fmt::kSubs], c[Fmt::kSubs];
+      Fmt::Scales(w_block, d, c);
+#pragma GCC unroll 8
+      for (int s = 0; s < Fmt::kSubs; ++s) {
+        V8 w[kVecsPerSub];
+        Fmt::Dequant(w_block, s, d[s], c[s], w);
+        float* out = dst + (block * Fmt::kSubs + s) * kBlock;
+        for (int v = 0; v < kVecsPerSub; ++v) StoreV(out + v * kLanes, w[v]);
+      }
+    }
+  }
+
   // Every row of x against weight rows [n0, n1): kTileRows weight rows at a time are dequantized into a float tile
   // [kTileRows, K], then every panel of kPanelRows rows of x (packed k-major) is multiplied with it: per k, the
   // panel's two vectors of x times each tile row's weight broadcast (an outer product into 12 accumulators).
@@ -91,21 +109,7 @@ class FloatTiles {
     for (int64_t n = n0; n < n1; n += kTileRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kTileRows, n1 - n));
       for (int r = 0; r < rows; ++r) {
-        const uint8_t* src = Row(n + r);
-        float* dst = tile.data() + r * k_;
-        for (int64_t block = 0; block < blocks_per_row(); ++block) {
-          const uint8_t* w_block = src + block * Fmt::kBytes;
-          PrefetchBlock<Fmt>(Row(n + kTileRows + r) + block * Fmt::kBytes);
-          float d[Fmt::kSubs], c[Fmt::kSubs];
-          Fmt::Scales(w_block, d, c);
-#pragma GCC unroll 8
-          for (int s = 0; s < Fmt::kSubs; ++s) {
-            V8 w[kVecsPerSub];
-            Fmt::Dequant(w_block, s, d[s], c[s], w);
-            float* out = dst + (block * Fmt::kSubs + s) * kBlock;
-            for (int v = 0; v < kVecsPerSub; ++v) StoreV(out + v * kLanes, w[v]);
-          }
-        }
+        DequantizeRow(n + r, kTileRows, tile.data() + r * k_);
       }
       for (int64_t p = 0; p < panels; ++p) {
         if (rows == kTileRows) {
@@ -213,20 +217,7 @@ class FloatTiles {
           std::fill(dst, dst + k, 0.0f);
           continue;
         }
-        const uint8_t* src = Row(n + row);
-        for (int64_t block = 0; block < blocks_per_row(); ++block) {
-          const uint8_t* w_block = src + block * Fmt::kBytes;
-          PrefetchBlock<Fmt>(Row(n + row + kLanes) + block * Fmt::kBytes);
-          float d[Fmt::kSubs], c[Fmt::kSubs];
-          Fmt::Scales(w_block, d, c);
-#pragma GCC unroll 8
-          for (int s = 0; s < Fmt::kSubs; ++s) {
-            V8 w[kVecsPerSub];
-            Fmt::Dequant(w_block, s, d[s], c[s], w);
-            float* out = dst + (block * Fmt::kSubs + s) * kBlock;
-            for (int v = 0; v < kVecsPerSub; ++v) StoreV(out + v * kLanes, w[v]);
-          }
-        }
+        DequantizeRow(n + row, kLanes, dst);
       }
       for (int64_t c = 0; c < k; c += kLanes) {
         Transpose8x8(rows.data() + c, k, tile + c * kTileCols + half * kLanes, kTileCols);
