@@ -81,8 +81,9 @@ class FloatTiles {
   int64_t blocks_per_row() const { return k_ / Fmt::kWeights; }
   const uint8_t* Row(int64_t n) const { return w_ + n * blocks_per_row() * Fmt::kBytes; }
 
-  // Weight row n -> dst [K] floats, while the blocks of row n + ahead are fetched.
-  void DequantizeRow(int64_t n, int64_t ahead, float* dst) const {
+  // Weight row n -> dst [K] floats, while the blocks of row n + ahead are fetched. Inlined by force: as a call, GCC
+  // compiled the panel path ~2.5x slower at 16-64 rows.
+  __attribute__((always_inline)) void DequantizeRow(int64_t n, int64_t ahead, float* dst) const {
     const uint8_t* src = Row(n);
     for (int64_t block = 0; block < blocks_per_row(); ++block) {
       const uint8_t* w_block = src + block * Fmt::kBytes;
