@@ -97,6 +97,7 @@ inline void ScaleMinK(const uint8_t* scales, int s, int& sc, int& mn) {
 
 struct Q8_0 {
   static constexpr int kWeights = 32, kBytes = 34, kSubs = 1;
+  static constexpr int kMaxCode = 128;  // the largest |code| Codes16 gives
   static void Scales(const uint8_t* b, float d[kSubs], float c[kSubs]) {
     d[0] = HalfToFloat(b);
     c[0] = 0.0f;
@@ -115,7 +116,7 @@ struct Q8_0 {
 // Q4_0 and Q4_1: 16 bytes of nibbles after the header; w = d * nibble + c.
 template <int kHeader>
 struct Nibbles32 {
-  static constexpr int kWeights = 32, kBytes = kHeader + 16, kSubs = 1;
+  static constexpr int kWeights = 32, kBytes = kHeader + 16, kSubs = 1, kMaxCode = 15;
   static void Scales(const uint8_t* b, float d[kSubs], float c[kSubs]) {
     d[0] = HalfToFloat(b);
     c[0] = kHeader == 2 ? -8.0f * d[0] : HalfToFloat(b + 2);
@@ -137,7 +138,7 @@ using Q4_1 = Nibbles32<4>;
 // Q4_K and Q5_K: sub-block s holds the low (s even) or high (s odd) nibbles of 32 bytes, Q5_K adds bit s of qh.
 template <bool kFifthBit>
 struct NibblesK {
-  static constexpr int kWeights = 256, kBytes = kFifthBit ? 176 : 144, kSubs = 8;
+  static constexpr int kWeights = 256, kBytes = kFifthBit ? 176 : 144, kSubs = 8, kMaxCode = kFifthBit ? 31 : 15;
   static constexpr int kQs = kFifthBit ? 48 : 16;  // where the nibbles start (qh, 32 bytes, at 16)
 
   static void Scales(const uint8_t* b, float d[kSubs], float c[kSubs]) {
@@ -184,6 +185,7 @@ using Q5_K = NibblesK<true>;
 // scales[2s + 1] (the next 16).
 struct Q6_K {
   static constexpr int kWeights = 256, kBytes = 210, kSubs = 8;
+  static constexpr int kMaxCode = 128 * 32;  // group scale times (q - 32), as Codes16 folds them
 
   static const uint8_t* Low(const uint8_t* b, int s) { return b + 64 * (s / 4) + 32 * (s & 1); }
   static const uint8_t* High(const uint8_t* b, int s) { return b + 128 + 32 * (s / 4); }

@@ -14,13 +14,13 @@
 
 namespace jvllm {
 
-// Rows of x in blocks of 32: q = round(x / d) in [-32767, 32767] with d = max|x| / 32767, and s = d * sum(q).
+// Rows of x in blocks of 32: q = round(x / d) in [-limit, limit] with d = max|x| / limit, and s = d * sum(q).
 struct Int16Rows {
   std::vector<int16_t> q;  // [M, K]
   std::vector<float> d;    // [M, K / 32]
   std::vector<float> s;    // [M, K / 32]
 
-  void Quantize(const float* x, int64_t m, int64_t k) {
+  void Quantize(const float* x, int64_t m, int64_t k, int32_t limit = 32767) {
     const int64_t blocks = k / 32;
     q.resize(static_cast<size_t>(m * k));
     d.resize(static_cast<size_t>(m * blocks));
@@ -38,7 +38,7 @@ struct Int16Rows {
       m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
       m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
       const float max_abs = _mm_cvtss_f32(m4);
-      const __m256 inverse = _mm256_set1_ps(max_abs > 0.0f ? 32767.0f / max_abs : 0.0f);
+      const __m256 inverse = _mm256_set1_ps(max_abs > 0.0f ? static_cast<float>(limit) / max_abs : 0.0f);
       __m256i ints[4];
       __m256i total = _mm256_setzero_si256();
       for (int i = 0; i < 4; ++i) {
@@ -55,7 +55,7 @@ struct Int16Rows {
       __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
       t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
       t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
-      const float scale = max_abs / 32767.0f;
+      const float scale = max_abs / static_cast<float>(limit);
       d[b] = scale;
       s[b] = scale * static_cast<float>(_mm_cvtsi128_si32(t));
     }

@@ -16,6 +16,7 @@
 #include "block_formats.h"
 #include "float_tiles.h"
 #include "int16_dots.h"
+#include "int16_tiles.h"
 #include "run_items.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -50,20 +51,30 @@ using Int16Rows = jvllm::Int16Rows;
 struct Int16Rows {};
 #endif
 
+// How a product's rows of x meet the weights (Matmul::Run).
+enum class Path { kIntRows, kDirect, kFloatTiles, kIntTiles };
+
 template <typename Fmt>
 class Matmul {
  public:
-  // With `xq` (x quantized to int16 blocks), rows are multiplied with integer dot products; from 2 rows without it,
-  // from dequantized weight tiles (`panels`: x packed by PackPanels where that path takes them).
-  Matmul(Shapes sh, const float* x, const uint8_t* w, float* y, const Int16Rows* xq = nullptr,
+  // kIntRows and kIntTiles take `xq` (x quantized to int16 blocks); kFloatTiles takes `panels` (x packed by
+  // PackPanels) where FloatTiles::TakesPanels.
+  Matmul(Path path, Shapes sh, const float* x, const uint8_t* w, float* y, const Int16Rows* xq = nullptr,
          const float* panels = nullptr)
-      : sh_(sh), x_(x), w_(w), y_(y), xq_(xq), tiles_(sh.m, sh.k, sh.n, x, w, y, panels) {}
+      : path_(path), sh_(sh), x_(x), w_(w), y_(y), xq_(xq), tiles_(sh.m, sh.k, sh.n, x, w, y, panels)
+#if defined(__AVX2__)
+        , int_tiles_(sh.m, sh.k, sh.n, xq, w, y)
+#endif
+  {
+  }
 
   // Two contiguous ranges of rows per thread: each thread streams long runs of the weights, and one that started
-  // late still finds work. The blocked path takes whole tiles.
+  // late still finds work. The tiled paths take whole tiles.
   int64_t rows_per_item() const {
     const int64_t items = 2 * (jvllm::HelperPool::Get().num_helpers() + 1);
-    const int64_t unit = xq_ == nullptr ? jvllm::FloatTiles<Fmt>::RowUnit(sh_.m) : 4;
+    const int64_t unit = path_ == Path::kFloatTiles ? jvllm::FloatTiles<Fmt>::RowUnit(sh_.m)
+                         : path_ == Path::kIntTiles ? jvllm::kTileCols
+                                                    : 4;
     return std::max<int64_t>(kMinRowsPerItem, ((sh_.n + items - 1) / items + unit - 1) / unit * unit);
   }
   int64_t num_items() const { return (sh_.n + rows_per_item() - 1) / rows_per_item(); }
@@ -71,7 +82,11 @@ class Matmul {
   void Run(int64_t item) const {
     const int64_t n0 = item * rows_per_item(), n1 = std::min(sh_.n, n0 + rows_per_item());
 #if defined(__AVX2__)
-    if (xq_ != nullptr) {
+    if (path_ == Path::kIntTiles) {
+      int_tiles_.Run(n0, n1);
+      return;
+    }
+    if (path_ == Path::kIntRows) {
       for (int64_t m = 0; m < sh_.m; m += 4) {
         switch (std::min<int64_t>(4, sh_.m - m)) {
           case 1: IntRange<4, 1>(m, n0, n1); break;
@@ -83,7 +98,7 @@ class Matmul {
       return;
     }
 #endif
-    if (sh_.m <= kDirectRows) {
+    if (path_ == Path::kDirect) {
       for (int64_t m = 0; m < sh_.m; ++m) Direct(m, n0, n1);
     } else {
       tiles_.Run(n0, n1);
@@ -169,38 +184,49 @@ class Matmul {
     for (int r = 0; r < R; ++r) y_[m * sh_.n + n + r] = Sum(acc[r]);
   }
 
+  Path path_;
   Shapes sh_;
   const float* x_;
   const uint8_t* w_;
   float* y_;
   const Int16Rows* xq_;
   jvllm::FloatTiles<Fmt> tiles_;
+#if defined(__AVX2__)
+  jvllm::Int16Tiles<Fmt> int_tiles_;
+#endif
 };
 
 template <typename Fmt>
-ffi::Error Run(Shapes sh, const float* x, const uint8_t* w, float* y, int64_t row_bytes,
-               int64_t int16_max_rows) {
+ffi::Error Run(Shapes sh, const float* x, const uint8_t* w, float* y, int64_t row_bytes, int64_t int16_max_rows,
+               int64_t int16_tile_min_rows) {
   if (sh.k % Fmt::kWeights != 0 || row_bytes != sh.k / Fmt::kWeights * Fmt::kBytes) {
     return ffi::Error::InvalidArgument("quantized_matmul: a weight row must be whole blocks of its format");
   }
 #if defined(__AVX2__)
-  if (sh.m <= int16_max_rows) {
+  const bool int_rows = sh.m <= int16_max_rows;
+  if (int_rows || (int16_tile_min_rows > 0 && sh.m >= int16_tile_min_rows)) {
     thread_local Int16Rows xq;
-    xq.Quantize(x, sh.m, sh.k);
-    Matmul<Fmt> work(sh, x, w, y, &xq);
+    xq.Quantize(x, sh.m, sh.k, int_rows ? 32767 : jvllm::Int16Limit<Fmt>());
+    Matmul<Fmt> work(int_rows ? Path::kIntRows : Path::kIntTiles, sh, x, w, y, &xq);
     jvllm::RunItems(work);
     return ffi::Error::Success();
   }
 #endif
+  if (sh.m <= kDirectRows) {
+    Matmul<Fmt> work(Path::kDirect, sh, x, w, y);
+    jvllm::RunItems(work);
+    return ffi::Error::Success();
+  }
   thread_local std::vector<float> panels;
-  if (sh.m > kDirectRows && jvllm::FloatTiles<Fmt>::TakesPanels(sh.m)) jvllm::PackPanels(x, sh.m, sh.k, panels);
-  Matmul<Fmt> work(sh, x, w, y, nullptr, panels.data());
+  if (jvllm::FloatTiles<Fmt>::TakesPanels(sh.m)) jvllm::PackPanels(x, sh.m, sh.k, panels);
+  Matmul<Fmt> work(Path::kFloatTiles, sh, x, w, y, nullptr, panels.data());
   jvllm::RunItems(work);
   return ffi::Error::Success();
 }
 
 ffi::Error QuantizedMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                               ffi::ResultBuffer<ffi::F32> y, int64_t format, int64_t int16_max_rows) {
+                               ffi::ResultBuffer<ffi::F32> y, int64_t format, int64_t int16_max_rows,
+                               int64_t int16_tile_min_rows) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] % kBlock != 0) {
@@ -211,12 +237,12 @@ ffi::Error QuantizedMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
   const uint8_t* wp = w.typed_data();
   float* yp = y->typed_data();
   switch (format) {
-    case jvllm::kQ8_0: return Run<jvllm::Q8_0>(sh, xp, wp, yp, wd[1], int16_max_rows);
-    case jvllm::kQ4_0: return Run<jvllm::Q4_0>(sh, xp, wp, yp, wd[1], int16_max_rows);
-    case jvllm::kQ4_1: return Run<jvllm::Q4_1>(sh, xp, wp, yp, wd[1], int16_max_rows);
-    case jvllm::kQ4_K: return Run<jvllm::Q4_K>(sh, xp, wp, yp, wd[1], int16_max_rows);
-    case jvllm::kQ5_K: return Run<jvllm::Q5_K>(sh, xp, wp, yp, wd[1], int16_max_rows);
-    case jvllm::kQ6_K: return Run<jvllm::Q6_K>(sh, xp, wp, yp, wd[1], int16_max_rows);
+    case jvllm::kQ8_0: return Run<jvllm::Q8_0>(sh, xp, wp, yp, wd[1], int16_max_rows, int16_tile_min_rows);
+    case jvllm::kQ4_0: return Run<jvllm::Q4_0>(sh, xp, wp, yp, wd[1], int16_max_rows, int16_tile_min_rows);
+    case jvllm::kQ4_1: return Run<jvllm::Q4_1>(sh, xp, wp, yp, wd[1], int16_max_rows, int16_tile_min_rows);
+    case jvllm::kQ4_K: return Run<jvllm::Q4_K>(sh, xp, wp, yp, wd[1], int16_max_rows, int16_tile_min_rows);
+    case jvllm::kQ5_K: return Run<jvllm::Q5_K>(sh, xp, wp, yp, wd[1], int16_max_rows, int16_tile_min_rows);
+    case jvllm::kQ6_K: return Run<jvllm::Q6_K>(sh, xp, wp, yp, wd[1], int16_max_rows, int16_tile_min_rows);
     default: return ffi::Error::InvalidArgument("quantized_matmul: unknown format");
   }
 }
@@ -229,4 +255,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmQuantizedMatmul, QuantizedMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::U8>>()   // w [N, K / block weights * block bytes]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<int64_t>("format")
-                                  .Attr<int64_t>("int16_max_rows"));
+                                  .Attr<int64_t>("int16_max_rows")
+                                  .Attr<int64_t>("int16_tile_min_rows"));

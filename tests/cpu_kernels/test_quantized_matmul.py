@@ -60,19 +60,42 @@ def test_kernel_matches_dequantize_then_float64_matmul(fmt, m, n, k):
     np.testing.assert_array_less(np.abs(got - want), 1e-6 * scale + 1e-30)  # float32 sums: ~K ulps of |x| |w|
 
 
-@pytest.mark.parametrize("fmt, m, n, k", cases([1, 2, 3, 4, 5, 8], [1, 3, 8]))
-def test_int16_activation_path_stays_within_its_precision(fmt, m, n, k):
+# (path, fmt, m, n, k): "rows" multiplies each row of x with the blocks unpacked in registers (up to 8 rows),
+# "tiles" with 16-bit code tiles (prefill sizes; here from one row, to cover ragged row groups too).
+INT16_CASES = ([("rows", *case) for case in cases([1, 2, 3, 4, 5, 8], [1, 3, 8])]
+               + [("tiles", *case) for case in cases([1, 7, 64], [5, 17]) + PREFILL_CASES])
+
+
+@pytest.mark.parametrize("path, fmt, m, n, k", INT16_CASES)
+def test_int16_activation_paths_stay_within_their_precision(path, fmt, m, n, k):
     """Activations quantized to int16 per block of 32 (one scale each): each product is within a few 1e-5 of
-    max|x| . sum|w| per block, far below float32-vs-bfloat16 differences."""
+    max|x| . sum|w| per block, far below float32-vs-bfloat16 differences. The tiles sum a whole block in 32 bits, so
+    for Q6_K (group scales folded into codes up to 4,096) x keeps 14 bits there."""
     raw = random_blocks(fmt, n, k, seed=m * 77 + n)
     x = np.random.default_rng(k).standard_normal((m, k)).astype(np.float32)
     x[:, :32] *= 1e4  # one block far larger than the rest: each block has its own scale
     w = dequantize_blocks(raw, fmt).astype(np.float64)
     want = x.astype(np.float64) @ w.T
-    got = np.asarray(jax.jit(lambda a, b: quantized_matmul(a, b, fmt, int16_max_rows=8))(x, raw))
+    options = {"int16_max_rows": 8} if path == "rows" else {"int16_tile_min_rows": 1}
+    got = np.asarray(jax.jit(lambda a, b: quantized_matmul(a, b, fmt, **options))(x, raw))
+    limit = 16383 if path == "tiles" and fmt == "q6_k" else 32767
     block_max = np.abs(x).reshape(m, k // 32, 32).max(-1)  # [m, blocks]
-    bound = block_max @ np.abs(w).reshape(n, k // 32, 32).sum(-1).T / 32767  # half a step per element, summed
+    bound = block_max @ np.abs(w).reshape(n, k // 32, 32).sum(-1).T / limit  # half a step per element, summed
     np.testing.assert_array_less(np.abs(got - want), bound + 1e-6 * np.abs(x) @ np.abs(w).T + 1e-30)
+
+
+def test_int16_tiles_keep_int32_sums_of_extreme_blocks():
+    """Q6_K codes at their extreme (group scale -128 times q - 32 = -32: 4,096) against x at its largest in every
+    element: a block's 32 products stay within int32 in the tiles, so the product is the float one."""
+    k, n, m = 256, 16, 64
+    raw = np.zeros((n, 210), np.uint8)  # ql, qh = 0: q = 0, q - 32 = -32
+    raw[:, 192:208] = np.uint8(128)  # int8 group scales -128
+    raw[:, 208:210] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
+    x = np.full((m, k), 3.0, np.float32)
+    w = dequantize_blocks(raw, "q6_k").astype(np.float64)
+    want = x.astype(np.float64) @ w.T
+    got = np.asarray(jax.jit(lambda a, b: quantized_matmul(a, b, "q6_k", int16_tile_min_rows=1))(x, raw))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

@@ -1,0 +1,212 @@
+// Products of many rows of x with GGUF weights through 16-bit integer dot products (AVX2 `vpmaddwd`: 16
+// multiply-adds an instruction against a float FMA's 8): x is quantized to int16 per block of 32 (int16_dots.h),
+// each weight row's codes are unpacked once per call into 16-bit tiles, and every row of x is multiplied with them.
+// Each 32-weight sub-block's integer sum is scaled into float accumulators:
+//   y[m, n] += d[n, s] * xd[m, s] * (codes[n, s] . xq[m, s]) + c[n, s] * xsum[m, s]
+// so the result is the float32 product up to x's 15-bit rounding (the int16_dots.h precision).
+#pragma once
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "block_formats.h"
+#include "float_tiles.h"
+#include "int16_dots.h"
+#include "transpose.h"
+
+namespace jvllm {
+
+// The largest x code for format Fmt: a sub-block's 32 products |code| * |x code| must sum within int32.
+template <typename Fmt>
+constexpr int32_t Int16Limit() {
+  return static_cast<int32_t>(std::min<int64_t>(32767, 2147483647LL / (32LL * Fmt::kMaxCode)));
+}
+
+// y[M, N] = x[M, K] . W[N, K]^T for ranges of output rows, x given quantized (Int16Rows with Int16Limit<Fmt>()).
+// The layout follows FloatTiles::Blocked: each thread unpacks up to kChunkBytes of its weight rows into tiles of
+// kTileCols rows, then sweeps x kBlockRows rows and kIntDepth weights at a time, kGroupRows rows against a tile's
+// slice (6 x 16 again: 12 integer accumulators, two weight vectors and a broadcast pair of x fill the 16 registers).
+template <typename Fmt>
+class Int16Tiles {
+ public:
+  // A tile's depth slice: 16 columns x 1,024 weights x 2 bytes = 32 KB (L1; 256 and 512 measured 1-5% slower).
+  static constexpr int64_t kIntDepth = 1024;
+  static constexpr int kPairs = kBlock / 2;  // 16-bit pairs a sub-block
+
+  Int16Tiles(int64_t m, int64_t k, int64_t n, const Int16Rows* xq, const uint8_t* w, float* y)
+      : m_(m), k_(k), n_(n), subs_(k / kBlock), xq_(xq), w_(w), y_(y) {}
+
+  void Run(int64_t n0, int64_t n1) const {
+    thread_local std::vector<int16_t> codes;  // tiles [K / 2, kTileCols, 2] one after another
+    thread_local std::vector<float> scales;   // per tile: d [subs, kTileCols], then c [subs, kTileCols]
+    const int64_t k = k_;
+    const int64_t slices = (k + kIntDepth - 1) / kIntDepth;
+    const int64_t depth_subs = (subs_ + slices - 1) / slices;
+    const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (k * kTileCols * 2)) * kTileCols;
+    const int64_t most_tiles = (std::min(chunk, n1 - n0) + kTileCols - 1) / kTileCols;
+    codes.resize(static_cast<size_t>(most_tiles * k * kTileCols));
+    scales.resize(static_cast<size_t>(most_tiles * 2 * subs_ * kTileCols));
+    for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
+      const int64_t c1 = std::min(n1, c0 + chunk), num_tiles = (c1 - c0 + kTileCols - 1) / kTileCols;
+      for (int64_t t = 0; t < num_tiles; ++t) {
+        const int64_t n = c0 + t * kTileCols;
+        TileCodes(n, static_cast<int>(std::min<int64_t>(kTileCols, c1 - n)), codes.data() + t * k * kTileCols,
+                  scales.data() + t * 2 * subs_ * kTileCols);
+      }
+      for (int64_t m0 = 0; m0 < m_; m0 += kBlockRows) {
+        const int64_t m1 = std::min(m_, m0 + kBlockRows);
+        for (int64_t s0 = 0; s0 < subs_; s0 += depth_subs) {
+          const int64_t subs = std::min(depth_subs, subs_ - s0);
+          for (int64_t t = 0; t < num_tiles; ++t) {
+            const int64_t n = c0 + t * kTileCols;
+            const Slice slice{codes.data() + (t * k + s0 * kBlock) * kTileCols,
+                              scales.data() + (t * 2 * subs_ + s0) * kTileCols,
+                              scales.data() + ((t * 2 + 1) * subs_ + s0) * kTileCols, s0, subs, n,
+                              static_cast<int>(std::min<int64_t>(kTileCols, c1 - n))};
+            int64_t m = m0;
+            for (; m + kGroupRows <= m1; m += kGroupRows) GroupTimesSlice<kGroupRows>(slice, m);
+            switch (m1 - m) {
+              case 1: GroupTimesSlice<1>(slice, m); break;
+              case 2: GroupTimesSlice<2>(slice, m); break;
+              case 3: GroupTimesSlice<3>(slice, m); break;
+              case 4: GroupTimesSlice<4>(slice, m); break;
+              case 5: GroupTimesSlice<5>(slice, m); break;
+              default: break;
+            }
+          }
+        }
+      }
+    }
+  }
+
+ private:
+  // Sub-blocks [s0, s0 + subs) of one tile: its codes, its d and c rows, which output columns.
+  struct Slice {
+    const int16_t* codes;  // [subs * kPairs, kTileCols, 2]
+    const float* d;        // [subs, kTileCols]
+    const float* c;        // [subs, kTileCols]
+    int64_t s0, subs, n;
+    int cols;
+  };
+
+  int64_t blocks_per_row() const { return k_ / Fmt::kWeights; }
+  const uint8_t* Row(int64_t n) const { return w_ + n * blocks_per_row() * Fmt::kBytes; }
+
+  // Weight rows [n, n + cols) -> codes [K / 2, kTileCols, 2] (row n + j's pair p at p * kTileCols + j, as one 32-bit
+  // unit) and their scales (zero columns past `cols`): each half of 8 rows is unpacked into `rows` [8, K], then
+  // its 32-bit pairs are transposed 8 x 8 at a time.
+  void TileCodes(int64_t n, int cols, int16_t* codes, float* scales) const {
+    thread_local std::vector<int16_t> rows;
+    const int64_t k = k_;
+    rows.resize(static_cast<size_t>(kLanes * k));
+    float* d = scales;
+    float* c = scales + subs_ * kTileCols;
+    for (int half = 0; half < kTileCols / kLanes; ++half) {
+      for (int r = 0; r < kLanes; ++r) {
+        const int col = half * kLanes + r;
+        int16_t* dst = rows.data() + r * k;
+        if (col >= cols) {
+          std::fill(dst, dst + k, int16_t{0});
+          for (int64_t s = 0; s < subs_; ++s) d[s * kTileCols + col] = c[s * kTileCols + col] = 0.0f;
+          continue;
+        }
+        const uint8_t* src = Row(n + col);
+        for (int64_t block = 0; block < blocks_per_row(); ++block) {
+          const uint8_t* w_block = src + block * Fmt::kBytes;
+          PrefetchBlock<Fmt>(Row(n + col + kLanes) + block * Fmt::kBytes);
+          float bd[Fmt::kSubs], bc[Fmt::kSubs];
+          Fmt::Scales(w_block, bd, bc);
+#pragma GCC unroll 8
+          for (int s = 0; s < Fmt::kSubs; ++s) {
+            const int64_t sub = block * Fmt::kSubs + s;
+            __m256i w0, w1;
+            Fmt::Codes16(w_block, s, w0, w1);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + sub * kBlock), w0);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + sub * kBlock + 16), w1);
+            d[sub * kTileCols + col] = bd[s];
+            c[sub * kTileCols + col] = bc[s];
+          }
+        }
+      }
+      // the pairs as 32-bit units: an 8 x 8 float transpose moves their bits unchanged
+      const float* src = reinterpret_cast<const float*>(rows.data());
+      float* out = reinterpret_cast<float*>(codes);
+      for (int64_t p = 0; p < k / 2; p += kLanes) {
+        Transpose8x8(src + p, k / 2, out + p * kTileCols + half * kLanes, kTileCols);
+      }
+    }
+  }
+
+  // Rows [m, m + R) of x, the slice's sub-blocks, times the tile -> y[m .. m + R, n .. n + cols), written by the
+  // first slice and added to by the others. Per sub-block: per pair of weights, R broadcast pairs of x against the
+  // tile's two vectors into int32 sums, then each sum scaled into float. (6 rows x 2 vectors measured fastest:
+  // 6 x 1, 8 x 1, 10 x 1, 12 x 1 and 4 x 2 ran 4-30% slower at 2,048 rows.)
+  template <int R>
+  void GroupTimesSlice(const Slice& slice, int64_t m) const {
+    constexpr int V = kTileCols / kLanes;
+    const int64_t k = k_, subs_total = subs_;
+    const int16_t* xq = xq_->q.data() + m * k + slice.s0 * kBlock;
+    const float* xd = xq_->d.data() + m * subs_total + slice.s0;
+    const float* xs = xq_->s.data() + m * subs_total + slice.s0;
+    V8 acc[R][V] = {};
+    for (int64_t s = 0; s < slice.subs; ++s) {
+      const int16_t* tile = slice.codes + s * kPairs * kTileCols * 2;
+      __m256i sums[R][V];
+      for (int r = 0; r < R; ++r) {
+        for (int v = 0; v < V; ++v) sums[r][v] = _mm256_setzero_si256();
+      }
+#pragma GCC unroll 16
+      for (int p = 0; p < kPairs; ++p) {
+        __m256i w[V];
+        for (int v = 0; v < V; ++v) {
+          w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + p * kTileCols * 2 + v * 2 * kLanes));
+        }
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, xq + r * k + s * kBlock + 2 * p, 4);
+          const __m256i xb = _mm256_set1_epi32(pair);
+          for (int v = 0; v < V; ++v) {
+            sums[r][v] = _mm256_add_epi32(sums[r][v], _mm256_madd_epi16(w[v], xb));
+            // kept in registers as running sums: otherwise GCC reassociates the unrolled loop into a tree of
+            // sums with the products spilled to the stack (~2x slower)
+            __asm__("" : "+x"(sums[r][v]));
+          }
+        }
+      }
+      for (int v = 0; v < V; ++v) {
+        const V8 d = LoadV(slice.d + s * kTileCols + v * kLanes);
+        const V8 c = LoadV(slice.c + s * kTileCols + v * kLanes);
+        for (int r = 0; r < R; ++r) {
+          acc[r][v] += (V8)_mm256_cvtepi32_ps(sums[r][v]) * (d * xd[r * subs_total + s]);
+          acc[r][v] += c * xs[r * subs_total + s];
+        }
+      }
+    }
+    const bool first = slice.s0 == 0;
+    for (int r = 0; r < R; ++r) {
+      float* yr = y_ + (m + r) * n_ + slice.n;
+      for (int v = 0; v < V; ++v) {
+        const int live = std::min(kLanes, slice.cols - v * kLanes);
+        if (live == kLanes) {
+          StoreV(yr + v * kLanes, first ? acc[r][v] : acc[r][v] + LoadV(yr + v * kLanes));
+        } else {
+          for (int j = 0; j < live; ++j) yr[v * kLanes + j] = first ? acc[r][v][j] : yr[v * kLanes + j] + acc[r][v][j];
+        }
+      }
+    }
+  }
+
+  int64_t m_, k_, n_, subs_;
+  const Int16Rows* xq_;
+  const uint8_t* w_;
+  float* y_;
+};
+
+}  // namespace jvllm
+
+#endif  // __AVX2__
