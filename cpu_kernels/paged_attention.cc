@@ -74,6 +74,28 @@ inline float VecExp(float x) {
   return underflow ? 0.0f : p * __builtin_bit_cast(float, bits);
 }
 
+typedef int32_t I32xL __attribute__((vector_size(4 * kLanes)));
+
+// VecExp on a whole vector (the same polynomial; lanes below -87.3 give 0).
+inline VF VecExp(VF x) {
+  const auto underflow = x < -87.3f;
+  x = x < -87.3f ? VF{} - 87.3f : (x > 88.7f ? VF{} + 88.7f : x);
+  const VF t = x * 1.44269504088896341f + 0.5f;
+  VF n = __builtin_convertvector(__builtin_convertvector(t, I32xL), VF);  // toward zero, then down to floor(t)
+  n = n > t ? n - 1.0f : n;
+  const VF r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  VF p = VF{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const I32xL bits = (__builtin_convertvector(n, I32xL) + 127) << 23;
+  const VF result = p * reinterpret_cast<const VF&>(bits);
+  return underflow ? VF{} : result;
+}
+
 // Gemma 2's soft cap: cap * tanh(x / cap), with tanh from VecExp.
 inline float SoftCap(float x, float cap) {
   const float t = VecExp(-2.0f * std::fabs(x / cap));
@@ -302,7 +324,8 @@ class Attention {
     for (int64_t j = nkeys; j < kBlockKeys; ++j)
       for (int64_t d = 0; d < hd; ++d) kt[d * kBlockKeys + j] = 0.0f;
     int64_t r = 0;
-    for (; r + 4 <= rows; r += 4) ScoreRows<4>(queries + r * hd, kt, hd, scores + r * kBlockKeys);
+    for (; r + 6 <= rows; r += 6) ScoreRows<6>(queries + r * hd, kt, hd, scores + r * kBlockKeys);
+    for (; r + 3 <= rows; r += 3) ScoreRows<3>(queries + r * hd, kt, hd, scores + r * kBlockKeys);
     for (; r < rows; ++r) ScoreRows<1>(queries + r * hd, kt, hd, scores + r * kBlockKeys);
     if (opt_.soft_cap > 0.0f) {
       for (int64_t r = 0; r < rows; ++r) {
@@ -312,21 +335,24 @@ class Attention {
     }
   }
 
-  // N rows of queries [N, hd] times transposed keys [hd, kBlockKeys] -> scores [N, kBlockKeys].
+  // N rows of queries [N, hd] times transposed keys [hd, kBlockKeys] -> scores [N, kBlockKeys], two vectors of keys
+  // at a time (N x 2 accumulators stay in registers; all of a block's keys at once spilled on AVX2).
   template <int N>
   static void ScoreRows(const float* queries, const float* kt, int64_t hd, float* scores) {
-    constexpr int kChunks = kBlockKeys / kLanes;
-    VF acc[N][kChunks] = {};
-    for (int64_t d = 0; d < hd; ++d) {
-      VF keys[kChunks];
-      for (int c = 0; c < kChunks; ++c) keys[c] = LoadV(kt + d * kBlockKeys + c * kLanes);
-      for (int n = 0; n < N; ++n) {
-        const float q = queries[n * hd + d];
-        for (int c = 0; c < kChunks; ++c) acc[n][c] += q * keys[c];
+    constexpr int kChunks = kBlockKeys / kLanes, kPass = 2;
+    for (int c0 = 0; c0 < kChunks; c0 += kPass) {
+      VF acc[N][kPass] = {};
+      for (int64_t d = 0; d < hd; ++d) {
+        VF keys[kPass];
+        for (int c = 0; c < kPass; ++c) keys[c] = LoadV(kt + d * kBlockKeys + (c0 + c) * kLanes);
+        for (int n = 0; n < N; ++n) {
+          const float q = queries[n * hd + d];
+          for (int c = 0; c < kPass; ++c) acc[n][c] += q * keys[c];
+        }
       }
+      for (int n = 0; n < N; ++n)
+        for (int c = 0; c < kPass; ++c) StoreV(scores + n * kBlockKeys + (c0 + c) * kLanes, acc[n][c]);
     }
-    for (int n = 0; n < N; ++n)
-      for (int c = 0; c < kChunks; ++c) StoreV(scores + n * kBlockKeys + c * kLanes, acc[n][c]);
   }
 
   // Causal (and sliding-window) mask: row r is query (first_pos + r / group); keys past nkeys are masked too.
@@ -355,9 +381,12 @@ class Attention {
       }
       const float new_max = row_max[r] > block_max ? row_max[r] : block_max;
       rescale[r] = VecExp(row_max[r] - new_max);
-      for (int j = 0; j < kBlockKeys; ++j) sr[j] = VecExp(sr[j] - new_max);
       VF sums = {};
-      for (int c = 0; c < kBlockKeys / kLanes; ++c) sums += LoadV(sr + c * kLanes);
+      for (int c = 0; c < kBlockKeys / kLanes; ++c) {
+        const VF probs = VecExp(LoadV(sr + c * kLanes) - new_max);
+        StoreV(sr + c * kLanes, probs);
+        sums += probs;
+      }
       row_max[r] = new_max;
       denom[r] = denom[r] * rescale[r] + Sum(sums);
     }
