@@ -334,7 +334,7 @@ class Attention {
   }
 
   // N rows of queries [N, hd] times transposed keys [hd, kBlockKeys] -> scores [N, kBlockKeys], two vectors of keys
-  // at a time (N x 2 accumulators stay in registers; all of a block's keys at once spilled on AVX2).
+  // at a time: N x 2 accumulators fit AVX2's 16 registers, where N x a whole block's 8 vectors would not.
   template <int N>
   static void ScoreRows(const float* queries, const float* kt, int64_t hd, float* scores) {
     constexpr int kChunks = kBlockKeys / kLanes, kPass = 2;

@@ -1,10 +1,12 @@
 // Matrix products with GGUF-quantized weights for XLA CPU, as an XLA FFI custom call:
 //   y[M, N] = x[M, K] . W[N, K]^T   (x, y float32; W as its GGUF blocks, row n = whole blocks of one format)
 //
-// The weights stay in the file's blocks and are unpacked in registers (one row block at a time for a few rows
-// of x, or into float tiles reused by every row of x: float_tiles.h); activations and
-// accumulation stay float32, so the result is the float32 product with the dequantized weights up to summation
-// order. Work items are ranges of output rows, shared by the caller and the kernels' helper threads.
+// The weights stay in the file's blocks. Which rows of x meet them how (Path): few rows (up to the caller's
+// int16_max_rows) with x quantized to int16 blocks and each weight block unpacked in registers (int16_dots.h);
+// from int16_tile_min_rows with x so quantized against 16-bit code tiles (int16_tiles.h); the rows between through
+// float32 weight tiles (float_tiles.h), a lone row without int16 through blocks dequantized in registers. The float
+// paths give the float32 product with the dequantized weights up to summation order, the int16 ones within ~3e-5 of
+// it. Work items are ranges of output rows, shared by the caller and the kernels' helper threads.
 //
 // The block formats are described in block_formats.h.
 
