@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="replays of the step under the profiler")
     parser.add_argument("--top", type=int, default=15, help="how many single ops to list")
     parser.add_argument("--batched-weight-dtype", default="bfloat16", help="as in benchmarks.throughput")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="what the KV pages hold: auto, bfloat16, float32")
     args = parser.parse_args(argv)
     import os
 
@@ -121,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     from jvllm import Engine
 
     engine = Engine(args.model, load_format=args.load_format, max_num_seqs=max(args.rows, 1),
-                    batched_weight_dtype=None if args.batched_weight_dtype == "none" else args.batched_weight_dtype)
+                    batched_weight_dtype=None if args.batched_weight_dtype == "none" else args.batched_weight_dtype,
+                    kv_cache_dtype=args.kv_cache_dtype)
     if args.prefill:
         call = capture_prefill_call(engine, args.rows, args.prompt_len)
     else:

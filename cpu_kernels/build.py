@@ -17,8 +17,7 @@ import tempfile
 
 HERE = pathlib.Path(__file__).parent
 SOURCES = [HERE / "paged_attention.cc", HERE / "quantized_matmul.cc"]
-HEADERS = [HERE / "run_items.h", HERE / "int16_dots.h", HERE / "block_formats.h", HERE / "transpose.h",
-           HERE / "float_tiles.h", HERE / "int16_tiles.h"]
+HEADERS = sorted(HERE.glob("*.h"))
 TARGETS = {  # XLA custom-call name -> exported handler symbol
     "jvllm_paged_attention": "JvllmPagedAttention",
     "jvllm_paged_attention_write": "JvllmPagedAttentionWrite",

@@ -21,90 +21,22 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "attention_vectors.h"
+#include "few_row_attention.h"
 #include "run_items.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using namespace jvllm;
+
 constexpr int kBlockKeys = 64;     // keys per score block
 constexpr int kBlockQueries = 16;  // queries per work item
 constexpr int kDirectRows = 4;     // up to this many score rows, keys are read in place (no transposed copy)
+constexpr int kStripKeys = 16;     // direct reads: keys of every head per strip, so token rows are read in order
+constexpr int kPrefetchKeys = 32;  // direct reads: how far ahead (in keys) each strip asks for keys and values
 constexpr float kMasked = -1e30f;  // finite: exp() of it underflows to 0 without NaNs
-
-// Vectors of kLanes floats (GCC/Clang vector extensions): one AVX-512 register, or one AVX2 register on machines
-// without AVX-512 (16-float vectors there are register pairs, which GCC spills through the stack in loop-carried
-// sums).
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float VF __attribute__((vector_size(4 * kLanes)));
-typedef float VFUnaligned __attribute__((vector_size(4 * kLanes), aligned(4)));
-typedef uint16_t U16xL __attribute__((vector_size(2 * kLanes), aligned(2)));
-typedef uint32_t U32xL __attribute__((vector_size(4 * kLanes)));
-
-inline VF LoadV(const float* p) { return *reinterpret_cast<const VFUnaligned*>(p); }
-inline VF LoadV(const uint16_t* p) {  // bfloat16 bits -> float32
-  const U32xL wide = __builtin_convertvector(*reinterpret_cast<const U16xL*>(p), U32xL) << 16;
-  return reinterpret_cast<const VF&>(wide);
-}
-inline void StoreV(float* p, VF x) { *reinterpret_cast<VFUnaligned*>(p) = x; }
-inline float Sum(VF x) {
-  float total = 0.0f;
-  for (int i = 0; i < kLanes; ++i) total += x[i];
-  return total;
-}
-
-// Cephes' single-precision polynomial for exp(r) on r in [-ln2 / 2, ln2 / 2], for a float or a vector of them.
-template <typename T>
-inline T ExpPolynomial(T r) {
-  T p = r * 0.0f + 1.9875691500e-4f;  // (r is finite: the callers clamp x first)
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  return p * r * r + r + 1.0f;
-}
-
-// exp(x) (~1 ulp on [-87, 88]; below -87.3 it gives 0): exp(x) = 2^n exp(r) with n = round(x / ln2).
-inline float VecExp(float x) {
-  const bool underflow = x < -87.3f;
-  x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float p = ExpPolynomial(x - n * 0.693359375f + n * 2.12194440e-4f);
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  return underflow ? 0.0f : p * __builtin_bit_cast(float, bits);
-}
-
-typedef int32_t I32xL __attribute__((vector_size(4 * kLanes)));
-
-// VecExp on a whole vector.
-inline VF VecExp(VF x) {
-  const auto underflow = x < -87.3f;
-  x = x < -87.3f ? VF{} - 87.3f : (x > 88.7f ? VF{} + 88.7f : x);
-  const VF t = x * 1.44269504088896341f + 0.5f;
-  VF n = __builtin_convertvector(__builtin_convertvector(t, I32xL), VF);  // toward zero, then down to floor(t)
-  n = n > t ? n - 1.0f : n;
-  const VF p = ExpPolynomial(x - n * 0.693359375f + n * 2.12194440e-4f);
-  const I32xL bits = (__builtin_convertvector(n, I32xL) + 127) << 23;
-  const VF result = p * reinterpret_cast<const VF&>(bits);
-  return underflow ? VF{} : result;
-}
-
-// Gemma 2's soft cap: cap * tanh(x / cap), with tanh from VecExp.
-inline float SoftCap(float x, float cap) {
-  const float t = VecExp(-2.0f * std::fabs(x / cap));
-  const float tanh_abs = (1.0f - t) / (1.0f + t);
-  return cap * std::copysign(tanh_abs, x);
-}
-
-inline float Load(const float* p) { return *p; }
-inline float Load(const uint16_t* p) {
-  return __builtin_bit_cast(float, static_cast<uint32_t>(*p) << 16);
-}
 
 struct Shapes {
   int64_t tokens, heads, kv_heads, head_dim, group, page_size, pages_per_seq, seqs;
@@ -229,17 +161,18 @@ class Attention {
     const int64_t first_pos = cached + first, last_pos = cached + first + count - 1;
     int64_t lowest = 0;
     if (opt_.sliding_window > 0) lowest = std::max<int64_t>(0, first_pos - opt_.sliding_window + 1);
-    Prefetch(s, h0, h1, cached, lowest, kBlockKeys);
+    const bool direct = rows <= kDirectRows;
+    Prefetch(s, h0, h1, cached, lowest, direct ? kPrefetchKeys : kBlockKeys);
     for (int64_t key0 = lowest; key0 <= last_pos; key0 += kBlockKeys) {
       const int64_t nkeys = std::min<int64_t>(kBlockKeys, last_pos + 1 - key0);
-      Prefetch(s, h0, h1, cached, key0 + kBlockKeys, std::min<int64_t>(kBlockKeys, last_pos + 1 - key0 - kBlockKeys));
-      if (rows <= kDirectRows) {  // few rows (decode): every head of a key at once, straight from the pages
+      if (direct) {  // few rows (decode): every head of a key at once, straight from the pages
         DirectScores(s, h0, h1, cached, key0, nkeys, rows, scratch.queries.data(), scores);
         for (int64_t h = 0; h < heads; ++h) Mask(first_pos, group, key0, nkeys, rows, scores + h * rows * kBlockKeys);
         Softmax(heads * rows, scores, scratch.row_max.data(), scratch.denom.data(), scratch.rescale.data());
-        DirectValues(scratch, s, h0, h1, cached, key0, nkeys, rows, scores, scratch.rescale.data(), scratch.acc.data());
+        DirectValues(s, h0, h1, cached, key0, nkeys, rows, scores, scratch.rescale.data(), scratch.acc.data());
         continue;
       }
+      Prefetch(s, h0, h1, cached, key0 + kBlockKeys, std::min<int64_t>(kBlockKeys, last_pos + 1 - key0 - kBlockKeys));
       for (int64_t h = h0; h < h1; ++h) {  // one head at a time: keys transposed, rows x keys by broadcasts
         const int64_t off = (h - h0) * rows;
         Scores(scratch, s, h, cached, key0, nkeys, rows, scratch.queries.data() + off * hd, scores);
@@ -262,27 +195,35 @@ class Attention {
     }
   }
 
+  // Pointers to the rows of keys (or values) key0 .. key0 + nkeys - 1 for KV head h0: the cached ones in the pages,
+  // the rest (from index `paged` on) this step's own.
+  struct BlockRows {
+    const PoolT* pages[kBlockKeys];
+    const float* own[kBlockKeys];
+    int64_t paged;
+  };
+
+  void GatherRows(const PoolT* pages, const float* own, int64_t s, int64_t h0, int64_t cached, int64_t key0,
+                  int64_t nkeys, BlockRows* rows) const {
+    rows->paged = std::clamp<int64_t>(cached - key0, 0, nkeys);
+    for (int64_t j = 0; j < nkeys; ++j) rows->pages[j] = Row(pages, own, s, h0, key0 + j, cached, &rows->own[j]);
+  }
+
   // Every head of [h0, h1): scores[h, r, j] = q_{h,r} . key_{key0 + j, h} (scaled, soft-capped), for j < nkeys. Keys
-  // are read in place, one whole token row (all heads) after the other.
+  // are read in place, each once for the head's rows (few_row_attention.h).
   void DirectScores(int64_t s, int64_t h0, int64_t h1, int64_t cached, int64_t key0, int64_t nkeys, int64_t rows,
                     const float* queries, float* scores) const {
-    const int64_t hd = sh_.head_dim, chunks = hd / kLanes, heads = h1 - h0;
-    for (int64_t j = 0; j < nkeys; ++j) {
-      const float* own;
-      const PoolT* paged = Row(k_pages_, k_, s, h0, key0 + j, cached, &own);
+    const int64_t hd = sh_.head_dim, heads = h1 - h0;
+    BlockRows keys;
+    GatherRows(k_pages_, k_, s, h0, cached, key0, nkeys, &keys);
+    for (int64_t j0 = 0; j0 < nkeys; j0 += kStripKeys) {
+      const int64_t j1 = std::min<int64_t>(nkeys, j0 + kStripKeys), paged = std::clamp(keys.paged, j0, j1);
+      Prefetch(s, h0, h1, cached, key0 + j0 + kPrefetchKeys, kStripKeys);
       for (int64_t h = 0; h < heads; ++h) {
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* qr = queries + (h * rows + r) * hd;
-          VF dot = {};
-          if (own != nullptr) {
-            const float* kr = own + h * hd;
-            for (int64_t c = 0; c < chunks; ++c) dot += LoadV(qr + c * kLanes) * LoadV(kr + c * kLanes);
-          } else {
-            const PoolT* kr = paged + h * hd;
-            for (int64_t c = 0; c < chunks; ++c) dot += LoadV(qr + c * kLanes) * LoadV(kr + c * kLanes);
-          }
-          scores[(h * rows + r) * kBlockKeys + j] = Sum(dot);
-        }
+        const float* qh = queries + h * rows * hd;
+        float* sh = scores + h * rows * kBlockKeys;
+        FewRowDots(rows, qh, hd, keys.pages, h * hd, j0, paged, sh, kBlockKeys);
+        FewRowDots(rows, qh, hd, keys.own, h * hd, paged, j1, sh, kBlockKeys);
       }
     }
     for (int64_t r = 0; r < heads * rows; ++r) {
@@ -294,14 +235,28 @@ class Attention {
     }
   }
 
-  // acc[h, r] = acc[h, r] * rescale[h, r] + sum_j probs[h, r, j] * value_{key0 + j, h}: head by head, each row's
-  // accumulator held in registers over the keys.
-  void DirectValues(Scratch& scratch, int64_t s, int64_t h0, int64_t h1, int64_t cached, int64_t key0, int64_t nkeys,
-                    int64_t rows, const float* probs, const float* rescale, float* acc) const {
-    for (int64_t h = 0; h < h1 - h0; ++h) {
-      Values(scratch, s, h0 + h, cached, key0, nkeys, rows, probs + h * rows * kBlockKeys, rescale + h * rows,
-             acc + h * rows * sh_.head_dim);
+  // acc[h, r] = acc[h, r] * rescale[h, r] + sum_j probs[h, r, j] * value_{key0 + j, h} for every head of [h0, h1),
+  // values read in place.
+  void DirectValues(int64_t s, int64_t h0, int64_t h1, int64_t cached, int64_t key0, int64_t nkeys, int64_t rows,
+                    const float* probs, const float* rescale, float* acc) const {
+    const int64_t hd = sh_.head_dim;
+    BlockRows values;
+    GatherRows(v_pages_, v_, s, h0, cached, key0, nkeys, &values);
+    Rescale(acc, rescale, (h1 - h0) * rows, hd);
+    for (int64_t j0 = 0; j0 < nkeys; j0 += kStripKeys) {
+      const int64_t j1 = std::min<int64_t>(nkeys, j0 + kStripKeys), paged = std::clamp(values.paged, j0, j1);
+      for (int64_t h = 0; h < h1 - h0; ++h) {
+        const float* ph = probs + h * rows * kBlockKeys;
+        float* ah = acc + h * rows * hd;
+        FewRowValues(rows, ph, kBlockKeys, values.pages, h * hd, j0, paged, ah, hd);
+        FewRowValues(rows, ph, kBlockKeys, values.own, h * hd, paged, j1, ah, hd);
+      }
     }
+  }
+
+  static void Rescale(float* acc, const float* rescale, int64_t rows, int64_t hd) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < hd; c += kLanes) StoreV(acc + r * hd + c, LoadV(acc + r * hd + c) * rescale[r]);
   }
 
   // One head: scores[r, j] = q_r . key_{key0 + j} (scaled, soft-capped), for j < nkeys. The keys are transposed
@@ -408,18 +363,8 @@ class Attention {
         vrows[j] = dst;
       }
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* pr = probs + r * kBlockKeys;
-      float* ar = acc + r * hd;
-      for (int64_t c = 0; c < hd / kLanes; c += 4) {
-        switch (std::min<int64_t>(4, hd / kLanes - c)) {
-          case 4: AddValues<4>(pr, vrows, nkeys, rescale[r], ar + c * kLanes, c * kLanes); break;
-          case 3: AddValues<3>(pr, vrows, nkeys, rescale[r], ar + c * kLanes, c * kLanes); break;
-          case 2: AddValues<2>(pr, vrows, nkeys, rescale[r], ar + c * kLanes, c * kLanes); break;
-          default: AddValues<1>(pr, vrows, nkeys, rescale[r], ar + c * kLanes, c * kLanes); break;
-        }
-      }
-    }
+    Rescale(acc, rescale, rows, hd);
+    FewRowValues(rows, probs, kBlockKeys, vrows, 0, 0, nkeys, acc, hd);
   }
 
   static float RowMax(const float* scores) {
@@ -431,20 +376,6 @@ class Attention {
     float result = best[0];
     for (int i = 1; i < kLanes; ++i) result = best[i] > result ? best[i] : result;
     return result;
-  }
-
-  // acc[0 : N*16] = acc * rescale + sum_j probs[j] * values_j[offset : offset + N*16], in registers.
-  template <int N>
-  static void AddValues(const float* probs, const float* const* vrows, int64_t nkeys, float rescale, float* acc,
-                        int64_t offset) {
-    VF a[N];
-    for (int c = 0; c < N; ++c) a[c] = LoadV(acc + c * kLanes) * rescale;
-    for (int64_t j = 0; j < nkeys; ++j) {
-      const float p = probs[j];
-      const float* v = vrows[j] + offset;
-      for (int c = 0; c < N; ++c) a[c] += p * LoadV(v + c * kLanes);
-    }
-    for (int c = 0; c < N; ++c) StoreV(acc + c * kLanes, a[c]);
   }
 
   Shapes sh_;

@@ -85,6 +85,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--batched-weight-dtype", default="auto",
                        help="extra weight copy for steps of 2+ token rows: auto (bfloat16 for a float32 model on CPU "
                             "when --dtype is auto; ~1.6x faster batched steps), none, or a dtype such as bfloat16")
+    group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                       help="what the KV pages hold: auto (the model's dtype; bfloat16 for a GGUF model served from "
+                            "its blocks on CPU, like llama.cpp's 16-bit KV cache), bfloat16 or float32")
     group.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=True,
                        help="compile every step shape before serving (default on; loaded from the cache after the "
                             "first start; `generate` compiles only the shapes its one prompt can meet); "
@@ -125,7 +128,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 attention_backend=args.attention_backend, load_format=args.load_format, seed=args.seed,
                 tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
-                batched_weight_dtype=args.batched_weight_dtype, precompile=args.precompile,
+                batched_weight_dtype=args.batched_weight_dtype, kv_cache_dtype=args.kv_cache_dtype,
+                precompile=args.precompile,
                 limit_mm_per_prompt=args.limit_mm_per_prompt, allowed_local_media_path=args.allowed_local_media_path,
                 mm_processor_kwargs=args.mm_processor_kwargs, allowed_media_domains=args.allowed_media_domains,
                 max_image_pixels=args.max_image_pixels)

@@ -53,7 +53,7 @@ class Engine(MultiHostRoles):
                  limit_mm_per_prompt: dict[str, int] | None = None, allowed_local_media_path: str | None = None,
                  encoder_cache_tokens: int | None = None, mm_processor_kwargs: dict[str, Any] | None = None,
                  allowed_media_domains: list[str] | None = None, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-                 quantization: str | None = None):
+                 quantization: str | None = None, kv_cache_dtype: str = "auto"):
         """`pooling` ("mean", "cls", "last", "max", "mean_sqrt_len") and `normalize` override an embedding
         model's sentence-transformers config; on a generative model, `pooling` enables embed().
 
@@ -93,10 +93,15 @@ class Engine(MultiHostRoles):
         `batched_weight_dtype` adds a copy of the weight matrices (e.g. "bfloat16") for steps of 2+ token rows;
         "auto" (the default) adds a bfloat16 copy when a generative model runs in float32 on CPU because
         `dtype` was "auto" (~1.6x faster batched steps; outputs then depend slightly on the batch), and none
-        otherwise: `dtype="float32"` keeps every step in float32. None or "none" never adds one."""
+        otherwise: `dtype="float32"` keeps every step in float32. None or "none" never adds one.
+
+        `kv_cache_dtype` ("auto", "bfloat16", "float32") is what the KV pages hold; "auto" is the model's dtype, but
+        bfloat16 for a GGUF model served from its blocks on CPU (as llama.cpp's 16-bit KV cache: decode attention
+        reads half the bytes)."""
         from jvllm.attention import resolve_backend_name
         from jvllm.pooling.embedder import build_embedder, encoder_engine_config
         from jvllm.model_loader.loader import load_model
+        from jvllm.worker.kv_cache_dtype import kv_cache_dtype_for
 
         hosts = distributed.HostSettings.resolve(num_hosts, host_rank, coordinator)
         distributed.initialize(hosts)  # before any other JAX call
@@ -116,13 +121,14 @@ class Engine(MultiHostRoles):
         self.tokenizer = self.model.tokenizer
         import jax.numpy as jnp
 
+        kv_dtype = kv_cache_dtype_for(kv_cache_dtype, dtype, self.model)
         if self.model.is_encoder:  # embeddings only: no KV pool, no runner
             self.config: EngineConfig = encoder_engine_config(
                 self.model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, block_size=block_size)
         else:
             self.config = build_engine_config(
-                self.model.config, jnp.dtype(self.model.dtype).itemsize, max_model_len=max_model_len,
+                self.model.config, kv_dtype.itemsize, max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
                 tensor_parallel_size=tensor_parallel_size)
@@ -146,7 +152,7 @@ class Engine(MultiHostRoles):
         self.runner = None if self.model.is_encoder else ModelRunner(
             self.model, num_pages=cfg.num_pages, page_size=cfg.page_size, max_model_len=cfg.max_model_len,
             shapes=shapes, attention_backend=backend, batched_weight_dtype=batched_dtype, channel=self.channel,
-            encoder_cache=self.encoder_cache)
+            encoder_cache=self.encoder_cache, kv_cache_dtype=kv_dtype)
         if self.channel is not None and self.channel.is_leader:
             atexit.register(self.shutdown)  # followers must not wait forever for the next step
         self.embedder = build_embedder(self.model, cfg, pooling=pooling, normalize=normalize,

@@ -110,10 +110,11 @@ class ModelRunner:
 
     def __init__(self, loaded: LoadedModel, *, num_pages: int, page_size: int, max_model_len: int, shapes: ShapeSet,
                  attention_backend: str, batched_weight_dtype: Any = None, batched_min_rows: int = BATCHED_MIN_ROWS,
-                 channel: Any = None, encoder_cache: EncoderCache | None = None):
+                 channel: Any = None, encoder_cache: EncoderCache | None = None, kv_cache_dtype: Any = None):
         """`channel` (multi-host, a jvllm.parallel.distributed.StepChannel): rank 0 sends every step's
         StepCall through it before running it; the other ranks run what they receive. `encoder_cache` (a
-        vision-language model): the scheduler's map of the encoder buffer this runner's EncoderRunner fills."""
+        vision-language model): the scheduler's map of the encoder buffer this runner's EncoderRunner fills.
+        `kv_cache_dtype`: what the KV pages hold (default: the model's dtype)."""
         cfg = loaded.config
         self.loaded = loaded
         self.page_size = page_size
@@ -133,14 +134,15 @@ class ModelRunner:
         self.history_width = max_model_len
         self.vocab_size = cfg.vocab_size
         self.mrope = cfg.mrope_section is not None  # positions [3, T] (Qwen2-VL)
+        self.kv_cache_dtype = jnp.dtype(loaded.dtype if kv_cache_dtype is None else kv_cache_dtype)
         self.kv_cache = self._new_pool(num_pages)
-        activations = value_dtype(self.kv_cache[0][0].dtype)
+        activations = jnp.dtype(loaded.dtype)
         self.encoder = None if loaded.vision is None else encoder_runner(loaded.vision, encoder_cache, activations)
         steps = build_step_functions(self.step_weights.parts, self.backend, activations, shapes.max_num_seqs,
                                      self.mesh, cfg.vocab_size, multimodal=self.encoder is not None)
         self.compiled = CompiledSteps(steps, self)
         logger.info("KV pool: %d pages x %d tokens, %.1f MiB", num_pages, page_size,
-                    self.kv_pool_bytes(cfg, loaded.dtype, num_pages, page_size) / 2**20)
+                    self.kv_pool_bytes(cfg, self.kv_cache_dtype, num_pages, page_size) / 2**20)
 
     @property
     def weights(self) -> list[jax.Array]:
@@ -156,7 +158,7 @@ class ModelRunner:
         shape = (num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)  # [N, page, KVH, hd]
         sharding = None if self.mesh is None else named_sharding(  # each device makes only its KV heads
             self.mesh, ("pages", "page_slot", "kv_heads", "head_dim"))
-        dtype = self.backend.pool_dtype(self.loaded.dtype)
+        dtype = self.backend.pool_dtype(self.kv_cache_dtype)
         zeros = jax.jit(lambda: [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)],
                         out_shardings=sharding)
         with compile_watch().expected():

@@ -140,6 +140,16 @@ def test_decode_rows(seqs, pool_dtype):
     run_case(rng, chunks, heads=9, kv_heads=3, head_dim=64, page_size=16, pool_dtype=pool_dtype, padding_rows=2)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (9, 3), (8, 2)])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_decode_rows_per_kv_head(heads, kv_heads, head_dim):
+    """Decode rows read a bfloat16 pool in place with 1-4 query heads per KV head, over key counts that leave every
+    remainder of the four-key passes (and head sizes that leave one of the value passes)."""
+    rng = np.random.default_rng(heads * head_dim + kv_heads)
+    chunks = [(c, 1) for c in (0, 1, 2, 3, 62, 63, 64, 65, 130)]
+    run_case(rng, chunks, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=16, pool_dtype=jnp.bfloat16)
+
+
 @pytest.mark.parametrize("window", [1, 7, 16, 50])
 def test_sliding_window(window):
     run_case(np.random.default_rng(window), MIXED, heads=8, kv_heads=4, head_dim=64, page_size=16,

@@ -1,0 +1,84 @@
+// Float vectors for the CPU attention kernels (GCC/Clang vector extensions): loads of float32 and bfloat16 rows,
+// horizontal sums and a vectorised exp.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+namespace jvllm {
+
+// Vectors of kLanes floats (GCC/Clang vector extensions): one AVX-512 register, or one AVX2 register on machines
+// without AVX-512 (16-float vectors there are register pairs, which GCC spills through the stack in loop-carried
+// sums).
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float VF __attribute__((vector_size(4 * kLanes)));
+typedef float VFUnaligned __attribute__((vector_size(4 * kLanes), aligned(4)));
+typedef uint16_t U16xL __attribute__((vector_size(2 * kLanes), aligned(2)));
+typedef uint32_t U32xL __attribute__((vector_size(4 * kLanes)));
+
+inline VF LoadV(const float* p) { return *reinterpret_cast<const VFUnaligned*>(p); }
+inline VF LoadV(const uint16_t* p) {  // bfloat16 bits -> float32
+  const U32xL wide = __builtin_convertvector(*reinterpret_cast<const U16xL*>(p), U32xL) << 16;
+  return reinterpret_cast<const VF&>(wide);
+}
+inline void StoreV(float* p, VF x) { *reinterpret_cast<VFUnaligned*>(p) = x; }
+inline float Sum(VF x) {
+  float total = 0.0f;
+  for (int i = 0; i < kLanes; ++i) total += x[i];
+  return total;
+}
+
+// Cephes' single-precision polynomial for exp(r) on r in [-ln2 / 2, ln2 / 2], for a float or a vector of them.
+template <typename T>
+inline T ExpPolynomial(T r) {
+  T p = r * 0.0f + 1.9875691500e-4f;  // (r is finite: the callers clamp x first)
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * r * r + r + 1.0f;
+}
+
+// exp(x) (~1 ulp on [-87, 88]; below -87.3 it gives 0): exp(x) = 2^n exp(r) with n = round(x / ln2).
+inline float VecExp(float x) {
+  const bool underflow = x < -87.3f;
+  x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float p = ExpPolynomial(x - n * 0.693359375f + n * 2.12194440e-4f);
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return underflow ? 0.0f : p * __builtin_bit_cast(float, bits);
+}
+
+typedef int32_t I32xL __attribute__((vector_size(4 * kLanes)));
+
+// VecExp on a whole vector.
+inline VF VecExp(VF x) {
+  const auto underflow = x < -87.3f;
+  x = x < -87.3f ? VF{} - 87.3f : (x > 88.7f ? VF{} + 88.7f : x);
+  const VF t = x * 1.44269504088896341f + 0.5f;
+  VF n = __builtin_convertvector(__builtin_convertvector(t, I32xL), VF);  // toward zero, then down to floor(t)
+  n = n > t ? n - 1.0f : n;
+  const VF p = ExpPolynomial(x - n * 0.693359375f + n * 2.12194440e-4f);
+  const I32xL bits = (__builtin_convertvector(n, I32xL) + 127) << 23;
+  const VF result = p * reinterpret_cast<const VF&>(bits);
+  return underflow ? VF{} : result;
+}
+
+// Gemma 2's soft cap: cap * tanh(x / cap), with tanh from VecExp.
+inline float SoftCap(float x, float cap) {
+  const float t = VecExp(-2.0f * std::fabs(x / cap));
+  const float tanh_abs = (1.0f - t) / (1.0f + t);
+  return cap * std::copysign(tanh_abs, x);
+}
+
+inline float Load(const float* p) { return *p; }
+inline float Load(const uint16_t* p) {
+  return __builtin_bit_cast(float, static_cast<uint32_t>(*p) << 16);
+}
+
+}  // namespace jvllm

@@ -1,0 +1,135 @@
+// Attention inner loops for 1-4 query rows of one KV head (a decode step's grouped query heads): each key and value
+// row is loaded once for all the rows, and the rows' sums stay in registers over several keys.
+#pragma once
+
+#include <cstdint>
+
+#include "attention_vectors.h"
+
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+namespace jvllm {
+
+// out[i] = the sum of x[i]'s lanes, for 4 vectors.
+inline void SumEach4(const VF (&x)[4], float* out) {
+#if defined(__AVX__) && !defined(__AVX512F__)
+  const __m256 pairs01 = _mm256_hadd_ps(x[0], x[1]);     // per 128-bit half: x0 01, x0 23, x1 01, x1 23
+  const __m256 pairs23 = _mm256_hadd_ps(x[2], x[3]);
+  const __m256 quads = _mm256_hadd_ps(pairs01, pairs23);  // per half: x0 0-3, x1 0-3, x2 0-3, x3 0-3
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(quads), _mm256_extractf128_ps(quads, 1)));
+#else
+  for (int i = 0; i < 4; ++i) out[i] = Sum(x[i]);
+#endif
+}
+
+// scores[r * stride + j] = queries[r] . keys[j][offset : offset + hd], rows r < R, keys j in [begin, end). Four keys
+// at a time: R x 4 sums, R query vectors and one key vector in registers (16 on AVX2 for R = 3).
+template <int R, typename T>
+inline void DotKeys(const float* queries, int64_t hd, const T* const* keys, int64_t offset, int64_t begin,
+                    int64_t end, float* scores, int64_t stride) {
+  constexpr int kKeys = 4;
+  int64_t j = begin;
+  for (; j + kKeys <= end; j += kKeys) {
+    VF acc[R][kKeys] = {};
+    for (int64_t c = 0; c < hd; c += kLanes) {
+      VF q[R];
+      for (int r = 0; r < R; ++r) q[r] = LoadV(queries + r * hd + c);
+      for (int t = 0; t < kKeys; ++t) {
+        const VF key = LoadV(keys[j + t] + offset + c);
+        for (int r = 0; r < R; ++r) acc[r][t] += q[r] * key;
+      }
+    }
+    for (int r = 0; r < R; ++r) SumEach4(acc[r], scores + r * stride + j);
+  }
+  for (; j < end; ++j) {
+    VF acc[R] = {};
+    for (int64_t c = 0; c < hd; c += kLanes) {
+      const VF key = LoadV(keys[j] + offset + c);
+      for (int r = 0; r < R; ++r) acc[r] += LoadV(queries + r * hd + c) * key;
+    }
+    for (int r = 0; r < R; ++r) scores[r * stride + j] = Sum(acc[r]);
+  }
+}
+
+// acc[r][c0 : c0 + N * kLanes] += sum_j probs[r * stride + j] * values[j][offset + c0 : ...], keys j in [begin, end):
+// R x N sums, R probabilities and one value vector in registers.
+template <int R, int N, typename T>
+inline void AddValueChunks(const float* probs, int64_t stride, const T* const* values, int64_t offset, int64_t begin,
+                           int64_t end, float* acc, int64_t hd, int64_t c0) {
+  VF a[R][N];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < N; ++c) a[r][c] = LoadV(acc + r * hd + c0 + c * kLanes);
+  for (int64_t j = begin; j < end; ++j) {
+    float p[R];
+    for (int r = 0; r < R; ++r) p[r] = probs[r * stride + j];
+    for (int c = 0; c < N; ++c) {
+      const VF value = LoadV(values[j] + offset + c0 + c * kLanes);
+      for (int r = 0; r < R; ++r) a[r][c] += p[r] * value;
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < N; ++c) StoreV(acc + r * hd + c0 + c * kLanes, a[r][c]);
+}
+
+// acc[r] += sum_j probs[r * stride + j] * values[j][offset : offset + hd], rows r < R, keys j in [begin, end).
+template <int R, typename T>
+inline void AddValues(const float* probs, int64_t stride, const T* const* values, int64_t offset, int64_t begin,
+                      int64_t end, float* acc, int64_t hd) {
+  constexpr int kChunks = 4;
+  for (int64_t c0 = 0; c0 < hd; c0 += kChunks * kLanes) {
+    switch ((hd - c0) / kLanes < kChunks ? (hd - c0) / kLanes : kChunks) {
+      case 4: AddValueChunks<R, 4>(probs, stride, values, offset, begin, end, acc, hd, c0); break;
+      case 3: AddValueChunks<R, 3>(probs, stride, values, offset, begin, end, acc, hd, c0); break;
+      case 2: AddValueChunks<R, 2>(probs, stride, values, offset, begin, end, acc, hd, c0); break;
+      default: AddValueChunks<R, 1>(probs, stride, values, offset, begin, end, acc, hd, c0); break;
+    }
+  }
+}
+
+// DotKeys for `rows` (1-4) rows: three rows at most per pass, the register budget of AVX2.
+template <typename T>
+inline void FewRowDots(int64_t rows, const float* queries, int64_t hd, const T* const* keys, int64_t offset,
+                       int64_t begin, int64_t end, float* scores, int64_t stride) {
+  if (begin >= end) return;
+  for (int64_t r = 0; r < rows;) {
+    const int64_t left = rows - r;
+    const float* q = queries + r * hd;
+    float* out = scores + r * stride;
+    if (left == 3) {
+      DotKeys<3>(q, hd, keys, offset, begin, end, out, stride);
+      r += 3;
+    } else if (left >= 2) {
+      DotKeys<2>(q, hd, keys, offset, begin, end, out, stride);
+      r += 2;
+    } else {
+      DotKeys<1>(q, hd, keys, offset, begin, end, out, stride);
+      r += 1;
+    }
+  }
+}
+
+// AddValues for `rows` (1-4) rows, three at most per pass.
+template <typename T>
+inline void FewRowValues(int64_t rows, const float* probs, int64_t stride, const T* const* values, int64_t offset,
+                         int64_t begin, int64_t end, float* acc, int64_t hd) {
+  if (begin >= end) return;
+  for (int64_t r = 0; r < rows;) {
+    const int64_t left = rows - r;
+    const float* p = probs + r * stride;
+    float* a = acc + r * hd;
+    if (left == 3) {
+      AddValues<3>(p, stride, values, offset, begin, end, a, hd);
+      r += 3;
+    } else if (left >= 2) {
+      AddValues<2>(p, stride, values, offset, begin, end, a, hd);
+      r += 2;
+    } else {
+      AddValues<1>(p, stride, values, offset, begin, end, a, hd);
+      r += 1;
+    }
+  }
+}
+
+}  // namespace jvllm
