@@ -72,6 +72,6 @@ def build_engine_config(model: ModelConfig, dtype_bytes: int, *, max_model_len: 
                          f"({bytes_per_token * block_size} bytes each per device)")
     pool_tokens = (num_pages - 1) * block_size
     max_model_len = max_model_len or min(longest, pool_tokens)
-    max_num_seqs = max_num_seqs or (64 if on_cpu else 256)
+    max_num_seqs = max_num_seqs or 256
     max_num_batched_tokens = max_num_batched_tokens or (2048 if on_cpu else 8192)
     return EngineConfig(max_model_len, max_num_seqs, max_num_batched_tokens, block_size, int(num_pages))
