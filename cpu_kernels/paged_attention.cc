@@ -165,7 +165,7 @@ class Attention {
     Prefetch(s, h0, h1, cached, lowest, direct ? kPrefetchKeys : kBlockKeys);
     for (int64_t key0 = lowest; key0 <= last_pos; key0 += kBlockKeys) {
       const int64_t nkeys = std::min<int64_t>(kBlockKeys, last_pos + 1 - key0);
-      if (direct) {  // few rows (decode): every head of a key at once, straight from the pages
+      if (direct) {  // few rows (decode): keys and values read in place, a strip of positions at a time
         DirectScores(s, h0, h1, cached, key0, nkeys, rows, scratch.queries.data(), scores);
         for (int64_t h = 0; h < heads; ++h) Mask(first_pos, group, key0, nkeys, rows, scores + h * rows * kBlockKeys);
         Softmax(heads * rows, scores, scratch.row_max.data(), scratch.denom.data(), scratch.rescale.data());
