@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "attention_vectors.h"
 
@@ -88,48 +89,43 @@ inline void AddValues(const float* probs, int64_t stride, const T* const* values
   }
 }
 
-// DotKeys for `rows` (1-4) rows: three rows at most per pass, the register budget of AVX2.
-template <typename T>
-inline void FewRowDots(int64_t rows, const float* queries, int64_t hd, const T* const* keys, int64_t offset,
-                       int64_t begin, int64_t end, float* scores, int64_t stride) {
-  if (begin >= end) return;
+// Calls f(std::integral_constant<int, R>{}, r) for consecutive groups of R rows from row r on, covering `rows`:
+// three rows a pass where they fit AVX2's registers, two where four (or two) are left.
+template <typename F>
+inline void InRowGroups(int64_t rows, F&& f) {
   for (int64_t r = 0; r < rows;) {
     const int64_t left = rows - r;
-    const float* q = queries + r * hd;
-    float* out = scores + r * stride;
-    if (left == 3) {
-      DotKeys<3>(q, hd, keys, offset, begin, end, out, stride);
-      r += 3;
-    } else if (left >= 2) {
-      DotKeys<2>(q, hd, keys, offset, begin, end, out, stride);
+    if (left == 4 || left == 2) {
+      f(std::integral_constant<int, 2>{}, r);
       r += 2;
+    } else if (left >= 3) {
+      f(std::integral_constant<int, 3>{}, r);
+      r += 3;
     } else {
-      DotKeys<1>(q, hd, keys, offset, begin, end, out, stride);
+      f(std::integral_constant<int, 1>{}, r);
       r += 1;
     }
   }
 }
 
-// AddValues for `rows` (1-4) rows, three at most per pass.
+// DotKeys for any number of rows.
+template <typename T>
+inline void FewRowDots(int64_t rows, const float* queries, int64_t hd, const T* const* keys, int64_t offset,
+                       int64_t begin, int64_t end, float* scores, int64_t stride) {
+  if (begin >= end) return;
+  InRowGroups(rows, [&](auto group, int64_t r) {
+    DotKeys<decltype(group)::value>(queries + r * hd, hd, keys, offset, begin, end, scores + r * stride, stride);
+  });
+}
+
+// AddValues for any number of rows.
 template <typename T>
 inline void FewRowValues(int64_t rows, const float* probs, int64_t stride, const T* const* values, int64_t offset,
                          int64_t begin, int64_t end, float* acc, int64_t hd) {
   if (begin >= end) return;
-  for (int64_t r = 0; r < rows;) {
-    const int64_t left = rows - r;
-    const float* p = probs + r * stride;
-    float* a = acc + r * hd;
-    if (left == 3) {
-      AddValues<3>(p, stride, values, offset, begin, end, a, hd);
-      r += 3;
-    } else if (left >= 2) {
-      AddValues<2>(p, stride, values, offset, begin, end, a, hd);
-      r += 2;
-    } else {
-      AddValues<1>(p, stride, values, offset, begin, end, a, hd);
-      r += 1;
-    }
-  }
+  InRowGroups(rows, [&](auto group, int64_t r) {
+    AddValues<decltype(group)::value>(probs + r * stride, stride, values, offset, begin, end, acc + r * hd, hd);
+  });
 }
 
 }  // namespace jvllm
