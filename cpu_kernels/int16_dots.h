@@ -1,6 +1,7 @@
 // Integer dot products of GGUF blocks with activations quantized to int16 blocks (AVX2: 16-bit pairs multiplied
 // and summed into 32 bits), for steps of few rows (here) and, with the quantizer below, for large ones
-// (int16_tiles.h): about half the instructions of dequantizing the weights to float. With 15 bits per activation (one scale per block of 32) the products stay within ~3e-5 of float32's, so
+// (int16_tiles.h): about half the instructions of dequantizing the weights to float. With 15 bits per activation
+// (one scale per block of 32) the products stay within ~3e-5 of float32's, so
 // greedy tokens follow the float32 path; llama.cpp's 8-bit activations (a third fewer instructions again) moved
 // them within 32 tokens on 3 of 4 prompts of the embedded model.
 #pragma once

@@ -17,7 +17,7 @@ def kv_cache_dtype_for(requested: str | None, dtype: str | Any, loaded: Any) -> 
     as in llama.cpp (whose KV cache holds 16-bit floats by default), decode attention reads half the bytes;
     `dtype="float32"` keeps the pages in float32."""
     if requested is None or requested == "auto":
-        if dtype == "auto" and jax.default_backend() == "cpu" and getattr(loaded, "keeps_blocks", False):
+        if dtype == "auto" and jax.default_backend() == "cpu" and loaded.keeps_blocks:
             return jnp.dtype(jnp.bfloat16)
         return jnp.dtype(loaded.dtype)
     if requested not in KV_CACHE_DTYPES:

@@ -27,7 +27,7 @@ from jvllm.worker.input_transfer import InputTransfer
 from jvllm.worker.step_functions import build_step_functions
 from jvllm.worker.step_shapes import ShapeSet, StepShape
 from jvllm.worker.weights import BATCHED_MIN_ROWS, StepWeights
-from models.attention import AttentionMetadata, value_dtype
+from models.attention import AttentionMetadata
 
 logger = logging.getLogger("jvllm")
 
