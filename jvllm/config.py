@@ -26,11 +26,6 @@ class EngineConfig:
         return cdiv(self.max_model_len, self.page_size)
 
 
-def check_positive(name: str, value: int | None) -> None:
-    if value is not None and (not isinstance(value, int) or value < 1):
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
 def _default_kv_bytes(num_devices: int = 1) -> int:
     """Per device. CPU devices (also virtual ones) share the host's memory: 1 GiB in all."""
     if jax.default_backend() == "cpu":
@@ -43,17 +38,12 @@ def _default_kv_bytes(num_devices: int = 1) -> int:
 def build_engine_config(model: ModelConfig, dtype_bytes: int, *, max_model_len: int | None,
                         max_num_seqs: int | None, max_num_batched_tokens: int | None, block_size: int,
                         kv_cache_memory_bytes: int | None, tensor_parallel_size: int = 1) -> EngineConfig:
-    """Validate the user's limits and fill in defaults (pool size from the memory budget).
+    """Fill in the defaults of the user's limits (checked by EngineArgs) against the model: the pool size from the
+    memory budget.
 
     kv_cache_memory_bytes is per device, as in vLLM. With tensor parallelism each device holds
     num_kv_heads / tp of the KV heads (`model` is the sharded model's config: KV heads already repeated
     when tp exceeds them), so a page costs each device 1/tp of its single-device size."""
-    for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
-                        ("max_num_batched_tokens", max_num_batched_tokens), ("block_size", block_size),
-                        ("kv_cache_memory_bytes", kv_cache_memory_bytes)):
-        check_positive(name, value)
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two, got {block_size}")
     longest = getattr(model, "longest_supported_context", model.max_position_embeddings)
     if max_model_len is not None and max_model_len > longest:
         if longest < model.max_position_embeddings:

@@ -160,6 +160,8 @@ def _public_routes() -> APIRouter:
 
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     """An app serving `engine`; shutting the app down (lifespan end) stops the engine thread."""
+    if not settings.served_model_names:
+        raise ValueError("the server needs at least one served model name")
     metrics = ServerMetrics(engine, settings.model_name)
     engine.observers.append(metrics.observe)
     config = engine.engine.config

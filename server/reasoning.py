@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from jvllm.structured.reasoning import REASONING_ENDS
+
 THINK_START, THINK_END = "<think>", "</think>"
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+REASONING_PARSERS = tuple(REASONING_ENDS)
 
 
 @dataclasses.dataclass

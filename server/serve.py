@@ -60,33 +60,32 @@ class DrainingServer(uvicorn.Server):
         asyncio.ensure_future(self.engine.shutdown())
 
 
-def run_server(engine_kwargs: dict[str, Any], settings_kwargs: dict[str, Any], *, host: str, port: int,
-               max_waiting_requests: int | None, shutdown_timeout: float, log_level: str, access_log: bool) -> int:
+def run_server(engine_args: EngineArgs, settings: ServerSettings) -> int:
+    """Load the engine and serve it until SIGTERM or Ctrl-C; `settings.served_model_names` empty: the model's
+    own name."""
     from jvllm.engine.llm import Engine
     from server.app import build_app
-    from server.settings import ServerSettings
 
-    engine = Engine(**engine_kwargs)
+    engine = Engine.from_engine_args(engine_args)
     if not engine.is_leader:  # multi-host: rank 0 serves HTTP and schedules; this host runs its steps
         logger.info("this host follows rank 0's steps")
         engine.follow()
         return 0
-    async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests)
-    names = settings_kwargs.pop("served_model_names", None) or [engine.served_model_name]
-    settings = ServerSettings(names, model_root=engine_kwargs.get("model") or engine.served_model_name,
-                              **settings_kwargs)
+    async_engine = AsyncEngine(engine, max_waiting_requests=settings.max_waiting_requests)
+    settings.served_model_names = settings.served_model_names or [engine.served_model_name]
+    settings.model_root = settings.model_root or engine.served_model_name
     settings.chat_template = load_chat_template(settings.chat_template)
     app = build_app(async_engine, settings)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                            server_header=False)
-    server = DrainingServer(config, async_engine, shutdown_timeout)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            access_log=not settings.disable_access_log, server_header=False)
+    server = DrainingServer(config, async_engine, settings.shutdown_timeout)
     # uvicorn catches SIGTERM/SIGINT, stops accepting, and shuts down (see DrainingServer), stops the engine,
     # and finally re-raises the signal. With no-op handlers underneath, that re-raise ends in a clean exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     auth = "on" if settings.api_key else "off"
-    logger.info("serving %s on http://%s:%d (API key %s, pid %d)", settings.model_name, host, port, auth,
+    logger.info("serving %s on http://%s:%d (API key %s, pid %d)", settings.model_name, settings.host, settings.port, auth,
                 os.getpid())
     server.run()  # returns after the lifespan shutdown stopped the engine thread
     engine.shutdown()  # multi-host: release the followers

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jvllm.engine.arg_utils import human_int, json_list, option
 from server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 from server.reasoning import REASONING_PARSERS
 from server.tool_parsers import TOOL_PARSERS, ToolParser
@@ -11,32 +12,63 @@ from server.tool_parsers import TOOL_PARSERS, ToolParser
 REQUEST_TEMPLATE_TIMEOUT_S = 0.5
 
 
+SERVER_GROUP = "server"
+LIMITS_GROUP = "admission limits (a request over one is refused with 400/413 before any work)"
+CORS_GROUP = "CORS (as vLLM's flags; values are JSON lists)"
+TOOLS_GROUP = "tool calling (as vLLM's flags)"
+
+
 @dataclasses.dataclass
 class ServerSettings:
-    served_model_names: list[str]
-    api_key: str | None = None
-    enable_log_requests: bool = False
-    max_logprobs: int = 20
-    chat_template: str | None = None  # overrides the tokenizer's template when set
+    """The server's own options: `jvllm serve` makes one flag per field that has help (`option`); the others come
+    from the engine's options (its served names, where the weights came from, its reasoning parser)."""
+
+    served_model_names: list[str]  # empty: the engine's model name (run_server fills it in)
     model_root: str | None = None  # where the weights came from, shown by /v1/models
+    reasoning_parser: str | None = None  # the engine's: replies' <think> text becomes reasoning_content
+    host: str = option("127.0.0.1", "interface to bind (default 127.0.0.1, this machine only; 0.0.0.0 exposes the "
+                                    "server to the network)", group=SERVER_GROUP)
+    port: int = option(8000, "TCP port (default 8000)", parse=int, group=SERVER_GROUP)
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' (default: $JVLLM_API_KEY, else no key)",
+                                 group=SERVER_GROUP)
+    max_waiting_requests: int = option(1024, "queued requests beyond which new ones get 503 + Retry-After "
+                                             "(default 1024)", parse=human_int, group=SERVER_GROUP)
+    shutdown_timeout: float = option(30.0, "seconds open requests may run after SIGTERM before they are aborted "
+                                           "(default 30)", parse=float, group=SERVER_GROUP)
+    chat_template: str | None = option(None, "Jinja chat template (file or text) replacing the tokenizer's",
+                                       group=SERVER_GROUP)
+    max_logprobs: int = option(20, "largest logprobs/top_logprobs allowed (20)", parse=int, group=SERVER_GROUP)
+    enable_log_requests: bool = option(False, "log prompts, parameters and outputs (off by default: they may be "
+                                              "private)", group=SERVER_GROUP)
+    disable_access_log: bool = option(False, "no per-request access log lines", group=SERVER_GROUP)
+    log_level: str = option("info", "server log level (default info)", choices=["debug", "info", "warning", "error"],
+                            group=SERVER_GROUP)
     # admission limits (None: derived from the engine, see server.limits)
-    max_n: int | None = None
-    max_prompt_chars: int | None = None
-    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
-    trust_request_chat_template: bool = False  # vLLM's flag: a request's own `chat_template` is refused otherwise
-    # CORS, as vLLM's --allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials
-    allowed_origins: list[str] = dataclasses.field(default_factory=lambda: ["*"])
-    allowed_methods: list[str] = dataclasses.field(default_factory=lambda: ["*"])
-    allowed_headers: list[str] = dataclasses.field(default_factory=lambda: ["*"])
-    allow_credentials: bool = False
-    # tool calling and reasoning, as vLLM's --enable-auto-tool-choice / --tool-call-parser / --reasoning-parser
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
+    max_n: int | None = option(None, "largest n (completions per prompt) a request may ask (default and maximum: "
+                                     "--max-num-seqs)", parse=human_int, group=LIMITS_GROUP)
+    max_prompt_chars: int | None = option(None, "longest prompt text in characters, checked before tokenizing "
+                                                "(default: max-model-len x the longest token's characters, so only "
+                                                "prompts that cannot fit are refused)", parse=human_int,
+                                          group=LIMITS_GROUP)
+    max_request_body_bytes: int = option(DEFAULT_MAX_REQUEST_BODY_BYTES, "largest request body; larger ones get 413 "
+                                                                         "(default 32m)", parse=human_int,
+                                         group=LIMITS_GROUP)
+    trust_request_chat_template: bool = option(False, "accept a `chat_template` in requests (refused by default: a "
+                                                      "template is code the server runs; even trusted ones get a "
+                                                      "time bound)", group=LIMITS_GROUP)
+    allowed_origins: list[str] = option(["*"], 'allowed origins (default ["*"])', parse=json_list, group=CORS_GROUP)
+    allowed_methods: list[str] = option(["*"], 'allowed methods (default ["*"])', parse=json_list, group=CORS_GROUP)
+    allowed_headers: list[str] = option(["*"], 'allowed headers (default ["*"])', parse=json_list, group=CORS_GROUP)
+    allow_credentials: bool = option(False, "allow credentials (cookies, auth headers)", group=CORS_GROUP)
+    enable_auto_tool_choice: bool = option(False, "let the model decide when to call tools (tool_choice \"auto\", "
+                                                  "the default when a request has tools); needs --tool-call-parser",
+                                           group=TOOLS_GROUP)
+    tool_call_parser: str | None = option(None, "the format the model writes tool calls in: hermes "
+                                                "(<tool_call>{...}</tool_call>), llama3_json ({\"name\": ..., "
+                                                "\"parameters\": ...}), mistral ([TOOL_CALLS][...])",
+                                          choices=sorted(TOOL_PARSERS), group=TOOLS_GROUP)
 
     def __post_init__(self) -> None:
-        if not self.served_model_names:
-            raise ValueError("the server needs at least one served model name")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"unknown tool call parser {self.tool_call_parser!r}; known: {', '.join(TOOL_PARSERS)}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:

@@ -10,6 +10,7 @@ import uuid
 from typing import Any, AsyncIterator, Callable
 
 from jvllm.engine.commands import Abort, Add, Command, CommandQueue
+from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.llm import Engine, PromptType
 from jvllm.engine.request_stream import RequestStream, aborted_output
 from jvllm.engine.status import EngineDeadError, EngineShutDownError, EngineStats, EngineStepError, QueueFullError
@@ -67,8 +68,11 @@ class AsyncEngine:
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, *, max_waiting_requests: int | None = None, **engine_kwargs: Any) -> AsyncEngine:
-        return cls(Engine(**engine_kwargs), max_waiting_requests=max_waiting_requests)
+    def from_engine_args(cls, engine_args: EngineArgs | None = None, *, max_waiting_requests: int | None = None,
+                         **engine_kwargs: Any) -> AsyncEngine:
+        """An AsyncEngine over a new Engine, built from `engine_args` or from Engine's keywords."""
+        engine = Engine.from_engine_args(engine_args) if engine_args is not None else Engine(**engine_kwargs)
+        return cls(engine, max_waiting_requests=max_waiting_requests)
 
     # ---- what the server reads ------------------------------------------------------------------
     @property

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import logging
 import os
@@ -13,6 +14,7 @@ from jvllm.heap import release_freed_memory
 from jvllm.worker.compile_cache import enable_compilation_cache
 from jvllm.worker.compile_watch import during_start_up
 from jvllm.config import EngineConfig, build_engine_config
+from jvllm.engine.arg_utils import EngineArgs, keyword_help
 from jvllm.engine.detokenizer import IncrementalDetokenizer
 from jvllm.pooling.embedder import embed_unsupported, generate_unsupported
 from jvllm.core.kv_pages import PageManager
@@ -27,13 +29,14 @@ from jvllm.outputs import EmbeddingRequestOutput, RequestOutput
 from jvllm.engine.progress import GenerateProgress, precompile_progress
 from jvllm.engine.multihost import MultiHostRoles
 from jvllm.engine.prompts import PromptType, conversation_prompts, tokenize_prompt
-from jvllm.multimodal.inputs import DEFAULT_MAX_IMAGE_PIXELS, PromptImages, engine_multimodal
+from jvllm.multimodal.inputs import PromptImages, engine_multimodal
 from jvllm.core.request import Request, RequestStatus
 from jvllm.sampling_params import SamplingParams, StructuredOutputsParams
 from jvllm.core.scheduler import ScheduledChunk, Scheduler
 from jvllm.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger("jvllm")
+ENGINE_KEYWORDS = frozenset(field.name for field in dataclasses.fields(EngineArgs)) - {"model"}
 PROMPT_TAIL_TOKENS = 16  # enough to see whether a chat template opened a <think> block at the end of a prompt
 
 
@@ -41,113 +44,71 @@ class Engine(MultiHostRoles):
     """Offline inference engine. `Engine()` serves the embedded SmolLM2-135M-Instruct."""
 
     @during_start_up
-    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
-                 tensor_parallel_size: int = 1, max_model_len: int | None = None, max_num_seqs: int | None = None,
-                 max_num_batched_tokens: int | None = None, block_size: int = 16,
-                 kv_cache_memory_bytes: int | None = None, enable_prefix_caching: bool = True,
-                 attention_backend: str = "auto", load_format: str = "auto", seed: int = 0,
-                 served_model_name: str | None = None, batched_weight_dtype: str | None = "auto",
-                 pooling: str | None = None, normalize: bool | None = None, num_hosts: int | None = None,
-                 host_rank: int | None = None, coordinator: str | None = None, async_scheduling: bool = True,
-                 precompile: bool = True, reasoning_parser: str | None = None,
-                 limit_mm_per_prompt: dict[str, int] | None = None, allowed_local_media_path: str | None = None,
-                 encoder_cache_tokens: int | None = None, mm_processor_kwargs: dict[str, Any] | None = None,
-                 allowed_media_domains: list[str] | None = None, max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-                 quantization: str | None = None, kv_cache_dtype: str = "auto"):
-        """`pooling` ("mean", "cls", "last", "max", "mean_sqrt_len") and `normalize` override an embedding
-        model's sentence-transformers config; on a generative model, `pooling` enables embed().
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        """`model` and the keywords are the fields of `EngineArgs` (jvllm.engine.arg_utils), listed below; each is
+        also a flag of `jvllm generate/serve/chat`. Unknown keywords raise TypeError.
 
-        `tensor_parallel_size` shards the model over that many devices (jvllm.parallel). With `num_hosts` > 1
-        (or $JVLLM_NUM_HOSTS), every host builds the same Engine with its `host_rank` and rank 0's
-        `coordinator` HOST:PORT: the mesh spans every host's devices, rank 0 schedules and generates, the
+        With `num_hosts` > 1 (or $JVLLM_NUM_HOSTS), every host builds the same Engine with its `host_rank` and rank
+        0's `coordinator` HOST:PORT: the mesh spans every host's devices, rank 0 schedules and generates, the
         others call `follow()` until rank 0's `shutdown()` (also run at exit).
 
-        `async_scheduling` dispatches each decode step before the previous step's tokens reach the host, so
-        host work (detokenizing, stop checks, building the next batch) overlaps the device's; one device only
-        (tensor parallelism and several hosts run synchronously).
+        The engine runs a closed set of step shapes (`step_shapes()`), known from its config; `precompile` compiles
+        all of them (or loads them from the persistent cache) before the engine takes requests.
 
-        The engine runs a closed set of step shapes (`step_shapes()`), known from its config. `precompile`
-        compiles all of them (or loads them from the persistent cache) before the engine takes requests, so
-        none compiles while serving; `precompile=False` compiles each on first use, for quick experiments.
-
-        `reasoning_parser` ("deepseek_r1", "qwen3"): the model thinks first, up to `</think>`; structured-output
-        constraints apply to what follows.
-
-        Vision-language models (LLaVA, Qwen2-VL) take images: `limit_mm_per_prompt` ({"image": N}, default 999) caps
-        a prompt's images, `allowed_local_media_path` is the folder `file:` image URLs may come from (none by
-        default), and `encoder_cache_tokens` sizes the device buffer of encoded images (rows; by default twice
-        max_num_batched_tokens and at least 8 of the largest images), which keeps repeated images from being encoded
-        again. `mm_processor_kwargs` sets the image processor: Qwen2-VL's `min_pixels` and `max_pixels` bound each
-        image's size, so its token count (one token per 28 x 28 pixels; by default at most 1280 tokens).
-        http(s) image URLs are fetched from public addresses only, unless `allowed_media_domains` lists hosts: then
-        only those hosts, which may be private. `max_image_pixels` (default 4096 x 4096) bounds a decoded image.
-
-        A GGUF model keeps its quantized blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) in memory and multiplies them
-        with native CPU kernels when `dtype` is "auto" on one CPU device, as llama.cpp does; `quantization="gguf"`
-        keeps them anywhere, and a float `dtype` dequantizes them at load (`dtype="float32"`: transformers' float32
-        numbers). `quantization="int8"` quantizes a float checkpoint's projections and embeddings at load: on CPU
-        int8 with a scale per 32 weights (a quarter of float32's bytes), on GPUs int8 with a scale per output
-        channel (half of bfloat16's bytes); `quantization="fp8"` (GPUs only) stores float8_e4m3fn with a scale
-        per output channel. Activations stay in the engine's dtype (bfloat16 on GPUs): weight-only quantization.
-
-        `batched_weight_dtype` adds a copy of the weight matrices (e.g. "bfloat16") for steps of 2+ token rows;
-        "auto" (the default) adds a bfloat16 copy when a generative model runs in float32 on CPU because
-        `dtype` was "auto" (~1.6x faster batched steps; outputs then depend slightly on the batch), and none
-        otherwise: `dtype="float32"` keeps every step in float32. None or "none" never adds one.
-
-        `kv_cache_dtype` ("auto", "bfloat16", "float32") is what the KV pages hold; "auto" is the model's dtype, but
-        bfloat16 for a GGUF model served from its blocks on CPU (as llama.cpp's 16-bit KV cache: decode attention
-        reads half the bytes)."""
+        Keywords:
+"""
+        unknown = sorted(set(kwargs) - ENGINE_KEYWORDS)
+        if unknown:
+            raise TypeError(f"Engine() got unexpected keyword argument(s) {', '.join(unknown)}; it takes the fields "
+                            "of jvllm.EngineArgs")
+        self.args = args = EngineArgs(model=model, **kwargs)
         from jvllm.attention import resolve_backend_name
         from jvllm.pooling.embedder import build_embedder, encoder_engine_config
         from jvllm.model_loader.loader import load_model
         from jvllm.worker.kv_cache_dtype import kv_cache_dtype_for
 
-        hosts = distributed.HostSettings.resolve(num_hosts, host_rank, coordinator)
+        hosts = distributed.HostSettings.resolve(args.num_hosts, args.host_rank, args.coordinator)
         distributed.initialize(hosts)  # before any other JAX call
-        if hosts.multi_host and tensor_parallel_size == 1:
+        if hosts.multi_host and args.tensor_parallel_size == 1:
             raise ValueError(f"num_hosts={hosts.num_hosts} needs tensor_parallel_size equal to the number of "
                              "devices of all hosts together")
-        if pooling is not None and tensor_parallel_size != 1:
-            raise ValueError("embedding with a generative model (pooling=...) runs on one device; "
-                             "use tensor_parallel_size=1")
-        backend = resolve_backend_name(attention_backend)
+        backend = resolve_backend_name(args.attention_backend)
         enable_compilation_cache()
         started = time.perf_counter()
-        self.model = load_model(model, dtype=dtype, load_format=load_format, tokenizer=tokenizer,
-                                served_model_name=served_model_name, seed=seed,
-                                tensor_parallel_size=tensor_parallel_size, mm_processor_kwargs=mm_processor_kwargs,
-                                quantization=quantization)
+        self.model = load_model(args.model, dtype=args.dtype, load_format=args.load_format, tokenizer=args.tokenizer,
+                                served_model_name=(args.served_model_names or [None])[0], seed=args.seed,
+                                tensor_parallel_size=args.tensor_parallel_size,
+                                mm_processor_kwargs=args.mm_processor_kwargs, quantization=args.quantization)
         self.tokenizer = self.model.tokenizer
         import jax.numpy as jnp
 
-        kv_dtype = kv_cache_dtype_for(kv_cache_dtype, dtype, self.model)
+        kv_dtype = kv_cache_dtype_for(args.kv_cache_dtype, args.dtype, self.model)
         if self.model.is_encoder:  # embeddings only: no KV pool, no runner
             self.config: EngineConfig = encoder_engine_config(
-                self.model, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens, block_size=block_size)
+                self.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size)
         else:
             self.config = build_engine_config(
-                self.model.config, kv_dtype.itemsize, max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                tensor_parallel_size=tensor_parallel_size)
+                self.model.config, kv_dtype.itemsize, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                tensor_parallel_size=args.tensor_parallel_size)
             if hosts.multi_host:  # every host must build the same pool: rank 0's page count wins
                 self.config.num_pages = distributed.agree_on_int(self.config.num_pages)
-        self.enable_prefix_caching = enable_prefix_caching
+        self.enable_prefix_caching = args.enable_prefix_caching
         cfg = self.config
         self.pages = PageManager(cfg.num_pages, cfg.page_size)
         if self.model.vision is not None and hosts.multi_host:
             raise ValueError("vision-language models run on one host")
         self.encoder_cache, self.mm_processor, self.media = engine_multimodal(
-            self.model, cfg.max_num_batched_tokens, limit_mm_per_prompt, allowed_local_media_path, encoder_cache_tokens,
-            allowed_media_domains=allowed_media_domains, max_image_pixels=max_image_pixels)
+            self.model, cfg.max_num_batched_tokens, args.limit_mm_per_prompt, args.allowed_local_media_path,
+            args.encoder_cache_tokens, allowed_media_domains=args.allowed_media_domains, max_image_pixels=args.max_image_pixels)
         image_tokens = 0 if self.model.vision is None else self.model.vision.max_image_tokens
         self.scheduler = Scheduler(self.pages, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   enable_prefix_caching=enable_prefix_caching, encoder_cache=self.encoder_cache,
+                                   enable_prefix_caching=args.enable_prefix_caching, encoder_cache=self.encoder_cache,
                                    max_num_encoder_tokens=max(cfg.max_num_batched_tokens, image_tokens))
         shapes = ShapeSet(cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        batched_dtype = batched_weights_for(batched_weight_dtype, dtype, self.model)
+        batched_dtype = batched_weights_for(args.batched_weight_dtype, args.dtype, self.model)
         self.channel = distributed.StepChannel() if hosts.multi_host else None
         self.runner = None if self.model.is_encoder else ModelRunner(
             self.model, num_pages=cfg.num_pages, page_size=cfg.page_size, max_model_len=cfg.max_model_len,
@@ -155,25 +116,31 @@ class Engine(MultiHostRoles):
             encoder_cache=self.encoder_cache, kv_cache_dtype=kv_dtype)
         if self.channel is not None and self.channel.is_leader:
             atexit.register(self.shutdown)  # followers must not wait forever for the next step
-        self.embedder = build_embedder(self.model, cfg, pooling=pooling, normalize=normalize,
-                                       batched_weight_dtype=None if batched_weight_dtype == "auto" else batched_dtype)
-        self.async_scheduling = bool(async_scheduling and self.runner is not None and self.runner.can_look_ahead)
+        self.embedder = build_embedder(self.model, cfg, pooling=args.pooling, normalize=args.normalize,
+                                       batched_weight_dtype=None if args.batched_weight_dtype == "auto"
+                                       else batched_dtype)
+        self.async_scheduling = bool(args.async_scheduling and self.runner is not None and self.runner.can_look_ahead)
         self._ahead: list[DispatchedGroup] | None = None  # the look-ahead step in flight, if any
-        self._rng = random.Random(seed)
+        self._rng = random.Random(args.seed)
         self._counter = itertools.count()
         self._request_groups: dict[str, list[Request]] = {}
         self.eos_token_ids = self._eos_ids()
         self._token_text: dict[int, str] = {}
         self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids,
-                                         reasoning_parser)
-        if precompile:
+                                         args.reasoning_parser)
+        if args.precompile:
             self.precompile()
         release_freed_memory()  # what loading and compiling freed (1 GB of an 8B GGUF's) would stay resident
         logger.info("engine ready: %s (%s%s, weights %.0f MB, %s attention, max_model_len %d, tensor_parallel_size "
                     "%d) in %.1fs", self.model.served_name, jnp.dtype(self.model.dtype).name,
                     " with GGUF blocks" if self.model.keeps_blocks else "", self.weight_bytes / 1e6,
                     backend if self.runner is None else self.runner.backend.name, cfg.max_model_len,
-                    tensor_parallel_size, time.perf_counter() - started)
+                    args.tensor_parallel_size, time.perf_counter() - started)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "Engine":
+        """The engine of an `EngineArgs` (e.g. one built from command-line flags)."""
+        return cls(**args.keywords())
 
     @property
     def weight_bytes(self) -> int:
@@ -438,6 +405,7 @@ class Engine(MultiHostRoles):
                                    dimensions=dimensions, use_tqdm=use_tqdm)
 
 
+Engine.__init__.__doc__ = (Engine.__init__.__doc__ or "") + keyword_help()
 LLM = Engine
 
 if os.environ.get("JVLLM_LOGGING_LEVEL"):

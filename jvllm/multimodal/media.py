@@ -14,17 +14,11 @@ from typing import Any, Iterable
 
 from jvllm.multimodal.http_fetch import fetch
 from jvllm.multimodal.url_policy import UrlPolicy
+from jvllm.utils import check_positive
 
 DEFAULT_FETCH_TIMEOUT_S = 10.0
 DEFAULT_MAX_IMAGE_BYTES = 20 << 20
 DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096  # decoded width x height; larger images are refused before decoding
-
-
-def check_max_image_pixels(value: Any) -> int:
-    """`max_image_pixels` (--max-image-pixels) must be a positive integer."""
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"max_image_pixels must be a positive integer, got {value!r}")
-    return value
 
 
 class MediaLoader:
@@ -42,7 +36,8 @@ class MediaLoader:
                 raise ValueError(f"allowed_local_media_path {allowed_local_media_path!r} is not a directory")
             self.allowed_root = root.resolve()
         self.url_policy = UrlPolicy(allowed_media_domains)
-        self.max_image_pixels = check_max_image_pixels(max_image_pixels)
+        check_positive("max_image_pixels", max_image_pixels, optional=False)
+        self.max_image_pixels = max_image_pixels
         self.timeout_s = timeout_s
         self.max_bytes = max_bytes
 

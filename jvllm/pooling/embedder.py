@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from jvllm.config import EngineConfig, check_positive
+from jvllm.config import EngineConfig
 from jvllm.utils import next_power_of_2
 from jvllm.pooling.batching import EmbedBatch, batch_shapes, pack_arrays, plan_batches
 from jvllm.worker.compile_watch import compile_watch
@@ -59,9 +59,6 @@ def model_token_limit(loaded: LoadedModel) -> int:
 def encoder_engine_config(loaded: LoadedModel, *, max_model_len: int | None, max_num_seqs: int | None,
                           max_num_batched_tokens: int | None, block_size: int) -> EngineConfig:
     """Limits of an encoder engine: no KV pool (two placeholder pages keep the page manager valid)."""
-    for name, value in (("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
-                        ("max_num_batched_tokens", max_num_batched_tokens)):
-        check_positive(name, value)
     table = loaded.config.max_tokens
     if max_model_len is not None and max_model_len > table:
         raise ValueError(f"max_model_len {max_model_len} exceeds the {table} positions of {loaded.served_name}")

@@ -12,24 +12,11 @@ import llguidance
 import numpy as np
 
 from jvllm.sampling_params import StructuredOutputsParams
+from jvllm.structured.reasoning import REASONING_ENDS, reasoning_open
 from jvllm.structured.limits import GrammarLimits, check_constraint, constraint_value, plain_error
 from jvllm.structured.sandbox import CompileAborted, GrammarSandbox, run_with_deep_stack
 
 COMPILED_CACHE_SIZE = 64  # constraints kept compiled: an application tends to send the same schema again
-
-
-# What ends the reasoning of each --reasoning-parser: the grammar applies to the text after it.
-REASONING_ENDS = {"deepseek_r1": "</think>", "qwen3": "</think>"}
-THINK_START = "<think>"
-
-
-def reasoning_open(parser: str, prompt_tail: str) -> bool:
-    """Whether the reply starts inside a thinking block: the prompt's chat template opened one and did not close
-    it, or (deepseek_r1, which always thinks first) the prompt shows neither tag."""
-    start, end = prompt_tail.rfind(THINK_START), prompt_tail.rfind(REASONING_ENDS[parser])
-    if start != end:
-        return start > end
-    return parser == "deepseek_r1"
 
 
 class GrammarState:

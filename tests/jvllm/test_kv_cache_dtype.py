@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import jax.numpy as jnp
 import pytest
 
-from entrypoints.cli import build_parser, engine_kwargs
+from entrypoints.cli import build_parser, engine_args
 from jvllm.worker.kv_cache_dtype import kv_cache_dtype_for
 
 GGUF_BLOCKS = SimpleNamespace(keeps_blocks=True, dtype=jnp.float32)
@@ -29,8 +29,8 @@ def test_a_named_dtype_wins_and_others_are_refused():
 
 def test_the_cli_flag_reaches_the_engine():
     args = build_parser().parse_args(["generate", "hi", "--kv-cache-dtype", "float32"])
-    assert engine_kwargs(args)["kv_cache_dtype"] == "float32"
-    assert engine_kwargs(build_parser().parse_args(["generate", "hi"]))["kv_cache_dtype"] == "auto"
+    assert engine_args(args).keywords()["kv_cache_dtype"] == "float32"
+    assert engine_args(build_parser().parse_args(["generate", "hi"])).keywords()["kv_cache_dtype"] == "auto"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "hi", "--kv-cache-dtype", "fp8"])
 
