@@ -8,6 +8,9 @@
 // paths give the float32 product with the dequantized weights up to summation order, the int16 ones within ~3e-5 of
 // it. Work items are ranges of output rows, shared by the caller and the kernels' helper threads.
 //
+// A step's x is padded to its shape's rows; `live_rows` (a traced scalar) says how many lead rows are real tokens.
+// Only those are multiplied (the path is chosen by their count); the padding rows of y are 0.
+//
 // The block formats are described in block_formats.h.
 
 #include <algorithm>
@@ -226,18 +229,22 @@ ffi::Error Run(Shapes sh, const float* x, const uint8_t* w, float* y, int64_t ro
   return ffi::Error::Success();
 }
 
-ffi::Error QuantizedMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+ffi::Error QuantizedMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> live_rows,
                                ffi::ResultBuffer<ffi::F32> y, int64_t format, int64_t int16_max_rows,
                                int64_t int16_tile_min_rows) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] % kBlock != 0) {
-    return ffi::Error::InvalidArgument("quantized_matmul: x [M, K] with K a multiple of 32, w [N, row bytes]");
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] % kBlock != 0 || live_rows.element_count() != 1) {
+    return ffi::Error::InvalidArgument("quantized_matmul: x [M, K] with K a multiple of 32, w [N, row bytes], "
+                                       "live_rows []");
   }
-  const Shapes sh{xd[0], xd[1], wd[0], xd[1] / kBlock};
+  const int64_t live = std::clamp<int64_t>(live_rows.typed_data()[0], 0, xd[0]);
+  const Shapes sh{live, xd[1], wd[0], xd[1] / kBlock};
   const float* xp = x.typed_data();
   const uint8_t* wp = w.typed_data();
   float* yp = y->typed_data();
+  std::memset(yp + live * sh.n, 0, sizeof(float) * (xd[0] - live) * sh.n);
+  if (live == 0) return ffi::Error::Success();
   switch (format) {
     case jvllm::kQ8_0: return Run<jvllm::Q8_0>(sh, xp, wp, yp, wd[1], int16_max_rows, int16_tile_min_rows);
     case jvllm::kQ4_0: return Run<jvllm::Q4_0>(sh, xp, wp, yp, wd[1], int16_max_rows, int16_tile_min_rows);
@@ -255,6 +262,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmQuantizedMatmul, QuantizedMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::U8>>()   // w [N, K / block weights * block bytes]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // live_rows []: the lead rows of x to multiply
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<int64_t>("format")
                                   .Attr<int64_t>("int16_max_rows")

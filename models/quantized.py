@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.channel_quant import CHANNEL_FORMATS, channel_dot, channel_rows, check_channels
+from models.live_rows import live_rows_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +116,7 @@ def native_kernel_available() -> bool:
     return available()
 
 
-# Steps of up to this many token rows multiply with activations quantized to int16 blocks (integer dot products,
+# Steps of up to this many live token rows (models.live_rows: padding rows are skipped) multiply with activations quantized to int16 blocks (integer dot products,
 # each weight row read once per activation row); larger ones unpack the weights once into tiles for all rows: float32
 # tiles below INT16_TILE_MIN_ROWS rows, 16-bit code tiles with int16 activations from there (~1.2x the float
 # tiles' speed at 128-2,048 rows; at 16-32 rows the float tiles are faster).
@@ -131,7 +132,7 @@ def quantized_dot(x: jax.Array, raw: jax.Array, fmt: str, scale: jax.Array | Non
     if jax.default_backend() == "cpu" and native_kernel_available():
         from cpu_kernels.quantized_matmul import quantized_matmul
 
-        return quantized_matmul(x, raw, fmt, INT16_ACTIVATION_MAX_ROWS, INT16_TILE_MIN_ROWS)
+        return quantized_matmul(x, raw, fmt, INT16_ACTIVATION_MAX_ROWS, INT16_TILE_MIN_ROWS, live_rows_of(x.shape[0]))
     w = dequantize(raw, fmt, x.shape[-1])  # [N, K]
     return jnp.einsum("tk,nk->tn", x.astype(jnp.float32), w, preferred_element_type=jnp.float32)
 

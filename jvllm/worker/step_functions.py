@@ -21,6 +21,7 @@ from jvllm.sample.sampler import sample
 from jvllm.sample.tensors import SamplerFlags, SamplingTensors
 from jvllm.worker.model_parts import ModelParts
 from models.attention import AttentionMetadata
+from models.live_rows import live_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +92,8 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
 
     def layer(weights: list[jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array, pages: tuple,
               md: AttentionMetadata, *, group: int = 0):
-        return parts.layer(weights, group)(x, cos, sin, pages, md, attention)
+        with live_rows(jnp.sum(md.q_lens), x.shape[0]):  # padding tokens: no products on CPU's quantized weights
+            return parts.layer(weights, group)(x, cos, sin, pages, md, attention)
 
     def last_rows(x: jax.Array, md: AttentionMetadata) -> jax.Array:
         return x[md.last_token_index]
@@ -99,7 +101,8 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
     def head(outer: list[jax.Array], x_last: jax.Array, sampling: SamplingTensors, *,
              flags: SamplerFlags) -> dict[str, Any]:
         model = parts.outer(outer)
-        logits = logits_of(model)(model.finish(x_last))  # [S, V] float32
+        with live_rows(sampling.num_rows, x_last.shape[0]):  # padding rows' logits are 0
+            logits = logits_of(model)(model.finish(x_last))  # [S, V] float32
         token_ids = sample(logits, sampling, flags)  # [S] int32
         sample_stats = jax.lax.cond(sampling.any_logprobs, lambda: logprob_stats(logits, token_ids, MAX_LOGPROBS),
                                     lambda: _zero_stats(logits.shape[0]))

@@ -60,6 +60,23 @@ def test_kernel_matches_dequantize_then_float64_matmul(fmt, m, n, k):
     np.testing.assert_array_less(np.abs(got - want), 1e-6 * scale + 1e-30)  # float32 sums: ~K ulps of |x| |w|
 
 
+@pytest.mark.parametrize("m, live", [(64, 37), (64, 1), (16, 5), (256, 200), (8, 0), (4, 4), (4, 9)])
+def test_only_the_live_rows_are_multiplied_and_the_padding_is_zero(m, live):
+    """A step pads its tokens to the shape's rows; `live_rows` (traced) limits the product to the real ones, through
+    the path their count picks (the int16 rows, float tiles or int16 tiles), and writes 0 to the rest."""
+    fmt, n, k = "q4_1", 130, 576
+    raw = random_blocks(fmt, n, k, seed=live)
+    x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+    options = dict(int16_max_rows=8, int16_tile_min_rows=64)
+    product = jax.jit(lambda a, b, c: quantized_matmul(a, b, fmt, **options, live_rows=c))
+    got = np.asarray(product(x, raw, np.int32(live)))
+    real = min(live, m)
+    want = np.asarray(jax.jit(lambda a, b: quantized_matmul(a, b, fmt, **options))(x[:real], raw)) if real else None
+    if real:
+        np.testing.assert_array_equal(got[:real], want)  # the same path and sums as a product of just those rows
+    assert not got[real:].any()
+
+
 # (path, fmt, m, n, k): "rows" multiplies each row of x with the blocks unpacked in registers (up to 8 rows),
 # "tiles" with 16-bit code tiles (prefill sizes; here from one row, to cover ragged row groups too).
 INT16_CASES = ([("rows", *case) for case in cases([1, 2, 3, 4, 5, 8], [1, 3, 8])]
