@@ -116,10 +116,11 @@ def native_kernel_available() -> bool:
     return available()
 
 
-# Steps of up to this many live token rows (models.live_rows: padding rows are skipped) multiply with activations quantized to int16 blocks (integer dot products,
-# each weight row read once per activation row); larger ones unpack the weights once into tiles for all rows: float32
-# tiles below INT16_TILE_MIN_ROWS rows, 16-bit code tiles with int16 activations from there (~1.2x the float
-# tiles' speed at 128-2,048 rows; at 16-32 rows the float tiles are faster).
+# Steps of up to this many live token rows (models.live_rows: padding rows are skipped) multiply with activations
+# quantized to int16 blocks (integer dot products, each weight row read once per activation row); larger ones unpack
+# the weights once into tiles for all rows: float32 tiles below INT16_TILE_MIN_ROWS rows, 16-bit code tiles with
+# int16 activations from there (~1.2x the float tiles' speed at 128-2,048 rows; at 16-32 rows the float tiles are
+# faster).
 INT16_ACTIVATION_MAX_ROWS = 8
 INT16_TILE_MIN_ROWS = 64
 
