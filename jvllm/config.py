@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import jax
 
@@ -9,6 +10,20 @@ from jvllm.utils import cdiv
 from models.config import ModelConfig
 
 _CPU_KV_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in float32
+
+
+class UsageContext(str, enum.Enum):
+    """Who runs the engine, as vLLM names it: some defaults differ between offline use and a server."""
+
+    LLM_CLASS = "llm_class"
+    OPENAI_API_SERVER = "openai_api_server"
+
+
+def default_max_num_seqs(on_cpu: bool, usage: UsageContext) -> int:
+    """vLLM's defaults: 256 sequences a step, but 128 for a server on CPU, where fewer concurrent streams keep each
+    token's latency down (measured: at 4 requests/s the 128-sequence server gave both more tokens a second and a
+    lower TPOT than with 256; benchmarks/results/peer_serve_cpu.md)."""
+    return 128 if on_cpu and usage is UsageContext.OPENAI_API_SERVER else 256
 
 
 @dataclasses.dataclass
@@ -37,7 +52,8 @@ def _default_kv_bytes(num_devices: int = 1) -> int:
 
 def build_engine_config(model: ModelConfig, dtype_bytes: int, *, max_model_len: int | None,
                         max_num_seqs: int | None, max_num_batched_tokens: int | None, block_size: int,
-                        kv_cache_memory_bytes: int | None, tensor_parallel_size: int = 1) -> EngineConfig:
+                        kv_cache_memory_bytes: int | None, tensor_parallel_size: int = 1,
+                        usage: UsageContext = UsageContext.LLM_CLASS) -> EngineConfig:
     """Fill in the defaults of the user's limits (checked by EngineArgs) against the model: the pool size from the
     memory budget.
 
@@ -62,6 +78,6 @@ def build_engine_config(model: ModelConfig, dtype_bytes: int, *, max_model_len: 
                          f"({bytes_per_token * block_size} bytes each per device)")
     pool_tokens = (num_pages - 1) * block_size
     max_model_len = max_model_len or min(longest, pool_tokens)
-    max_num_seqs = max_num_seqs or 256
+    max_num_seqs = max_num_seqs or default_max_num_seqs(on_cpu, usage)
     max_num_batched_tokens = max_num_batched_tokens or (2048 if on_cpu else 8192)
     return EngineConfig(max_model_len, max_num_seqs, max_num_batched_tokens, block_size, int(num_pages))

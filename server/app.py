@@ -164,7 +164,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         raise ValueError("the server needs at least one served model name")
     metrics = ServerMetrics(engine, settings.model_name)
     engine.observers.append(metrics.observe)
-    config = engine.engine.config
+    config = engine.config
     limits = AdmissionLimits.resolve(max_num_seqs=config.max_num_seqs, max_waiting_requests=engine.max_waiting_requests,
                                      max_model_len=config.max_model_len, tokenizer=engine.tokenizer,
                                      max_n=settings.max_n, max_prompt_chars=settings.max_prompt_chars)

@@ -14,7 +14,7 @@ from server.errors import bad_request
 from server.logprobs import chat_logprobs
 from server.blocking import TemplateTimeout, with_deadline
 from jvllm.multimodal.chat import message_text
-from jvllm.multimodal.inputs import ProcessedImage, text_only_error
+from jvllm.multimodal.inputs import ProcessedImage
 from server.protocol import ChatCompletionRequest, ChatMessage, TextPart, invalid_text_path
 from server.responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
                               DeltaMessage, UsageInfo)
@@ -67,8 +67,7 @@ async def render_chat(state: ServerState, messages: list[ChatMessage], *, reques
     if tools:
         kwargs["tools"] = tools
 
-    vision = state.engine.engine.model.vision
-    image_token = "" if vision is None else vision.image_token
+    image_token = state.engine.image_token or ""
 
     def render() -> str:
         return state.engine.apply_chat_template(conversation(messages, image_token),
@@ -97,13 +96,8 @@ async def chat_images(state: ServerState, messages: list[ChatMessage]) -> list[P
     urls = [url for message in messages for url in message.image_urls()]
     if not urls:
         return []
-    engine = state.engine.engine
-    processor = engine.mm_processor
     try:
-        if processor is None:
-            raise text_only_error(engine.served_model_name)
-        processor.check_count(len(urls))
-        return await state.blocking.run(lambda: [processor.process_image(engine.media.load_image(url)) for url in urls])
+        return await state.blocking.run(state.engine.load_images, urls)
     except ValueError as error:
         raise bad_request(str(error), "messages") from None
 
@@ -214,7 +208,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     ids = await state.tokenize(text, add_special_tokens=body.add_special_tokens)
     if images:  # placeholders expanded here too, so the length checks and usage count every image token
         try:
-            ids = state.engine.engine.mm_processor.expand(ids, {"image": images})[0]
+            ids = state.engine.expand_image_tokens(ids, images)
         except ValueError as error:
             raise bad_request(str(error), "messages") from None
     wanted = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

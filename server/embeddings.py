@@ -58,7 +58,7 @@ async def create_embedding(body: EmbeddingRequest, request: Request, state: Serv
     if not engine.supports_embeddings:
         raise bad_request(f"{model} is a generative model and does not support embeddings; serve an embedding "
                           "model (e.g. `jvllm serve all-MiniLM-L6-v2`)", "model")
-    if body.dimensions is not None and not engine.engine.embedder.supports_dimensions:
+    if body.dimensions is not None and not engine.supports_dimensions:
         raise bad_request(f"{model} does not support matryoshka representations: dimensions= cannot shorten "
                           "its embeddings", "dimensions")
     request_id = f"embd-{uuid.uuid4().hex}"

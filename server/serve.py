@@ -63,10 +63,11 @@ class DrainingServer(uvicorn.Server):
 def run_server(engine_args: EngineArgs, settings: ServerSettings) -> int:
     """Load the engine and serve it until SIGTERM or Ctrl-C; `settings.served_model_names` empty: the model's
     own name."""
+    from jvllm.config import UsageContext
     from jvllm.engine.llm import Engine
     from server.app import build_app
 
-    engine = Engine.from_engine_args(engine_args)
+    engine = Engine.from_engine_args(engine_args, UsageContext.OPENAI_API_SERVER)
     if not engine.is_leader:  # multi-host: rank 0 serves HTTP and schedules; this host runs its steps
         logger.info("this host follows rank 0's steps")
         engine.follow()

@@ -123,7 +123,8 @@ class EngineArgs:
     seed: int = option(0, "engine seed for unseeded requests", parse=int)
     max_model_len: int | None = option(None, "context limit, prompt + output (default: the model's, as far as the "
                                              "KV pool holds)", parse=human_int)
-    max_num_seqs: int | None = option(None, "sequences per step (default 256)", parse=human_int)
+    max_num_seqs: int | None = option(None, "sequences per step (default 256; 128 for `jvllm serve` on CPU, as "
+                                            "vLLM's server)", parse=human_int)
     max_num_batched_tokens: int | None = option(None, "tokens per step (default 2048 on CPU, 8192 on GPU)",
                                                 parse=human_int)
     block_size: int = option(16, "tokens per KV page (a power of two)", parse=int)

@@ -9,11 +9,13 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable
 
+from jvllm.config import EngineConfig
 from jvllm.engine.commands import Abort, Add, Command, CommandQueue
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.engine.llm import Engine, PromptType
 from jvllm.engine.request_stream import RequestStream, aborted_output
 from jvllm.engine.status import EngineDeadError, EngineShutDownError, EngineStats, EngineStepError, QueueFullError
+from jvllm.multimodal.inputs import ProcessedImage
 from jvllm.outputs import EmbeddingRequestOutput, RequestOutput
 from jvllm.pooling.async_batcher import EmbeddingBatcher
 from jvllm.pooling.embedder import embed_unsupported
@@ -82,6 +84,26 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.config.max_model_len
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's limits (max_num_seqs, max_model_len, ...)."""
+        return self.engine.config
+
+    @property
+    def image_token(self) -> str | None:
+        return self.engine.image_token
+
+    def load_images(self, urls: list[str]) -> list[ProcessedImage]:
+        """Engine.load_images (blocking: run it off the event loop)."""
+        return self.engine.load_images(urls)
+
+    def expand_image_tokens(self, token_ids: list[int], images: list[ProcessedImage]) -> list[int]:
+        return self.engine.expand_image_tokens(token_ids, images)
+
+    @property
+    def supports_dimensions(self) -> bool:
+        return self.engine.supports_dimensions
 
     @property
     def is_running(self) -> bool:
@@ -257,8 +279,7 @@ class AsyncEngine:
             return  # the caller gave up before the request was queued
         try:
             # The limit counts sequences (n per prompt); those the next step can still admit do not wait.
-            scheduler = self.engine.scheduler
-            waiting = len(scheduler.waiting) - max(scheduler.max_num_seqs - len(scheduler.running), 0)
+            waiting = self.engine.num_waiting_past_capacity()
             if self.max_waiting_requests is not None and waiting + command.params.n > self.max_waiting_requests:
                 raise QueueFullError(f"the waiting queue is full ({max(waiting, 0)} sequences waiting, "
                                      f"{command.params.n} more asked); retry later")
@@ -294,7 +315,7 @@ class AsyncEngine:
         """Fail the requests that were in the failed batch; a run of failures means the engine is dead."""
         self._failures += 1
         logger.error("engine step failed (%d in a row): %r", self._failures, error, exc_info=error)
-        affected = {r.group_id for r in self.engine.scheduler.running} or set(self._loops)
+        affected = self.engine.running_request_ids() or set(self._loops)
         try:
             self.engine.abort_request(list(affected))
         except Exception as cleanup_error:
@@ -332,12 +353,7 @@ class AsyncEngine:
             self._post(loop, self._end, ids, error)
 
     def _publish_stats(self, stepped: bool) -> None:
-        scheduler = self.engine.scheduler
-        self.stats = EngineStats(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
-                                 kv_cache_usage=self.engine.pages.usage, num_preemptions=scheduler.num_preemptions,
-                                 prefix_cache_queries=getattr(scheduler, "prefix_cache_queries", 0),
-                                 prefix_cache_hits=getattr(scheduler, "prefix_cache_hits", 0),
-                                 num_steps=self.stats.num_steps + int(stepped))
+        self.stats = self.engine.stats(num_steps=self.stats.num_steps + int(stepped))
 
     def _post(self, loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> None:
         try:

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Sequence
 from jvllm.heap import release_freed_memory
 from jvllm.worker.compile_cache import enable_compilation_cache
 from jvllm.worker.compile_watch import during_start_up
-from jvllm.config import EngineConfig, build_engine_config
+from jvllm.config import EngineConfig, UsageContext, build_engine_config
 from jvllm.engine.arg_utils import EngineArgs, keyword_help
 from jvllm.engine.detokenizer import IncrementalDetokenizer
 from jvllm.pooling.embedder import embed_unsupported, generate_unsupported
@@ -27,6 +27,7 @@ from jvllm.parallel import distributed
 from jvllm.engine.output_processor import append_token, record_prompt_logprobs, request_output
 from jvllm.outputs import EmbeddingRequestOutput, RequestOutput
 from jvllm.engine.progress import GenerateProgress, precompile_progress
+from jvllm.engine.front_end_views import FrontEndViews
 from jvllm.engine.multihost import MultiHostRoles
 from jvllm.engine.prompts import PromptType, conversation_prompts, tokenize_prompt
 from jvllm.multimodal.inputs import PromptImages, engine_multimodal
@@ -40,10 +41,9 @@ ENGINE_KEYWORDS = frozenset(field.name for field in dataclasses.fields(EngineArg
 PROMPT_TAIL_TOKENS = 16  # enough to see whether a chat template opened a <think> block at the end of a prompt
 
 
-class Engine(MultiHostRoles):
+class Engine(MultiHostRoles, FrontEndViews):
     """Offline inference engine. `Engine()` serves the embedded SmolLM2-135M-Instruct."""
 
-    @during_start_up
     def __init__(self, model: str | None = None, **kwargs: Any):
         """`model` and the keywords are the fields of `EngineArgs` (jvllm.engine.arg_utils), listed below; each is
         also a flag of `jvllm generate/serve/chat`. Unknown keywords raise TypeError.
@@ -61,7 +61,20 @@ class Engine(MultiHostRoles):
         if unknown:
             raise TypeError(f"Engine() got unexpected keyword argument(s) {', '.join(unknown)}; it takes the fields "
                             "of jvllm.EngineArgs")
-        self.args = args = EngineArgs(model=model, **kwargs)
+        self._start(EngineArgs(model=model, **kwargs), UsageContext.LLM_CLASS)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, usage_context: UsageContext = UsageContext.LLM_CLASS) -> "Engine":
+        """The engine of an `EngineArgs` (e.g. one built from command-line flags); `jvllm serve` passes
+        UsageContext.OPENAI_API_SERVER, whose defaults suit a server (fewer sequences a step on CPU, as vLLM's)."""
+        engine = cls.__new__(cls)
+        engine._start(args, usage_context)
+        return engine
+
+    @during_start_up
+    def _start(self, args: EngineArgs, usage: UsageContext) -> None:
+        """Load the model, size the KV pool, build the scheduler and the runner, and precompile."""
+        self.args = args
         from jvllm.attention import resolve_backend_name
         from jvllm.pooling.embedder import build_embedder, encoder_engine_config
         from jvllm.model_loader.loader import load_model
@@ -92,7 +105,7 @@ class Engine(MultiHostRoles):
                 self.model.config, kv_dtype.itemsize, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                tensor_parallel_size=args.tensor_parallel_size)
+                tensor_parallel_size=args.tensor_parallel_size, usage=usage)
             if hosts.multi_host:  # every host must build the same pool: rank 0's page count wins
                 self.config.num_pages = distributed.agree_on_int(self.config.num_pages)
         self.enable_prefix_caching = args.enable_prefix_caching
@@ -136,11 +149,6 @@ class Engine(MultiHostRoles):
                     " with GGUF blocks" if self.model.keeps_blocks else "", self.weight_bytes / 1e6,
                     backend if self.runner is None else self.runner.backend.name, cfg.max_model_len,
                     args.tensor_parallel_size, time.perf_counter() - started)
-
-    @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "Engine":
-        """The engine of an `EngineArgs` (e.g. one built from command-line flags)."""
-        return cls(**args.keywords())
 
     @property
     def weight_bytes(self) -> int:

@@ -314,3 +314,23 @@ def test_llm_is_engine_and_get_tokenizer_returns_the_tokenizer(default_engine):
     assert tokenizer is default_engine.tokenizer
     assert tokenizer.decode(tokenizer.encode(PROMPTS[0])) == PROMPTS[0]
     assert tokenizer.eos_token_id in default_engine.eos_token_ids
+
+
+def test_the_front_end_views_report_queues_and_running_requests(default_engine):
+    """What AsyncEngine and the server read (Engine.stats, num_waiting_past_capacity, running_request_ids)."""
+    engine = default_engine
+    before = engine.stats()
+    for name in ("view-a", "view-b"):
+        engine.add_request(name, "The sky is", greedy(4))
+    queued = engine.stats(num_steps=7)
+    assert (queued.num_waiting, queued.num_running, queued.num_steps) == (2, 0, 7)
+    assert engine.num_waiting_past_capacity() == 2 - engine.config.max_num_seqs
+    engine.step()
+    assert engine.running_request_ids() == {"view-a", "view-b"} and engine.stats().num_running == 2
+    assert engine.stats().kv_cache_usage > before.kv_cache_usage
+    engine.abort_request(["view-a", "view-b"])
+    assert engine.running_request_ids() == set() and engine.stats().num_waiting == 0
+    assert engine.image_token is None and not engine.supports_dimensions
+    with pytest.raises(ValueError, match="is a text-only model: it takes no images"):
+        engine.load_images(["data:image/png;base64,AAAA"])
+    assert_idle(engine)

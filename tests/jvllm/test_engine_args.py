@@ -90,3 +90,23 @@ def test_a_new_field_is_a_new_flag():
     add_dataclass_flags(parser, Options)
     assert dataclass_from_flags(Options, parser.parse_args(["--speculative-tokens", "3", "--no-fast"])) == \
         Options(speculative_tokens=3, fast=False)
+
+
+def test_a_server_on_cpu_runs_fewer_sequences_by_default_as_vllms(monkeypatch):
+    from jvllm.config import UsageContext, default_max_num_seqs
+    from jvllm.engine.llm import Engine
+    from server.serve import run_server
+
+    assert default_max_num_seqs(True, UsageContext.LLM_CLASS) == 256
+    assert default_max_num_seqs(True, UsageContext.OPENAI_API_SERVER) == 128
+    assert default_max_num_seqs(False, UsageContext.OPENAI_API_SERVER) == 256
+    seen = []
+
+    def capture(cls, args, usage_context=UsageContext.LLM_CLASS):
+        seen.append((args, usage_context))
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(Engine, "from_engine_args", classmethod(capture))
+    with pytest.raises(ValueError, match="stop here"):
+        run_server(EngineArgs(max_num_seqs=None), ServerSettings([]))
+    assert seen == [(EngineArgs(), UsageContext.OPENAI_API_SERVER)]
