@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -10,11 +9,6 @@ import time
 
 from jvllm.engine.arg_utils import EngineArgs, MULTIHOST_FIELDS, add_dataclass_flags, dataclass_from_flags, human_int
 from server.settings import ServerSettings
-
-
-def engine_args(args: argparse.Namespace, **overrides: object) -> EngineArgs:
-    """The engine options of parsed flags (`jvllm serve`'s MODEL argument stands for --model)."""
-    return EngineArgs.from_cli_args(args, **overrides)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,7 +93,7 @@ def run_generate(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.request_seed)
-        engine = Engine.from_engine_args(engine_args(args, precompile=False))
+        engine = Engine.from_engine_args(EngineArgs.from_cli_args(args, precompile=False))
         if not engine.is_leader:  # multi-host: run rank 0's steps until it is done
             engine.follow()
             return 0
@@ -136,7 +130,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     args.model = args.model_tag or args.model
     try:
-        engine = engine_args(args)
+        engine = EngineArgs.from_cli_args(args)
         settings = dataclass_from_flags(ServerSettings, args, served_model_names=engine.served_model_names,
                                         model_root=args.model, reasoning_parser=args.reasoning_parser)
         return run_server(engine, settings)
@@ -160,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         from entrypoints.chat_client import run_chat
 
         try:
-            options = engine_args(args)
+            options = EngineArgs.from_cli_args(args)
         except ValueError as error:
             print(f"jvllm: error: {error}", file=sys.stderr)
             return 2

@@ -8,11 +8,15 @@ import pathlib
 import signal
 import socket
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from jvllm.engine.async_engine import AsyncEngine
+
+if TYPE_CHECKING:
+    from jvllm.engine.arg_utils import EngineArgs
+    from server.settings import ServerSettings
 
 # The engine thread holds the GIL for its host-side work; a waiting event-loop thread would get it only
 # after the default 5 ms switch interval. A shorter interval keeps streaming latency low.

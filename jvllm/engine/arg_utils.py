@@ -212,9 +212,6 @@ class EngineArgs:
     def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> "EngineArgs":
         return dataclass_from_flags(cls, args, **overrides)
 
-    def keywords(self) -> dict[str, Any]:
-        """The fields as `Engine(**keywords)` takes them."""
-        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
 
 
 def keyword_help() -> str:

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from entrypoints.cli import build_parser, engine_args, main
-from jvllm.engine.arg_utils import human_int, json_list
+from entrypoints.cli import build_parser, main
+from jvllm.engine.arg_utils import EngineArgs, human_int, json_list
 
 
 def test_human_int_accepts_suffixes():
@@ -35,7 +35,7 @@ def test_cors_flags_take_json_lists_of_strings(capsys):
 def test_multimodal_flags_take_json_objects(capsys):
     args = build_parser().parse_args(["serve", "--limit-mm-per-prompt", '{"image": 2}',
                                       "--mm-processor-kwargs", '{"max_pixels": 802816}'])
-    kwargs = engine_args(args).keywords()
+    kwargs = vars(EngineArgs.from_cli_args(args))
     assert kwargs["limit_mm_per_prompt"] == {"image": 2} and kwargs["mm_processor_kwargs"] == {"max_pixels": 802816}
     for flag, bad, reason in [("--limit-mm-per-prompt", '{"image": "2"}', "JSON object of integers"),
                               ("--mm-processor-kwargs", "max_pixels=5", "expected a JSON object")]:

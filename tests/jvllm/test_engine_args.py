@@ -27,7 +27,7 @@ def test_every_engine_option_has_a_flag(command):
     expected = [name for name in fields if command != "chat" or name not in MULTIHOST_FIELDS]
     missing = [name for name in expected if _flag(name) not in _flags(command)]
     assert not missing, f"EngineArgs fields without a `jvllm {command}` flag: {missing}"
-    assert len(fields) >= 31  # the options Engine took as keywords before they moved into EngineArgs
+    assert len(fields) >= 31  # every option of Engine, pooling and multi-host ones included
 
 
 def test_every_server_option_has_a_serve_flag():

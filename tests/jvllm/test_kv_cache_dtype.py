@@ -4,7 +4,8 @@ from types import SimpleNamespace
 import jax.numpy as jnp
 import pytest
 
-from entrypoints.cli import build_parser, engine_args
+from entrypoints.cli import build_parser
+from jvllm.engine.arg_utils import EngineArgs
 from jvllm.worker.kv_cache_dtype import kv_cache_dtype_for
 
 GGUF_BLOCKS = SimpleNamespace(keeps_blocks=True, dtype=jnp.float32)
@@ -29,8 +30,8 @@ def test_a_named_dtype_wins_and_others_are_refused():
 
 def test_the_cli_flag_reaches_the_engine():
     args = build_parser().parse_args(["generate", "hi", "--kv-cache-dtype", "float32"])
-    assert engine_args(args).keywords()["kv_cache_dtype"] == "float32"
-    assert engine_args(build_parser().parse_args(["generate", "hi"])).keywords()["kv_cache_dtype"] == "auto"
+    assert vars(EngineArgs.from_cli_args(args))["kv_cache_dtype"] == "float32"
+    assert vars(EngineArgs.from_cli_args(build_parser().parse_args(["generate", "hi"])))["kv_cache_dtype"] == "auto"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "hi", "--kv-cache-dtype", "fp8"])
 

@@ -382,15 +382,15 @@ def test_urls_with_credentials_or_odd_schemes_are_refused(offline):
 def test_engine_and_cli_settings_reach_the_loader():
     from types import SimpleNamespace
 
-    from entrypoints.cli import build_parser, engine_args
+    from entrypoints.cli import build_parser
     from jvllm.engine.arg_utils import EngineArgs
 
     assert EngineArgs().allowed_media_domains is None
     assert EngineArgs().max_image_pixels == DEFAULT_MAX_IMAGE_PIXELS == 4096 * 4096
-    defaults = engine_args(build_parser().parse_args(["serve"])).keywords()
+    defaults = vars(EngineArgs.from_cli_args(build_parser().parse_args(["serve"])))
     assert defaults["allowed_media_domains"] is None and defaults["max_image_pixels"] == DEFAULT_MAX_IMAGE_PIXELS
-    kwargs = engine_args(build_parser().parse_args(
-        ["serve", "--allowed-media-domains", "images.example.com", "10.0.0.5", "--max-image-pixels", "64m"])).keywords()
+    kwargs = vars(EngineArgs.from_cli_args(build_parser().parse_args(
+        ["serve", "--allowed-media-domains", "images.example.com", "10.0.0.5", "--max-image-pixels", "64m"])))
     assert kwargs["allowed_media_domains"] == ["images.example.com", "10.0.0.5"]
     assert kwargs["max_image_pixels"] == 64 << 20
     _, _, media = engine_multimodal(SimpleNamespace(vision=None), 256, None, None, None,
