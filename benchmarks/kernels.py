@@ -1,17 +1,21 @@
 """Kernel benchmark: Pallas decode / prefill attention vs the jnp reference and jax's shipped paged_attention.
 
 Decode prints achieved GB/s (KV bytes read / time), prefill TFLOP/s, each next to the device ceilings measured
-in the same run (a large device copy for bandwidth, a large bf16 matmul for FLOP/s); kv_write compares the
-XLA scatter with the Pallas store kernel for writing a step's K/V into a donated pool. Meant for a GPU;
-`--quick` runs tiny shapes in interpret mode on CPU only to prove the script works.
+in the same run (a large device copy for bandwidth, a large bf16 matmul for FLOP/s); prefill also times jax's
+Mosaic GPU flash attention (dense causal K/V, Hopper) at the same tokens, the yardstick for the ragged kernel;
+kv_write compares the XLA scatter with the Pallas store kernel for writing a step's K/V into a donated pool.
+`--sweep` times block sizes, splits, warps and stages at the SWEEP_CASES shapes. The JSON is rewritten after every
+case, so a run cut short by its time limit keeps what it measured; `--budget-s` starts no case after that many
+seconds. Meant for a GPU; `--quick` runs tiny shapes in interpret mode on CPU only to prove the script works.
 
-    python benchmarks/kernels.py [--quick] [--full] [--sweep] [--json PATH]
+    python benchmarks/kernels.py [--quick] [--full] [--sweep] [--budget-s S] [--json PATH]
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import functools
+import itertools
 import json
 import platform
 import statistics
@@ -69,7 +73,7 @@ def measure_ceilings(quick: bool, warmup: int, iters: int) -> dict:
     copy = jax.jit(lambda a: a + 1)  # reads and writes every byte once; XLA cannot elide it
     seconds = time_fn(copy, x, warmup=warmup, iters=iters)
     n = 256 if quick else 8192
-    a = jnp.ones((n, n), jnp.bfloat16)
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)  # not constant: that can run faster
     matmul = jax.jit(lambda p, q: jnp.dot(p, q, preferred_element_type=jnp.float32))
     mm_seconds = time_fn(matmul, a, a, warmup=warmup, iters=iters)
     return {"copy_bytes_per_s": 2 * copy_bytes / seconds, "bf16_matmul_flops": 2 * n ** 3 / mm_seconds}
@@ -134,9 +138,9 @@ def bench_decode(case: DecodeCase, ceilings: dict, args: argparse.Namespace, int
 
     impls: dict[str, tuple[Callable, tuple]] = {}
     configs = [{}]
-    if args.sweep:
-        configs += [dict(pages_per_block=p, num_splits=s, num_warps=w) for p in (4, 8) for s in (1, 4, 16)
-                    for w in (4, 8)]
+    if args.sweep and case in SWEEP_DECODE:
+        configs += [dict(pages_per_block=p, num_splits=s, num_warps=w, num_stages=st) for p in (4, 8)
+                    for s in (1, 4, 16) for w in (4, 8) for st in (1, 2)]
     for config in configs:
         name = "pallas" + (f"[{','.join(f'{k}={v}' for k, v in config.items())}]" if config else "")
         fn = jax.jit(functools.partial(decode_attention, scale=scale, interpret=interpret, **config))
@@ -195,11 +199,16 @@ def bench_prefill(case: PrefillCase, ceilings: dict, args: argparse.Namespace, i
     block_q = ragged_block_q(q.dtype, k_pages.dtype, heads, case.kv_heads, case.head_dim)
     impls = {"pallas": (jax.jit(functools.partial(ragged_paged_attention, interpret=interpret, scale=scale)),
                         fn_args + items(block_q))}
-    if args.sweep:
-        for block_q, ppb in ((16, 4), (32, 4), (32, 8)):
-            impls[f"pallas[block_q={block_q},pages_per_block={ppb}]"] = (jax.jit(functools.partial(
-                ragged_paged_attention, interpret=interpret, block_q=block_q, pages_per_block=ppb, num_warps=8,
-                scale=scale)), fn_args + items(block_q))
+    if args.sweep and case in SWEEP_PREFILL:
+        for block_q, ppb, warps, stages in itertools.product((16, 32, 64), (4, 8), (4, 8), (1, 2)):
+            impls[f"pallas[block_q={block_q},pages_per_block={ppb},num_warps={warps},num_stages={stages}]"] = (
+                jax.jit(functools.partial(ragged_paged_attention, interpret=interpret, block_q=block_q,
+                                          pages_per_block=ppb, num_warps=warps, num_stages=stages, scale=scale)),
+                fn_args + items(block_q))
+    if not interpret:
+        flash = mosaic_flash_attention(case, q, k_pages, v_pages, tables, scale)
+        if flash is not None:
+            impls["jax_mosaic_gpu_flash_attention"] = flash
     impls["jnp_reference"] = (jax.jit(functools.partial(ragged_attention_reference, scale=scale,
                                                         max_q_len=case.tokens_per_seq)), fn_args)
     flops = prefill_flops(case)
@@ -208,6 +217,31 @@ def bench_prefill(case: PrefillCase, ceilings: dict, args: argparse.Namespace, i
                        lambda s: dict(tflop_per_s=flops / s / 1e12,
                                       frac_of_matmul=flops / s / ceilings["bf16_matmul_flops"]))
     return _with_speedups(rows, "jnp_reference")
+
+
+def mosaic_flash_attention(case: PrefillCase, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           tables: jax.Array, scale: float) -> tuple[Callable, tuple] | None:
+    """jax's Mosaic GPU flash attention (causal, dense [B, T, H, hd] K/V gathered from the pages outside the
+    timed region) as (fn, args) returning the ragged kernel's [T, H, hd] layout; None where jax lacks it. In
+    float16: jax 0.11.2's kernel fails on bfloat16 inputs ("src had type bfloat16 and dst had type float16");
+    the two types cost the same."""
+    try:
+        from jax.experimental.pallas.ops.gpu import attention_mgpu
+    except ImportError:
+        return None
+    heads = case.kv_heads * case.gqa
+    dense = lambda pages: pages[tables].reshape(case.seqs, -1, case.kv_heads, case.head_dim)[  # noqa: E731
+        :, :case.tokens_per_seq]
+    k, v = dense(k_pages).astype(jnp.float16), dense(v_pages).astype(jnp.float16)
+    q4 = (q.astype(jnp.float32) * scale).astype(jnp.float16).reshape(case.seqs, case.tokens_per_seq, heads,
+                                                                  case.head_dim)
+    # it applies no softmax scale: q is pre-scaled, as for the shipped decode kernel
+    config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=True)
+
+    def flash(q4, k, v):
+        return attention_mgpu.attention(q4, k, v, config).reshape(-1, heads, case.head_dim).astype(q.dtype)
+
+    return jax.jit(flash), (q4, k, v)
 
 
 def _with_speedups(rows: list[dict], baseline: str) -> list[dict]:
@@ -243,6 +277,11 @@ def bench_kv_write(tokens: int, args: argparse.Namespace, interpret: bool, pool_
               f"  {method:<8} {seconds * 1e3:9.3f} ms  {written / seconds / 1e9:8.1f} GB/s written", flush=True)
         del pools
     return rows
+
+
+# the decode target's shape (batch 64 x 2k context, GQA 4, head 128) first: a run cut short still measures it
+SWEEP_DECODE = (DecodeCase(64, 2048, 128, 4), DecodeCase(1, 8192, 128, 4))
+SWEEP_PREFILL = (PrefillCase(4, 1024, 128, 4),)
 
 
 def cases(args: argparse.Namespace) -> tuple[list[DecodeCase], list[PrefillCase]]:
@@ -285,7 +324,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--only", choices=["decode", "prefill", "kv_write"], help="run one kind")
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--iters", type=int, default=None)
-    parser.add_argument("--json", dest="json_path", help="write the results here")
+    parser.add_argument("--budget-s", type=float, default=None, help="start no case after this many seconds")
+    parser.add_argument("--json", dest="json_path", help="write the results here (rewritten after every case)")
     args = parser.parse_args(argv)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     args.iters = args.iters if args.iters is not None else (2 if args.quick else 10)
@@ -301,25 +341,36 @@ def main(argv: list[str] | None = None) -> dict:
           f"bf16 matmul {ceilings['bf16_matmul_flops'] / 1e12:.2f} TFLOP/s")
     decode, prefill = cases(args)
     rows = []
-    if args.only in (None, "decode"):
-        for case in decode:
-            for row in bench_decode(case, ceilings, args, interpret):
-                print_row(row)
-                rows.append(row)
-    if args.only in (None, "prefill"):
-        for case in prefill:
-            for row in bench_prefill(case, ceilings, args, interpret):
-                print_row(row)
-                rows.append(row)
-    if args.only in (None, "kv_write"):
-        for tokens in ((16,) if args.quick else (64, 256, 4096)):
-            rows += bench_kv_write(tokens, args, interpret, (1 << 20) if args.quick else (1 << 30))
     result = {"device": device.device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
               "python": platform.python_version(), "interpret": interpret, "quick": args.quick,
               "ceilings": ceilings, "results": rows}
-    if args.json_path:
-        with open(args.json_path, "w") as fh:
-            json.dump(result, fh, indent=1)
+    started = time.perf_counter()
+    # the targets' shapes first (decode at batch 64 x 2k, then prefill), so a run cut short by --budget-s has them
+    first_decode = [case for case in decode if case == SWEEP_DECODE[0]]
+    work = []
+    if args.only in (None, "decode"):
+        work += [functools.partial(bench_decode, case, ceilings, args, interpret) for case in first_decode]
+    if args.only in (None, "prefill"):
+        work += [functools.partial(bench_prefill, case, ceilings, args, interpret) for case in prefill]
+    if args.only in (None, "decode"):
+        work += [functools.partial(bench_decode, case, ceilings, args, interpret) for case in decode
+                 if case not in first_decode]
+    if args.only in (None, "kv_write"):
+        pool_bytes = (1 << 20) if args.quick else (1 << 30)
+        work += [functools.partial(bench_kv_write, tokens, args, interpret, pool_bytes)
+                 for tokens in ((16,) if args.quick else (64, 256, 4096))]
+    for measure in work:
+        if args.budget_s is not None and time.perf_counter() - started > args.budget_s:
+            result["cut_short_by_budget_s"] = args.budget_s
+            print(f"budget of {args.budget_s:.0f} s spent: the remaining cases are not run", flush=True)
+            break
+        for row in measure():
+            if row["kind"] != "kv_write":
+                print_row(row)
+            rows.append(row)
+        if args.json_path:
+            with open(args.json_path, "w") as fh:
+                json.dump(result, fh, indent=1)
     return result
 
 

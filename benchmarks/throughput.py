@@ -11,6 +11,7 @@ ignore_eos, prefill included in the timing; each timed --repeats times after a w
           during the run reaches both sides of the ratio
   single  one request's decode speed vs the memory-bandwidth bound (weight bytes / measured bandwidth)
   wide    64 concurrent requests, output tokens/s
+  prefill --prefill-prompts prompts of --prefill-len tokens, one output token each: prompt tokens/s
 """
 from __future__ import annotations
 
@@ -78,6 +79,15 @@ def warm_then_time(engine, prompts: list[list[int]], output_len: int, repeats: i
     `repeats` times; -> seconds of each timed pass."""
     inputs, params = _warmed_inputs(engine, prompts, output_len)
     return [_jvllm_pass(engine, inputs, params)[0] for _ in range(repeats)]
+
+
+def run_prefill(engine, prompts: list[list[int]], repeats: int) -> dict:
+    """Prompt tokens/s of prompts that each produce one token (the prefix cache emptied before every pass)."""
+    passes = warm_then_time(engine, prompts, 1, repeats)
+    elapsed = statistics.median(passes)
+    tokens = sum(map(len, prompts))
+    return {"seconds": elapsed, "pass_seconds": passes, "prompt_tokens": tokens,
+            "prompt_tokens_per_s": tokens / elapsed}
 
 
 def _rates(passes: list[float], prompts: list[list[int]], output_len: int) -> dict:
@@ -187,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="weights for steps of >= 2 token rows, e.g. bfloat16 (default: the engine's default)")
     parser.add_argument("--scenarios", default="chat,traffic,batch,single,wide",
                         help="comma-separated: chat (uneven chat prompts vs transformers), traffic (fixed vs varied "
-                             "lengths), batch (equal-length random prompts vs transformers), single, wide")
+                             "lengths), batch (equal-length random prompts vs transformers), single, wide, prefill")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
@@ -196,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                              "full as in a server's traffic (it also runs --num-prompts requests, one batch's worth)")
     parser.add_argument("--wide", type=int, default=64, help="concurrent requests of the 'wide' scenario")
     parser.add_argument("--single-output-len", type=int, default=128)
+    parser.add_argument("--prefill-prompts", type=int, default=16, help="prompts of the 'prefill' scenario")
+    parser.add_argument("--prefill-len", type=int, default=1024, help="tokens per prompt of the 'prefill' scenario")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                         help="dispatch each decode step before the previous step's tokens reach the host")
     parser.add_argument("--repeats", type=int, default=3,
@@ -287,6 +299,12 @@ def main(argv: list[str] | None = None) -> int:
                            "jvllm": run_jvllm(engine, wide_prompts, args.output_len, args.repeats)}
         print(f"[wide] {args.wide} concurrent: {results['wide']['jvllm']['output_tokens_per_s']:.1f} output tok/s",
               flush=True)
+    if "prefill" in scenarios:
+        prefill_prompts = random_prompts(args.prefill_prompts, args.prefill_len, cfg.vocab_size, seed=2)
+        prefill = results["prefill"] = {"num_prompts": args.prefill_prompts, "prompt_len": args.prefill_len,
+                                        **run_prefill(engine, prefill_prompts, args.repeats)}
+        print(f"[prefill] {args.prefill_prompts} x {args.prefill_len} tokens: "
+              f"{prefill['prompt_tokens_per_s']:.0f} prompt tok/s", flush=True)
     results["compilations_after_start"] = compile_watch().unexpected
     print(f"XLA compilations after start-up: {results['compilations_after_start']}", flush=True)
     write_json(args.json, results)

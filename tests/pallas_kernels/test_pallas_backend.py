@@ -67,7 +67,8 @@ def test_write_and_attend_matches_xla_backend(dtype, step, sliding_window, soft_
     assert backend.name == "pallas" and backend.step_donates_pool
     out, k_new, v_new = jax.jit(backend.write_and_attend, static_argnums=(6, 7, 8))(
         q, k, v, k_pages, v_pages, md, scale, sliding_window, soft_cap)
-    expected = xla.paged_attention(q, k, v, k_pages, v_pages, xla_md, scale, sliding_window, soft_cap)
+    with jax.default_matmul_precision("highest"):  # on a GPU XLA's float32 dots default to TF32; the kernel's are not
+        expected = xla.paged_attention(q, k, v, k_pages, v_pages, xla_md, scale, sliding_window, soft_cap)
     [(k_ref, v_ref)] = xla.write_layers([(k_pages, v_pages)], [(k, v)], xla_md)
 
     assert out.shape == q.shape and out.dtype == q.dtype
