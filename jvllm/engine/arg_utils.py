@@ -134,8 +134,11 @@ class EngineArgs:
                                          "served from its blocks on CPU, like llama.cpp's 16-bit KV cache), bfloat16 "
                                          "or float32", choices=["auto", "bfloat16", "float32"])
     enable_prefix_caching: bool = option(True, "reuse the KV pages of shared prompt prefixes (default on)")
-    attention_backend: str = option("auto", "auto (pallas on GPU, cpu on CPU), cpu (native C++ kernels), xla "
-                                            "(plain jnp) or pallas")
+    attention_backend: str = option("auto", "auto (pallas on GPU, cpu on CPU); pallas (Pallas Triton "
+                                            "paged-attention kernels for GPUs, interpret mode on CPU), mosaic (pallas "
+                                            "with the Mosaic GPU decode kernel for Hopper, jax >= 0.11), cpu (native "
+                                            "C++ kernels), xla (plain jnp, gathers each sequence's pages: the "
+                                            "reference)", choices=["auto", "pallas", "mosaic", "cpu", "xla"])
     batched_weight_dtype: str | None = option(
         "auto", "extra weight copy for steps of 2+ token rows: auto (bfloat16 when a float32 model runs on CPU "
                 "because dtype is auto; ~1.6x faster batched steps, outputs then depend slightly on the batch), none, "

@@ -1,0 +1,45 @@
+"""The `mosaic` attention backend (decode steps on the Mosaic GPU kernel) gives the `xla` backend's outputs for the
+same steps, in Mosaic GPU's interpret mode on CPU (jax >= 0.11) or compiled on a GPU."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from pallas_inputs import TOLERANCE, engine_metadata, random_array
+
+from jvllm.attention import get_backend
+from jvllm.attention import xla
+from jvllm.worker.step_shapes import ShapeSet
+
+pytestmark = pytest.mark.skipif(jax.__version_info__ < (0, 11), reason="Mosaic GPU's interpret mode and plgpu.kernel "
+                                "need jax >= 0.11: ci/gpu_versions_leg.sh runs these")
+
+SHAPES, MAX_PAGES = ShapeSet(max_num_seqs=8, max_num_batched_tokens=64), 8
+STEPS = {"decode": [(40, 1), (15, 1), (0, 1)], "mixed": [(0, 13), (35, 1), (17, 9)]}
+
+
+@pytest.mark.parametrize("step", list(STEPS))
+def test_mosaic_backend_matches_xla_backend(step):
+    page_size, kv_heads, group, head_dim, num_pages, dtype = 16, 2, 4, 64, 14, jnp.bfloat16
+    backend, xla_backend = (get_backend(name).for_model(kv_heads * group, kv_heads, head_dim, dtype)
+                            for name in ("mosaic", "xla"))
+    md, real = engine_metadata(STEPS[step], page_size, num_pages, np.random.default_rng(1), SHAPES, MAX_PAGES,
+                               backend)
+    xla_md, _ = engine_metadata(STEPS[step], page_size, num_pages, np.random.default_rng(1), SHAPES, MAX_PAGES,
+                                xla_backend)
+    rng = np.random.default_rng(2)
+    shape = (num_pages, page_size, kv_heads, head_dim)
+    k_pages, v_pages = random_array(rng, shape, dtype), random_array(rng, shape, dtype)
+    num_tokens = md.slot_mapping.shape[0]
+    q = random_array(rng, (num_tokens, kv_heads * group, head_dim), dtype)
+    k, v = (random_array(rng, (num_tokens, kv_heads, head_dim), dtype) for _ in range(2))
+    scale = head_dim ** -0.5
+    assert backend.name == "mosaic" and md.decode == (step == "decode")
+    out, k_new, _ = jax.jit(backend.write_and_attend, static_argnums=(6, 7, 8))(
+        q, k, v, k_pages, v_pages, md, scale, None, None)
+    expected = xla.paged_attention(q, k, v, k_pages, v_pages, xla_md, scale, None, None)
+    [(k_ref, _)] = xla.write_layers([(k_pages, v_pages)], [(k, v)], xla_md)
+    np.testing.assert_allclose(np.asarray(out[:real], np.float32), np.asarray(expected[:real], np.float32),
+                               **TOLERANCE[dtype])
+    np.testing.assert_array_equal(np.asarray(k_new[1:], np.float32), np.asarray(k_ref[1:], np.float32))
