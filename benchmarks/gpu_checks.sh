@@ -48,7 +48,8 @@ step tests 130 python3 -m pytest -v -n 12 -p no:cacheprovider -o addopts="" --ti
     tests/pallas_kernels/test_pallas_decode.py tests/pallas_kernels/test_pallas_ragged.py \
     tests/pallas_kernels/test_pallas_backend.py tests/pallas_kernels/test_pallas_qk_chunks.py \
     tests/pallas_kernels/test_pallas_grouped_matmul.py tests/pallas_kernels/test_quant_matmul_bench.py \
-    tests/pallas_kernels/test_mosaic_decode.py
+    tests/pallas_kernels/test_mosaic_decode.py tests/pallas_kernels/test_mosaic_ragged.py \
+    tests/pallas_kernels/test_mosaic_backend.py
 # nine processes compile at once: XLA's GEMM autotuning (timing candidate kernels on the shared GPU) is off here,
 # as speed is not what this stage checks
 step greedy 110 env XLA_FLAGS=--xla_gpu_autotune_level=0 python3 -m benchmarks.gpu_greedy --root .gpu --jobs 9 \

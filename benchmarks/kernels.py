@@ -1,6 +1,7 @@
 """Kernel benchmark: Pallas decode / prefill attention vs the jnp reference and jax's shipped paged_attention.
 
-Decode times both of jvllm's kernels on a GPU: the Triton one (`pallas`) and the Mosaic GPU one (`mosaic`, jax >= 0.11).
+Decode and prefill time both of jvllm's kernels on a GPU: the Triton ones (`pallas`) and the Mosaic GPU ones
+(`mosaic`, jax >= 0.11).
 
 Decode prints achieved GB/s (KV bytes read / time), prefill TFLOP/s, each next to the device ceilings measured
 in the same run (a large device copy for bandwidth, a large bf16 matmul for FLOP/s); prefill also times jax's
@@ -30,7 +31,9 @@ import numpy as np
 
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.kv_write import write_kv
+from pallas_kernels.mosaic_common import mosaic_gpu_available
 from pallas_kernels.mosaic_decode import mosaic_decode_attention
+from pallas_kernels.mosaic_ragged import BLOCK_Q as MOSAIC_BLOCK_Q, mosaic_ragged_paged_attention
 from pallas_kernels.ragged_attention import ragged_block_q, ragged_items, ragged_paged_attention
 from pallas_kernels.reference import decode_attention_reference, ragged_attention_reference
 
@@ -148,7 +151,7 @@ def bench_decode(case: DecodeCase, ceilings: dict, args: argparse.Namespace, int
         name = "pallas" + (f"[{','.join(f'{k}={v}' for k, v in config.items())}]" if config else "")
         fn = jax.jit(functools.partial(decode_attention, scale=scale, interpret=interpret, **config))
         impls[name] = (fn, (q, k_pages, v_pages, tables, lengths))
-    if not interpret and jax.__version_info__ >= (0, 11):  # the Mosaic GPU (Hopper) kernel beside the Triton one
+    if not interpret and mosaic_gpu_available():  # the Mosaic GPU (Hopper) kernel beside the Triton one
         impls["mosaic"] = (jax.jit(functools.partial(mosaic_decode_attention, scale=scale)),
                            (q, k_pages, v_pages, tables, lengths))
     impls["jnp_reference"] = (jax.jit(functools.partial(decode_attention_reference, scale=scale)),
@@ -211,6 +214,9 @@ def bench_prefill(case: PrefillCase, ceilings: dict, args: argparse.Namespace, i
                 jax.jit(functools.partial(ragged_paged_attention, interpret=interpret, block_q=block_q,
                                           pages_per_block=ppb, num_warps=warps, num_stages=stages, scale=scale)),
                 fn_args + items(block_q))
+    if not interpret and mosaic_gpu_available():  # the Mosaic GPU (Hopper) kernel, its items of 64 queries
+        impls["mosaic"] = (jax.jit(functools.partial(mosaic_ragged_paged_attention, scale=scale)),
+                           fn_args + items(MOSAIC_BLOCK_Q))
     if not interpret:
         flash = mosaic_flash_attention(case, q, k_pages, v_pages, tables, scale)
         if flash is not None:

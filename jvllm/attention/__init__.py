@@ -30,18 +30,23 @@ def _load_cpu() -> AttentionBackend:
     return native.NativeCpu("cpu", native.no_layout, native.write_and_attend, fallback=_load_xla)
 
 
-def _load_pallas(name: str = "pallas", decode_kernel: str = "triton") -> AttentionBackend:
+def _load_pallas(name: str = "pallas", kernels: str = "triton") -> AttentionBackend:
     import functools
 
     from jvllm.attention import pallas
 
-    return InStepWrite(name, pallas.layout_for(1, 1, 128, "bfloat16"),
-                       functools.partial(pallas.write_and_attend, decode_kernel=decode_kernel),
-                       layout_for=pallas.layout_for)
+    layout_for = functools.partial(pallas.layout_for, kernels=kernels)
+    return InStepWrite(name, layout_for(1, 1, 128, "bfloat16"),
+                       functools.partial(pallas.write_and_attend, kernels=kernels), layout_for=layout_for)
 
 
 def _load_mosaic() -> AttentionBackend:
-    return _load_pallas("mosaic", decode_kernel="mosaic")
+    from pallas_kernels.mosaic_common import mosaic_gpu_available
+
+    if not mosaic_gpu_available():
+        raise ValueError(f"attention_backend 'mosaic' needs jax >= 0.11 (Mosaic GPU's plgpu.kernel); this is jax "
+                         f"{jax.__version__}: use 'pallas'")
+    return _load_pallas("mosaic", kernels="mosaic")
 
 
 register_backend("xla", _load_xla)

@@ -1,6 +1,6 @@
 """The `pallas` and `mosaic` backends: write the step's K/V into the pages, then attend over pages only with Pallas
-kernels. `mosaic` takes decode steps with the Mosaic GPU (Hopper) kernel where it covers the model, the Triton
-kernels otherwise."""
+kernels: the Triton ones (`pallas`), or the Mosaic GPU ones for Hopper (`mosaic`, where they cover the model: 16-bit,
+head dim a multiple of 64; the Triton kernels otherwise)."""
 from __future__ import annotations
 
 import functools
@@ -10,10 +10,15 @@ import jax
 import numpy as np
 
 from models.attention import AttentionMetadata
+from pallas_kernels import mosaic_common, mosaic_decode, mosaic_ragged
 from pallas_kernels.decode_attention import decode_attention
-from pallas_kernels import mosaic_decode
 from pallas_kernels.kv_write import write_kv
 from pallas_kernels.ragged_attention import ragged_block_q, ragged_items, ragged_paged_attention
+
+
+def _on_mosaic(kernels: str, q_dtype: Any, kv_dtype: Any, heads: int, kv_heads: int, head_dim: int,
+               page_size: int) -> bool:
+    return kernels == "mosaic" and mosaic_common.covers(q_dtype, kv_dtype, heads, kv_heads, head_dim, page_size)
 
 
 def write_and_attend(
@@ -27,25 +32,22 @@ def write_and_attend(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     *,
-    decode_kernel: str = "triton",
+    kernels: str = "triton",
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """-> (out [T, H, hd] in q.dtype, k_pages, v_pages). Decode steps (row s is token s) take the decode kernel
-    (`decode_kernel` "mosaic": the Mosaic GPU one where it covers the step), the others the ragged kernel over the
-    host's work items. `interpret` defaults to True off GPU (JVLLM_PALLAS_INTERPRET=1/0 forces it on/off)."""
+    """-> (out [T, H, hd] in q.dtype, k_pages, v_pages). Decode steps (row s is token s) take the decode kernel,
+    the others the ragged kernel over the host's work items; `kernels` "mosaic" picks the Mosaic GPU ones where
+    they cover the step. `interpret` defaults to True off GPU (JVLLM_PALLAS_INTERPRET=1/0 forces it on/off)."""
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping, interpret=interpret)
-    if md.decode and decode_kernel == "mosaic" and mosaic_decode.supports(
-            q.dtype, k_pages.dtype, q.shape[1], k_pages.shape[2], q.shape[2], k_pages.shape[1], sliding_window,
-            soft_cap):
-        out = mosaic_decode.mosaic_decode_attention(q, k_pages, v_pages, md.page_tables, md.kv_lens, scale=scale,
-                                                    interpret=interpret)
-    elif md.decode:
-        out = decode_attention(q, k_pages, v_pages, md.page_tables, md.kv_lens, scale=scale,
-                               sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
+    mosaic = _on_mosaic(kernels, q.dtype, k_pages.dtype, q.shape[1], k_pages.shape[2], q.shape[2], k_pages.shape[1])
+    window = dict(sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
+    if md.decode:
+        decode = mosaic_decode.mosaic_decode_attention if mosaic else decode_attention
+        out = decode(q, k_pages, v_pages, md.page_tables, md.kv_lens, scale=scale, **window)
     else:
-        out = ragged_paged_attention(q, k_pages, v_pages, md.query_start, md.q_lens, md.kv_lens, md.page_tables,
-                                     md.layout["item_seq"], md.layout["item_first"], scale=scale,
-                                     sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
+        ragged = mosaic_ragged.mosaic_ragged_paged_attention if mosaic else ragged_paged_attention
+        out = ragged(q, k_pages, v_pages, md.query_start, md.q_lens, md.kv_lens, md.page_tables,
+                     md.layout["item_seq"], md.layout["item_first"], scale=scale, **window)
     return out.astype(q.dtype), k_pages, v_pages
 
 
@@ -57,6 +59,9 @@ def ragged_layout(q_lens: np.ndarray, query_start: np.ndarray, cached: np.ndarra
     return {"item_seq": item_seq, "item_first": item_first}
 
 
-def layout_for(num_heads: int, num_kv_heads: int, head_dim: int, dtype: Any) -> Any:
-    """The prefill layout of a model: items of the block size the ragged kernel will launch with."""
+def layout_for(num_heads: int, num_kv_heads: int, head_dim: int, dtype: Any, *, kernels: str = "triton") -> Any:
+    """The prefill layout of a model: items of the block size the ragged kernel will launch with (the engine's page
+    size is a multiple of 8 under `mosaic`: EngineArgs checks it)."""
+    if _on_mosaic(kernels, dtype, dtype, num_heads, num_kv_heads, head_dim, page_size=8):
+        return functools.partial(ragged_layout, block_q=mosaic_ragged.BLOCK_Q)
     return functools.partial(ragged_layout, block_q=ragged_block_q(dtype, dtype, num_heads, num_kv_heads, head_dim))

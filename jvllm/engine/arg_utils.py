@@ -135,8 +135,8 @@ class EngineArgs:
                                          "or float32", choices=["auto", "bfloat16", "float32"])
     enable_prefix_caching: bool = option(True, "reuse the KV pages of shared prompt prefixes (default on)")
     attention_backend: str = option("auto", "auto (pallas on GPU, cpu on CPU); pallas (Pallas Triton "
-                                            "paged-attention kernels for GPUs, interpret mode on CPU), mosaic (pallas "
-                                            "with the Mosaic GPU decode kernel for Hopper, jax >= 0.11), cpu (native "
+                                            "paged-attention kernels for GPUs, interpret mode on CPU), mosaic (the "
+                                            "Mosaic GPU kernels for Hopper, jax >= 0.11), cpu (native "
                                             "C++ kernels), xla (plain jnp, gathers each sequence's pages: the "
                                             "reference)", choices=["auto", "pallas", "mosaic", "cpu", "xla"])
     batched_weight_dtype: str | None = option(
@@ -194,6 +194,9 @@ class EngineArgs:
             check_positive(name, getattr(self, name), optional=False)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.attention_backend == "mosaic" and self.block_size < 8:
+            raise ValueError(f"attention_backend 'mosaic' copies whole pages of at least 8 tokens (TMA tiles); "
+                             f"block_size {self.block_size} is smaller")
         if self.pooling is not None and self.tensor_parallel_size != 1:
             raise ValueError("embedding with a generative model (pooling=...) runs on one device; "
                              "use tensor_parallel_size=1")

@@ -1,5 +1,5 @@
-"""The `mosaic` attention backend (decode steps on the Mosaic GPU kernel) gives the `xla` backend's outputs for the
-same steps, in Mosaic GPU's interpret mode on CPU (jax >= 0.11) or compiled on a GPU."""
+"""The `mosaic` attention backend (the Mosaic GPU kernels) gives the `xla` backend's outputs for the same steps, in
+Mosaic GPU's interpret mode on CPU (jax >= 0.11) or compiled on a GPU; float32 models stay on the Triton kernels."""
 from __future__ import annotations
 
 import jax
@@ -16,12 +16,13 @@ pytestmark = pytest.mark.skipif(jax.__version_info__ < (0, 11), reason="Mosaic G
                                 "need jax >= 0.11: ci/gpu_versions_leg.sh runs these")
 
 SHAPES, MAX_PAGES = ShapeSet(max_num_seqs=8, max_num_batched_tokens=64), 8
-STEPS = {"decode": [(40, 1), (15, 1), (0, 1)], "mixed": [(0, 13), (35, 1), (17, 9)]}
+STEPS = {"decode": [(40, 1), (15, 1), (0, 1)], "mixed": [(0, 13), (35, 1), (17, 9)], "prefill": [(0, 21), (0, 6)]}
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("step", list(STEPS))
-def test_mosaic_backend_matches_xla_backend(step):
-    page_size, kv_heads, group, head_dim, num_pages, dtype = 16, 2, 4, 64, 14, jnp.bfloat16
+def test_mosaic_backend_matches_xla_backend(step, dtype):
+    page_size, kv_heads, group, head_dim, num_pages = 16, 2, 4, 64, 14
     backend, xla_backend = (get_backend(name).for_model(kv_heads * group, kv_heads, head_dim, dtype)
                             for name in ("mosaic", "xla"))
     md, real = engine_metadata(STEPS[step], page_size, num_pages, np.random.default_rng(1), SHAPES, MAX_PAGES,
@@ -36,9 +37,13 @@ def test_mosaic_backend_matches_xla_backend(step):
     k, v = (random_array(rng, (num_tokens, kv_heads, head_dim), dtype) for _ in range(2))
     scale = head_dim ** -0.5
     assert backend.name == "mosaic" and md.decode == (step == "decode")
+    if not md.decode:  # work items of 64 queries (the Mosaic GPU kernel's tile) for bf16, the Triton kernel's for f32
+        items_of_64 = -(-num_tokens // 64) + md.q_lens.shape[0]
+        assert (md.layout["item_seq"].shape[0] == items_of_64) == (dtype == jnp.bfloat16)
     out, k_new, _ = jax.jit(backend.write_and_attend, static_argnums=(6, 7, 8))(
         q, k, v, k_pages, v_pages, md, scale, None, None)
-    expected = xla.paged_attention(q, k, v, k_pages, v_pages, xla_md, scale, None, None)
+    with jax.default_matmul_precision("highest"):  # on a GPU XLA's float32 dots default to TF32
+        expected = xla.paged_attention(q, k, v, k_pages, v_pages, xla_md, scale, None, None)
     [(k_ref, _)] = xla.write_layers([(k_pages, v_pages)], [(k, v)], xla_md)
     np.testing.assert_allclose(np.asarray(out[:real], np.float32), np.asarray(expected[:real], np.float32),
                                **TOLERANCE[dtype])

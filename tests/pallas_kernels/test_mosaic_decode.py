@@ -12,45 +12,65 @@ import pytest
 pytestmark = pytest.mark.skipif(jax.__version_info__ < (0, 11), reason="Mosaic GPU's interpret mode and plgpu.kernel "
                                 "need jax >= 0.11: ci/gpu_versions_leg.sh runs these")
 
+from pallas_inputs import make_pool, random_array  # noqa: E402
+
 from pallas_kernels.cuda_lowering import lower_for_cuda  # noqa: E402
 from pallas_kernels.mosaic_decode import mosaic_decode_attention  # noqa: E402
 from pallas_kernels.reference import decode_attention_reference  # noqa: E402
 
+def race_checked():
+    """Mosaic GPU's interpret mode with its happens-before race detector (raising on a race) off a GPU; compiled
+    on one."""
+    if jax.default_backend() == "gpu":
+        return None
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu.InterpretGPUParams(detect_races=True, on_race="raise")
+
+
 TOLERANCE = {jnp.bfloat16: dict(rtol=2e-2, atol=2e-2), jnp.float16: dict(rtol=4e-3, atol=4e-3)}
-
-
-def _pool(rng: np.random.Generator, num_pages: int, page: int, kv_heads: int, head_dim: int, dtype):
-    shape = (num_pages, page, kv_heads, head_dim)
-    return (jnp.asarray(rng.standard_normal(shape), dtype), jnp.asarray(rng.standard_normal(shape), dtype))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("kv_heads, group, head_dim, page, pages_per_block", [
-    (2, 4, 64, 16, 2),  # GQA 4
-    (1, 8, 128, 16, 1),  # GQA 8, head 128, one page a block
+    (2, 4, 64, 16, 4),  # GQA 4, 64-token blocks
+    (1, 8, 128, 16, 8),  # GQA 8, head 128, 128-token blocks
     (2, 1, 64, 32, 2),  # no GQA, 32-token pages
 ])
 def test_matches_reference_over_uneven_lengths(dtype, kv_heads, group, head_dim, page, pages_per_block):
+    """Slots no sequence owns hold NaN (pallas_inputs.make_pool): a kernel that lets them into a result fails."""
     rng = np.random.default_rng(kv_heads * 100 + group * 10 + page)
-    seqs, max_pages = 5, 6
-    num_pages = 1 + seqs * max_pages
-    k_pages, v_pages = _pool(rng, num_pages, page, kv_heads, head_dim, dtype)
-    q = jnp.asarray(rng.standard_normal((seqs, kv_heads * group, head_dim)), dtype)
-    tables = jnp.asarray((1 + rng.permutation(seqs * max_pages)).reshape(seqs, max_pages), jnp.int32)
     block = page * pages_per_block
-    # empty (a padding row), one key, a block boundary, one past it, the whole table
-    lengths = jnp.asarray([0, 1, block, block + 1, max_pages * page], jnp.int32)
+    # empty (a padding row), one key, a block boundary, one past it, two and a half blocks
+    lengths = [0, 1, block, block + 1, 5 * block // 2]
+    pool = make_pool(rng, lengths, page_size=page, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    q = random_array(rng, (len(lengths), kv_heads * group, head_dim), dtype)
     scale = head_dim ** -0.5
-    out = mosaic_decode_attention(q, k_pages, v_pages, tables, lengths, scale=scale, pages_per_block=pages_per_block)
-    expected = decode_attention_reference(q, k_pages, v_pages, tables, lengths, scale=scale)
+    args = (q, pool.k_pages, pool.v_pages, pool.block_tables, jnp.asarray(lengths, jnp.int32))
+    out = mosaic_decode_attention(*args, scale=scale, pages_per_block=pages_per_block, interpret=race_checked())
+    expected = decode_attention_reference(*args, scale=scale)
     got, want = np.asarray(out, np.float32), np.asarray(expected, np.float32)
     assert out.shape == q.shape and out.dtype == q.dtype and np.isfinite(got).all()
     np.testing.assert_array_equal(got[0], 0.0)  # a padding row attends to nothing
     np.testing.assert_allclose(got[1:], want[1:], **TOLERANCE[dtype])
     # one key: the output is that key's value row for every query head of its KV head
-    first_v = np.asarray(v_pages[int(tables[1, 0]), 0], np.float32)  # [KVH, hd]
+    first_v = np.asarray(pool.v_pages[int(pool.block_tables[1, 0]), 0], np.float32)  # [KVH, hd]
     np.testing.assert_allclose(got[1].reshape(kv_heads, group, head_dim), np.repeat(first_v[:, None], group, 1),
                                **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("sliding_window, soft_cap", [(8, None), (None, 2.0), (40, 3.0)])
+def test_window_and_soft_cap(sliding_window, soft_cap):
+    rng = np.random.default_rng(7)
+    lengths = [1, 9, 70, 100]
+    pool = make_pool(rng, lengths, page_size=16, kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
+    q = random_array(rng, (len(lengths), 8, 64), jnp.bfloat16)
+    args = (q, pool.k_pages, pool.v_pages, pool.block_tables, jnp.asarray(lengths, jnp.int32))
+    options = dict(scale=0.125, sliding_window=sliding_window, soft_cap=soft_cap)
+    out = mosaic_decode_attention(*args, **options)
+    expected = decode_attention_reference(*args, **options)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32),
+                               **TOLERANCE[jnp.bfloat16])
 
 
 def test_rejects_what_it_does_not_cover():

@@ -1,0 +1,184 @@
+"""Pieces the Mosaic GPU attention kernels share: shared-memory layouts, the TMA page fetch of a KV block, and the
+loop over KV blocks with an online softmax (wgmma for q.K^T and p.V), double-buffered.
+
+A kernel program holds a 64-row query tile (one warpgroup's wgmma M) in shared memory and walks KV blocks of
+`pages_per_block` pages of one KV head: each page is one TMA copy of a [page, hd] box out of the [N, page, KVH, hd]
+pool, all of a block's K and V copies arriving on one barrier; block b + 1's copies are issued before block b is
+computed. Scores are kept in base 2 with the softmax scale folded in."""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+ROWS = 64  # wgmma's M: a warpgroup's tile of query rows
+SLOTS = 2  # KV blocks in shared memory at once
+MASK = -1e30  # a hidden score (finite: a row whose keys are all hidden in one block stays finite)
+LOG2E = math.log2(math.e)
+
+
+def mosaic_gpu_available() -> bool:
+    """plgpu.kernel and Mosaic GPU's interpret mode exist from jax 0.11."""
+    return jax.__version_info__ >= (0, 11)
+
+
+def covers(q_dtype: Any, kv_dtype: Any, heads: int, kv_heads: int, head_dim: int, page_size: int) -> bool:
+    """Whether the Mosaic GPU kernels take these operands: 16-bit q and pages of one dtype, head_dim a multiple of
+    64, at most 64 query heads per KV head, pages of a multiple of 8 tokens."""
+    return (mosaic_gpu_available() and jnp.dtype(q_dtype) == jnp.dtype(kv_dtype)
+            and jnp.dtype(q_dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 64 == 0
+            and heads // kv_heads <= ROWS and page_size % 8 == 0)
+
+
+def check_covered(q: jax.Array, k_pages: jax.Array) -> None:
+    """Raise NotImplementedError naming what the kernels do not cover."""
+    if not mosaic_gpu_available():
+        raise NotImplementedError(f"the Mosaic GPU kernels need jax >= 0.11 (plgpu.kernel, its interpret mode); "
+                                  f"this is jax {jax.__version__}")
+    _, heads, head_dim = q.shape
+    _, page_size, kv_heads, _ = k_pages.shape
+    if q.dtype != k_pages.dtype or q.dtype not in (jnp.bfloat16, jnp.float16):
+        raise NotImplementedError(f"Mosaic GPU attention: 16-bit q and pages of one dtype, got {q.dtype}, "
+                                  f"{k_pages.dtype}")
+    if not covers(q.dtype, k_pages.dtype, heads, kv_heads, head_dim, page_size):
+        raise NotImplementedError(f"Mosaic GPU attention: head_dim {head_dim} (a multiple of 64), group "
+                                  f"{heads // kv_heads} (<= {ROWS}), page size {page_size} (a multiple of 8)")
+
+
+def transforms(row_elements: int, dtype: Any) -> tuple:
+    """Shared-memory tiling and swizzle for rows of `row_elements` 16-bit values, as wgmma and TMA want them."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    swizzle = min(128, row_elements * jnp.dtype(dtype).itemsize)
+    return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def scratch_types(head_dim: int, page_size: int, pages_per_block: int, dtype: Any) -> list:
+    """Shared memory of a program: the q tile, the K and V slots, the p tile, the output tile, q's barrier and the
+    slots' barriers (one arrival per page copy)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    block_kv = page_size * pages_per_block
+    rows = transforms(head_dim, dtype)
+    return [plgpu.SMEM((ROWS, head_dim), dtype, transforms=rows),
+            plgpu.SMEM((SLOTS, block_kv, head_dim), dtype, transforms=rows),
+            plgpu.SMEM((SLOTS, block_kv, head_dim), dtype, transforms=rows),
+            plgpu.SMEM((ROWS, block_kv), dtype, transforms=transforms(block_kv, dtype)),
+            plgpu.SMEM((ROWS, head_dim), dtype, transforms=rows),
+            plgpu.Barrier(),
+            plgpu.Barrier(num_arrivals=2 * pages_per_block, num_barriers=SLOTS)]
+
+
+def default_pages_per_block(page_size: int, max_pages: int) -> int:
+    """128-token KV blocks (wgmma's N for q.K^T); 64 when the table is narrower. A power of two, so that a block's
+    rows of 16-bit values fill whole 32/64/128-byte swizzle rows."""
+    from pallas_kernels import common
+
+    return max(1, 64 // page_size, min(128 // page_size, common.next_pow2(max_pages)))
+
+
+def check_pages_per_block(pages_per_block: int, page_size: int) -> None:
+    if pages_per_block & (pages_per_block - 1) or pages_per_block * page_size < ROWS:
+        raise ValueError(f"pages_per_block {pages_per_block} x page {page_size}: a power of two of pages holding "
+                         f">= {ROWS} tokens")
+
+
+def attend_blocks(lo: jax.Array, hi: jax.Array, kv_len: jax.Array, *, tables_ref, seq: jax.Array, kv_head: jax.Array,
+                  k_ref, v_ref, q_smem, k_smem, v_smem, p_smem, kv_bar, pages_per_block: int, scale: float,
+                  soft_cap: float | None, visible: Callable[[jax.Array], jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Attention of the query tile in `q_smem` over KV blocks lo..hi-1 of sequence `seq`, whose keys end at
+    `kv_len` -> (acc [64, hd] f32 unnormalised, l [64] f32 row sums). `visible(key [64, block] int32) -> bool
+    [64, block]` masks scores; keys at or past kv_len must be hidden by it."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    page_size = k_ref.shape[1]
+    block_kv = page_size * pages_per_block
+    head_dim = q_smem.shape[-1]
+
+    def fetch(block, slot):
+        for j in range(pages_per_block):
+            page = tables_ref[seq, block * pages_per_block + j]
+            rows = pl.ds(j * page_size, page_size)
+            plgpu.copy_gmem_to_smem(k_ref.at[page, :, kv_head], k_smem.at[slot, rows], kv_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[page, :, kv_head], v_smem.at[slot, rows], kv_bar.at[slot])
+
+    @pl.when(lo < hi)
+    def _():
+        fetch(lo, lax.rem(lo, SLOTS))
+
+    m_i = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    l_i = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    acc = plgpu.layout_cast(jnp.full((ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+    def step(block, carry):
+        acc, m_i, l_i = carry
+        slot = lax.rem(block, SLOTS)
+
+        @pl.when(block + 1 < hi)
+        def _():
+            fetch(block + 1, lax.rem(block + 1, SLOTS))
+
+        plgpu.barrier_wait(kv_bar.at[slot])
+
+        @pl.when(kv_len < (block + 1) * block_kv)
+        def _():  # slots past the sequence's end may hold anything, NaN included, and p.V sums 0 x V over them
+            tail = plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0, layout=plgpu.Layout.WGMMA)
+            v_smem.at[slot][...] = jnp.where(block * block_kv + tail < kv_len, v_smem.at[slot][...], 0)
+            plgpu.commit_smem()
+
+        def qk_scope(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+            return acc_ref[...]
+
+        s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS, block_kv), jnp.float32)) * scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        key = block * block_kv + plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
+        s = jnp.where(visible(key), s * LOG2E, MASK)
+        m_new = jnp.maximum(m_i, s.max(axis=1))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        l_i = l_i * alpha + p.sum(axis=1)
+        # p goes through shared memory and into a fresh accumulator: Mosaic GPU's interpret mode takes wgmma's A
+        # operand from shared memory only, and has no run_state over a wgmma accumulator
+        p_smem[...] = p.astype(p_smem.dtype)
+        plgpu.commit_smem()
+
+        def pv_scope(acc_ref):
+            plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+            return acc_ref[...]
+
+        pv = pl.run_scoped(pv_scope, plgpu.ACC((ROWS, head_dim), jnp.float32))
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+        return acc, m_new, l_i
+
+    acc, _, l_i = lax.fori_loop(lo, hi, step, (acc, m_i, l_i))
+    return acc, l_i
+
+
+def store_tile(acc: jax.Array, l_i: jax.Array, o_smem, o_gmem) -> None:
+    """acc / l (rows that saw no key: zeros) through shared memory into the GMEM ref `o_gmem` [64, hd]."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    l_safe = jnp.where(l_i == 0.0, 1.0, l_i)
+    o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(o_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def interpret_params(interpret: Any) -> Any:
+    """Mosaic GPU's interpret mode (shared memory, barriers and TMA simulated on CPU) where Pallas interprets;
+    `interpret` is True, False, None (the default for this backend) or a `plgpu.InterpretGPUParams` (tests turn
+    its race detector on)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels import common
+
+    if interpret is not None and not isinstance(interpret, bool):
+        return interpret
+    return plgpu.InterpretGPUParams() if common.resolve_interpret(interpret) else None
