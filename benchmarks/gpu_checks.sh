@@ -6,7 +6,8 @@
 # flash attention, a block/warp/stage sweep); the engine in bf16 on Llama-3-8B- and SmolLM2-shaped dummy weights
 # (prefill tok/s, decode at batch 1, 64 and 256, start-up with precompiling, compiles after start); weight-only
 # int8/fp8 projections. The default stages' limits add up to 8 minutes (tests, greedy, kernels, llama8b); STAGES
-# (space-separated names) picks others: sweep, flash, decode, smollm2, quant, e.g. STAGES="sweep quant". Everything
+# (space-separated names) picks others: sweep, flash, decode, llama8b_mosaic, smollm2, quant, e.g.
+# STAGES="tests flash decode llama8b_mosaic" for the Mosaic GPU kernels' first run. Everything
 # printed goes to $out/log.txt, the results to one JSON file per stage (the device tool brings back 8 files at most).
 # benchmarks/results/gpu_h100_2026-11-27/summary.md holds the first runs' figures and what each stage took.
 #
@@ -64,6 +65,11 @@ step decode 50 python3 -m benchmarks.kernels --only decode --budget-s 35 --json 
 step llama8b 180 python3 -m benchmarks.throughput --model .gpu/llama8b-shape --load-format dummy --dtype bfloat16 \
     --batched-weight-dtype none --no-baseline --scenarios prefill,single,batch,wide --repeats 2 --num-prompts 64 \
     --input-len 128 --output-len 128 --wide 256 --json "$out/throughput_llama8b_gpu.json"
+# the same engine on the Mosaic GPU kernels
+step llama8b_mosaic 180 python3 -m benchmarks.throughput --model .gpu/llama8b-shape --load-format dummy \
+    --dtype bfloat16 --attention-backend mosaic --batched-weight-dtype none --no-baseline \
+    --scenarios prefill,single,batch,wide --repeats 2 --num-prompts 64 --input-len 128 --output-len 128 --wide 256 \
+    --json "$out/throughput_llama8b_mosaic_gpu.json"
 step smollm2 90 python3 -m benchmarks.throughput --model .gpu/smollm2-shape --load-format dummy --dtype bfloat16 \
     --batched-weight-dtype none --no-baseline --scenarios prefill,single,batch,wide --repeats 2 --num-prompts 64 \
     --input-len 128 --output-len 128 --wide 256 --json "$out/throughput_smollm2_gpu.json"

@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default=None, help="int8 or fp8 (GPUs): weights quantized at load")
+    parser.add_argument("--attention-backend", default=None, help="e.g. mosaic (default: the engine's default)")
     parser.add_argument("--batched-weight-dtype", default=None,
                         help="weights for steps of >= 2 token rows, e.g. bfloat16 (default: the engine's default)")
     parser.add_argument("--scenarios", default="chat,traffic,batch,single,wide",
@@ -230,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     options = {} if args.batched_weight_dtype is None else {"batched_weight_dtype": args.batched_weight_dtype}
     if args.quantization:
         options["quantization"] = args.quantization
+    if args.attention_backend:
+        options["attention_backend"] = args.attention_backend
     engine = Engine(args.model, dtype=args.dtype, load_format=args.load_format,
                     async_scheduling=args.async_scheduling, **options)
     cfg = engine.model.config
@@ -239,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         "quantization": args.quantization, "weight_bytes": engine.weight_bytes,
         "batched_weight_dtype": None if engine.runner.batched_weights is None else str(next(
             w.dtype for w in engine.runner.batched_weights if w.ndim == 2)),
-        "async_scheduling": engine.async_scheduling, "repeats": args.repeats,
+        "attention_backend": engine.runner.backend.name, "async_scheduling": engine.async_scheduling, "repeats": args.repeats,
         "step_shapes": len(engine.step_shapes()), "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "engine_start_seconds": time.perf_counter() - started,
     }

@@ -13,8 +13,9 @@ from typing import Any, Iterable, Sequence
 from jvllm.heap import release_freed_memory
 from jvllm.worker.compile_cache import enable_compilation_cache
 from jvllm.worker.compile_watch import during_start_up
-from jvllm.config import EngineConfig, UsageContext, build_engine_config
+from jvllm.config import EngineConfig, UsageContext
 from jvllm.engine.arg_utils import EngineArgs, keyword_help
+from jvllm.engine.start_up import engine_config_for, eos_token_ids, log_ready
 from jvllm.engine.detokenizer import IncrementalDetokenizer
 from jvllm.pooling.embedder import embed_unsupported, generate_unsupported
 from jvllm.core.kv_pages import PageManager
@@ -76,7 +77,7 @@ class Engine(MultiHostRoles, FrontEndViews):
         """Load the model, size the KV pool, build the scheduler and the runner, and precompile."""
         self.args = args
         from jvllm.attention import resolve_backend_name
-        from jvllm.pooling.embedder import build_embedder, encoder_engine_config
+        from jvllm.pooling.embedder import build_embedder
         from jvllm.model_loader.loader import load_model
         from jvllm.worker.kv_cache_dtype import kv_cache_dtype_for
 
@@ -93,21 +94,8 @@ class Engine(MultiHostRoles, FrontEndViews):
                                 tensor_parallel_size=args.tensor_parallel_size,
                                 mm_processor_kwargs=args.mm_processor_kwargs, quantization=args.quantization)
         self.tokenizer = self.model.tokenizer
-        import jax.numpy as jnp
-
         kv_dtype = kv_cache_dtype_for(args.kv_cache_dtype, args.dtype, self.model)
-        if self.model.is_encoder:  # embeddings only: no KV pool, no runner
-            self.config: EngineConfig = encoder_engine_config(
-                self.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size)
-        else:
-            self.config = build_engine_config(
-                self.model.config, kv_dtype.itemsize, max_model_len=args.max_model_len,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                tensor_parallel_size=args.tensor_parallel_size, usage=usage)
-            if hosts.multi_host:  # every host must build the same pool: rank 0's page count wins
-                self.config.num_pages = distributed.agree_on_int(self.config.num_pages)
+        self.config: EngineConfig = engine_config_for(self.model, args, kv_dtype, usage, hosts.multi_host)
         self.enable_prefix_caching = args.enable_prefix_caching
         cfg = self.config
         self.pages = PageManager(cfg.num_pages, cfg.page_size)
@@ -137,18 +125,14 @@ class Engine(MultiHostRoles, FrontEndViews):
         self._rng = random.Random(args.seed)
         self._counter = itertools.count()
         self._request_groups: dict[str, list[Request]] = {}
-        self.eos_token_ids = self._eos_ids()
+        self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
         self._token_text: dict[int, str] = {}
         self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids,
                                          args.reasoning_parser)
         if args.precompile:
             self.precompile()
         release_freed_memory()  # what loading and compiling freed (1 GB of an 8B GGUF's) would stay resident
-        logger.info("engine ready: %s (%s%s, weights %.0f MB, %s attention, max_model_len %d, tensor_parallel_size "
-                    "%d) in %.1fs", self.model.served_name, jnp.dtype(self.model.dtype).name,
-                    " with GGUF blocks" if self.model.keeps_blocks else "", self.weight_bytes / 1e6,
-                    backend if self.runner is None else self.runner.backend.name, cfg.max_model_len,
-                    args.tensor_parallel_size, time.perf_counter() - started)
+        log_ready(self, backend, time.perf_counter() - started)
 
     @property
     def weight_bytes(self) -> int:
@@ -178,12 +162,6 @@ class Engine(MultiHostRoles, FrontEndViews):
             if self.embedder is not None:
                 self.embedder.precompile(progress)
         logger.info("precompiled %d step shapes in %.1fs", len(shapes), time.perf_counter() - started)
-
-    def _eos_ids(self) -> tuple[int, ...]:
-        ids = set(self.model.config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return tuple(sorted(ids))
 
     @property
     def served_model_name(self) -> str:

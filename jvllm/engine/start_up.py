@@ -1,0 +1,51 @@
+"""Start-up pieces of an Engine that need only its arguments and model: its limits, its end-of-sequence ids and
+the ready line."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax.numpy as jnp
+
+from jvllm.config import EngineConfig, UsageContext, build_engine_config
+from jvllm.engine.arg_utils import EngineArgs
+from jvllm.parallel import distributed
+
+logger = logging.getLogger("jvllm")
+
+
+def engine_config_for(model: Any, args: EngineArgs, kv_dtype: Any, usage: UsageContext,
+                      multi_host: bool) -> EngineConfig:
+    """The engine's limits and KV pool size: an encoder's (no pool) or a generator's, the same page count on every
+    host (rank 0's wins)."""
+    if model.is_encoder:  # embeddings only: no KV pool, no runner
+        from jvllm.pooling.embedder import encoder_engine_config
+
+        return encoder_engine_config(model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                                     max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size)
+    config = build_engine_config(
+        model.config, kv_dtype.itemsize, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, tensor_parallel_size=args.tensor_parallel_size,
+        usage=usage)
+    if multi_host:
+        config.num_pages = distributed.agree_on_int(config.num_pages)
+    return config
+
+
+def log_ready(engine: Any, backend: str, seconds: float) -> None:
+    """One line with what the engine loaded and how long start-up took."""
+    model, cfg = engine.model, engine.config
+    logger.info("engine ready: %s (%s%s, weights %.0f MB, %s attention, max_model_len %d, tensor_parallel_size %d) in "
+                "%.1fs", model.served_name, jnp.dtype(model.dtype).name,
+                " with GGUF blocks" if model.keeps_blocks else "", engine.weight_bytes / 1e6,
+                backend if engine.runner is None else engine.runner.backend.name, cfg.max_model_len,
+                engine.args.tensor_parallel_size, seconds)
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
+    """The model config's end-of-sequence ids and the tokenizer's, sorted."""
+    ids = set(model.config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
