@@ -20,7 +20,8 @@ from jvllm.engine.detokenizer import IncrementalDetokenizer
 from jvllm.pooling.embedder import embed_unsupported, generate_unsupported
 from jvllm.core.kv_pages import PageManager
 from jvllm.core.lookahead import plan_lookahead, settle_lookahead
-from jvllm.worker.model_runner import DispatchedGroup, ModelRunner
+from jvllm.worker.model_runner import ModelRunner
+from jvllm.engine.step_plan import StepInFlight
 from jvllm.worker.weights import batched_weights_for
 from jvllm.worker.step_shapes import ShapeSet
 from jvllm.sample.logprobs import MAX_LOGPROBS
@@ -121,7 +122,7 @@ class Engine(MultiHostRoles, FrontEndViews):
                                        batched_weight_dtype=None if args.batched_weight_dtype == "auto"
                                        else batched_dtype)
         self.async_scheduling = bool(args.async_scheduling and self.runner is not None and self.runner.can_look_ahead)
-        self._ahead: list[DispatchedGroup] | None = None  # the look-ahead step in flight, if any
+        self._ahead: StepInFlight | None = None  # the look-ahead step in flight, if any
         self._rng = random.Random(args.seed)
         self._counter = itertools.count()
         self._request_groups: dict[str, list[Request]] = {}
@@ -231,7 +232,7 @@ class Engine(MultiHostRoles, FrontEndViews):
             for request in self._request_groups.pop(rid, []):
                 if not request.is_finished:
                     self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-        if self._ahead is not None and all(c.request.is_finished for c in self._ahead[0].chunks):
+        if self._ahead is not None and all(c.request.is_finished for c in self._ahead.chunks):
             self._ahead = None  # nobody is left to read the look-ahead step's results
 
     def reset_prefix_cache(self) -> bool:
@@ -256,40 +257,41 @@ class Engine(MultiHostRoles, FrontEndViews):
         With async scheduling, the next decode step is dispatched before this one's ids are read (see
         jvllm.core.lookahead), and the following call starts from it instead of scheduling."""
         current, self._ahead = self._ahead or self._schedule_and_dispatch(), None
-        if not current:
+        if current is None:
             return []
         try:
             self._ahead = self._dispatch_ahead(current)
-            results = self.runner.collect(current)
-            outputs = self._process_results([c for group in current for c in group.chunks], results)
+            results = self.runner.collect(current.groups)
+            outputs = self._process_results(current.chunks_in_step_order(), results)
             self._settle_ahead()
         except BaseException:
             self._ahead = None
             raise
         return outputs
 
-    def _schedule_and_dispatch(self) -> list[DispatchedGroup]:
+    def _schedule_and_dispatch(self) -> StepInFlight | None:
         chunks = self.scheduler.schedule()
         if not chunks:
-            return []
-        dispatched = self.runner.dispatch(chunks)
+            return None
+        dispatched = StepInFlight.dispatch(self.runner, chunks, self.encoder_cache)
         self.scheduler.commit(chunks)
         return dispatched
 
-    def _dispatch_ahead(self, current: list[DispatchedGroup]) -> list[DispatchedGroup] | None:
-        if not (self.async_scheduling and len(current) == 1):
+    def _dispatch_ahead(self, current: StepInFlight) -> StepInFlight | None:
+        if not (self.async_scheduling and len(current.groups) == 1):
             return None
-        alive = [chunk for chunk in current[0].chunks if not chunk.request.is_finished]  # aborted ones left out
+        alive = [chunk for chunk in current.chunks_in_step_order() if not chunk.request.is_finished]  # not aborted
         chunks = plan_lookahead(self.scheduler, alive)
-        return None if chunks is None else self.runner.dispatch(chunks, source=current[0])
+        return None if chunks is None else StepInFlight.dispatch(self.runner, chunks, self.encoder_cache, current)
 
     def _settle_ahead(self) -> None:
         """Commit the look-ahead rows whose request goes on (the others' results are skipped when collected);
         with none left, nothing needs the step's results."""
-        if self._ahead is not None and not settle_lookahead(self.scheduler, self._ahead[0].chunks):
+        if self._ahead is not None and not settle_lookahead(self.scheduler, self._ahead.chunks):
             self._ahead = None
-        elif self._ahead is not None and self._ahead[0].pending is not None:
-            self.runner.finish_head(self._ahead[0])  # its grammars have now seen the previous step's tokens
+        elif self._ahead is not None and self._ahead.groups[0].pending is not None:
+            # its grammars have now seen the previous step's tokens
+            self.runner.finish_head(self._ahead.groups[0], self._ahead.grammar_bits())
 
     def _process_results(self, chunks: list[ScheduledChunk], results: dict) -> list[RequestOutput]:
         advanced: dict[str, None] = {}

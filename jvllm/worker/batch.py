@@ -1,4 +1,4 @@
-"""Packs scheduled chunks into the host arrays of one step of a fixed shape (jvllm.worker.step_shapes)."""
+"""Packs a step's chunk rows into the host arrays of one step of a fixed shape (jvllm.worker.step_shapes)."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,9 +6,6 @@ import dataclasses
 import numpy as np
 
 from jvllm.attention.backend import PrefillLayout
-from jvllm.core.encoder_cache import EncoderCache
-from jvllm.core.scheduler import ScheduledChunk
-from jvllm.multimodal.positions import mrope_positions
 from jvllm.worker.step_shapes import StepShape
 from models.attention import AttentionMetadata
 
@@ -23,21 +20,6 @@ class ChunkRow:
     page_table: list[int]
     mm_rows: list[int] | None = None  # multimodal: per token, its encoder-buffer row (-1: a text token)
     positions: np.ndarray | None = None  # [3, n] int32 M-RoPE positions when they differ from the token indices
-
-
-def chunk_rows(chunks: list[ScheduledChunk], encoder_cache: EncoderCache | None = None,
-               mrope: bool = False) -> list[ChunkRow]:
-    """`mrope`: the model takes multimodal RoPE positions, which a request's images shift."""
-    rows = []
-    for chunk in chunks:
-        request, start = chunk.request, chunk.start
-        ids = [request.token_at(i) for i in range(start, start + chunk.num_tokens - chunk.pending_tokens)]
-        mm_rows = None
-        if encoder_cache is not None and request.mm_items:
-            mm_rows = encoder_cache.token_rows(request, start, chunk.num_tokens)
-        positions = mrope_positions(request.mm_items, start, chunk.num_tokens) if mrope and request.mm_items else None
-        rows.append(ChunkRow(ids + [0] * chunk.pending_tokens, start, request.page_table, mm_rows, positions))
-    return rows
 
 
 @dataclasses.dataclass

@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import jax
 import numpy as np
@@ -15,11 +15,24 @@ import numpy as np
 from jvllm.sample.tensors import SamplerFlags, build_sampling_tensors, empty_masks
 from jvllm.worker.compile_watch import compile_watch
 from jvllm.worker.executable_memo import compile_once
+from jvllm.worker.step_call import StepCall
 from jvllm.worker.step_functions import StepFunctions
 from jvllm.worker.step_shapes import StepShape
 
-if TYPE_CHECKING:
-    from jvllm.worker.model_runner import ModelRunner
+
+class StepInputs(Protocol):
+    """What CompiledSteps reads of its runner (jvllm.worker.model_runner.ModelRunner): the weights, the pool and
+    the way host inputs become device inputs."""
+
+    step_weights: Any
+    encoder: Any
+    kv_cache: list
+    vocab_size: int
+    history_width: int
+
+    def host_batch(self, rows: list, shape: StepShape) -> Any: ...
+
+    def device_inputs(self, call: StepCall) -> tuple: ...
 
 logger = logging.getLogger("jvllm")
 
@@ -61,7 +74,7 @@ class ShapeExecutables:
 class CompiledSteps:
     """Per step shape, the compiled pieces of `steps` for the runner's weights, pool and input layout."""
 
-    def __init__(self, steps: StepFunctions, runner: ModelRunner) -> None:
+    def __init__(self, steps: StepFunctions, runner: StepInputs) -> None:
         self.steps = steps
         self.runner = runner
         self.count = 0  # executables compiled so far
@@ -92,10 +105,8 @@ class CompiledSteps:
 
     def _examples(self, shape: StepShape, flags: SamplerFlags = SamplerFlags()) -> tuple:
         """Device inputs of an empty step of `shape`, laid out exactly as run_call passes them."""
-        from jvllm.worker.model_runner import StepCall
-
         runner = self.runner
-        batch = runner._host_batch([], shape)
+        batch = runner.host_batch([], shape)
         sampling, _ = build_sampling_tensors([], shape.seqs, vocab_size=runner.vocab_size,
                                              history_width=runner.history_width)
         if flags.penalties:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from types import SimpleNamespace
 from typing import Any, Callable
 
 import jax
@@ -11,46 +10,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from jvllm.attention import get_backend
-from jvllm.core.encoder_cache import EncoderBudget, EncoderCache, MultiModalItem
-from jvllm.core.scheduler import ScheduledChunk
+from jvllm.core.encoder_cache import EncoderCache
 from jvllm.model_loader.loader import LoadedModel
 from jvllm.parallel.mesh import host_array, named_sharding, put_replicated
 from jvllm.sample.logprobs import TokenLogprobs, host_rows
-from jvllm.sample.tensors import ALL_TOKENS, RowSpec, SamplerFlags, build_sampling_tensors, combine_allowed_bits
+from jvllm.sample.tensors import build_sampling_tensors, combine_allowed_bits
 from jvllm.utils import cdiv
-from jvllm.multimodal.positions import mrope_positions
-from jvllm.worker.batch import ChunkRow, HostBatch, build_batch, chunk_rows
+from jvllm.worker.batch import ChunkRow, HostBatch, build_batch
 from jvllm.worker.compile_watch import compile_watch
 from jvllm.worker.compiled_steps import CompiledSteps
 from jvllm.worker.encoder_runner import encoder_runner
 from jvllm.worker.input_transfer import InputTransfer
 from jvllm.worker.step_functions import build_step_functions
+from jvllm.worker.step_call import StepCall
+from jvllm.worker.step_plan import ChunkPlan
 from jvllm.worker.step_shapes import ShapeSet, StepShape
 from jvllm.worker.weights import BATCHED_MIN_ROWS, StepWeights
-from models.attention import AttentionMetadata
 
 logger = logging.getLogger("jvllm")
 
 PAGE_TABLE_MULTIPLE = 16  # page tables are padded to a multiple of this, so decode loops read whole spans
-
-
-@dataclasses.dataclass
-class StepCall:
-    """Everything one device step takes from the host: numpy arrays and static choices. Multi-host, rank 0
-    sends it to the other ranks, which run the same step (jvllm.parallel.distributed)."""
-
-    shape: StepShape
-    input_ids: np.ndarray | jax.Array  # [T] int32; on the device for a look-ahead step
-    positions: np.ndarray  # [T] int32; [3, T] for M-RoPE models
-    metadata: AttentionMetadata  # numpy leaves
-    sampling: Any = None  # SamplingTensors (numpy leaves); None for an all-logits call
-    prompt_targets: np.ndarray | None = None  # [T] int32
-    flags: SamplerFlags = SamplerFlags()
-    mm_rows: np.ndarray | None = None  # [T] int32 encoder-buffer row per token (-1: text); multimodal models only
-
-    @property
-    def all_logits(self) -> bool:
-        return self.sampling is None
 
 
 @dataclasses.dataclass
@@ -76,37 +55,14 @@ class PendingHead:
 class DispatchedGroup:
     """One device call started by ModelRunner.dispatch; `out` holds its device outputs (None while `pending`)."""
 
-    chunks: list[ScheduledChunk]
+    plans: list[ChunkPlan]
     call: StepCall
-    prompt_rows: list
     out: Any
     pending: PendingHead | None = None
 
 
-def prompt_logprob_targets(chunks: list[ScheduledChunk], num_tokens: int) -> tuple[np.ndarray, list]:
-    """[T] int32 next-prompt-token targets (-1 elsewhere) and the requests that asked for prompt logprobs."""
-    targets = np.full(num_tokens, -1, np.int32)
-    wanted = []
-    cursor = 0
-    for chunk in chunks:
-        request = chunk.request
-        if request.params.prompt_logprobs is not None and chunk.start < request.num_prompt_tokens - 1:
-            wanted.append(request)
-            for offset in range(chunk.num_tokens):
-                nxt = chunk.start + offset + 1
-                if nxt < request.num_prompt_tokens:
-                    targets[cursor + offset] = request.prompt_token_ids[nxt]
-        cursor += chunk.num_tokens
-    return targets, wanted
-
-
-def _wants_prompt_logprobs(chunk: ScheduledChunk) -> bool:
-    request = chunk.request
-    return request.params.prompt_logprobs is not None and chunk.start < request.num_prompt_tokens - 1
-
-
 class ModelRunner:
-    """Turns scheduled chunks into device arrays, runs the compiled step, returns sampled ids to the host."""
+    """Turns a step's chunk plans into device arrays, runs the compiled step, returns sampled ids to the host."""
 
     def __init__(self, loaded: LoadedModel, *, num_pages: int, page_size: int, max_model_len: int, shapes: ShapeSet,
                  attention_backend: str, batched_weight_dtype: Any = None, batched_min_rows: int = BATCHED_MIN_ROWS,
@@ -186,30 +142,30 @@ class ModelRunner:
             self.encoder.precompile(progress)
 
     # ---- steps ----------------------------------------------------------------------------------------
-    def dispatch(self, chunks: list[ScheduledChunk], source: DispatchedGroup | None = None) -> list[DispatchedGroup]:
-        """Start the device steps of `chunks` without waiting for them: one-token chunks in a decode step, the
-        others in a prefill step, or all in one prefill step where the backend attends decode rows inside
-        ragged steps and that is cheaper (ShapeSet.mixed_is_cheaper). With `source` (the previous step, one group), `chunks` are look-ahead chunks
-        of its requests: one decode step, each input token taken on the device from the id `source` sampled;
-        if some are grammar-constrained, its sampler waits for finish_head."""
+    def dispatch(self, plans: list[ChunkPlan], source: DispatchedGroup | None = None) -> list[DispatchedGroup]:
+        """Start the device steps of `plans` without waiting for them: one-token chunks in a decode step, the
+        others in a prefill step, or all in one prefill step where the backend attends decode rows inside ragged
+        steps and that is cheaper (ShapeSet.mixed_is_cheaper). With `source` (the previous step, one group), `plans`
+        are look-ahead chunks of its requests: one decode step, each input token taken on the device from the id
+        `source` sampled; if some are grammar-constrained, its sampler waits for finish_head."""
         if self.encoder is not None:
-            self._encode_images(chunks)
+            self._encode_images(plans)
         if source is not None:
-            rows = {id(chunk.request): row for row, chunk in enumerate(source.chunks)}
-            return [self._dispatch_group(chunks, "decode", source.out["token_ids"],
-                                         [rows[id(c.request)] for c in chunks])]
+            rows = {plan.request_id: row for row, plan in enumerate(source.plans)}
+            return [self._dispatch_group(plans, "decode", source.out["token_ids"],
+                                         [rows[plan.request_id] for plan in plans])]
         # Prompt logprobs are computed by prefill steps only (a one-token chunk of a prompt may want them).
-        decodes = [c for c in chunks if c.num_tokens == 1 and not _wants_prompt_logprobs(c)]
-        prefills = [c for c in chunks if c not in decodes]
+        decodes = [p for p in plans if p.num_tokens == 1 and p.prompt_targets is None]
+        prefills = [p for p in plans if p.num_tokens != 1 or p.prompt_targets is not None]
         if decodes and prefills and self.backend.mixes_decode_rows and self.shapes.mixed_is_cheaper(
-                len(decodes), sum(c.num_tokens for c in prefills)):
+                len(decodes), sum(p.num_tokens for p in prefills)):
             return [self._dispatch_group(decodes + prefills, "prefill")]  # one ragged step: weights read once
         groups = [(decodes, "decode"), (prefills, "prefill")]
         return [self._dispatch_group(group, kind) for group, kind in groups if group]
 
-    def _encode_images(self, chunks: list[ScheduledChunk]) -> None:
+    def _encode_images(self, plans: list[ChunkPlan]) -> None:
         """Run the vision encoder on the images this step's chunks need first (the step reads their rows)."""
-        items = {item.hash: item for chunk in chunks for item in chunk.encode}
+        items = {item.hash: item for plan in plans for item in plan.encode}
         if items:
             self.encoder.encode(list(items.values()))
 
@@ -221,24 +177,28 @@ class ModelRunner:
             results.update(self._group_results(group))
         return results
 
-    def shape_for(self, chunks: list[ScheduledChunk], kind: str) -> StepShape:
+    def shape_for(self, plans: list[ChunkPlan], kind: str) -> StepShape:
         if kind == "decode":
-            return self.shapes.decode(len(chunks))
-        return self.shapes.prefill(sum(c.num_tokens for c in chunks))
+            return self.shapes.decode(len(plans))
+        return self.shapes.prefill(sum(p.num_tokens for p in plans))
 
-    def step_call(self, chunks: list[ScheduledChunk], kind: str) -> tuple[StepCall, list]:
-        """The host inputs of one group's step, and the requests that asked for prompt logprobs."""
-        shape = self.shape_for(chunks, kind)
-        cache = None if self.encoder is None else self.encoder.cache
-        batch = self._host_batch(chunk_rows(chunks, cache, self.mrope), shape)
-        prompt_targets, prompt_rows = prompt_logprob_targets(chunks, shape.tokens)
-        sampling, flags = build_sampling_tensors(
-            [self._row_spec(c) for c in chunks], shape.seqs, vocab_size=self.vocab_size,
-            history_width=self.history_width)
+    def step_call(self, plans: list[ChunkPlan], kind: str) -> StepCall:
+        """The host inputs of one group's step."""
+        shape = self.shape_for(plans, kind)
+        batch = self.host_batch([plan.row for plan in plans], shape)
+        targets = np.full(shape.tokens, -1, np.int32)  # [T] next prompt token of each position, -1 elsewhere
+        cursor = 0
+        for plan in plans:
+            if plan.prompt_targets is not None:
+                targets[cursor:cursor + plan.num_tokens] = plan.prompt_targets
+            cursor += plan.num_tokens
+        sampling, flags = build_sampling_tensors([plan.spec for plan in plans], shape.seqs,
+                                                 vocab_size=self.vocab_size, history_width=self.history_width)
+        wants_targets = any(plan.prompt_targets is not None for plan in plans)
         return StepCall(shape, batch.input_ids, batch.positions, batch.metadata, sampling,
-                        prompt_targets if prompt_rows else None, flags, batch.mm_rows), prompt_rows
+                        targets if wants_targets else None, flags, batch.mm_rows)
 
-    def _host_batch(self, rows: list[ChunkRow], shape: StepShape) -> HostBatch:
+    def host_batch(self, rows: list[ChunkRow], shape: StepShape) -> HostBatch:
         return build_batch(rows, shape, self.page_size, self.max_pages, self.backend.prefill_layout,
                            multimodal=self.encoder is not None, mrope=self.mrope)
 
@@ -273,13 +233,11 @@ class ModelRunner:
 
         return PendingHead(head) if defer_head else head(sampling)
 
-    def finish_head(self, group: DispatchedGroup) -> None:
-        """Sample a deferred look-ahead step: each live constrained row's grammar, advanced past the token the
-        previous step sampled, narrows its allowed tokens now."""
+    def finish_head(self, group: DispatchedGroup, grammar_bits: list[np.ndarray | None]) -> None:
+        """Sample a deferred look-ahead step: `grammar_bits` [W] int32 per row (None: unconstrained or finished),
+        each constrained row's grammar advanced past the token the previous step sampled, narrow its tokens now."""
         sampling = group.call.sampling
-        for row, chunk in enumerate(group.chunks):
-            request = chunk.request
-            bits = None if request.grammar is None or request.is_finished else request.grammar.allowed_bits()
+        for row, bits in enumerate(grammar_bits):
             if bits is not None:
                 sampling.allowed_bits[row] = combine_allowed_bits(sampling.allowed_bits[row], bits)
         group.out, group.pending = group.pending.run(jax.device_put(sampling)), None
@@ -289,101 +247,38 @@ class ModelRunner:
         inputs = (call.metadata, call.input_ids, call.positions, call.sampling, call.prompt_targets, call.mm_rows)
         return self._inputs.put(inputs) if self.mesh is None else put_replicated(inputs, self.mesh)
 
-    def _dispatch_group(self, chunks: list[ScheduledChunk], kind: str, source_ids: jax.Array | None = None,
+    def _dispatch_group(self, plans: list[ChunkPlan], kind: str, source_ids: jax.Array | None = None,
                         source_rows: list[int] | None = None) -> DispatchedGroup:
         """source_ids [S'] int32 on the device, source_rows: the row of each chunk's input token in it."""
-        call, prompt_rows = self.step_call(chunks, kind)
+        call = self.step_call(plans, kind)
         defer_head = False
         if source_ids is not None:
             rows = np.zeros(call.shape.seqs, np.int32)  # decode: token i is chunk i
             rows[:len(source_rows)] = source_rows
             call.input_ids = self.compiled.get(call.shape).take_ids(source_ids, rows)
-            defer_head = any(chunk.request.grammar is not None for chunk in chunks)
+            defer_head = any(plan.constrained for plan in plans)
         out = self.run_call(call, defer_head)
         if defer_head:
-            return DispatchedGroup(chunks, call, prompt_rows, None, pending=out)
-        return DispatchedGroup(chunks, call, prompt_rows, out)
+            return DispatchedGroup(plans, call, None, pending=out)
+        return DispatchedGroup(plans, call, out)
 
     def _group_results(self, group: DispatchedGroup) -> dict[str, StepResult]:
-        chunks, call, prompt_rows, out = group.chunks, group.call, group.prompt_rows, group.out
+        plans, out = group.plans, group.out
         if self.mesh is not None and jax.process_count() > 1:
             out = jax.tree.map(host_array, out)  # replicated over every host's devices: read the local copy
         token_ids = np.asarray(out["token_ids"])
-        asked = any(c.samples and c.request.params.logprobs is not None for c in chunks)
-        sample_stats = host_rows(out["sample_stats"], list(range(len(chunks)))) if asked else None
+        asked = any(p.samples and p.wants_logprobs for p in plans)
+        sample_stats = host_rows(out["sample_stats"], list(range(len(plans)))) if asked else None
         results: dict[str, StepResult] = {}
-        for row, chunk in enumerate(chunks):
-            if chunk.samples:
-                wants = chunk.request.params.logprobs is not None
-                results[chunk.request.request_id] = StepResult(
-                    int(token_ids[row]), sample_stats[row] if wants and sample_stats else None)
-        if prompt_rows:
-            self._attach_prompt_logprobs(chunks, prompt_rows, out["prompt_stats"], results)
-        return results
-
-    @staticmethod
-    def _attach_prompt_logprobs(chunks: list[ScheduledChunk], wanted: list, stats: Any,
-                                results: dict[str, StepResult]) -> None:
-        """Prompt token j's entry comes from the row at position j - 1 of the same sequence."""
+        for row, plan in enumerate(plans):
+            if plan.samples:
+                results[plan.request_id] = StepResult(
+                    int(token_ids[row]), sample_stats[row] if plan.wants_logprobs and sample_stats else None)
         cursor = 0
-        for chunk in chunks:
-            request = chunk.request
-            if request in wanted:
-                last = min(chunk.start + chunk.num_tokens, request.num_prompt_tokens - 1)  # positions with a target
-                entries = host_rows(stats, list(range(cursor, cursor + max(last - chunk.start, 0))))
-                result = results.setdefault(request.request_id, StepResult(None, None))
-                result.prompt_logprobs, result.prompt_start = entries, chunk.start + 1
-            cursor += chunk.num_tokens
-
-    @staticmethod
-    def _row_spec(chunk: ScheduledChunk) -> RowSpec:
-        """A look-ahead chunk samples the token after the one still on the device."""
-        request = chunk.request
-        params = request.params
-        blocked: list[int] = []
-        if len(request.output_token_ids) + chunk.pending_tokens < params.min_tokens:
-            blocked = [*params.stop_token_ids, *([] if params.ignore_eos else request.eos_token_ids)]
-        if request.grammar is None or not chunk.samples:
-            grammar_bits = None
-        elif chunk.lookahead:  # the grammar has not seen the token before this one yet: finish_head narrows it
-            grammar_bits = ALL_TOKENS
-        else:
-            grammar_bits = request.grammar.allowed_bits()
-        return RowSpec(params=params, seed=request.seed, position=request.num_tokens + chunk.pending_tokens,
-                       prompt_ids=request.prompt_token_ids, output_ids=request.output_token_ids, blocked_ids=blocked,
-                       grammar_bits=grammar_bits)
-
-    def prompt_logits(self, token_ids: list[int], mm_items: list[MultiModalItem] = ()) -> np.ndarray:
-        """Logits [T, V] at every position of one prompt, through the paged path as one fresh chunk. Nothing is
-        written to the pool (pages listed are the reserved page 0, never read: the chunk is its whole context).
-        `mm_items`: the prompt's images (multimodal models), encoded first."""
-        n = len(token_ids)
-        if not self.backend.attends_step_kv:
-            raise NotImplementedError(f"prompt_logits needs a backend that attends to a fresh chunk's own K/V "
-                                      f"without writing the pool (xla), not {self.backend.name}")
-        if n > self.shapes.max_num_batched_tokens:
-            raise ValueError(f"prompt_logits takes at most {self.shapes.max_num_batched_tokens} tokens, got {n}")
-        shape = self.shapes.prefill(n)
-        row = ChunkRow(token_ids=list(token_ids), start=0, page_table=[0] * cdiv(n, self.page_size),
-                       mm_rows=self._diagnostic_encode(mm_items, n) if mm_items else None,
-                       positions=mrope_positions(mm_items, 0, n) if self.mrope and mm_items else None)
-        batch = self._host_batch([row], shape)
-        with compile_watch().expected():  # a diagnostic: its executable is compiled on first use
-            logits = self.run_call(StepCall(shape, batch.input_ids, batch.positions, batch.metadata,
-                                            mm_rows=batch.mm_rows))
-        return (host_array(logits) if self.mesh is not None else np.asarray(logits))[:n]
-
-    def _diagnostic_encode(self, items: list[MultiModalItem], num_tokens: int) -> list[int]:
-        """Encode a prompt's images outside any step's budget -> its tokens' buffer rows."""
-        if self.encoder is None:
-            raise ValueError("this model takes no images")
-        holder = SimpleNamespace(request_id="prompt-logits", mm_items=list(items))
-        cache = self.encoder.cache
-        budget = EncoderBudget(sum(item.length for item in items))
-        if cache.schedule(holder, 0, num_tokens, budget) != num_tokens:
-            raise ValueError("the encoder cache cannot hold this prompt's images")
-        self.encoder.encode([item for _, item in budget.to_encode.values()])
-        cache.mark_ready([item for _, item in budget.to_encode.values()])
-        rows = cache.token_rows(holder, 0, num_tokens)
-        cache.release(holder)
-        return rows
+        for plan in plans:  # prompt token j's entry comes from the row at position j - 1 of the same sequence
+            if plan.prompt_targets is not None:
+                entries = host_rows(out["prompt_stats"], list(range(cursor, cursor + plan.num_prompt_targets)))
+                result = results.setdefault(plan.request_id, StepResult(None, None))
+                result.prompt_logprobs, result.prompt_start = entries, plan.row.start + 1
+            cursor += plan.num_tokens
+        return results

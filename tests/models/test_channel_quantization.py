@@ -15,6 +15,7 @@ from flax import nnx
 from models.channel_quant import CHANNEL_FORMATS, channel_dot, channel_rows, dequantize_channels, quantize_channels
 from models.layers import Linear
 from tests.hf_weights import save_byte_level_tokenizer
+from tests.prompt_logits import prompt_logits
 
 FORMATS = sorted(CHANNEL_FORMATS)
 VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 320, 64, 160, 2, 4, 2
@@ -179,10 +180,10 @@ def test_engine_logits_are_the_rounded_checkpoints(tiny_llama, accelerator_forma
     assert len(codes) == LAYERS * 7 + 2  # 7 projections a layer, the table, the head
     assert quantized.weight_bytes < 0.3 * rounded.weight_bytes
     prompt = quantized.get_tokenizer().encode(PROMPT)
-    got, want = quantized.runner.prompt_logits(prompt), rounded.runner.prompt_logits(prompt)
+    got, want = prompt_logits(quantized.runner, prompt), prompt_logits(rounded.runner, prompt)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
     # the GPU's configuration: bfloat16 activations, within bfloat16's rounding
-    bf16 = _engine(tiny_llama[0], quantization="fp8", dtype="bfloat16").runner.prompt_logits(prompt)
+    bf16 = prompt_logits(_engine(tiny_llama[0], quantization="fp8", dtype="bfloat16").runner, prompt)
     np.testing.assert_allclose(bf16, want, rtol=0, atol=0.03 * np.abs(want).max())
 
 

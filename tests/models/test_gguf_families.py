@@ -33,6 +33,7 @@ from models.quantized import quantize_reference  # noqa: E402
 from tests.hf_weights import redraw_weights  # noqa: E402
 from tests.models.test_llama_parity import (  # noqa: E402
     LOGITS_TEXT, _assert_greedy_match, _hf_greedy)
+from tests.prompt_logits import prompt_logits  # noqa: E402
 
 try:
     SMOLLM_GGUF = default_model_path()
@@ -289,7 +290,7 @@ def _engine(path: str, **overrides) -> Engine:
 
 
 def _assert_logits_match(engine: Engine, hf_model, ids: list[int]) -> None:
-    got = engine.runner.prompt_logits(ids)
+    got = prompt_logits(engine.runner, ids)
     with torch.no_grad():
         want = hf_model(torch.tensor([ids])).logits[0].float().numpy()
     assert got.shape == want.shape == (len(ids), 49152)

@@ -12,6 +12,7 @@ import pytest
 from jvllm import Engine, SamplingParams
 from tests.hf_weights import redraw_weights
 from tests.models.test_llama_parity import LOGITS_TEXT
+from tests.prompt_logits import prompt_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -66,9 +67,9 @@ def test_int8_blocks_give_the_float32_logits_of_the_rounded_weights(untied_llama
     assert len(_blocks(int8)) == 2 * 7 + 2 and not _blocks(float32)  # 7 projections a layer, the table, the head
     assert int8.weight_bytes < 0.3 * float32.weight_bytes
     prompt = int8.get_tokenizer().encode(LOGITS_TEXT)[:32]  # one 32-row step: float32 activations
-    got, want = int8.runner.prompt_logits(prompt), rounded.runner.prompt_logits(prompt)
+    got, want = prompt_logits(int8.runner, prompt), prompt_logits(rounded.runner, prompt)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
-    unrounded = float32.runner.prompt_logits(prompt)
+    unrounded = prompt_logits(float32.runner, prompt)
     assert np.abs(got - unrounded).max() > 10 * np.abs(got - want).max()  # the rounding, not the order, differs
 
 

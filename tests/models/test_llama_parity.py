@@ -28,6 +28,7 @@ transformers = pytest.importorskip("transformers")
 
 from jvllm import Engine, SamplingParams  # noqa: E402
 from tests.hf_weights import redraw_weights  # noqa: E402
+from tests.prompt_logits import prompt_logits  # noqa: E402
 
 # Float32 on both sides; the tiny models' logits have std ~1.6 and max |logit| ~9. Measured max abs
 # difference: ~1.7e-5 (summation order differs between XLA and PyTorch), so 5e-5 leaves 3x headroom
@@ -127,7 +128,7 @@ def _assert_greedy_match(got: list[int], want: list[int], ref_logits: np.ndarray
 
 def assert_prompt_logits_match(engine: Engine, hf_model, ids: list[int]) -> None:
     """jvllm's logits at every prompt position against transformers' (float32), within LOGITS_ATOL."""
-    got = engine.runner.prompt_logits(ids)
+    got = prompt_logits(engine.runner, ids)
     with torch.no_grad():
         want = hf_model(torch.tensor([ids])).logits[0].float().numpy()
     assert got.shape == want.shape == (len(ids), 49152)
@@ -185,7 +186,7 @@ def test_smollm2_batched_greedy_generation_matches_transformers_token_for_token(
 
 def test_smollm2_prompt_logits_match_transformers(default_engine, hf_smollm):
     ids = default_engine.get_tokenizer().encode(LOGITS_TEXT)
-    got = default_engine.runner.prompt_logits(ids)
+    got = prompt_logits(default_engine.runner, ids)
     with torch.no_grad():
         want = hf_smollm(torch.tensor([ids])).logits[0].float().numpy()
     assert got.shape == want.shape
@@ -265,7 +266,7 @@ def test_mistral_sliding_window_is_honoured_or_rejected(tiny_model_factory, tmp_
     except ValueError as error:
         assert "sliding" in str(error).lower()
         return
-    got = engine.runner.prompt_logits(ids)
+    got = prompt_logits(engine.runner, ids)
     with torch.no_grad():
         want = hf_model(torch.tensor([ids])).logits[0].float().numpy()
     np.testing.assert_allclose(got, want, rtol=0, atol=LOGITS_ATOL)

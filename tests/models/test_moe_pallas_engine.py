@@ -16,6 +16,7 @@ from jvllm import Engine, SamplingParams  # noqa: E402
 from models import moe  # noqa: E402
 from tests.hf_weights import save_random_model  # noqa: E402
 from tests.models.test_family_parity import _expert_loads  # noqa: E402
+from tests.prompt_logits import prompt_logits  # noqa: E402
 
 LOGITS_ATOL = 1e-4
 BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -49,7 +50,7 @@ def _engine(folder: pathlib.Path) -> Engine:
 
 def _run(engine: Engine) -> tuple[list[np.ndarray], list[list[int]]]:
     """(logits [n, V] of every prompt position, 12 greedy tokens per prompt, the prompts batched)."""
-    logits = [engine.runner.prompt_logits(p) for p in PROMPTS]
+    logits = [prompt_logits(engine.runner, p) for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     return logits, [list(o.outputs[0].token_ids) for o in outputs]

@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 from jvllm import Engine  # noqa: E402
 from jvllm.model_loader.loader import load_model  # noqa: E402
 from tests.multimodal.helpers import hf_inputs, hf_logits, hf_processor  # noqa: E402
+from tests.prompt_logits import prompt_logits  # noqa: E402
 
 FEATURES_ATOL = 1e-4  # features reach |x| ~ 10; measured max difference ~7e-6
 LOGITS_ATOL = 1e-4  # measured ~1e-5
@@ -60,7 +61,7 @@ def test_prompt_logits_with_images_match_transformers(name, num_images, make_lla
     assert ids == want_ids  # placeholders expanded exactly as LlavaProcessor does
     assert [item.offset for item in items] == [i for i, t in enumerate(ids) if t == 49152][::items[0].length]
     np.testing.assert_allclose(np.stack([item.data for item in items]), inputs["pixel_values"].numpy(), atol=0)
-    got = engine.runner.prompt_logits(ids, items)
+    got = prompt_logits(engine.runner, ids, items)
     want = hf_logits(model, inputs)
     assert got.shape == want.shape == (len(ids), 49153)
     np.testing.assert_allclose(got, want, rtol=0, atol=LOGITS_ATOL)

@@ -18,6 +18,7 @@ from tests.multimodal.helpers import (  # noqa: E402
     check_against_oracle, data_url, random_image, record_encoded, record_split_image_spans, run_random_image_workload,
 )
 from tests.multimodal.qwen2_vl_helpers import IMAGE_PAD_ID, MAX_TOKENS, PLACEHOLDER, qwen2_vl_hf_processor  # noqa: E402
+from tests.prompt_logits import prompt_logits  # noqa: E402
 
 LOGITS_ATOL = 1e-4
 P = PLACEHOLDER
@@ -83,7 +84,7 @@ def test_prompt_logits_match_transformers(num_images, qwen_vl, qwen2_vl_tok, qwe
     text, images = _prompts(qwen_images)[num_images - 1]
     inputs = dict(qwen2_vl_hf_processor(folder, qwen2_vl_tok)(text=text, images=images, return_tensors="pt"))
     ids, items = engine.mm_processor.expand(qwen2_vl_tok.encode(text), {"image": images})
-    got = engine.runner.prompt_logits(ids, items)
+    got = prompt_logits(engine.runner, ids, items)
     with torch.no_grad():
         want = model(**inputs).logits[0].float().numpy()
     assert got.shape == want.shape

@@ -75,12 +75,14 @@ def placement(eng) -> dict[str, Any]:
 def compare(args: dict[str, Any]) -> dict[str, Any]:
     """TP=1 against each TP size: logits of every prompt position (xla only) and greedy tokens; with `sampling`
     (the default), also seeded sampling with logprobs and a regex-constrained request (the sharded sampler)."""
+    from tests.prompt_logits import prompt_logits
+
     prompts, max_tokens = args["prompts"], args.get("max_tokens", 8)
     backend = args.get("backend", "xla")
     overrides = args.get("engine", {})
     sampling = args.get("sampling", True)
     ref = engine(args["model"], 1, attention_backend=backend, **overrides)
-    want_logits = [ref.runner.prompt_logits(p) for p in prompts] if backend == "xla" else None
+    want_logits = [prompt_logits(ref.runner, p) for p in prompts] if backend == "xla" else None
     want_tokens = greedy(ref, prompts, max_tokens)
     out: dict[str, Any] = {"reference_tokens": want_tokens, "runs": {}}
     if sampling:
@@ -96,7 +98,7 @@ def compare(args: dict[str, Any]) -> dict[str, Any]:
             run["max_abs_logprob_diff"] = float(np.max(np.abs(np.subtract(sampled["logprobs"],
                                                                           want_sampled["logprobs"]))))
         if want_logits is not None:
-            diffs = [float(np.max(np.abs(eng.runner.prompt_logits(p) - w))) for p, w in zip(prompts, want_logits)]
+            diffs = [float(np.max(np.abs(prompt_logits(eng.runner, p) - w))) for p, w in zip(prompts, want_logits)]
             run["max_abs_logit_diff"] = max(diffs)
             run["logit_scale"] = float(max(np.max(np.abs(w)) for w in want_logits))
         out["runs"][str(tp)] = run
@@ -122,11 +124,12 @@ def collectives(hlo: str) -> list[dict[str, Any]]:
 def hlo(args: dict[str, Any]) -> dict[str, Any]:
     """Compile a decode step (after one prefill) and the pool write; report their collectives."""
     from jvllm import SamplingParams
+    from jvllm.engine.step_plan import plan_chunks
 
     eng = engine(args["model"], args["tp"], attention_backend=args.get("backend", "xla"))
     eng.add_request("r", {"prompt_token_ids": args["prompts"][0]}, SamplingParams(max_tokens=4, temperature=0.0))
     eng.step()  # the prefill; the next plan is one decode chunk
-    call, _ = eng.runner.step_call(eng.scheduler.schedule(), "decode")
+    call = eng.runner.step_call(plan_chunks(eng.scheduler.schedule()), "decode")
     from tests.step_hlo import compiled_step_hlo
 
     lowered = compiled_step_hlo(eng.runner, call)
@@ -147,13 +150,15 @@ def multihost(args: dict[str, Any]) -> dict[str, Any]:
     """One rank of a num_hosts-process mesh: rank 0 generates (and reads logits), the others follow."""
     import jax
 
+    from tests.prompt_logits import prompt_logits
+
     eng = engine(args["model"], args["tp"], num_hosts=args["num_hosts"], host_rank=args["rank"],
                  coordinator=args["coordinator"])
     out: dict[str, Any] = {"rank": jax.process_index(), "devices": jax.device_count(),
                            "local_devices": jax.local_device_count()}
     if eng.is_leader:
         out["tokens"] = greedy(eng, args["prompts"], args.get("max_tokens", 8))
-        out["logits_row0"] = eng.runner.prompt_logits(args["prompts"][0])[-1, :8].tolist()
+        out["logits_row0"] = prompt_logits(eng.runner, args["prompts"][0])[-1, :8].tolist()
         if args.get("idle_s"):  # followers wait inside a collective while rank 0 is idle
             time.sleep(args["idle_s"])
             out["tokens_after_idle"] = greedy(eng, args["prompts"][:1], args.get("max_tokens", 8))

@@ -1,0 +1,87 @@
+"""The engine's side of the step contract: scheduled chunks (live requests) -> the worker's plain ChunkPlans."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jvllm.core.encoder_cache import EncoderCache
+from jvllm.core.scheduler import ScheduledChunk
+from jvllm.multimodal.positions import mrope_positions
+from jvllm.sample.tensors import ALL_TOKENS, RowSpec
+from jvllm.worker.batch import ChunkRow
+from jvllm.worker.model_runner import DispatchedGroup, ModelRunner
+from jvllm.worker.step_plan import ChunkPlan
+
+
+def chunk_row(chunk: ScheduledChunk, encoder_cache: EncoderCache | None = None, mrope: bool = False) -> ChunkRow:
+    """`mrope`: the model takes multimodal RoPE positions, which a request's images shift."""
+    request, start = chunk.request, chunk.start
+    ids = [request.token_at(i) for i in range(start, start + chunk.num_tokens - chunk.pending_tokens)]
+    mm_rows = None
+    if encoder_cache is not None and request.mm_items:
+        mm_rows = encoder_cache.token_rows(request, start, chunk.num_tokens)
+    positions = mrope_positions(request.mm_items, start, chunk.num_tokens) if mrope and request.mm_items else None
+    return ChunkRow(ids + [0] * chunk.pending_tokens, start, request.page_table, mm_rows, positions)
+
+
+def row_spec(chunk: ScheduledChunk) -> RowSpec:
+    """A look-ahead chunk samples the token after the one still on the device."""
+    request = chunk.request
+    params = request.params
+    blocked: list[int] = []
+    if len(request.output_token_ids) + chunk.pending_tokens < params.min_tokens:
+        blocked = [*params.stop_token_ids, *([] if params.ignore_eos else request.eos_token_ids)]
+    if request.grammar is None or not chunk.samples:
+        grammar_bits = None
+    elif chunk.lookahead:  # the grammar has not seen the token before this one yet: finish_head narrows it
+        grammar_bits = ALL_TOKENS
+    else:
+        grammar_bits = request.grammar.allowed_bits()
+    return RowSpec(params=params, seed=request.seed, position=request.num_tokens + chunk.pending_tokens,
+                   prompt_ids=request.prompt_token_ids, output_ids=request.output_token_ids, blocked_ids=blocked,
+                   grammar_bits=grammar_bits)
+
+
+def prompt_targets(chunk: ScheduledChunk) -> list[int] | None:
+    """Per position of the chunk, the next prompt token (-1 past the prompt); None unless the request asked for
+    prompt logprobs and the chunk holds a position before the prompt's last token."""
+    request = chunk.request
+    if request.params.prompt_logprobs is None or chunk.start >= request.num_prompt_tokens - 1:
+        return None
+    following = [chunk.start + offset + 1 for offset in range(chunk.num_tokens)]
+    return [request.prompt_token_ids[n] if n < request.num_prompt_tokens else -1 for n in following]
+
+
+def plan_chunks(chunks: list[ScheduledChunk], encoder_cache: EncoderCache | None = None,
+                mrope: bool = False) -> list[ChunkPlan]:
+    return [ChunkPlan(chunk.request.request_id, chunk_row(chunk, encoder_cache, mrope), row_spec(chunk),
+                      chunk.samples, chunk.request.params.logprobs is not None, chunk.request.grammar is not None,
+                      prompt_targets(chunk), tuple(chunk.encode))
+            for chunk in chunks]
+
+
+@dataclasses.dataclass
+class StepInFlight:
+    """A dispatched step: the scheduler's chunks and the worker's device calls for them (one or two groups)."""
+
+    chunks: list[ScheduledChunk]
+    groups: list[DispatchedGroup]
+
+    @classmethod
+    def dispatch(cls, runner: ModelRunner, chunks: list[ScheduledChunk], encoder_cache: EncoderCache | None,
+                 source: StepInFlight | None = None) -> StepInFlight:
+        """Plan `chunks` and start their device steps (look-ahead chunks of `source`'s requests when given)."""
+        plans = plan_chunks(chunks, encoder_cache, runner.mrope)
+        return cls(chunks, runner.dispatch(plans, source=None if source is None else source.groups[0]))
+
+    def chunks_in_step_order(self) -> list[ScheduledChunk]:
+        """The chunks in the order of the groups' rows."""
+        by_id = {chunk.request.request_id: chunk for chunk in self.chunks}
+        return [by_id[plan.request_id] for group in self.groups for plan in group.plans]
+
+    def grammar_bits(self) -> list[np.ndarray | None]:
+        """Per row of the (single) group: the allowed-token bits of its request's grammar now, None for a request
+        without one or finished."""
+        return [None if chunk.request.grammar is None or chunk.request.is_finished
+                else chunk.request.grammar.allowed_bits() for chunk in self.chunks_in_step_order()]

@@ -1,0 +1,31 @@
+"""StepCall: everything one device step takes from the host, as plain values (sent to the other hosts as is)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from jvllm.sample.tensors import SamplerFlags
+from jvllm.worker.step_shapes import StepShape
+from models.attention import AttentionMetadata
+
+
+@dataclasses.dataclass
+class StepCall:
+    """Everything one device step takes from the host: numpy arrays and static choices. Multi-host, rank 0
+    sends it to the other ranks, which run the same step (jvllm.parallel.distributed)."""
+
+    shape: StepShape
+    input_ids: np.ndarray | jax.Array  # [T] int32; on the device for a look-ahead step
+    positions: np.ndarray  # [T] int32; [3, T] for M-RoPE models
+    metadata: AttentionMetadata  # numpy leaves
+    sampling: Any = None  # SamplingTensors (numpy leaves); None for an all-logits call
+    prompt_targets: np.ndarray | None = None  # [T] int32
+    flags: SamplerFlags = SamplerFlags()
+    mm_rows: np.ndarray | None = None  # [T] int32 encoder-buffer row per token (-1: text); multimodal models only
+
+    @property
+    def all_logits(self) -> bool:
+        return self.sampling is None
