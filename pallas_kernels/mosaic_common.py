@@ -80,10 +80,18 @@ def default_pages_per_block(page_size: int, max_pages: int) -> int:
     return max(1, 64 // page_size, min(128 // page_size, common.next_pow2(max_pages)))
 
 
-def check_pages_per_block(pages_per_block: int, page_size: int) -> None:
+def blocked_tables(block_tables: jax.Array, page_size: int, pages_per_block: int | None) -> tuple[jax.Array, int]:
+    """-> (block tables [S, P'] int32 padded with page 0 to whole KV blocks, pages per block: the given one,
+    checked, or the default)."""
+    from pallas_kernels import common
+
+    max_pages = block_tables.shape[1]
+    pages_per_block = pages_per_block or default_pages_per_block(page_size, max_pages)
     if pages_per_block & (pages_per_block - 1) or pages_per_block * page_size < ROWS:
         raise ValueError(f"pages_per_block {pages_per_block} x page {page_size}: a power of two of pages holding "
                          f">= {ROWS} tokens")
+    padded_pages = common.cdiv(max_pages, pages_per_block) * pages_per_block
+    return jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages))), pages_per_block
 
 
 def attend_blocks(lo: jax.Array, hi: jax.Array, kv_len: jax.Array, *, tables_ref, seq: jax.Array, kv_head: jax.Array,

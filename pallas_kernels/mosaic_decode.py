@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import common, mosaic_common
+from pallas_kernels import mosaic_common
 from pallas_kernels.mosaic_common import ROWS
 
 
@@ -61,11 +61,7 @@ def mosaic_decode_attention(
     seqs, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     group = heads // kv_heads
-    max_pages = block_tables.shape[1]
-    pages_per_block = pages_per_block or mosaic_common.default_pages_per_block(page_size, max_pages)
-    mosaic_common.check_pages_per_block(pages_per_block, page_size)
-    padded_pages = common.cdiv(max_pages, pages_per_block) * pages_per_block
-    block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))
+    block_tables, pages_per_block = mosaic_common.blocked_tables(block_tables, page_size, pages_per_block)
     # [S, KVH, 64, hd]: each KV head's query heads as the first G rows of a zero-padded wgmma tile
     q_tiles = jnp.pad(q.reshape(seqs, kv_heads, group, head_dim), ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))
     kernel = plgpu.kernel(

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import common, mosaic_common
+from pallas_kernels import mosaic_common
 from pallas_kernels.mosaic_common import ROWS
 
 BLOCK_Q = ROWS  # query tokens per work item
@@ -80,11 +80,7 @@ def mosaic_ragged_paged_attention(
     num_tokens, heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
     num_items = item_seq.shape[0]
-    max_pages = block_tables.shape[1]
-    pages_per_block = pages_per_block or mosaic_common.default_pages_per_block(page_size, max_pages)
-    mosaic_common.check_pages_per_block(pages_per_block, page_size)
-    padded_pages = common.cdiv(max_pages, pages_per_block) * pages_per_block
-    block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))
+    block_tables, pages_per_block = mosaic_common.blocked_tables(block_tables, page_size, pages_per_block)
     # each work item's rows, token by token: its sequence's tokens, then the zero row T past the chunk's end (a
     # tile gathered outside the kernel: in the kernel a TMA box at a data-dependent row is beyond layout inference)
     offsets = item_first[:, None] + jnp.arange(BLOCK_Q)[None, :]  # [NB, 64]

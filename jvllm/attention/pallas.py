@@ -40,14 +40,14 @@ def write_and_attend(
     they cover the step. `interpret` defaults to True off GPU (JVLLM_PALLAS_INTERPRET=1/0 forces it on/off)."""
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping, interpret=interpret)
     mosaic = _on_mosaic(kernels, q.dtype, k_pages.dtype, q.shape[1], k_pages.shape[2], q.shape[2], k_pages.shape[1])
-    window = dict(sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
+    options = dict(sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
     if md.decode:
         decode = mosaic_decode.mosaic_decode_attention if mosaic else decode_attention
-        out = decode(q, k_pages, v_pages, md.page_tables, md.kv_lens, scale=scale, **window)
+        out = decode(q, k_pages, v_pages, md.page_tables, md.kv_lens, scale=scale, **options)
     else:
         ragged = mosaic_ragged.mosaic_ragged_paged_attention if mosaic else ragged_paged_attention
         out = ragged(q, k_pages, v_pages, md.query_start, md.q_lens, md.kv_lens, md.page_tables,
-                     md.layout["item_seq"], md.layout["item_first"], scale=scale, **window)
+                     md.layout["item_seq"], md.layout["item_first"], scale=scale, **options)
     return out.astype(q.dtype), k_pages, v_pages
 
 

@@ -262,7 +262,7 @@ class Engine(MultiHostRoles, FrontEndViews):
         try:
             self._ahead = self._dispatch_ahead(current)
             results = self.runner.collect(current.groups)
-            outputs = self._process_results(current.chunks_in_step_order(), results)
+            outputs = self._process_results(current.step_order, results)
             self._settle_ahead()
         except BaseException:
             self._ahead = None
@@ -280,7 +280,7 @@ class Engine(MultiHostRoles, FrontEndViews):
     def _dispatch_ahead(self, current: StepInFlight) -> StepInFlight | None:
         if not (self.async_scheduling and len(current.groups) == 1):
             return None
-        alive = [chunk for chunk in current.chunks_in_step_order() if not chunk.request.is_finished]  # not aborted
+        alive = [chunk for chunk in current.step_order if not chunk.request.is_finished]  # not aborted
         chunks = plan_lookahead(self.scheduler, alive)
         return None if chunks is None else StepInFlight.dispatch(self.runner, chunks, self.encoder_cache, current)
 

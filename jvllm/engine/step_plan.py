@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -75,7 +76,8 @@ class StepInFlight:
         plans = plan_chunks(chunks, encoder_cache, runner.mrope)
         return cls(chunks, runner.dispatch(plans, source=None if source is None else source.groups[0]))
 
-    def chunks_in_step_order(self) -> list[ScheduledChunk]:
+    @functools.cached_property
+    def step_order(self) -> list[ScheduledChunk]:
         """The chunks in the order of the groups' rows."""
         by_id = {chunk.request.request_id: chunk for chunk in self.chunks}
         return [by_id[plan.request_id] for group in self.groups for plan in group.plans]
@@ -84,4 +86,4 @@ class StepInFlight:
         """Per row of the (single) group: the allowed-token bits of its request's grammar now, None for a request
         without one or finished."""
         return [None if chunk.request.grammar is None or chunk.request.is_finished
-                else chunk.request.grammar.allowed_bits() for chunk in self.chunks_in_step_order()]
+                else chunk.request.grammar.allowed_bits() for chunk in self.step_order]
