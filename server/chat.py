@@ -143,15 +143,18 @@ class _Chat:
     async def events(self, stream: RequestStream) -> AsyncIterator[str]:
         options = self.body.stream_options
         continuous = bool(options and options.continuous_usage_stats)
-        for index in range(self.body.n):  # the role first, before any token exists
+        replies = {index: StreamedReply(self.tools, self.state.settings.reasoning_parser)
+                   for index in range(self.body.n)}
+        for index in range(self.body.n):  # the role first, before any token exists, with a forced call's name
             delta = DeltaMessage(role="assistant", content=self.echo)
+            opening = replies[index].start()
+            if opening is not None:
+                delta.tool_calls = opening.tool_calls
             yield self.chunk([ChatChunkChoice(index=index, delta=delta, logprobs=None, finish_reason=None)],
                              self.usage(None) if continuous else None)
         sent_text: dict[int, int] = {}
         sent_ids: dict[int, int] = {}
         ended: set[int] = set()
-        replies = {index: StreamedReply(self.tools, self.state.settings.reasoning_parser)
-                   for index in range(self.body.n)}
         latest = None
         async for output in stream:
             latest = check_not_failed(output)
@@ -160,7 +163,8 @@ class _Chat:
                     continue
                 start = sent_ids.get(out.index, 0)
                 finished = out.finish_reason is not None
-                delta = replies[out.index].feed(out.text[sent_text.get(out.index, 0):], finished)
+                delta = replies[out.index].feed(out.text[sent_text.get(out.index, 0):], finished,
+                                                out.finish_reason == "length")
                 logprobs = self.logprobs(out, start) if len(out.token_ids) > start else None
                 sent_text[out.index], sent_ids[out.index] = len(out.text), len(out.token_ids)
                 if delta is None and not finished and logprobs is None:

@@ -1,92 +1,106 @@
 """One chat choice's text as OpenAI's message: reasoning, content and tool calls, whole or as stream deltas."""
 from __future__ import annotations
 
-from server.reasoning import ReasoningStream, partial_tag, split_reasoning
-from server.responses import ChatMessageOut, DeltaFunctionCall, DeltaMessage, DeltaToolCall
-from server.tool_parsers import ParsedReply
-from server.tools import ToolPlan, new_call_id, tool_call_deltas, tool_calls_out
+from server.reasoning import ReasoningStream, split_reasoning
+from server.responses import (ChatMessageOut, DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCallOut,
+                              ToolCallOut)
+from server.tool_stream import CallPiece, CallStream, Pieces
+from server.tools import ToolPlan, new_call_id
+
+
+class ReplyReader:
+    """A choice's content text (after any reasoning) -> Pieces, as it arrives: plain content without tools; for a
+    named choice one call, named before any text, whose arguments are the text; otherwise the plan's layout."""
+
+    def __init__(self, plan: ToolPlan):
+        self.plan = plan
+        layout = plan.layout()
+        self._stream = CallStream(layout) if layout is not None else None
+        self._started = False
+
+    def start(self) -> Pieces:
+        """What is known before any text: the header of a call the choice forces."""
+        self._started = True
+        if self._stream is not None:
+            return self._stream.start()
+        pieces = Pieces()
+        if self.plan.mode == "named":
+            pieces.calls.append(CallPiece(0, name=self.plan.named))
+        return pieces
+
+    def feed(self, text: str, final: bool, cut: bool = False) -> Pieces:
+        pieces = Pieces() if self._started else self.start()
+        if self._stream is not None:
+            pieces.merge(self._stream.feed(text, final, cut))
+        elif self.plan.mode == "named":
+            if text:
+                pieces.call(0).arguments += text
+        else:
+            pieces.content += text
+        return pieces
 
 
 def whole_reply(text: str, plan: ToolPlan, reasoning_parser: str | None, finish_reason: str | None,
                 echo: str = "") -> tuple[ChatMessageOut, str | None]:
-    """The finished choice's message and its finish reason ("tool_calls" when the model called tools)."""
+    """The finished choice's message and its finish reason ("tool_calls" when the model called tools; a reply cut
+    by max_tokens keeps "length", its last call partial)."""
     reasoning = None
     if reasoning_parser is not None:
         split = split_reasoning(reasoning_parser, text)
         reasoning, text = split.reasoning, split.content or ""
-    reply = plan.parse(text) if plan.calls_tools else ParsedReply(text, [])
-    content = reply.content if reply.calls else text
+    pieces = ReplyReader(plan).feed(text, final=True, cut=finish_reason == "length")
+    calls: dict[int, ToolCallOut] = {}
+    for piece in pieces.calls:
+        call = calls.setdefault(piece.index, ToolCallOut(id=new_call_id(), function=FunctionCallOut(
+            name=piece.name or "", arguments="")))
+        call.function.arguments += piece.arguments
+    content: str | None = pieces.content
+    if not content and (calls or text or plan.mode in ("required", "named")):
+        content = None  # no text, or all of it was calls
     message = ChatMessageOut(content=echo + (content or "") if content is not None or echo else None,
-                             reasoning_content=reasoning, tool_calls=tool_calls_out(reply.calls))
-    return message, plan.finish_reason(bool(reply.calls), finish_reason)
+                             reasoning_content=reasoning, tool_calls=[calls[index] for index in sorted(calls)])
+    return message, plan.finish_reason(bool(calls), finish_reason)
 
 
 class StreamedReply:
-    """Feeds one choice's new text; -> the delta to send (None: nothing yet). Content streams as it comes;
-    calls of `required` and `auto` are sent whole once the reply ends, those of a named choice as argument text
-    while it is written. Reassembled, the deltas give whole_reply's message."""
+    """Feeds one choice's new text; -> the delta to send (None: nothing yet). Content streams as it comes; a
+    call's id and name go out once known, then its argument text as each piece of it is written. Reassembled,
+    the deltas give whole_reply's message."""
 
     def __init__(self, plan: ToolPlan, reasoning_parser: str | None):
         self.plan = plan
         self._reasoning = ReasoningStream(reasoning_parser) if reasoning_parser else None
-        self._text = ""  # content text received (after any reasoning)
-        self._sent = 0  # characters of _text sent, as content or as a named call's arguments
+        self._reader = ReplyReader(plan)
         self.made_calls = False
 
-    def feed(self, piece: str, final: bool) -> DeltaMessage | None:
+    def start(self) -> DeltaMessage | None:
+        """The delta known before any token (a forced call's header), for the stream's first chunk."""
+        return self._delta("", self._reader.start())
+
+    def feed(self, piece: str, final: bool, cut: bool = False) -> DeltaMessage | None:
+        """`cut`: the choice ended by max_tokens."""
         reasoning, text = self._reasoning.feed(piece, final) if self._reasoning else ("", piece)
-        self._text += text
-        delta = DeltaMessage()
-        if reasoning:
-            delta.reasoning_content = reasoning
-        mode = self.plan.mode
-        if mode == "named":
-            self._named_call(delta, final)
-        elif mode in ("required", "auto"):
-            self._held_calls(delta, final)
-        elif self._sent < len(self._text):
-            delta.content = self._text[self._sent:]
-            self._sent = len(self._text)
-        return delta if delta.model_fields_set else None
+        return self._delta(reasoning, self._reader.feed(text, final, cut))
 
     def finish_reason(self, finish_reason: str | None) -> str | None:
         return self.plan.finish_reason(self.made_calls, finish_reason)
 
-    def _named_call(self, delta: DeltaMessage, final: bool) -> None:
-        fragment = self._text[self._sent:]
-        if not fragment and (self.made_calls or not final):
-            return
-        call = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=fragment))
-        if not self.made_calls:
-            call.id, call.type, call.function.name = new_call_id(), "function", self.plan.named
+    def _delta(self, reasoning: str, pieces: Pieces) -> DeltaMessage | None:
+        delta = DeltaMessage()
+        if reasoning:
+            delta.reasoning_content = reasoning
+        if pieces.content:
+            delta.content = pieces.content
+        if pieces.calls:
+            delta.tool_calls = [_tool_delta(piece) for piece in pieces.calls]
             self.made_calls = True
-        delta.tool_calls = [call]
-        self._sent = len(self._text)
-
-    def _held_calls(self, delta: DeltaMessage, final: bool) -> None:
-        """Content before where calls may start goes out now; the rest waits for the end of the reply."""
-        if not final:
-            start = self.plan.parser.start if self.plan.mode == "auto" else ""
-            upto = _safe_end(self._text, start) if start else self._sent
-            if upto > self._sent and self._text[:upto].strip():
-                delta.content = self._text[self._sent:upto]
-                self._sent = upto
-            return
-        reply = self.plan.parse(self._text)
-        if not reply.calls:
-            if self._sent < len(self._text):
-                delta.content = self._text[self._sent:]
-                self._sent = len(self._text)
-            return
-        head = reply.content or ""
-        if len(head) > self._sent:
-            delta.content = head[self._sent:]
-        delta.tool_calls = tool_call_deltas(reply.calls)
-        self.made_calls = True
-        self._sent = len(self._text)
+        return delta if delta.model_fields_set else None
 
 
-def _safe_end(text: str, start: str) -> int:
-    """Where content must stop for now: before `start` if it appeared, else before a partial `start` at the end."""
-    found = text.find(start)
-    return found if found >= 0 else len(text) - partial_tag(text, start)
+def _tool_delta(piece: CallPiece) -> DeltaToolCall:
+    """A call's first delta carries its id, type and name; every delta its new argument text."""
+    function = DeltaFunctionCall(arguments=piece.arguments)
+    if piece.name is None:
+        return DeltaToolCall(index=piece.index, function=function)
+    function.name = piece.name
+    return DeltaToolCall(index=piece.index, id=new_call_id(), type="function", function=function)

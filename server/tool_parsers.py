@@ -1,19 +1,15 @@
-"""Tool-call parsers for tool_choice="auto" (--tool-call-parser): find the calls a model wrote in its own format.
-
-Each parser splits a finished reply into the text before the calls (the message content) and the calls, as
-(name, arguments JSON text) pairs. A reply whose calls do not parse is all content, as in vLLM."""
+"""Tool-call parsers for tool_choice="auto" (--tool-call-parser): where each model family writes its calls."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
-from typing import Any
+
+from server.tool_stream import CallStream, Layout
 
 
 @dataclasses.dataclass
 class ParsedCall:
     name: str
-    arguments: str  # a JSON object, as OpenAI sends it
+    arguments: str  # the arguments' JSON text, as OpenAI sends it
 
 
 @dataclasses.dataclass
@@ -22,109 +18,51 @@ class ParsedReply:
     calls: list[ParsedCall]
 
 
-def _call(item: Any, argument_keys: tuple[str, ...]) -> ParsedCall | None:
-    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-        return None
-    arguments = next((item[key] for key in argument_keys if key in item), {})
-    if isinstance(arguments, str):  # some models write the arguments already encoded
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return ParsedCall(item["name"], json.dumps(arguments, ensure_ascii=False))
-
-
-def _content(text: str) -> str | None:
-    return text if text.strip() else None
+def read_reply(layout: Layout, text: str) -> ParsedReply:
+    """A finished reply's content (None when empty) and calls, read as a stream reads them."""
+    stream = CallStream(layout)
+    calls: dict[int, ParsedCall] = {}
+    content = ""
+    for pieces in (stream.start(), stream.feed(text, final=True)):
+        content += pieces.content
+        for piece in pieces.calls:
+            call = calls.setdefault(piece.index, ParsedCall(piece.name or "", ""))
+            call.arguments += piece.arguments
+    return ParsedReply(content or None, [calls[index] for index in sorted(calls)])
 
 
 class ToolParser:
-    """Base: `start` marks where calls begin (streaming holds text back from there)."""
+    """Base: a name (the --tool-call-parser value) and a Layout, which server.tool_stream reads as the reply
+    arrives: text outside calls is content, each call's name goes out once known, then its arguments (the JSON the
+    model wrote) as they are written."""
 
     name = ""
-    start = ""
+    layout = Layout()
 
     def parse(self, text: str) -> ParsedReply:
-        raise NotImplementedError
+        return read_reply(self.layout, text)
 
 
 class HermesParser(ToolParser):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call (Hermes, Qwen)."""
 
     name = "hermes"
-    start = "<tool_call>"
-    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-
-    def parse(self, text: str) -> ParsedReply:
-        head, marker, _ = text.partition(self.start)
-        if not marker:
-            return ParsedReply(_content(text), [])
-        calls = []
-        for block in self._BLOCK.findall(text):
-            try:
-                call = _call(json.loads(block), ("arguments", "parameters"))
-            except json.JSONDecodeError:
-                call = None
-            if call is None:
-                return ParsedReply(_content(text), [])
-            calls.append(call)
-        return ParsedReply(_content(head), calls)
+    layout = Layout(marker="<tool_call>", end_tag="</tool_call>")
 
 
 class Llama3JsonParser(ToolParser):
-    """Llama 3.x JSON tool calls: the reply is `{"name": ..., "parameters": {...}}` (optionally after
-    `<|python_tag|>`), several separated by `;`."""
+    """Llama 3.x JSON tool calls: the reply opens with `{"name": ..., "parameters": {...}}` (optionally after
+    `<|python_tag|>`), several separated by `;`; a reply that opens otherwise is all content."""
 
     name = "llama3_json"
-    start = "{"
-    _TAG = "<|python_tag|>"
-
-    def parse(self, text: str) -> ParsedReply:
-        body = text.strip()
-        if body.startswith(self._TAG):
-            body = body[len(self._TAG):].lstrip()
-        if not body.startswith("{"):
-            return ParsedReply(_content(text), [])
-        decoder, calls, position = json.JSONDecoder(), [], 0
-        while position < len(body):
-            try:
-                item, position = decoder.raw_decode(body, position)
-            except json.JSONDecodeError:
-                return ParsedReply(_content(text), [])
-            call = _call(item, ("parameters", "arguments"))
-            if call is None:
-                return ParsedReply(_content(text), [])
-            calls.append(call)
-            rest = body[position:].lstrip()
-            if rest.startswith(";"):
-                rest = rest[1:].lstrip()
-            elif rest:
-                return ParsedReply(_content(text), [])
-            position = len(body) - len(rest)
-        return ParsedReply(None, calls)
+    layout = Layout(prefix="<|python_tag|>", separator=";")
 
 
 class MistralParser(ToolParser):
     """`[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` after any content (Mistral's tokenizers)."""
 
     name = "mistral"
-    start = "[TOOL_CALLS]"
-
-    def parse(self, text: str) -> ParsedReply:
-        head, marker, tail = text.partition(self.start)
-        if not marker:
-            return ParsedReply(_content(text), [])
-        try:
-            items, _ = json.JSONDecoder().raw_decode(tail.strip())
-        except json.JSONDecodeError:
-            return ParsedReply(_content(text), [])
-        items = items if isinstance(items, list) else [items]
-        calls = [_call(item, ("arguments", "parameters")) for item in items]
-        if not calls or any(call is None for call in calls):
-            return ParsedReply(_content(text), [])
-        return ParsedReply(_content(head), calls)
+    layout = Layout(marker="[TOOL_CALLS]", lists=True)
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {parser.name: parser

@@ -1,8 +1,4 @@
-"""Tool calling: what `tools` and `tool_choice` ask for, the grammar that forces calls, and the calls in a reply.
-
-`required` constrains the reply to a JSON list of calls, `[{"name": ..., "parameters": {...}}, ...]`, each
-`parameters` following its function's schema; a named choice constrains it to that function's arguments; `auto`
-lets the model write calls in its own format, found afterwards by the server's --tool-call-parser."""
+"""Tool calling: what `tools` and `tool_choice` ask for, the grammar that forces calls, and where calls sit."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,15 +9,19 @@ from typing import Any
 from jvllm.sampling_params import StructuredOutputsParams
 from server.errors import bad_request
 from server.protocol import ChatCompletionRequest, NamedToolChoice
-from server.responses import DeltaFunctionCall, DeltaToolCall, ToolCallOut, FunctionCallOut
-from server.tool_parsers import ParsedCall, ParsedReply, ToolParser
+from server.tool_parsers import ToolParser
+from server.tool_stream import Layout
 
 ANY_ARGUMENTS = {"type": "object"}
 
 
 @dataclasses.dataclass
 class ToolPlan:
-    """How one chat request uses its tools: mode is "none", "auto", "required" or "named"."""
+    """How one chat request uses its tools: mode is "none", "auto", "required" or "named".
+
+    `required` constrains the reply to a JSON list of calls, `[{"name": ..., "parameters": {...}}, ...]`, each
+    `parameters` following its function's schema; a named choice constrains it to that function's arguments;
+    `auto` lets the model write calls in its own format, read by the server's --tool-call-parser."""
 
     mode: str
     tools: list[dict] = dataclasses.field(default_factory=list)  # as the chat template takes them
@@ -51,20 +51,15 @@ class ToolPlan:
             calls["maxItems"] = 1
         return StructuredOutputsParams(json=calls)
 
-    def parse(self, text: str) -> ParsedReply:
-        """The reply's content and calls (a reply that does not hold the forced calls is all content)."""
-        if self.mode == "named":
-            return ParsedReply(None, [ParsedCall(self.named, text)])
+    def layout(self) -> Layout | None:
+        """Where calls sit in the reply: `required`'s JSON list (named by the grammar's names), the auto parser's
+        layout; None for a named choice (the whole reply is its arguments) and for none."""
         if self.mode == "required":
-            try:
-                items = json.loads(text)
-                return ParsedReply(None, [ParsedCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
-                                          for item in items])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                return ParsedReply(text, [])
+            names = tuple(tool["function"]["name"] for tool in self.tools)
+            return Layout(lists=True, argument_keys=("parameters",), prose=False, names=names)
         if self.mode == "auto" and self.parser is not None:
-            return self.parser.parse(text)
-        return ParsedReply(text, [])
+            return self.parser.layout
+        return None
 
     def finish_reason(self, made_calls: bool, finish_reason: str | None) -> str | None:
         """OpenAI's: "tool_calls" when the model chose to call (auto, required); a forced named call "stops"."""
@@ -115,18 +110,6 @@ def plan_tools(body: ChatCompletionRequest, parser: ToolParser | None) -> ToolPl
 
 def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
-
-
-def tool_calls_out(calls: list[ParsedCall]) -> list[ToolCallOut]:
-    return [ToolCallOut(id=new_call_id(), function=FunctionCallOut(name=call.name, arguments=call.arguments))
-            for call in calls]
-
-
-def tool_call_deltas(calls: list[ParsedCall], first_index: int = 0) -> list[DeltaToolCall]:
-    """Whole calls as stream deltas (each with its id, name and all its arguments)."""
-    return [DeltaToolCall(index=first_index + i, id=new_call_id(), type="function",
-                          function=DeltaFunctionCall(name=call.name, arguments=call.arguments))
-            for i, call in enumerate(calls)]
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ from jvllm.pooling.embedder import embed_unsupported, generate_unsupported
 from jvllm.core.kv_pages import PageManager
 from jvllm.core.lookahead import plan_lookahead, settle_lookahead
 from jvllm.worker.model_runner import ModelRunner
-from jvllm.engine.step_plan import StepInFlight
+from jvllm.engine.step_plan import StepInFlight, encoder_buffer_layout
 from jvllm.worker.weights import batched_weights_for
 from jvllm.worker.step_shapes import ShapeSet
 from jvllm.sample.logprobs import MAX_LOGPROBS
@@ -100,8 +100,6 @@ class Engine(MultiHostRoles, FrontEndViews):
         self.enable_prefix_caching = args.enable_prefix_caching
         cfg = self.config
         self.pages = PageManager(cfg.num_pages, cfg.page_size)
-        if self.model.vision is not None and hosts.multi_host:
-            raise ValueError("vision-language models run on one host")
         self.encoder_cache, self.mm_processor, self.media = engine_multimodal(
             self.model, cfg.max_num_batched_tokens, args.limit_mm_per_prompt, args.allowed_local_media_path,
             args.encoder_cache_tokens, allowed_media_domains=args.allowed_media_domains, max_image_pixels=args.max_image_pixels)
@@ -115,7 +113,7 @@ class Engine(MultiHostRoles, FrontEndViews):
         self.runner = None if self.model.is_encoder else ModelRunner(
             self.model, num_pages=cfg.num_pages, page_size=cfg.page_size, max_model_len=cfg.max_model_len,
             shapes=shapes, attention_backend=backend, batched_weight_dtype=batched_dtype, channel=self.channel,
-            encoder_cache=self.encoder_cache, kv_cache_dtype=kv_dtype)
+            encoder_buffer=encoder_buffer_layout(self.encoder_cache), kv_cache_dtype=kv_dtype)
         if self.channel is not None and self.channel.is_leader:
             atexit.register(self.shutdown)  # followers must not wait forever for the next step
         self.embedder = build_embedder(self.model, cfg, pooling=args.pooling, normalize=args.normalize,

@@ -1,18 +1,21 @@
-"""The engine's side of the step contract: scheduled chunks (live requests) -> the worker's plain ChunkPlans."""
+"""The engine's side of the step contract: scheduled chunks (live requests) -> the worker's plain ChunkPlans, the
+images to encode among them with the encoder-buffer rows the EncoderCache gave them."""
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Iterable
 
 import numpy as np
 
-from jvllm.core.encoder_cache import EncoderCache
+from jvllm.core.encoder_cache import EncoderCache, MultiModalItem
 from jvllm.core.scheduler import ScheduledChunk
 from jvllm.multimodal.positions import mrope_positions
 from jvllm.sample.tensors import ALL_TOKENS, RowSpec
 from jvllm.worker.batch import ChunkRow
+from jvllm.worker.encoder_runner import EncoderBufferLayout
 from jvllm.worker.model_runner import DispatchedGroup, ModelRunner
-from jvllm.worker.step_plan import ChunkPlan
+from jvllm.worker.step_plan import ChunkPlan, EncodeItem
 
 
 def chunk_row(chunk: ScheduledChunk, encoder_cache: EncoderCache | None = None, mrope: bool = False) -> ChunkRow:
@@ -54,11 +57,22 @@ def prompt_targets(chunk: ScheduledChunk) -> list[int] | None:
     return [request.prompt_token_ids[n] if n < request.num_prompt_tokens else -1 for n in following]
 
 
+def encoder_buffer_layout(encoder_cache: EncoderCache | None) -> EncoderBufferLayout | None:
+    """The encoder buffer the cache maps, as the worker sizes it: its rows, and the reserved block's."""
+    return None if encoder_cache is None else EncoderBufferLayout(encoder_cache.num_rows, encoder_cache.block_rows)
+
+
+def encode_items(items: Iterable[MultiModalItem], encoder_cache: EncoderCache) -> tuple[EncodeItem, ...]:
+    """Images to encode (rows already given by `encoder_cache`) as the worker takes them: input and rows."""
+    return tuple(EncodeItem(item.hash, np.asarray(encoder_cache.item_rows(item.hash), np.int32),
+                            np.asarray(item.data, np.float32), item.grid) for item in items)
+
+
 def plan_chunks(chunks: list[ScheduledChunk], encoder_cache: EncoderCache | None = None,
                 mrope: bool = False) -> list[ChunkPlan]:
     return [ChunkPlan(chunk.request.request_id, chunk_row(chunk, encoder_cache, mrope), row_spec(chunk),
                       chunk.samples, chunk.request.params.logprobs is not None, chunk.request.grammar is not None,
-                      prompt_targets(chunk), tuple(chunk.encode))
+                      prompt_targets(chunk), encode_items(chunk.encode, encoder_cache) if chunk.encode else ())
             for chunk in chunks]
 
 

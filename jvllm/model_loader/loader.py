@@ -258,11 +258,17 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
     if tok.chat_template is None:
         tok.chat_template = processor_chat_template(folder)
     if tensor_parallel_size != 1:
-        if multimodal:
-            raise ValueError(f"{config.architecture}: vision-language models run on one device; use "
-                             "tensor_parallel_size=1")
-        return _load_sharded(config, model_cls, jdtype, folder, load_format, seed, tensor_parallel_size,
-                             LoadedModel(config, None, None, tok, served_model_name or name, jdtype, folder))
+        vision_tensors, text_names = None, None
+        if multimodal and load_format != "dummy":
+            vision_tensors, text_names = _vision_language_tensors(folder, hf_config)
+        loaded = _load_sharded(config, model_cls, jdtype, folder, load_format, seed, tensor_parallel_size,
+                               LoadedModel(config, None, None, tok, served_model_name or name, jdtype, folder),
+                               text_names)
+        if not multimodal:
+            return loaded
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):  # the encoder runner replicates it on the mesh
+            vision = load_vision(folder, hf_config, tok, jdtype, vision_tensors, seed, mm_processor_kwargs)
+        return dataclasses.replace(loaded, vision=vision)
     if blocks:
         return _load_gguf_blocks(path, config, model_cls, jdtype, LoadedModel(
             config, None, None, tok, served_model_name or name, jdtype, folder))
@@ -299,13 +305,37 @@ def _load_gguf_blocks(path: str, config: Any, model_cls: Any, jdtype: Any, parti
     return dataclasses.replace(partial, graphdef=graphdef, state=state)
 
 
+def _vision_language_tensors(folder: Path, hf_config: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """A vision-language checkpoint under tensor parallelism: (the vision side's tensors, read whole, by canonical
+    name; the language model's canonical names -> stored names, which the sharded loader reads slice by slice)."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(str(folder / "*.safetensors")))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {folder}")
+    file_of: dict[str, str] = {}
+    for file in files:
+        with safe_open(file, framework="np") as f:
+            file_of.update({name: file for name in f.keys()})
+    vision_names, text_names = split_tensors(hf_config, {name: name for name in file_of})
+    vision: dict[str, np.ndarray] = {}
+    for file in files:
+        wanted = {canonical: name for canonical, name in vision_names.items() if file_of[name] == file}
+        if wanted:
+            with safe_open(file, framework="flax") as f:
+                vision.update({canonical: np.asarray(f.get_tensor(name)) for canonical, name in wanted.items()})
+    return vision, text_names
+
+
 def _load_sharded(config: Any, model_cls: Any, jdtype: Any, folder: Path, load_format: str, seed: int, tp: int,
-                  partial: LoadedModel) -> LoadedModel:
-    """Build the module abstractly and give each parameter its sharded array, read slice by slice."""
+                  partial: LoadedModel, names: dict[str, str] | None = None) -> LoadedModel:
+    """Build the module abstractly and give each parameter its sharded array, read slice by slice. `names`: the
+    tensors' stored names by the names the model reads (a vision-language checkpoint's language model)."""
     import contextlib
 
     from jvllm.parallel.mesh import make_mesh
-    from jvllm.parallel.sharding import SafetensorsSource, TensorParallelPlan, hf_tensors, load_sharded
+    from jvllm.parallel.sharding import (RenamedSource, SafetensorsSource, TensorParallelPlan, hf_tensors,
+                                         load_sharded)
     from models.hf_names import ArraySource
 
     if config.is_encoder:
@@ -321,6 +351,7 @@ def _load_sharded(config: Any, model_cls: Any, jdtype: Any, folder: Path, load_f
                 source = ArraySource(dict(hf_tensors(model_cls(config, jdtype, nnx.Rngs(seed)))))
         else:
             source = SafetensorsSource(folder, stack)
+            source = source if names is None else RenamedSource(source, names)
         load_sharded(module, source, plan, mesh, jdtype)
     graphdef, state = nnx.split(module)
     return dataclasses.replace(partial, config=sharded_config, graphdef=graphdef, state=state, mesh=mesh)

@@ -72,6 +72,23 @@ class SafetensorsSource:
         return np.asarray(self._handles[name].get_slice(name)[index])
 
 
+class RenamedSource:
+    """A source read under other names: `names` maps each name asked for to the stored one (a vision-language
+    checkpoint's language model, stored as e.g. 'language_model.model.*', is read as 'model.*')."""
+
+    def __init__(self, source: TensorSource, names: dict[str, str]):
+        self._source, self._names = source, names
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._names
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._source.shape(self._names[name])
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        return self._source.read(self._names[name], index)
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardedTensor:
     """One parameter in the loaded layout (transposed, KV heads repeated, padded), read block by block."""

@@ -9,7 +9,7 @@ from jvllm.sample.tensors import RowSpec, SamplerFlags, SamplingTensors, build_s
 from jvllm.utils import cdiv
 
 __all__ = ["RowSpec", "SamplerFlags", "SamplingTensors", "apply_top_k_top_p_min_p", "build_sampling_tensors",
-           "process_logits", "row_argmax", "sample"]
+           "draw_from_logits", "process_logits", "row_argmax", "sample"]
 
 _NEG_INF = -jnp.inf
 
@@ -77,31 +77,64 @@ def apply_token_masks(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     return jnp.where(allowed, logits, _NEG_INF)
 
 
+# Truncation looks for its thresholds among each row's 256 largest logits first (lax.top_k) and sorts whole rows
+# only when some row's top-k or top-p set reaches past them: XLA CPU sorts a [64, 49152] float32 block in ~0.8-1.3 s,
+# where top_k of 256 takes ~15-30 ms. A wider second level (4,096) made every head executable ~0.7 s slower to
+# compile, so there is none (docs/design.md, sampling on device).
+CANDIDATES = (256,)
+
+
 def apply_top_k_top_p_min_p(scaled: jax.Array, t: SamplingTensors) -> jax.Array:
     """Truncates temperature-scaled logits [S, V] to -inf outside top-k, top-p and min-p.
 
-    One descending sort per row yields a single per-row logit threshold for each
-    filter; the final mask is `scaled >= max(thresholds)`. A disabled filter's
-    threshold is -inf, so rows not using a filter come back bit-identical.
-    Ties at a threshold are all kept.
+    Each filter yields one per-row logit threshold, read off the row's logits in descending order; the final
+    mask is `scaled >= max(thresholds)`. A disabled filter's threshold is -inf, so rows not using a filter come
+    back bit-identical. Ties at a threshold are all kept.
     """
-    vocab = scaled.shape[-1]
-    sorted_desc = jnp.sort(scaled, axis=-1, descending=True)  # [S, V] float32
+    top = jnp.max(scaled, axis=-1)  # [S]
+    # Each row's total softmax mass relative to its maximum, for top-p over an untruncated row.
+    row_mass = jnp.sum(jnp.exp(scaled - jnp.where(jnp.isfinite(top), top, 0.0)[:, None]), axis=-1)  # [S]
+    widths = tuple(w for w in CANDIDATES if w < scaled.shape[-1])
+    thresholds = _truncation_thresholds(scaled, t, row_mass, widths)  # [S] float32
+    return jnp.where(scaled >= thresholds[:, None], scaled, _NEG_INF)  # [S, V] float32
 
+
+def _truncation_thresholds(scaled: jax.Array, t: SamplingTensors, row_mass: jax.Array,
+                           widths: tuple[int, ...]) -> jax.Array:
+    """Thresholds from the first head width that holds every row's kept set; whole sorted rows past the last."""
+    vocab = scaled.shape[-1]
+    if not widths:
+        return _thresholds(jnp.sort(scaled, axis=-1, descending=True), t, vocab, row_mass)[0]
+    # The barrier keeps XLA from turning top_k into a whole-row sort once it sees only some columns are read.
+    head = jax.lax.optimization_barrier(jax.lax.top_k(scaled, widths[0])[0])  # [S, K] descending
+    thresholds, complete = _thresholds(head, t, vocab, row_mass)
+    return jax.lax.cond(jnp.all(complete), lambda: thresholds,
+                        lambda: _truncation_thresholds(scaled, t, row_mass, widths[1:]))
+
+
+def _thresholds(head: jax.Array, t: SamplingTensors, vocab: int, row_mass: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+    """head [S, K]: each row's K largest logits, descending (K == V: the whole row); row_mass [S]: the row's
+    sum of exp(logit - max). -> the truncation threshold [S] float32, and whether the head held every token
+    the threshold depends on [S] bool (when not, the threshold is wrong and the caller sorts the whole row)."""
+    width = head.shape[-1]
     # top-k: the k-th largest logit.
     k = jnp.where((t.top_k > 0) & (t.top_k < vocab), t.top_k, vocab)  # [S] int32
-    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)[:, 0]  # [S] float32
+    kth = jnp.take_along_axis(head, (jnp.minimum(k, width) - 1)[:, None], axis=-1)[:, 0]  # [S] float32
     thr_k = jnp.where(k < vocab, kth, _NEG_INF)  # [S] float32
 
-    # top-p on the distribution left after top-k (renormalized by the softmax).
-    in_k = sorted_desc >= thr_k[:, None]  # [S, V] bool
-    probs = jax.nn.softmax(jnp.where(in_k, sorted_desc, _NEG_INF), axis=-1)  # [S, V] float32
+    # top-p on the distribution left after top-k (renormalized).
+    in_k = head >= thr_k[:, None]  # [S, K] bool
+    first = jnp.where(jnp.isfinite(head[:, 0]), head[:, 0], 0.0)  # [S]
+    weights = jnp.where(in_k, jnp.exp(head - first[:, None]), 0.0)  # [S, K]
+    total = jnp.where(k < vocab, jnp.sum(weights, axis=-1), row_mass)  # [S]: the kept set's mass
+    probs = weights / total[:, None]  # [S, K] float32
     # A token is kept while the mass strictly above it is < p: this is the smallest
     # prefix reaching p, and the top token (mass above = 0) is always kept.
-    mass_above = jnp.cumsum(probs, axis=-1) - probs  # [S, V] float32
-    keep_p = (mass_above < t.top_p[:, None]) & in_k  # [S, V] bool
+    reached = jnp.cumsum(probs, axis=-1)  # [S, K]
+    keep_p = (reached - probs < t.top_p[:, None]) & in_k  # [S, K] bool
     n_keep = jnp.maximum(jnp.sum(keep_p, axis=-1), 1)  # [S] int32
-    pth = jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)[:, 0]  # [S] float32
+    pth = jnp.take_along_axis(head, (n_keep - 1)[:, None], axis=-1)[:, 0]  # [S] float32
     # top_p >= 1 must be a no-op even when float cumsum reaches 1.0 early.
     thr_p = jnp.where(t.top_p < 1.0, pth, _NEG_INF)  # [S] float32
 
@@ -109,20 +142,54 @@ def apply_top_k_top_p_min_p(scaled: jax.Array, t: SamplingTensors) -> jax.Array:
     # Probability ratios survive renormalization, so applying it after top-k/p
     # with the unfiltered max is exact.
     safe_min_p = jnp.maximum(t.min_p, jnp.finfo(jnp.float32).tiny)  # [S] float32
-    thr_m = jnp.where(t.min_p > 0, sorted_desc[:, 0] + jnp.log(safe_min_p), _NEG_INF)  # [S] float32
+    thr_m = jnp.where(t.min_p > 0, head[:, 0] + jnp.log(safe_min_p), _NEG_INF)  # [S] float32
 
-    thr = jnp.maximum(jnp.maximum(thr_k, thr_p), thr_m)  # [S] float32
-    return jnp.where(scaled >= thr[:, None], scaled, _NEG_INF)  # [S, V] float32
+    complete = ((k >= vocab) | (k <= width)) & (
+        (t.top_p >= 1.0) | (k <= width) | (reached[:, -1] >= t.top_p))  # [S] bool
+    return jnp.maximum(jnp.maximum(thr_k, thr_p), thr_m), complete
 
 
-def _gumbel_noise(seeds: jax.Array, positions: jax.Array, vocab: int) -> jax.Array:
-    """Per-row Gumbel noise keyed only by (seed, position): independent of batch layout."""
+def _row_uniforms(seeds: jax.Array, positions: jax.Array) -> jax.Array:
+    """One uniform in [0, 1) per row, keyed only by (seed, position): independent of batch layout. [S] float32."""
 
-    def row_noise(seed: jax.Array, position: jax.Array) -> jax.Array:
-        key = jax.random.fold_in(jax.random.key(seed), position)
-        return jax.random.gumbel(key, (vocab,), jnp.float32)  # [V] float32
+    def row_uniform(seed: jax.Array, position: jax.Array) -> jax.Array:
+        return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), position), (), jnp.float32)
 
-    return jax.vmap(row_noise)(seeds, positions)  # [S, V] float32
+    return jax.vmap(row_uniform)(seeds, positions)
+
+
+def draw_from_logits(scaled: jax.Array, uniforms: jax.Array, fallback: jax.Array, block: int = 128) -> jax.Array:
+    """An inverse-CDF draw from softmax(scaled) per row: scaled [S, V], uniforms [S] in [0, 1) -> [S] int32.
+
+    Two levels keep it cheap on every backend: the block whose running mass passes `u * total` (block sums and a
+    cumulative sum over V / block entries), then the token inside that one block. One exp per logit and one
+    random number per row, where Gumbel-max needs a random number per logit (its threefry bits cost ~40x the
+    exp on CPU and dominate the head's compile time). Tokens of zero probability (-inf) are never drawn. Rows
+    with no finite mass (all -inf, NaN, +inf) take `fallback` [S] int32 (the greedy ids)."""
+    rows, vocab = scaled.shape
+    num_blocks = cdiv(vocab, block)
+    if num_blocks * block != vocab:
+        scaled = jnp.pad(scaled, ((0, 0), (0, num_blocks * block - vocab)), constant_values=-jnp.inf)
+    top = jnp.max(scaled, axis=-1)  # [S]
+    weights = jnp.exp(scaled - jnp.where(jnp.isfinite(top), top, 0.0)[:, None])  # [S, V'] in [0, 1]
+    weights = weights.reshape(rows, num_blocks, block)  # [S, NB, B]
+    block_mass = weights.sum(axis=-1)  # [S, NB]
+    block_cdf = jnp.cumsum(block_mass, axis=-1)  # [S, NB]
+    total = block_cdf[:, -1]  # [S]
+    target = uniforms * total  # [S], below total
+    chosen_block = _first_above(block_cdf, target, block_mass)  # [S]
+    before = jnp.take_along_axis(block_cdf - block_mass, chosen_block[:, None], axis=-1)[:, 0]  # [S]
+    inside = jnp.take_along_axis(weights, chosen_block[:, None, None], axis=1)[:, 0]  # [S, B]
+    token = _first_above(jnp.cumsum(inside, axis=-1), jnp.maximum(target - before, 0.0), inside)  # [S]
+    drawn = (chosen_block * block + token).astype(jnp.int32)
+    return jnp.where(jnp.isfinite(total) & (total > 0), drawn, fallback)
+
+
+def _first_above(cdf: jax.Array, target: jax.Array, mass: jax.Array) -> jax.Array:
+    """The first entry whose running sum passes target, never one of zero mass: [S, N], [S], [S, N] -> [S]."""
+    count = jnp.sum(cdf <= target[:, None], axis=-1)  # [S]: entries at or below target
+    last_with_mass = jnp.max(jnp.where(mass > 0, jnp.arange(mass.shape[-1]), 0), axis=-1)  # [S]
+    return jnp.minimum(count, last_with_mass)  # rounding can leave target at or past the last sum
 
 
 def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags) -> jax.Array:
@@ -139,8 +206,7 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags) -> jax.Ar
         temp = jnp.where(is_greedy, 1.0, t.temperature)  # greedy rows divide by 1 to stay finite
         scaled = processed / temp[:, None]  # [S, V] float32
         scaled = jax.lax.cond(t.any_top_k_p, apply_top_k_top_p_min_p, lambda x, _: x, scaled, t)
-        # Gumbel-max: argmax(logits + G) is an exact draw from softmax(logits), no normalization needed.
-        noise = _gumbel_noise(t.seeds, t.positions, processed.shape[-1])  # [S, V] float32
-        return jnp.where(is_greedy, greedy_ids, row_argmax(scaled + noise))
+        drawn = draw_from_logits(scaled, _row_uniforms(t.seeds, t.positions), greedy_ids)  # [S] int32
+        return jnp.where(is_greedy, greedy_ids, drawn)
 
     return jax.lax.cond(t.any_random, random_ids, lambda: greedy_ids)

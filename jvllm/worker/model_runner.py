@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jvllm.attention import get_backend
-from jvllm.core.encoder_cache import EncoderCache
 from jvllm.model_loader.loader import LoadedModel
 from jvllm.parallel.mesh import host_array, named_sharding, put_replicated
 from jvllm.sample.logprobs import TokenLogprobs, host_rows
@@ -19,10 +18,10 @@ from jvllm.utils import cdiv
 from jvllm.worker.batch import ChunkRow, HostBatch, build_batch
 from jvllm.worker.compile_watch import compile_watch
 from jvllm.worker.compiled_steps import CompiledSteps
-from jvllm.worker.encoder_runner import encoder_runner
+from jvllm.worker.encoder_runner import EncoderBufferLayout, encoder_runner
 from jvllm.worker.input_transfer import InputTransfer
 from jvllm.worker.step_functions import build_step_functions
-from jvllm.worker.step_call import StepCall
+from jvllm.worker.step_call import EncoderCall, StepCall
 from jvllm.worker.step_plan import ChunkPlan
 from jvllm.worker.step_shapes import ShapeSet, StepShape
 from jvllm.worker.weights import BATCHED_MIN_ROWS, StepWeights
@@ -66,10 +65,11 @@ class ModelRunner:
 
     def __init__(self, loaded: LoadedModel, *, num_pages: int, page_size: int, max_model_len: int, shapes: ShapeSet,
                  attention_backend: str, batched_weight_dtype: Any = None, batched_min_rows: int = BATCHED_MIN_ROWS,
-                 channel: Any = None, encoder_cache: EncoderCache | None = None, kv_cache_dtype: Any = None):
+                 channel: Any = None, encoder_buffer: EncoderBufferLayout | None = None,
+                 kv_cache_dtype: Any = None):
         """`channel` (multi-host, a jvllm.parallel.distributed.StepChannel): rank 0 sends every step's
-        StepCall through it before running it; the other ranks run what they receive. `encoder_cache` (a
-        vision-language model): the scheduler's map of the encoder buffer this runner's EncoderRunner fills.
+        StepCall through it before running it; the other ranks run what they receive. `encoder_buffer` (a
+        vision-language model): the size of the encoder buffer, whose rows the engine assigns to images.
         `kv_cache_dtype`: what the KV pages hold (default: the model's dtype)."""
         cfg = loaded.config
         self.loaded = loaded
@@ -93,7 +93,8 @@ class ModelRunner:
         self.kv_cache_dtype = jnp.dtype(loaded.dtype if kv_cache_dtype is None else kv_cache_dtype)
         self.kv_cache = self._new_pool(num_pages)
         activations = jnp.dtype(loaded.dtype)
-        self.encoder = None if loaded.vision is None else encoder_runner(loaded.vision, encoder_cache, activations)
+        self.encoder = None if loaded.vision is None else encoder_runner(loaded.vision, encoder_buffer, activations,
+                                                                         self.mesh)
         steps = build_step_functions(self.step_weights.parts, self.backend, activations, shapes.max_num_seqs,
                                      self.mesh, cfg.vocab_size, multimodal=self.encoder is not None)
         self.compiled = CompiledSteps(steps, self)
@@ -147,27 +148,32 @@ class ModelRunner:
         others in a prefill step, or all in one prefill step where the backend attends decode rows inside ragged
         steps and that is cheaper (ShapeSet.mixed_is_cheaper). With `source` (the previous step, one group), `plans`
         are look-ahead chunks of its requests: one decode step, each input token taken on the device from the id
-        `source` sampled; if some are grammar-constrained, its sampler waits for finish_head."""
-        if self.encoder is not None:
-            self._encode_images(plans)
+        `source` sampled; if some are grammar-constrained, its sampler waits for finish_head. The images the plans
+        ask to encode are encoded before the first group's step (its StepCall carries the encoder steps)."""
+        encode = self._encoder_calls(plans)
         if source is not None:
             rows = {plan.request_id: row for row, plan in enumerate(source.plans)}
             return [self._dispatch_group(plans, "decode", source.out["token_ids"],
-                                         [rows[plan.request_id] for plan in plans])]
+                                         [rows[plan.request_id] for plan in plans], encode)]
         # Prompt logprobs are computed by prefill steps only (a one-token chunk of a prompt may want them).
         decodes = [p for p in plans if p.num_tokens == 1 and p.prompt_targets is None]
         prefills = [p for p in plans if p.num_tokens != 1 or p.prompt_targets is not None]
         if decodes and prefills and self.backend.mixes_decode_rows and self.shapes.mixed_is_cheaper(
                 len(decodes), sum(p.num_tokens for p in prefills)):
-            return [self._dispatch_group(decodes + prefills, "prefill")]  # one ragged step: weights read once
-        groups = [(decodes, "decode"), (prefills, "prefill")]
-        return [self._dispatch_group(group, kind) for group, kind in groups if group]
+            # one ragged step: weights read once
+            return [self._dispatch_group(decodes + prefills, "prefill", encode=encode)]
+        groups = [(group, kind) for group, kind in ((decodes, "decode"), (prefills, "prefill")) if group]
+        return [self._dispatch_group(group, kind, encode=encode if index == 0 else ())
+                for index, (group, kind) in enumerate(groups)]
 
-    def _encode_images(self, plans: list[ChunkPlan]) -> None:
-        """Run the vision encoder on the images this step's chunks need first (the step reads their rows)."""
-        items = {item.hash: item for plan in plans for item in plan.encode}
-        if items:
-            self.encoder.encode(list(items.values()))
+    def _encoder_calls(self, plans: list[ChunkPlan]) -> tuple[EncoderCall, ...]:
+        """The encoder steps of the images this step's chunks need first (the step reads their rows)."""
+        items = {item.key: item for plan in plans for item in plan.encode}
+        if not items:
+            return ()
+        if self.encoder is None:
+            raise ValueError("this model takes no images")
+        return tuple(self.encoder.calls(list(items.values())))
 
     def collect(self, dispatched: list[DispatchedGroup]) -> dict[str, StepResult]:
         """Wait for dispatched steps; -> {request_id: result} for every chunk that samples a token or asked for
@@ -182,8 +188,8 @@ class ModelRunner:
             return self.shapes.decode(len(plans))
         return self.shapes.prefill(sum(p.num_tokens for p in plans))
 
-    def step_call(self, plans: list[ChunkPlan], kind: str) -> StepCall:
-        """The host inputs of one group's step."""
+    def step_call(self, plans: list[ChunkPlan], kind: str, encode: tuple[EncoderCall, ...] = ()) -> StepCall:
+        """The host inputs of one group's step, after the encoder steps `encode`."""
         shape = self.shape_for(plans, kind)
         batch = self.host_batch([plan.row for plan in plans], shape)
         targets = np.full(shape.tokens, -1, np.int32)  # [T] next prompt token of each position, -1 elsewhere
@@ -196,22 +202,26 @@ class ModelRunner:
                                                  vocab_size=self.vocab_size, history_width=self.history_width)
         wants_targets = any(plan.prompt_targets is not None for plan in plans)
         return StepCall(shape, batch.input_ids, batch.positions, batch.metadata, sampling,
-                        targets if wants_targets else None, flags, batch.mm_rows)
+                        targets if wants_targets else None, flags, batch.mm_rows, encode)
 
     def host_batch(self, rows: list[ChunkRow], shape: StepShape) -> HostBatch:
         return build_batch(rows, shape, self.page_size, self.max_pages, self.backend.prefill_layout,
                            multimodal=self.encoder is not None, mrope=self.mrope)
 
     def run_call(self, call: StepCall, defer_head: bool = False) -> Any:
-        """Run one device step (sending it to the other hosts first, on rank 0 of a multi-host mesh);
-        -> the head's outputs, or all-position logits [T, V]; with `defer_head`, a PendingHead: the layers and
-        the KV write are dispatched, the sampler runs when called with the (possibly updated) sampling tensors."""
+        """Run one device step after its encoder steps (sending it to the other hosts first, on rank 0 of a
+        multi-host mesh); -> the head's outputs, or all-position logits [T, V]; with `defer_head`, a PendingHead:
+        the layers and the KV write are dispatched, the sampler runs when called with the (possibly updated)
+        sampling tensors."""
         if self.channel is not None and self.channel.is_leader:
             self.channel.send(call)
+        settle = jax.block_until_ready if self._one_at_a_time else (lambda value: value)
+        for encoder_call in call.encode:
+            self.encoder.run(encoder_call)
+            settle(self.encoder.buffer)
         md, ids, positions, sampling, targets, mm_rows = self.device_inputs(call)
         step = self.compiled.get(call.shape)
         weights = self.step_weights.for_rows(call.shape.tokens)
-        settle = jax.block_until_ready if self._one_at_a_time else (lambda value: value)
         features = () if self.encoder is None else (mm_rows, self.encoder.buffer)
         with compile_watch().running(call.shape):
             x, cos, sin = settle(step.embed(weights.outer, ids, positions, *features))
@@ -248,9 +258,10 @@ class ModelRunner:
         return self._inputs.put(inputs) if self.mesh is None else put_replicated(inputs, self.mesh)
 
     def _dispatch_group(self, plans: list[ChunkPlan], kind: str, source_ids: jax.Array | None = None,
-                        source_rows: list[int] | None = None) -> DispatchedGroup:
-        """source_ids [S'] int32 on the device, source_rows: the row of each chunk's input token in it."""
-        call = self.step_call(plans, kind)
+                        source_rows: list[int] | None = None, encode: tuple[EncoderCall, ...] = ()) -> DispatchedGroup:
+        """source_ids [S'] int32 on the device, source_rows: the row of each chunk's input token in it; `encode`:
+        the encoder steps to run first."""
+        call = self.step_call(plans, kind, encode)
         defer_head = False
         if source_ids is not None:
             rows = np.zeros(call.shape.seqs, np.int32)  # decode: token i is chunk i

@@ -13,6 +13,17 @@ from models.attention import AttentionMetadata
 
 
 @dataclasses.dataclass
+class EncoderCall:
+    """One vision-encoder step: the encoder's features of `inputs` are written into buffer `rows`."""
+
+    shape: StepShape  # kind "encoder": `tokens` output rows, `seqs` images (LLaVA) or 1 packed sequence (Qwen2-VL)
+    rows: np.ndarray  # [tokens] int32 buffer row of each output feature (padding: rows of the reserved block)
+    # LLaVA: (pixels [B, C, H, W] float32,); Qwen2-VL: (patches [P, patch_dim] float32, hw positions [P, 2] int32,
+    # segments [P] int32: the image of each patch, -1 padding)
+    inputs: tuple[np.ndarray, ...]
+
+
+@dataclasses.dataclass
 class StepCall:
     """Everything one device step takes from the host: numpy arrays and static choices. Multi-host, rank 0
     sends it to the other ranks, which run the same step (jvllm.parallel.distributed)."""
@@ -25,6 +36,7 @@ class StepCall:
     prompt_targets: np.ndarray | None = None  # [T] int32
     flags: SamplerFlags = SamplerFlags()
     mm_rows: np.ndarray | None = None  # [T] int32 encoder-buffer row per token (-1: text); multimodal models only
+    encode: tuple[EncoderCall, ...] = ()  # encoder steps run before this step, which reads the rows they fill
 
     @property
     def all_logits(self) -> bool:

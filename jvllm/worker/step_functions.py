@@ -62,7 +62,7 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
     """With a mesh (tensor parallelism) the weights and the pool arrive sharded: attention and the pool write
     run per shard, the embedding lookup is vocab-parallel, activations between the pieces are replicated,
     and logits are replicated (and stripped of any vocab padding past `vocab_size`) before sampling.
-    `multimodal`: the embedding takes image features from the encoder buffer (one device only)."""
+    `multimodal`: the embedding takes image features from the encoder buffer (replicated on a mesh)."""
     attention = backend.layer_attention(mesh)
     embed_lookup = None if mesh is None else ops.vocab_parallel_lookup(mesh)
     gather = (lambda x: x) if mesh is None else ops.replicate(mesh)

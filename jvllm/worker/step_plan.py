@@ -1,12 +1,30 @@
-"""The worker's input for one step: each scheduled chunk as plain values (ids, pages, sampling inputs), built by the
-engine from its scheduler's objects (jvllm.engine.step_plan), so the worker never reads live requests."""
+"""The worker's input for one step: each scheduled chunk as plain values (ids, pages, sampling inputs, images to
+encode with their buffer rows), built by the engine from its scheduler's objects (jvllm.engine.step_plan), so the
+worker never reads live requests nor the scheduler's encoder cache."""
 from __future__ import annotations
 
 import dataclasses
 
-from jvllm.core.encoder_cache import MultiModalItem
+import numpy as np
+
 from jvllm.sample.tensors import RowSpec
 from jvllm.worker.batch import ChunkRow
+
+
+@dataclasses.dataclass(eq=False)
+class EncodeItem:
+    """One image the vision encoder runs on before the step: its input, and the encoder-buffer rows its features
+    go to (the engine's EncoderCache chose them)."""
+
+    key: int  # the image's content hash (for logs and tests: the worker keys nothing on it)
+    rows: np.ndarray  # [n] int32 buffer rows of its n output features, in order
+    data: np.ndarray  # float32 pixels [C, H, W] (LLaVA) or flattened patches [n x merge unit, patch_dim] (Qwen2-VL)
+    grid: tuple[int, int] | None = None  # its tokens' (rows, columns) in the image (Qwen2-VL)
+
+    @property
+    def length(self) -> int:
+        """Its output features (= placeholder tokens)."""
+        return int(self.rows.shape[0])
 
 
 @dataclasses.dataclass
@@ -21,7 +39,7 @@ class ChunkPlan:
     constrained: bool  # a grammar narrows its tokens (a look-ahead step's sampler waits for it: finish_head)
     # prompt logprobs: per position of the chunk, the next prompt token (-1 past the prompt's last); None: not asked
     prompt_targets: list[int] | None = None
-    encode: tuple[MultiModalItem, ...] = ()  # images to encode before the step (multimodal models)
+    encode: tuple[EncodeItem, ...] = ()  # images to encode before the step (multimodal models)
 
     @property
     def num_tokens(self) -> int:

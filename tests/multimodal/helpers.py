@@ -144,8 +144,8 @@ def record_split_image_spans(engine) -> list:
 def record_encoded(engine) -> list[int]:
     """Wrap the engine's encoder: -> a list that collects the hash of every image it encodes."""
     encoded: list[int] = []
-    encode = engine.runner.encoder.encode
-    engine.runner.encoder.encode = lambda items: (encoded.extend(i.hash for i in items), encode(items))[1]
+    calls = engine.runner.encoder.calls
+    engine.runner.encoder.calls = lambda items: (encoded.extend(i.key for i in items), calls(items))[1]
     return encoded
 
 

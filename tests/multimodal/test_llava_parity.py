@@ -61,7 +61,7 @@ def test_prompt_logits_with_images_match_transformers(name, num_images, make_lla
     assert ids == want_ids  # placeholders expanded exactly as LlavaProcessor does
     assert [item.offset for item in items] == [i for i, t in enumerate(ids) if t == 49152][::items[0].length]
     np.testing.assert_allclose(np.stack([item.data for item in items]), inputs["pixel_values"].numpy(), atol=0)
-    got = prompt_logits(engine.runner, ids, items)
+    got = prompt_logits(engine.runner, ids, items, engine.encoder_cache)
     want = hf_logits(model, inputs)
     assert got.shape == want.shape == (len(ids), 49153)
     np.testing.assert_allclose(got, want, rtol=0, atol=LOGITS_ATOL)

@@ -84,7 +84,7 @@ def test_prompt_logits_match_transformers(num_images, qwen_vl, qwen2_vl_tok, qwe
     text, images = _prompts(qwen_images)[num_images - 1]
     inputs = dict(qwen2_vl_hf_processor(folder, qwen2_vl_tok)(text=text, images=images, return_tensors="pt"))
     ids, items = engine.mm_processor.expand(qwen2_vl_tok.encode(text), {"image": images})
-    got = prompt_logits(engine.runner, ids, items)
+    got = prompt_logits(engine.runner, ids, items, engine.encoder_cache)
     with torch.no_grad():
         want = model(**inputs).logits[0].float().numpy()
     assert got.shape == want.shape

@@ -3,9 +3,12 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/parallel/tp_worker.py SCENARIO 'JSON ARGS'
 
 Scenarios: compare (TP=1 vs TP=N logits, greedy tokens, placement), hlo (collectives of the compiled decode
-step), generate (greedy tokens of one engine), multihost (one rank of a multi-process mesh)."""
+step), generate (greedy tokens of one engine), multihost (one rank of a multi-process mesh). `generate` and
+`multihost` take token-id `prompts`, or `mm_prompts` of a vision-language model: [[text, [[seed, height, width] of
+each random image]], ...]."""
 from __future__ import annotations
 
+import hashlib
 import json
 import pathlib
 import re
@@ -31,11 +34,12 @@ def engine(model: str | None, tp: int, **kwargs: Any):
     return Engine(model, tensor_parallel_size=tp, **settings)
 
 
-def greedy(eng, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def greedy(eng, prompts: list[list[int] | dict], max_tokens: int) -> list[list[int]]:
     from jvllm import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    outputs = eng.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    prompts = [p if isinstance(p, dict) else {"prompt_token_ids": p} for p in prompts]
+    outputs = eng.generate(prompts, params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
@@ -141,9 +145,29 @@ def hlo(args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def prompts_of(args: dict[str, Any]) -> list[list[int] | dict]:
+    """The scenario's prompts: token ids, or texts with random images (`mm_prompts`)."""
+    if "mm_prompts" not in args:
+        return args["prompts"]
+    from tests.multimodal.helpers import random_image
+
+    return [{"prompt": text, "multi_modal_data": {"image": [random_image(seed, (h, w)) for seed, h, w in images]}}
+            for text, images in args["mm_prompts"]]
+
+
+def encoder_buffer_digest(eng) -> str | None:
+    """A hash of this host's copy of the encoder buffer (vision-language models): equal on every rank that ran the
+    same encoder steps."""
+    from jvllm.parallel.mesh import host_array
+
+    encoder = eng.runner.encoder
+    return None if encoder is None else hashlib.sha256(host_array(encoder.buffer).tobytes()).hexdigest()
+
+
 def generate(args: dict[str, Any]) -> dict[str, Any]:
-    eng = engine(args["model"], args.get("tp", 1), attention_backend=args.get("backend", "xla"))
-    return {"tokens": greedy(eng, args["prompts"], args.get("max_tokens", 8))}
+    eng = engine(args["model"], args.get("tp", 1), attention_backend=args.get("backend", "xla"),
+                 **args.get("engine", {}))
+    return {"tokens": greedy(eng, prompts_of(args), args.get("max_tokens", 8))}
 
 
 def multihost(args: dict[str, Any]) -> dict[str, Any]:
@@ -153,18 +177,20 @@ def multihost(args: dict[str, Any]) -> dict[str, Any]:
     from tests.prompt_logits import prompt_logits
 
     eng = engine(args["model"], args["tp"], num_hosts=args["num_hosts"], host_rank=args["rank"],
-                 coordinator=args["coordinator"])
+                 coordinator=args["coordinator"], **args.get("engine", {}))
     out: dict[str, Any] = {"rank": jax.process_index(), "devices": jax.device_count(),
                            "local_devices": jax.local_device_count()}
     if eng.is_leader:
-        out["tokens"] = greedy(eng, args["prompts"], args.get("max_tokens", 8))
-        out["logits_row0"] = prompt_logits(eng.runner, args["prompts"][0])[-1, :8].tolist()
+        out["tokens"] = greedy(eng, prompts_of(args), args.get("max_tokens", 8))
+        if "prompts" in args:
+            out["logits_row0"] = prompt_logits(eng.runner, args["prompts"][0])[-1, :8].tolist()
         if args.get("idle_s"):  # followers wait inside a collective while rank 0 is idle
             time.sleep(args["idle_s"])
             out["tokens_after_idle"] = greedy(eng, args["prompts"][:1], args.get("max_tokens", 8))
         eng.shutdown()
     else:
         out["steps_followed"] = eng.follow()
+    out["encoder_buffer"] = encoder_buffer_digest(eng)
     return out
 
 

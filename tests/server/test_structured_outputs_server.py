@@ -154,8 +154,10 @@ def _check_calls(calls, finish_reason, expected_finish):
 
 
 def _streamed_calls(smol, **kwargs):
-    """(name, arguments) of each streamed call, its argument fragments joined, and the finish reason."""
+    """(name, arguments) of each streamed call, its argument fragments joined, and the finish reason; checks that
+    each call's arguments came in several chunks (one per token that adds to them)."""
     calls: dict[int, list[str]] = {}
+    chunks: dict[int, int] = {}
     finish = None
     for chunk in smol.chat.completions.create(model=MODEL, stream=True, **kwargs):
         for choice in chunk.choices:
@@ -163,7 +165,9 @@ def _streamed_calls(smol, **kwargs):
                 entry = calls.setdefault(call.index, ["", ""])
                 entry[0] += call.function.name or ""
                 entry[1] += call.function.arguments or ""
+                chunks[call.index] = chunks.get(call.index, 0) + bool(call.function.arguments)
             finish = choice.finish_reason or finish
+    assert all(count > 1 for count in chunks.values()), chunks
     return [tuple(calls[index]) for index in sorted(calls)], finish
 
 
