@@ -1,0 +1,72 @@
+"""The sampler's draw and truncation on vocabularies past its block and candidate sizes: draws follow the softmax,
+never land on a token of zero probability, and thresholds read from the largest logits equal a full sort's."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jvllm.sample.sampler import build_sampling_tensors, draw_from_logits
+from tests.jvllm.test_sampler import HISTORY, params, row
+
+
+
+@pytest.mark.parametrize("vocab", [8, 300, 1000])
+def test_draws_follow_softmax_over_blocks(vocab):
+    """Many uniforms through one row (vocab not a multiple of the block): frequencies match the softmax."""
+    rng = np.random.default_rng(vocab)
+    logits = rng.normal(0, 2, vocab).astype(np.float32)
+    logits[rng.choice(vocab, vocab // 4, replace=False)] = -np.inf  # masked tokens: never drawn
+    probs = np.exp(logits - logits[np.isfinite(logits)].max())
+    probs /= probs.sum()
+    n = 200_000
+    uniforms = rng.random(n, dtype=np.float32)
+    ids = np.asarray(jax.jit(draw_from_logits, static_argnames="block")(
+        np.broadcast_to(logits, (n, vocab)), uniforms, np.full(n, -1, np.int32), block=16))
+    freq = np.bincount(ids, minlength=vocab) / n
+    assert np.all(freq[probs == 0] == 0)
+    assert np.abs(freq - probs).max() < 5 * np.sqrt(probs.max() / n)
+
+
+def test_draw_edges_never_pick_zero_mass_and_fall_back_on_rows_without_mass():
+    vocab = 40
+    logits = np.full((6, vocab), -np.inf, np.float32)
+    logits[0, 37] = 1.0  # one token left, in the last (partial) block
+    logits[1, 0] = logits[1, 39] = 0.0  # first and last token
+    logits[2, 5:9] = 3.0  # uniform at 0 and just under 1 stay on these
+    logits[3, 5:9] = 3.0
+    logits[4, :] = np.nan  # no finite mass: the fallback
+    # row 5: every token -inf: the fallback
+    uniforms = np.array([0.5, 0.999, 0.0, np.nextafter(np.float32(1), np.float32(0)), 0.5, 0.5], np.float32)
+    fallback = np.arange(100, 106, dtype=np.int32)
+    ids = np.asarray(jax.jit(draw_from_logits, static_argnames="block")(logits, uniforms, fallback, block=16))
+    assert ids[0] == 37 and ids[1] == 39 and ids[2] == 5 and ids[3] == 8
+    assert list(ids[4:]) == [104, 105]
+
+
+@pytest.mark.parametrize("spread", [8.0, 0.5], ids=["peaked", "flat"])
+def test_truncation_from_the_largest_logits_equals_a_full_sort(spread, monkeypatch):
+    """A vocabulary past sampler.CANDIDATES[0]: thresholds read from lax.top_k's head equal the full sort's, both
+    where the head holds every kept token (peaked rows) and where some row sends the step to the full sort
+    (flat rows, top-k past the head)."""
+    from jvllm.sample import sampler
+
+    vocab = 1000
+    rng = np.random.default_rng(3)
+    kinds = [dict(top_k=5), dict(top_k=100, top_p=0.8), dict(top_p=0.5), dict(top_p=0.95, min_p=0.02),
+             dict(min_p=0.1), dict(), dict(top_k=400) if spread < 1 else dict(top_k=200, top_p=0.99)]
+    rows = [row(params(**kind)) for kind in kinds]
+    t, _ = build_sampling_tensors(rows, len(rows), vocab_size=vocab, history_width=HISTORY)
+    logits = (rng.normal(0, spread, (len(rows), vocab))).astype(np.float32)
+    head = jax.lax.top_k(logits, sampler.CANDIDATES[0])[0]
+    row_mass = np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)
+    _, complete = sampler._thresholds(head, t, vocab, row_mass)
+    assert bool(np.all(complete)) == (spread > 1), complete  # peaked: no full sort; flat: a full sort
+    truncate = jax.jit(sampler.apply_top_k_top_p_min_p)
+    from_head = np.asarray(truncate(logits, t))
+    monkeypatch.setattr(sampler, "CANDIDATES", ())  # now every row is sorted whole
+    from_sort = np.asarray(jax.jit(sampler.apply_top_k_top_p_min_p)(logits, t))
+    np.testing.assert_array_equal(from_head, from_sort)
+    kept = np.isfinite(from_head).sum(-1)
+    assert kept[0] == 5 and 1 <= kept[2] < vocab and kept[5] == vocab, kept
