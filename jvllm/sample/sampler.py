@@ -79,8 +79,8 @@ def apply_token_masks(logits: jax.Array, t: SamplingTensors) -> jax.Array:
 
 # Truncation looks for its thresholds among each row's 256 largest logits first (lax.top_k) and sorts whole rows
 # only when some row's top-k or top-p set reaches past them: XLA CPU sorts a [64, 49152] float32 block in ~0.8-1.3 s,
-# where top_k of 256 takes ~15-30 ms. A wider second level (4,096) made every head executable ~0.7 s slower to
-# compile, so there is none (docs/design.md, sampling on device).
+# where top_k of 256 takes ~15-30 ms. A second, wider level would add ~0.7 s of compile time to every head
+# executable (docs/design.md, sampling on device), so the list holds one width.
 CANDIDATES = (256,)
 
 
