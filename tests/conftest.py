@@ -18,9 +18,15 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session", autouse=True)
 def _jvllm_cache(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """Keep converted weights and compiled executables of the run out of the user's home cache,
-    unless JVLLM_CACHE_DIR is set (CI may point it at a warm cache)."""
+    unless JVLLM_CACHE_DIR is set (CI may point it at a warm cache). Under pytest-xdist the workers share one
+    folder (the run's base temp), so a model converted or a step compiled by one worker's subprocesses (servers,
+    notebooks, the CLI) is loaded by the other's; conversions and cache entries are written by rename or read
+    back with a fallback to compiling."""
     if "JVLLM_CACHE_DIR" not in os.environ:
-        os.environ["JVLLM_CACHE_DIR"] = str(tmp_path_factory.mktemp("jvllm-cache"))
+        base = tmp_path_factory.getbasetemp()
+        shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+        (shared / "jvllm-cache").mkdir(exist_ok=True)
+        os.environ["JVLLM_CACHE_DIR"] = str(shared / "jvllm-cache")
     from jvllm.worker.compile_cache import disable_in_this_process
 
     disable_in_this_process()  # this process compiles everything itself; subprocesses use the cache
@@ -120,3 +126,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return rank.get(path.as_posix(), len(LONGEST_FILES))
 
     items.sort(key=file_rank)  # stable: the other files keep their order
+    for item in items:
+        if _kernel_leg_file(pathlib.Path(str(item.fspath))):
+            item.add_marker(pytest.mark.extended)
+
+
+def _kernel_leg_file(path: pathlib.Path) -> bool:
+    """The Pallas kernels' own tests, which ci/gpu_versions_leg.sh runs on the newest supported jax (test_pallas_engine.py,
+    the kernels inside the engine on the default model, is the exception: that leg leaves it out)."""
+    return path.parent.name == "pallas_kernels" and path.name != "test_pallas_engine.py"

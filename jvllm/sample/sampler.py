@@ -8,13 +8,14 @@ import jax.numpy as jnp
 from jvllm.sample.tensors import RowSpec, SamplerFlags, SamplingTensors, build_sampling_tensors
 from jvllm.utils import cdiv
 
-__all__ = ["RowSpec", "SamplerFlags", "SamplingTensors", "apply_top_k_top_p_min_p", "build_sampling_tensors",
-           "draw_from_logits", "process_logits", "row_argmax", "sample"]
+__all__ = ["RowSpec", "SamplerFlags", "SamplingTensors", "apply_penalties", "apply_token_masks",
+           "apply_top_k_top_p_min_p", "build_sampling_tensors", "draw_from_logits", "process_logits", "row_argmax",
+           "sample", "sample_processed"]
 
 _NEG_INF = -jnp.inf
 
 
-def _apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     """Repetition (prompt + output), then frequency and presence (output only), as vLLM."""
     rows, vocab = logits.shape
     history = t.history  # [S, L] int32, -1 padded
@@ -60,7 +61,7 @@ def process_logits(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags) -
     """The temperature-independent processors, what greedy rows take the argmax of: [S, V] -> [S, V] float32."""
     logits = logits.astype(jnp.float32)
     if flags.penalties:
-        logits = _apply_penalties(logits, t)
+        logits = apply_penalties(logits, t)
     if flags.masks:
         logits = apply_token_masks(logits, t)
     return logits
@@ -131,7 +132,7 @@ def _thresholds(head: jax.Array, t: SamplingTensors, vocab: int, row_mass: jax.A
     probs = weights / total[:, None]  # [S, K] float32
     # A token is kept while the mass strictly above it is < p: this is the smallest
     # prefix reaching p, and the top token (mass above = 0) is always kept.
-    reached = jnp.cumsum(probs, axis=-1)  # [S, K]
+    reached = prefix_sums(probs)  # [S, K]
     keep_p = (reached - probs < t.top_p[:, None]) & in_k  # [S, K] bool
     n_keep = jnp.maximum(jnp.sum(keep_p, axis=-1), 1)  # [S] int32
     pth = jnp.take_along_axis(head, (n_keep - 1)[:, None], axis=-1)[:, 0]  # [S] float32
@@ -150,12 +151,44 @@ def _thresholds(head: jax.Array, t: SamplingTensors, vocab: int, row_mass: jax.A
 
 
 def _row_uniforms(seeds: jax.Array, positions: jax.Array) -> jax.Array:
-    """One uniform in [0, 1) per row, keyed only by (seed, position): independent of batch layout. [S] float32."""
+    """One uniform in [0, 1) per row, keyed only by (seed, position): independent of batch layout. [S] float32.
 
-    def row_uniform(seed: jax.Array, position: jax.Array) -> jax.Array:
-        return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), position), (), jnp.float32)
+    A counter-based integer hash (two rounds of multiply-xorshift mixing, seed and position folded in turn)
+    rather than jax.random's threefry: one number per row needs no cryptographic strength, and threefry's
+    rounds compile into loops that took a large share of the sampler's compile time."""
+    state = _mix32(seeds.astype(jnp.uint32) ^ jnp.uint32(0x9E3779B9))
+    state = _mix32(state ^ positions.astype(jnp.uint32) * jnp.uint32(0x85EBCA6B))
+    return (state >> 8).astype(jnp.float32) * jnp.float32(1.0 / (1 << 24))  # 24 random bits: exact in float32
 
-    return jax.vmap(row_uniform)(seeds, positions)
+
+def _mix32(x: jax.Array) -> jax.Array:
+    """A 32-bit avalanche mixer (each input bit flips about half the output bits): [S] uint32 -> [S] uint32."""
+    x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
+    x = (x ^ (x >> 15)) * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def prefix_sums(x: jax.Array, block: int = 128) -> jax.Array:
+    """Inclusive cumulative sums along the last axis, as jnp.cumsum: [S, N] float32 -> [S, N] float32.
+
+    Two levels of products with a triangular matrix of ones (within blocks of `block`, then over the block
+    totals) instead of XLA's cumsum, which CPU lowers to chains of reduce-windows that each compile separately.
+    HIGHEST precision keeps GPUs from rounding the float32 sums to tf32."""
+    rows, n = x.shape
+    if n <= block:
+        return jnp.matmul(x, _upper_ones(n), precision=jax.lax.Precision.HIGHEST)
+    num_blocks = cdiv(n, block)
+    padded = jnp.pad(x, ((0, 0), (0, num_blocks * block - n))).reshape(rows, num_blocks, block)  # [S, NB, B]
+    within = jnp.matmul(padded, _upper_ones(block), precision=jax.lax.Precision.HIGHEST)  # [S, NB, B]
+    totals = within[:, :, -1]  # [S, NB]
+    before = prefix_sums(totals, block) - totals  # [S, NB]: the sum of every earlier block
+    return (within + before[:, :, None]).reshape(rows, -1)[:, :n]
+
+
+def _upper_ones(n: int) -> jax.Array:
+    """[n, n] float32 with ones on and above the diagonal: x @ it sums x[:j + 1] into column j."""
+    index = jnp.arange(n)
+    return (index[:, None] <= index[None, :]).astype(jnp.float32)
 
 
 def draw_from_logits(scaled: jax.Array, uniforms: jax.Array, fallback: jax.Array, block: int = 128) -> jax.Array:
@@ -163,8 +196,8 @@ def draw_from_logits(scaled: jax.Array, uniforms: jax.Array, fallback: jax.Array
 
     Two levels keep it cheap on every backend: the block whose running mass passes `u * total` (block sums and a
     cumulative sum over V / block entries), then the token inside that one block. One exp per logit and one
-    random number per row, where Gumbel-max needs a random number per logit (its threefry bits cost ~40x the
-    exp on CPU and dominate the head's compile time). Tokens of zero probability (-inf) are never drawn. Rows
+    random number per row, where Gumbel-max needs a random number per logit (random bits cost ~40x the exp on
+    CPU). Tokens of zero probability (-inf) are never drawn. Rows
     with no finite mass (all -inf, NaN, +inf) take `fallback` [S] int32 (the greedy ids)."""
     rows, vocab = scaled.shape
     num_blocks = cdiv(vocab, block)
@@ -174,13 +207,13 @@ def draw_from_logits(scaled: jax.Array, uniforms: jax.Array, fallback: jax.Array
     weights = jnp.exp(scaled - jnp.where(jnp.isfinite(top), top, 0.0)[:, None])  # [S, V'] in [0, 1]
     weights = weights.reshape(rows, num_blocks, block)  # [S, NB, B]
     block_mass = weights.sum(axis=-1)  # [S, NB]
-    block_cdf = jnp.cumsum(block_mass, axis=-1)  # [S, NB]
+    block_cdf = prefix_sums(block_mass)  # [S, NB]
     total = block_cdf[:, -1]  # [S]
     target = uniforms * total  # [S], below total
     chosen_block = _first_above(block_cdf, target, block_mass)  # [S]
     before = jnp.take_along_axis(block_cdf - block_mass, chosen_block[:, None], axis=-1)[:, 0]  # [S]
     inside = jnp.take_along_axis(weights, chosen_block[:, None, None], axis=1)[:, 0]  # [S, B]
-    token = _first_above(jnp.cumsum(inside, axis=-1), jnp.maximum(target - before, 0.0), inside)  # [S]
+    token = _first_above(prefix_sums(inside), jnp.maximum(target - before, 0.0), inside)  # [S]
     drawn = (chosen_block * block + token).astype(jnp.int32)
     return jnp.where(jnp.isfinite(total) & (total > 0), drawn, fallback)
 
@@ -198,7 +231,13 @@ def sample(logits: jax.Array, t: SamplingTensors, flags: SamplerFlags) -> jax.Ar
 
     The chosen token's logprob is not computed here: a full-vocab log-softmax costs 2-4 ms per 64-row step on
     CPU, so only steps with requests asking for logprobs pay it (`jvllm.sample.logprobs`), as in vLLM."""
-    processed = process_logits(logits, t, flags)  # [S, V] float32
+    return sample_processed(process_logits(logits, t, flags), t)
+
+
+def sample_processed(processed: jax.Array, t: SamplingTensors) -> jax.Array:
+    """`sample` after the processors (penalties, token masks) have run: processed [S, V] -> token_ids [S] int32.
+    Reads only the per-row scalars of `t`, so one compiled sampler serves every pair of sampler flags."""
+    processed = processed.astype(jnp.float32)
     greedy_ids = row_argmax(processed)  # [S] int32
     is_greedy = t.temperature == 0  # [S] bool
 

@@ -2,8 +2,8 @@
 
 Every option is a runtime value except two that need arrays of their own: penalties (each row's token history,
 [S, history_width]) and token masks (a packed allowed-token bitmask [S, ceil(V/32)] from allowed / blocked
-tokens and grammars, with logit biases as a fixed-width sparse list). Their flags pick one of four compiled
-samplers per step shape; everything else (greedy or random, top-k/p/min-p, logprobs) is a device-side switch."""
+tokens and grammars, with logit biases as a fixed-width sparse list). Their flags say which processors a step runs
+before the sampler; everything else (greedy or random, top-k/p/min-p, logprobs) is a device-side switch."""
 from __future__ import annotations
 
 import dataclasses
@@ -46,6 +46,23 @@ class SamplerFlags:
 
     penalties: bool = False
     masks: bool = False
+
+
+def scalars_only(t: SamplingTensors) -> SamplingTensors:
+    """The per-row scalars alone (what the sampler reads once the processors have run): one pytree for every
+    pair of flags."""
+    return dataclasses.replace(t, history=None, num_prompt=None, allowed_bits=None, bias_ids=None,
+                               bias_values=None)
+
+
+def penalty_inputs(t: SamplingTensors) -> SamplingTensors:
+    """The scalars and the token histories (flags.penalties)."""
+    return dataclasses.replace(t, allowed_bits=None, bias_ids=None, bias_values=None)
+
+
+def mask_inputs(t: SamplingTensors) -> SamplingTensors:
+    """The scalars and the token masks (flags.masks)."""
+    return dataclasses.replace(t, history=None, num_prompt=None)
 
 
 # Grammar bits that allow every token (they broadcast over a row's words): a look-ahead row's grammar narrows

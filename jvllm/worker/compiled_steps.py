@@ -4,7 +4,6 @@ compiles."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import time
 from typing import Any, Callable, Protocol
@@ -12,7 +11,8 @@ from typing import Any, Callable, Protocol
 import jax
 import numpy as np
 
-from jvllm.sample.tensors import SamplerFlags, build_sampling_tensors, empty_masks
+from jvllm.sample.tensors import (SamplerFlags, build_sampling_tensors, empty_masks, mask_inputs, penalty_inputs,
+                                  scalars_only)
 from jvllm.worker.compile_watch import compile_watch
 from jvllm.worker.executable_memo import compile_once
 from jvllm.worker.step_call import StepCall
@@ -36,30 +36,55 @@ class StepInputs(Protocol):
 
 logger = logging.getLogger("jvllm")
 
-ALL_FLAGS = [SamplerFlags(penalties, masks) for penalties, masks in itertools.product((False, True), repeat=2)]
 Executable = Callable[..., Any]
+PROCESSORS = ("penalties", "masks")  # in the order a step runs them
+
+
+@dataclasses.dataclass
+class CompiledHead:
+    """The head of one row count in three parts: logits, the processors a step's flags ask for (token
+    penalties, token masks), then the sampler's pick. Split so that one sampler executable, the costliest piece
+    to compile, serves every pair of flags: a head per pair compiled the sampler four times."""
+
+    logits: Executable  # (outer, x_last [S, D], num_rows []) -> [S, V] float32
+    pick: Executable  # (logits, processed [S, V], per-row scalars) -> {token_ids, sample_stats}
+    processors: dict[str, Executable]  # by name in PROCESSORS: every one when precompiled, else on first use
+    _late_processor: Callable[[str], Executable]
+
+    def processor(self, name: str) -> Executable:
+        if name not in self.processors:
+            self.processors[name] = self._late_processor(name)
+        return self.processors[name]
+
+    def sample(self, flags: SamplerFlags, logits: jax.Array, sampling: Any) -> dict:
+        """logits [S, V] from `self.logits`, sampling tensors on the device -> the pick's outputs."""
+        processed = logits
+        if flags.penalties:
+            processed = self.processor("penalties")(processed, penalty_inputs(sampling))
+        if flags.masks:
+            processed = self.processor("masks")(processed, mask_inputs(sampling))
+        return self.pick(logits, processed, scalars_only(sampling))
+
+    def as_text(self, flags: SamplerFlags) -> str:
+        """Optimized HLO of every executable a step with `flags` runs."""
+        names = [name for name in PROCESSORS if getattr(flags, name)]
+        return "\n".join(e.as_text() for e in (self.logits, *(self.processor(n) for n in names), self.pick))
 
 
 @dataclasses.dataclass
 class ShapeExecutables:
-    """One step shape's executables. A layer executable serves every layer of its group; the heads are shared by
-    the shapes with the same number of rows, one per pair of sampler flags."""
+    """One step shape's executables. A layer executable serves every layer of its group; the head is shared by the
+    shapes with the same number of rows."""
 
     shape: StepShape
     embed: Executable
     layers: list[Executable]  # per layer group
     last_rows: Executable
     store_kv: Executable
-    heads: dict[SamplerFlags, Executable]  # every pair when precompiled; else the plain head, the rest on first use
+    head: CompiledHead
     take_ids: Executable | None  # decode shapes: input ids gathered from a previous step's
     prompt_stats: Executable | None  # prefill shapes
     _logits: Callable[[], Executable]  # all-position logits (a diagnostic), compiled when first asked for
-    _late_head: Callable[[SamplerFlags], Executable]
-
-    def head(self, flags: SamplerFlags) -> Executable:
-        if flags not in self.heads:
-            self.heads[flags] = self._late_head(flags)
-        return self.heads[flags]
 
     @property
     def layer(self) -> Executable:
@@ -79,7 +104,9 @@ class CompiledSteps:
         self.runner = runner
         self.count = 0  # executables compiled so far
         self._by_shape: dict[StepShape, ShapeExecutables] = {}
-        self._heads: dict[tuple[int, bool, SamplerFlags], Executable] = {}
+        self._head_logits: dict[tuple[int, bool], Executable] = {}  # by (rows, batched weights)
+        self._picks: dict[int, Executable] = {}  # by rows
+        self._processors: dict[tuple[int, str], Executable] = {}  # by (rows, name)
 
     def get(self, shape: StepShape) -> ShapeExecutables:
         """The shape's executables (compiled now if precompiling was skipped)."""
@@ -119,8 +146,8 @@ class CompiledSteps:
         return runner.device_inputs(call)
 
     def _compile(self, shape: StepShape, every_head: bool = True) -> ShapeExecutables:
-        """The shape's pieces; without `every_head`, the heads for sampler flags other than the plain ones are
-        compiled when a step first needs them (engines that skip precompiling: tests, quick experiments)."""
+        """The shape's pieces; without `every_head`, the head's processors are compiled when a step first needs
+        them (engines that skip precompiling: tests, quick experiments)."""
         steps, runner, compiled = self.steps, self.runner, self._compiled
         weights = runner.step_weights.for_rows(shape.tokens)
         md, ids, positions, sampling, targets, mm_rows = self._examples(shape)
@@ -138,11 +165,10 @@ class CompiledSteps:
             store = compiled(f"store {shape}", store, runner.kv_cache, results, md)
         last_rows = compiled(f"last rows {shape}", steps.last_rows, x, md)
         x_last = _spec(last_rows.out_info)
-        heads = {flags: self._head(shape, weights.outer, x_last, flags)
-                 for flags in (ALL_FLAGS if every_head else [SamplerFlags()])}
+        head = self._head(shape, weights.outer, x_last, every_head)
         take_ids = prompt_stats = None
         if shape.kind == "decode":
-            source = _spec(heads[SamplerFlags()].out_info["token_ids"])
+            source = _spec(head.pick.out_info["token_ids"])
             take_ids = compiled(f"take ids {shape}", steps.take_ids, source, ids)
         else:
             prompt_stats = compiled(f"prompt stats {shape}", steps.prompt_stats, weights.outer, x, targets)
@@ -153,12 +179,7 @@ class CompiledSteps:
                 logits_cache.append(compiled(f"logits {shape}", steps.logits, weights.outer, x))
             return logits_cache[0]
 
-        def late_head(flags: SamplerFlags) -> Executable:
-            with compile_watch().expected():
-                return self._head(shape, weights.outer, x_last, flags)
-
-        return ShapeExecutables(shape, embed, layers, last_rows, store, heads, take_ids, prompt_stats, logits,
-                                late_head)
+        return ShapeExecutables(shape, embed, layers, last_rows, store, head, take_ids, prompt_stats, logits)
 
     def _compiled(self, name: str, fn: Any, *args: Any, **static: Any) -> Executable:
         """fn (a jax.jit function) compiled for args; `name` says which piece, for profiles and errors.
@@ -170,14 +191,31 @@ class CompiledSteps:
         self.count += 1
         return compile_once(fn.lower(*args, **static))
 
-    def _head(self, shape: StepShape, outer: list[jax.Array], x_last: Any, flags: SamplerFlags) -> Executable:
-        """The head for this shape's row count (and weights: a batched copy serves multi-row steps)."""
-        key = (shape.seqs, shape.tokens >= self.runner.step_weights.batched_min_rows, flags)
-        if key not in self._heads:
-            sampling = self._examples(shape, flags)[3]
-            self._heads[key] = self._compiled(f"head S={shape.seqs} {flags}", self.steps.head, outer, x_last,
-                                                   sampling, flags=flags)
-        return self._heads[key]
+    def _head(self, shape: StepShape, outer: list[jax.Array], x_last: Any, every_processor: bool) -> CompiledHead:
+        """The head for this shape's row count. Its logits also depend on the weights (a batched copy serves
+        multi-row steps); the processors and the pick only on the row count."""
+        rows = shape.seqs
+        sampling = self._examples(shape, SamplerFlags(penalties=True, masks=True))[3]
+        key = (rows, shape.tokens >= self.runner.step_weights.batched_min_rows)
+        if key not in self._head_logits:
+            self._head_logits[key] = self._compiled(f"head logits S={rows}", self.steps.head_logits, outer, x_last,
+                                                    sampling.num_rows)
+        head_logits = self._head_logits[key]
+        logits = _spec(head_logits.out_info)
+        if rows not in self._picks:
+            self._picks[rows] = self._compiled(f"pick S={rows}", self.steps.pick, logits, logits,
+                                               scalars_only(sampling))
+
+        def processor(name: str) -> Executable:
+            if (rows, name) not in self._processors:
+                fn, inputs = ((self.steps.penalize, penalty_inputs) if name == "penalties"
+                              else (self.steps.mask_tokens, mask_inputs))
+                with compile_watch().expected():
+                    self._processors[rows, name] = self._compiled(f"{name} S={rows}", fn, logits, inputs(sampling))
+            return self._processors[rows, name]
+
+        processors = {name: processor(name) for name in PROCESSORS} if every_processor else {}
+        return CompiledHead(head_logits, self._picks[rows], processors, processor)
 
 
 def _spec(a: Any) -> jax.ShapeDtypeStruct:

@@ -236,10 +236,11 @@ class ModelRunner:
             x_last = settle(step.last_rows(x, md))
             extra = {} if targets is None else {"prompt_stats": settle(step.prompt_stats(weights.outer, x, targets))}
             self.kv_cache = settle(step.store_kv(self.kv_cache, results, md))
+            logits = settle(step.head.logits(weights.outer, x_last, sampling.num_rows))  # [S, V] float32
 
         def head(device_sampling: Any) -> dict:
             with compile_watch().running(call.shape):
-                return {**settle(step.head(call.flags)(weights.outer, x_last, device_sampling)), **extra}
+                return {**settle(step.head.sample(call.flags, logits, device_sampling)), **extra}
 
         return PendingHead(head) if defer_head else head(sampling)
 

@@ -1,5 +1,5 @@
-"""The jitted pieces of one model step: embedding, a layer (one function for every layer), the head with the
-sampler, all-position logits, and the pool store. The runner compiles them ahead of time per step shape.
+"""The jitted pieces of one model step: embedding, a layer (one function for every layer), the head (logits, the
+logit processors, the sampler), all-position logits, and the pool store. The runner compiles them ahead of time per step shape.
 
 Each piece closes over the static structure (graphdefs, tree structures, mesh), so a call passes only flat
 weight lists and the step's arrays."""
@@ -17,8 +17,8 @@ from jvllm.attention.backend import StoreFn
 from jvllm.parallel import ops
 from jvllm.parallel.mesh import replicated
 from jvllm.sample.logprobs import MAX_LOGPROBS, LogprobStats, blocked_logprob_stats, logprob_stats
-from jvllm.sample.sampler import sample
-from jvllm.sample.tensors import SamplerFlags, SamplingTensors
+from jvllm.sample.sampler import apply_penalties, apply_token_masks, sample_processed
+from jvllm.sample.tensors import SamplingTensors
 from jvllm.worker.model_parts import ModelParts
 from models.attention import AttentionMetadata
 from models.live_rows import live_rows
@@ -36,15 +36,21 @@ class StepFunctions:
     logits(outer, x) -> [T, V] float32 at every position;
     store_kv(pool, per-layer results, md) -> the pool holding the step's K/V;
     take_ids(source ids [max_num_seqs], rows [S]) -> input ids gathered on the device.
-    Per row count S alone:
-    head(outer, x_last [S, D], sampling, flags=) -> {token_ids [max_num_seqs] (rows past S are 0: every step's
-    ids have one size, so a look-ahead step can read any step's), sample_stats [S, K] (zeros unless a row
-    asked; K = MAX_LOGPROBS, each request reads its own top k)}."""
+    Per row count S alone, the head in three parts (each compiled once serves every pair of sampler flags):
+    head_logits(outer, x_last [S, D], num_rows []) -> [S, V] float32 (rows past num_rows are 0);
+    penalize(logits, penalty inputs) and mask_tokens(logits, mask inputs) -> [S, V] float32, the processors a
+    step's flags ask for (jvllm.sample.tensors.penalty_inputs / mask_inputs);
+    pick(logits, processed [S, V], per-row scalars) -> {token_ids [max_num_seqs] (rows past S are 0: every step's
+    ids have one size, so a look-ahead step can read any step's), sample_stats [S, K] (of the unprocessed logits;
+    zeros unless a row asked; K = MAX_LOGPROBS, each request reads its own top k)}."""
 
     embed: Any
     layer: Any
     last_rows: Any
-    head: Any
+    head_logits: Any
+    penalize: Any
+    mask_tokens: Any
+    pick: Any
     prompt_stats: Any
     logits: Any
     store_kv: StoreFn
@@ -98,12 +104,13 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
     def last_rows(x: jax.Array, md: AttentionMetadata) -> jax.Array:
         return x[md.last_token_index]
 
-    def head(outer: list[jax.Array], x_last: jax.Array, sampling: SamplingTensors, *,
-             flags: SamplerFlags) -> dict[str, Any]:
+    def head_logits(outer: list[jax.Array], x_last: jax.Array, num_rows: jax.Array) -> jax.Array:
         model = parts.outer(outer)
-        with live_rows(sampling.num_rows, x_last.shape[0]):  # padding rows' logits are 0
-            logits = logits_of(model)(model.finish(x_last))  # [S, V] float32
-        token_ids = sample(logits, sampling, flags)  # [S] int32
+        with live_rows(num_rows, x_last.shape[0]):  # padding rows' logits are 0
+            return logits_of(model)(model.finish(x_last))  # [S, V] float32
+
+    def pick(logits: jax.Array, processed: jax.Array, sampling: SamplingTensors) -> dict[str, Any]:
+        token_ids = sample_processed(processed, sampling)  # [S] int32
         sample_stats = jax.lax.cond(sampling.any_logprobs, lambda: logprob_stats(logits, token_ids, MAX_LOGPROBS),
                                     lambda: _zero_stats(logits.shape[0]))
         padded_ids = jnp.zeros(max_num_seqs, jnp.int32).at[:token_ids.shape[0]].set(token_ids)
@@ -124,7 +131,10 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
         layer=jit(layer, out_shardings=layer_out, static_argnames=("group",),
                   donate_argnames=("pages",) if backend.step_donates_pool else ()),
         last_rows=jit(last_rows, out_shardings=whole),
-        head=jit(head, out_shardings=whole, static_argnames=("flags",)),
+        head_logits=jit(head_logits, out_shardings=whole),
+        penalize=jit(apply_penalties, out_shardings=whole),
+        mask_tokens=jit(apply_token_masks, out_shardings=whole),
+        pick=jit(pick, out_shardings=whole),
         prompt_stats=jit(prompt_stats, out_shardings=whole),
         logits=jit(logits, out_shardings=whole),
         store_kv=backend.store(mesh),

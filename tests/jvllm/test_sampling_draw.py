@@ -70,3 +70,28 @@ def test_truncation_from_the_largest_logits_equals_a_full_sort(spread, monkeypat
     np.testing.assert_array_equal(from_head, from_sort)
     kept = np.isfinite(from_head).sum(-1)
     assert kept[0] == 5 and 1 <= kept[2] < vocab and kept[5] == vocab, kept
+
+
+@pytest.mark.parametrize("length", [1, 100, 128, 129, 1000, 49152])
+def test_prefix_sums_equal_a_cumulative_sum(length):
+    from jvllm.sample.sampler import prefix_sums
+
+    x = np.random.default_rng(length).random((3, length), dtype=np.float32)
+    got = np.asarray(jax.jit(prefix_sums)(x))
+    assert got.shape == x.shape
+    np.testing.assert_allclose(got, np.cumsum(x.astype(np.float64), axis=-1), rtol=2e-6, atol=1e-6)
+
+
+def test_row_uniforms_are_uniform_and_unrelated_across_seeds_and_positions():
+    """1000 seeds x 1000 positions: the uniforms fill 100 equal bins evenly (chi-square far below its 0.1%
+    bound), and neighbours along either key are uncorrelated."""
+    from jvllm.sample.sampler import _row_uniforms
+
+    seeds, positions = np.meshgrid(np.arange(1000, dtype=np.uint32), np.arange(1000, dtype=np.int32), indexing="ij")
+    u = np.asarray(jax.jit(_row_uniforms)(seeds.ravel(), positions.ravel())).reshape(1000, 1000)
+    assert u.min() >= 0 and u.max() < 1
+    counts = np.bincount((u * 100).astype(int).ravel(), minlength=100)
+    expected = u.size / 100
+    assert ((counts - expected) ** 2 / expected).sum() < 149  # chi-square, 99 degrees of freedom, p = 0.001
+    for a, b in ((u[:, 1:], u[:, :-1]), (u[1:], u[:-1])):
+        assert abs(np.corrcoef(a.ravel(), b.ravel())[0, 1]) < 0.005  # ~5 standard errors of 1e6 pairs

@@ -104,7 +104,7 @@ def _expert_loads(model, ids: list[int]) -> list[np.ndarray]:
     return loads
 
 
-@pytest.mark.parametrize("backend", ["cpu", "xla"])
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("xla", marks=pytest.mark.extended)])  # cpu: the default
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_prompt_logits_match_transformers(name, backend, family_models, default_engine):
     """On the native kernel (the CPU default) and on the plain-jnp backend (its fallback); the Pallas kernels have
@@ -160,7 +160,9 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+# The kernels' features: partial rotary (phi3), sliding window and soft cap (gemma2); the rest is the same kernel.
+@pytest.mark.parametrize("name", [name if name in ("phi3", "gemma2") else pytest.param(name, marks=pytest.mark.extended)
+                                  for name in FAMILIES])
 def test_pallas_backend_matches_transformers(name, family_models, default_engine, monkeypatch):
     """The Pallas kernels (interpret mode on CPU): each prompt token's logprob through the ragged kernel, then
     greedy tokens and their logprobs through the decode kernel, past a page boundary and (Gemma) the sliding

@@ -171,8 +171,13 @@ CHECKS = {"quickstart": _check_quickstart, "serving_and_metrics": _check_serving
 CLEANUPS = {"serving_and_metrics": _assert_server_stopped, "multimodal": _assert_server_stopped}
 
 
+# The notebooks whose features other tests cover on the same engine (embeddings, images, throughput settings)
+EXTENDED_NOTEBOOKS = {"embeddings", "multimodal", "throughput"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [pytest.param(path, marks=pytest.mark.extended) if path.stem in EXTENDED_NOTEBOOKS
+                                  else path for path in NOTEBOOKS], ids=lambda p: p.stem)
 def test_notebook_runs_top_to_bottom(path, kernel_name):
     nb = nbformat.read(path, as_version=4)
     try:

@@ -86,7 +86,6 @@ def test_the_quantized_engines_layer_and_head_take_the_codes(quantization, tmp_p
 
     from jvllm import Engine
     from jvllm.model_loader import quantize_weights
-    from jvllm.sample.tensors import SamplerFlags
     from pallas_kernels.cuda_lowering import lower_jitted_for_cuda
     from tests.hf_weights import save_byte_level_tokenizer
 
@@ -108,8 +107,8 @@ def test_the_quantized_engines_layer_and_head_take_the_codes(quantization, tmp_p
     layer = main_arguments(lower_jitted_for_cuda(steps.layer, weights.layers[0], x, cos, sin, runner.kv_cache[0],
                                                  md).as_text())
     last = lower_jitted_for_cuda(steps.last_rows, x, md).out_info
-    head = main_arguments(lower_jitted_for_cuda(steps.head, weights.outer, last, sampling,
-                                                flags=SamplerFlags()).as_text())
+    head = main_arguments(lower_jitted_for_cuda(steps.head_logits, weights.outer, last,
+                                                sampling.num_rows).as_text())
     code = MLIR_TYPES[f"{quantization}_channel"]
     projections = ["256x256", "128x256", "128x256", "256x256", "512x256", "512x256", "256x512"]  # q k v o gate up down
     assert sorted(t for t in layer if re.fullmatch(rf"tensor<\d+x\d+x{code}>", t)) == sorted(

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from jvllm import Engine
-from jvllm.sample.tensors import SamplerFlags
+from jvllm.sample.tensors import scalars_only
 from jvllm.worker.step_shapes import StepShape
 from pallas_kernels.cuda_lowering import TRITON_CALL, lower_jitted_for_cuda, triton_kernels
 from pallas_kernels.variants import KERNEL_NAMES
@@ -62,7 +62,8 @@ def test_engine_step_pieces_lower_for_cuda(engine, kind, monkeypatch):
     x, cos, sin = embed.out_info  # [T, D] activations, [T, hd] rotary tables
     layer = lower_jitted_for_cuda(steps.layer, weights.layers[0], x, cos, sin, runner.kv_cache[0], md)
     last_rows = lower_jitted_for_cuda(steps.last_rows, x, md)
-    head = lower_jitted_for_cuda(steps.head, weights.outer, last_rows.out_info, sampling, flags=SamplerFlags())
+    head_logits = lower_jitted_for_cuda(steps.head_logits, weights.outer, last_rows.out_info, sampling.num_rows)
+    pick = lower_jitted_for_cuda(steps.pick, head_logits.out_info, head_logits.out_info, scalars_only(sampling))
 
     text = layer.as_text()
     attention = KERNEL_NAMES["decode" if kind == "decode" else "ragged"]
@@ -74,5 +75,5 @@ def test_engine_step_pieces_lower_for_cuda(engine, kind, monkeypatch):
                 f"{config.head_dim}xbf16>"
     # outputs: (x, (k_pages, v_pages)); only the two pools are donated, each updated in place into its own
     assert donated_arguments(text) == {pool_type: [1, 2]}
-    for piece in (embed, last_rows, head):
+    for piece in (embed, last_rows, head_logits, pick):
         assert TRITON_CALL not in piece.as_text()

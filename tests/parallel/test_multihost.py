@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from tests.parallel.processes import (REPO, WORKER, WORKER_TIMEOUT_S, free_port, run_together, run_worker,
                                       worker_env as _env, worker_result as _result)
 from tests.parallel.test_tensor_parallel import PROMPTS
@@ -91,6 +93,7 @@ def _serve_once(command_for_rank, prompt: str, http_port: int) -> tuple[str, lis
     return text, codes
 
 
+@pytest.mark.extended  # the engine across two hosts: the test above
 def test_cli_generate_and_serve_across_two_hosts_match_one(tiny_models):
     """`jvllm generate|serve --num-hosts 2 --host-rank R --coordinator ...`: rank 0 prints (or serves) the
     single-process text, rank 1 prints nothing; SIGTERM to the server's rank 0 ends both ranks with 0."""

@@ -55,10 +55,10 @@ ASK = [{"role": "user", "content": "What is the weather in Paris, and what time 
 
 @pytest.fixture(scope="module")
 def smol_server():
-    """SmolLM2 with the default engine's settings (its executables come from the session's compile cache), the
-    Hermes template, auto tool choice with the hermes parser, and the qwen3 reasoning parser."""
+    """SmolLM2 in the default dtype (shapes compile when first met), the Hermes template, auto tool choice with
+    the hermes parser, and the qwen3 reasoning parser."""
     server = start_server(None, engine_args=dict(kv_cache_memory_bytes=256 << 20, max_num_seqs=32,
-                                                 max_model_len=2048, reasoning_parser="qwen3"),
+                                                 max_model_len=2048, reasoning_parser="qwen3", precompile=False),
                           settings=dict(chat_template=HERMES_TEMPLATE, enable_auto_tool_choice=True,
                                         tool_call_parser="hermes", reasoning_parser="qwen3"))
     yield server
