@@ -155,7 +155,7 @@ def _row_uniforms(seeds: jax.Array, positions: jax.Array) -> jax.Array:
 
     A counter-based integer hash (two rounds of multiply-xorshift mixing, seed and position folded in turn)
     rather than jax.random's threefry: one number per row needs no cryptographic strength, and threefry's
-    rounds compile into loops that took a large share of the sampler's compile time."""
+    rounds compile into while loops that cost a large share of the sampler's compile time."""
     state = _mix32(seeds.astype(jnp.uint32) ^ jnp.uint32(0x9E3779B9))
     state = _mix32(state ^ positions.astype(jnp.uint32) * jnp.uint32(0x85EBCA6B))
     return (state >> 8).astype(jnp.float32) * jnp.float32(1.0 / (1 << 24))  # 24 random bits: exact in float32

@@ -43,18 +43,12 @@ PROCESSORS = ("penalties", "masks")  # in the order a step runs them
 @dataclasses.dataclass
 class CompiledHead:
     """The head of one row count in three parts: logits, the processors a step's flags ask for (token
-    penalties, token masks), then the sampler's pick. Split so that one sampler executable, the costliest piece
-    to compile, serves every pair of flags: a head per pair compiled the sampler four times."""
+    penalties, token masks), then the sampler's pick. Split so that the sampler, the costliest piece to compile,
+    is one executable per row count whatever the flags."""
 
     logits: Executable  # (outer, x_last [S, D], num_rows []) -> [S, V] float32
     pick: Executable  # (logits, processed [S, V], per-row scalars) -> {token_ids, sample_stats}
-    processors: dict[str, Executable]  # by name in PROCESSORS: every one when precompiled, else on first use
-    _late_processor: Callable[[str], Executable]
-
-    def processor(self, name: str) -> Executable:
-        if name not in self.processors:
-            self.processors[name] = self._late_processor(name)
-        return self.processors[name]
+    processor: Callable[[str], Executable]  # a name in PROCESSORS -> its executable (compiled on first use)
 
     def sample(self, flags: SamplerFlags, logits: jax.Array, sampling: Any) -> dict:
         """logits [S, V] from `self.logits`, sampling tensors on the device -> the pick's outputs."""
@@ -214,8 +208,10 @@ class CompiledSteps:
                     self._processors[rows, name] = self._compiled(f"{name} S={rows}", fn, logits, inputs(sampling))
             return self._processors[rows, name]
 
-        processors = {name: processor(name) for name in PROCESSORS} if every_processor else {}
-        return CompiledHead(head_logits, self._picks[rows], processors, processor)
+        if every_processor:
+            for name in PROCESSORS:
+                processor(name)
+        return CompiledHead(head_logits, self._picks[rows], processor)
 
 
 def _spec(a: Any) -> jax.ShapeDtypeStruct:

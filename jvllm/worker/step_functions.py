@@ -1,5 +1,6 @@
 """The jitted pieces of one model step: embedding, a layer (one function for every layer), the head (logits, the
-logit processors, the sampler), all-position logits, and the pool store. The runner compiles them ahead of time per step shape.
+logit processors, the sampler), all-position logits, and the pool store. The runner compiles them ahead of
+time per step shape.
 
 Each piece closes over the static structure (graphdefs, tree structures, mesh), so a call passes only flat
 weight lists and the step's arrays."""
