@@ -196,7 +196,8 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
         for i, (prompt, param) in enumerate(zip(prompts, params)):
             state.log_request(f"{job.id}-{i}", "received", repr(prompt.text or prompt.token_ids)[:2000], param)
             streams.append(await state.engine.add_request({"prompt": prompt.text, "prompt_token_ids": prompt.token_ids},
-                                                          param, f"{job.id}-{i}", arrival_time=arrival))
+                                                          param, f"{job.id}-{i}", arrival_time=arrival,
+                                                          priority=body.priority))
     except BaseException:
         for stream in streams:
             stream.close()

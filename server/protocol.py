@@ -119,6 +119,8 @@ class SamplingFields(RequestBody):
     echo: bool = False
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    priority: int = Field(0, ge=SEED_MIN, le=SEED_MAX,
+                          description="lower runs first; other than 0 needs --scheduling-policy priority")
 
 
 class CompletionRequest(SamplingFields):

@@ -46,7 +46,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  seed: int, max_total_tokens: int, eos_token_ids: tuple[int, ...] = (),
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None, priority: int = 0):
         self.request_id = request_id
         self.group_id = request_id  # the user's id; differs for the n > 1 members of one prompt
         self.prompt = prompt
@@ -68,6 +68,7 @@ class Request:
         self.error: str | None = None  # why it finished with FINISHED_ERROR
         self.num_preemptions = 0
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.priority = priority  # the priority policy runs lower values first
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None

@@ -1,14 +1,32 @@
-"""Continuous-batching scheduler: token budget, chunked prefill, FCFS admission, preemption by recompute."""
+"""Continuous-batching scheduler: token budget, chunked prefill, FCFS or priority admission, preemption by recompute."""
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
 from collections import deque
+from typing import Literal
 
 from jvllm.core.encoder_cache import EncoderBudget, EncoderCache, MultiModalItem
 from jvllm.core.kv_pages import PageManager
 from jvllm.core.prefix_cache import request_page_keys
 from jvllm.core.request import Request, RequestStatus
+
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+
+def check_priority(priority: int, policy: SchedulingPolicy) -> None:
+    """A request's priority must be an integer, and other than 0 only under the priority policy (as vLLM's)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority must be an integer, got {priority!r}")
+    if priority != 0 and policy != "priority":
+        raise ValueError(f"got priority {priority}, but the engine schedules first come, first served; start it "
+                         "with scheduling_policy='priority' (--scheduling-policy priority) to use priorities")
+
+
+def priority_order(request: Request) -> tuple[int, float]:
+    """The priority policy's order, as vLLM's: a lower `priority` value first, then earlier arrival."""
+    return request.priority, request.arrival_time
 
 
 @dataclasses.dataclass
@@ -39,9 +57,12 @@ class Scheduler:
 
     def __init__(self, pages: PageManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_prefix_caching: bool = False, encoder_cache: EncoderCache | None = None,
-                 max_num_encoder_tokens: int = 0):
+                 max_num_encoder_tokens: int = 0, policy: SchedulingPolicy = "fcfs"):
         """`encoder_cache` (multimodal models): a chunk runs only once the images it touches have encoder rows,
-        and a step encodes at most `max_num_encoder_tokens` rows of new images."""
+        and a step encodes at most `max_num_encoder_tokens` rows of new images. `policy`: "fcfs" admits in
+        arrival order; "priority" keeps the waiting queue and the running list in `priority_order`, so the
+        preempted are always the lowest-priority requests, and a waiting request preempts running requests
+        of lower priority when there is no room for it."""
         self.pages = pages
         self.encoder_cache = encoder_cache
         self.max_num_encoder_tokens = max_num_encoder_tokens
@@ -50,8 +71,9 @@ class Scheduler:
         self.prefix_cache_hits = 0  # of those, tokens found cached
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # under the priority policy, in priority_order
         self.num_preemptions = 0
 
     def max_kv_tokens(self) -> int:
@@ -69,14 +91,19 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.check_fits(request)
-        self.waiting.append(request)
+        if self.policy == "priority":
+            bisect.insort_right(self.waiting, request, key=priority_order)
+        else:
+            self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledChunk]:
         """This step's chunks: running requests first (preempting from the back when pages run out), then
-        waiting ones in FCFS order while the token budget, the sequence limit and free pages allow."""
+        waiting ones in queue order while the token budget, the sequence limit and free pages allow."""
+        if self.policy == "priority":
+            self._make_room_for_higher_priority()
         budget = self.max_num_batched_tokens
         encoder = None if self.encoder_cache is None else EncoderBudget(self.max_num_encoder_tokens)
         chunks: list[ScheduledChunk] = []
@@ -108,7 +135,7 @@ class Scheduler:
             if count == 0 or needed > self.pages.num_free_pages:
                 self._undo_lookup(request, cached_pages)
                 self._undo_encoder(request, encoder)
-                break  # strict FCFS: later requests do not overtake the head of the queue
+                break  # strict queue order: later requests do not overtake the head of the queue
             if cached_pages is not None:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += len(cached_pages) * self.pages.page_size
@@ -116,10 +143,24 @@ class Scheduler:
             request.page_table += self.pages.allocate(needed)
             request.set_status(RequestStatus.RUNNING)
             request.first_scheduled_time = request.first_scheduled_time or time.time()
-            self.running.append(request)
+            if self.policy == "priority":
+                bisect.insort_right(self.running, request, key=priority_order)
+            else:
+                self.running.append(request)
             chunks.append(self._chunk(request, count, encoder))
             budget -= count
         return chunks
+
+    def _make_room_for_higher_priority(self) -> None:
+        """Preempt the lowest-priority running requests while the head of the queue outranks them and lacks a
+        sequence slot or the pages of its first chunk."""
+        while self.waiting and self.running and priority_order(self.waiting[0]) < priority_order(self.running[-1]):
+            head = self.waiting[0]
+            first_chunk = min(head.num_tokens - head.num_computed_tokens, self.max_num_batched_tokens)
+            needed = self.pages.pages_for_tokens(head.num_computed_tokens + first_chunk) - len(head.page_table)
+            if len(self.running) < self.max_num_seqs and needed <= self.pages.num_free_pages:
+                return
+            self._preempt(self.running[-1])
 
     def _encoder_room(self, request: Request, count: int, encoder: EncoderBudget | None) -> int:
         """How many of the next `count` tokens can run: all, unless an image among them cannot be encoded yet."""
@@ -203,7 +244,8 @@ class Scheduler:
         return True, preempted
 
     def _preempt(self, request: Request) -> None:
-        """Drop the request's KV; it rejoins the front of the queue and recomputes its tokens later."""
+        """Drop the request's KV; it rejoins the queue (its front, or its place in priority order) and recomputes
+        its tokens later."""
         self.running.remove(request)
         self.pages.release(request.page_table)
         request.page_table = []
@@ -214,7 +256,10 @@ class Scheduler:
         self.num_preemptions += 1
         request.set_status(RequestStatus.PREEMPTED)
         request.set_status(RequestStatus.WAITING)
-        self.waiting.appendleft(request)
+        if self.policy == "priority":
+            bisect.insort_left(self.waiting, request, key=priority_order)
+        else:
+            self.waiting.appendleft(request)
 
     def commit(self, chunks: list[ScheduledChunk]) -> None:
         """Once the step is dispatched: the scheduled tokens have (or will have, in device order) KV in the pool."""

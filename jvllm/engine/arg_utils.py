@@ -143,6 +143,10 @@ class EngineArgs:
         "auto", "extra weight copy for steps of 2+ token rows: auto (bfloat16 when a float32 model runs on CPU "
                 "because dtype is auto; ~1.6x faster batched steps, outputs then depend slightly on the batch), none, "
                 "or a dtype such as bfloat16")
+    scheduling_policy: str = option("fcfs", "fcfs: requests run in arrival order; priority: by each request's "
+                                            "`priority` (lower first, then arrival), preempting running requests of "
+                                            "lower priority when a higher one waits without room",
+                                    choices=["fcfs", "priority"])
     async_scheduling: bool = option(True, "dispatch each decode step before the previous step's tokens reach the "
                                           "host, so host work overlaps the device's (one device only; default on)")
     precompile: bool = option(True, "compile every step shape before serving (default on; loaded from the cache "

@@ -125,9 +125,11 @@ class AsyncEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     async def add_request(self, prompt: PromptType, params: SamplingParams | None = None,
-                          request_id: str | None = None, *, arrival_time: float | None = None) -> RequestStream:
+                          request_id: str | None = None, *, arrival_time: float | None = None,
+                          priority: int = 0) -> RequestStream:
         """Queue a request and return its output stream; a refused request raises here (ValueError for
-        a bad prompt or params, QueueFullError when the waiting queue is at its limit)."""
+        a bad prompt or params or a priority the scheduling policy does not take, QueueFullError when the
+        waiting queue is at its limit)."""
         self._check_alive()
         loop = asyncio.get_running_loop()
         request_id = request_id or f"req-{uuid.uuid4().hex}"
@@ -138,7 +140,7 @@ class AsyncEngine:
         future: concurrent.futures.Future = concurrent.futures.Future()
         try:
             self._submit(Add(request_id, prompt, params or SamplingParams(), arrival_time or time.time(), loop,
-                              future))
+                              future, priority))
             await asyncio.wrap_future(future)
         except Exception:
             stream.done = True  # refused: nothing was queued
@@ -150,13 +152,13 @@ class AsyncEngine:
         return stream
 
     async def generate(self, prompt: PromptType, params: SamplingParams | None = None,
-                       request_id: str | None = None, *, arrival_time: float | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *, arrival_time: float | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield the request's RequestOutput after each step that advanced it, the last one finished.
 
         Each output is cumulative (full text and token ids so far, as vLLM's default). Closing the
         generator (or cancelling the task iterating it) before the end aborts the request."""
-        stream = await self.add_request(prompt, params, request_id, arrival_time=arrival_time)
+        stream = await self.add_request(prompt, params, request_id, arrival_time=arrival_time, priority=priority)
         try:
             async for output in stream:
                 yield output
@@ -283,7 +285,8 @@ class AsyncEngine:
             if self.max_waiting_requests is not None and waiting + command.params.n > self.max_waiting_requests:
                 raise QueueFullError(f"the waiting queue is full ({max(waiting, 0)} sequences waiting, "
                                      f"{command.params.n} more asked); retry later")
-            self.engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time)
+            self.engine.add_request(command.request_id, command.prompt, command.params, command.arrival_time,
+                                    command.priority)
         except Exception as error:
             command.future.set_exception(error)
             return

@@ -20,6 +20,7 @@ class Add:
     arrival_time: float
     loop: asyncio.AbstractEventLoop
     future: concurrent.futures.Future  # set when the engine has queued the request (or refused it)
+    priority: int = 0
 
 
 @dataclasses.dataclass

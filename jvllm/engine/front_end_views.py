@@ -9,9 +9,10 @@ from jvllm.multimodal.inputs import ProcessedImage, text_only_error
 
 
 class FrontEndViews:
-    """Mixed into Engine, which sets `scheduler`, `pages`, `config`, `model`, `mm_processor`, `media`, `embedder`."""
+    """Mixed into Engine, which sets `scheduler`, `encoder_cache`, `pages`, `config`, `model`, `mm_processor`, `media`, `embedder`."""
 
     scheduler: Any
+    encoder_cache: Any
     pages: Any
     config: Any
     model: Any
@@ -31,6 +32,17 @@ class FrontEndViews:
         """Sequences waiting beyond those the next step can still admit (may be negative: room left)."""
         scheduler = self.scheduler
         return len(scheduler.waiting) - max(self.config.max_num_seqs - len(scheduler.running), 0)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    def reset_mm_cache(self) -> None:
+        """Forget every encoded image that no running request still reads (vLLM's name)."""
+        if self.encoder_cache is not None:
+            self.encoder_cache.reset()
 
     def running_request_ids(self) -> set[str]:
         """The ids (as given to add_request) of the requests in the running batch."""

@@ -35,7 +35,7 @@ from jvllm.engine.prompts import PromptType, conversation_prompts, tokenize_prom
 from jvllm.multimodal.inputs import PromptImages, engine_multimodal
 from jvllm.core.request import Request, RequestStatus
 from jvllm.sampling_params import SamplingParams, StructuredOutputsParams
-from jvllm.core.scheduler import ScheduledChunk, Scheduler
+from jvllm.core.scheduler import ScheduledChunk, Scheduler, check_priority
 from jvllm.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger("jvllm")
@@ -106,7 +106,8 @@ class Engine(MultiHostRoles, FrontEndViews):
         image_tokens = 0 if self.model.vision is None else self.model.vision.max_image_tokens
         self.scheduler = Scheduler(self.pages, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    enable_prefix_caching=args.enable_prefix_caching, encoder_cache=self.encoder_cache,
-                                   max_num_encoder_tokens=max(cfg.max_num_batched_tokens, image_tokens))
+                                   max_num_encoder_tokens=max(cfg.max_num_batched_tokens, image_tokens),
+                                   policy=args.scheduling_policy)
         shapes = ShapeSet(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         batched_dtype = batched_weights_for(args.batched_weight_dtype, args.dtype, self.model)
         self.channel = distributed.StepChannel() if hosts.multi_host else None
@@ -178,10 +179,12 @@ class Engine(MultiHostRoles, FrontEndViews):
 
     # ---- step-level API -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Queue one prompt; raises ValueError (and queues nothing) if it can never be served."""
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Queue one prompt; raises ValueError (and queues nothing) if it can never be served. `priority` (lower
+        runs first) needs scheduling_policy='priority'."""
         params = params or SamplingParams()
         self._check_leader()
+        check_priority(priority, self.scheduler.policy)
         if self.model.is_encoder:
             raise generate_unsupported(self.model.served_name)
         if not isinstance(params, SamplingParams):
@@ -204,7 +207,7 @@ class Engine(MultiHostRoles, FrontEndViews):
             member_id = request_id if params.n == 1 else f"{request_id}#{index}"
             seed = self._rng.getrandbits(32) if params.seed is None else (params.seed + index * 0x9E3779B1) % 2**32
             request = Request(member_id, text, token_ids, params, seed, self.config.max_model_len,
-                              self.eos_token_ids, arrival_time)
+                              self.eos_token_ids, arrival_time, priority)
             request.group_id = request_id
             request.cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params)
@@ -237,17 +240,6 @@ class Engine(MultiHostRoles, FrontEndViews):
         """Forget every cached prefix (pages in use stay valid for their requests). -> True, as vLLM's does."""
         self.scheduler.reset_prefix_cache()
         return True
-
-    def reset_mm_cache(self) -> None:
-        """Forget every encoded image that no running request still reads (vLLM's name)."""
-        if self.encoder_cache is not None:
-            self.encoder_cache.reset()
-
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.scheduler.waiting) + len(self.scheduler.running)
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, process results; -> outputs of every prompt that advanced.
@@ -319,8 +311,9 @@ class Engine(MultiHostRoles, FrontEndViews):
     # ---- batch API ------------------------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate completions for every prompt; outputs come back in input order."""
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate completions for every prompt; outputs come back in input order. `priority`: one per prompt
+        (lower runs first), with scheduling_policy='priority'."""
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         if not prompt_list:
             raise ValueError("generate() needs at least one prompt")
@@ -330,11 +323,14 @@ class Engine(MultiHostRoles, FrontEndViews):
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts")
+        priorities = [0] * len(prompt_list) if priority is None else list(priority)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
         request_ids: list[str] = []
         try:
-            for prompt, params in zip(prompt_list, params_list):
+            for prompt, params, rank in zip(prompt_list, params_list, priorities):
                 request_id = f"gen-{next(self._counter)}"
-                self.add_request(request_id, prompt, params)
+                self.add_request(request_id, prompt, params, priority=rank)
                 request_ids.append(request_id)
         except Exception:
             self.abort_request(request_ids)  # all or nothing: a bad prompt leaves no orphans behind
