@@ -18,6 +18,8 @@ _EXPORTS = {
     "CompletionOutput": "jvllm.outputs",
     "EmbeddingRequestOutput": "jvllm.outputs",
     "EmbeddingOutput": "jvllm.outputs",
+    "ScoringRequestOutput": "jvllm.outputs",
+    "ScoringOutput": "jvllm.outputs",
     "AsyncEngine": "jvllm.engine.async_engine",
     "EngineArgs": "jvllm.engine.arg_utils",
 }

@@ -148,3 +148,30 @@ class EmbeddingRequestOutput:
         return (f"EmbeddingRequestOutput(request_id={self.request_id!r}, outputs={self.outputs!r}, "
                 f"prompt_token_ids={_short_list(self.prompt_token_ids)}, finished={self.finished}, "
                 f"prompt={_short_text(self.prompt)})")
+
+
+@dataclass
+class ScoringOutput:
+    """One pair's score (vLLM's `ScoringOutput`): a cross-encoder's classifier score, or the cosine similarity of
+    the two texts' embeddings."""
+
+    score: float
+
+    def __repr__(self) -> str:
+        return f"ScoringOutput(score={self.score})"
+
+
+@dataclass
+class ScoringRequestOutput:
+    """The result of scoring one pair (vLLM's `ScoringRequestOutput`). prompt_token_ids are the tokens the model saw:
+    a cross-encoder's pair encoding, or, as vLLM counts them for embedding models, the first text's tokens, the pad
+    token and the second text's tokens."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    def __repr__(self) -> str:
+        return (f"ScoringRequestOutput(request_id={self.request_id!r}, outputs={self.outputs!r}, "
+                f"prompt_token_ids={_short_list(self.prompt_token_ids)}, finished={self.finished})")

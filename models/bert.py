@@ -1,4 +1,5 @@
-"""Flax NNX BERT-family encoder (BERT, RoBERTa, XLM-R): bidirectional attention over padded [B, L] rows."""
+"""Flax NNX BERT-family encoder (BERT, RoBERTa, XLM-R): bidirectional attention over padded [B, L] rows, and its
+sequence-classification (cross-encoder) head."""
 from __future__ import annotations
 
 from typing import Callable, Mapping
@@ -171,6 +172,41 @@ class BertModel(nnx.Module):
             dense(layer.output, p + "output.dense")
             norm(layer.output_norm, p + "output.LayerNorm")
 
+
+
+class BertForSequenceClassification(nnx.Module):
+    """A cross-encoder: BertModel, then on each sequence's first token ([CLS] / <s>) a dense + tanh pooler and a
+    linear classifier to num_labels logits. BERT checkpoints name the two `bert.pooler.dense` and `classifier`,
+    RoBERTa-family ones `classifier.dense` and `classifier.out_proj` (the same computation)."""
+
+    def __init__(self, cfg: EncoderConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
+        d = cfg.hidden_size
+        self.config = cfg
+        self.encoder = BertModel(cfg, dtype, rngs)
+        self.pooler = Dense(d, d, dtype, rngs)
+        self.classifier = Dense(d, cfg.num_labels, dtype, rngs)
+
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array, positions: jax.Array | None = None,
+                 token_type_ids: jax.Array | None = None) -> jax.Array:
+        """[B, L] -> the encoder's hidden states [B, L, D] (see BertModel.__call__)."""
+        return self.encoder(input_ids, attention_mask, positions, token_type_ids)
+
+    def classify(self, first: jax.Array) -> jax.Array:
+        """First-token hidden states [S, D] -> logits [S, num_labels] float32."""
+        return self.classifier(jnp.tanh(self.pooler(first))).astype(jnp.float32)
+
+    def load_hf_weights(self, tensors: Mapping[str, np.ndarray], dtype: jnp.dtype) -> None:
+        self.encoder.load_hf_weights(tensors, dtype)
+        if "classifier.out_proj.weight" in tensors:
+            pooler, classifier = "classifier.dense", "classifier.out_proj"
+        else:
+            pooler, classifier = _weight_prefix(tensors) + "pooler.dense", "classifier"
+        for module, name in ((self.pooler, pooler), (self.classifier, classifier)):
+            missing = [key for key in (name + ".weight", name + ".bias") if key not in tensors]
+            if missing:
+                raise ValueError(f"weights are missing tensor {missing[0]!r} of the classification head")
+            module.kernel.set_value(jnp.asarray(np.asarray(tensors[name + ".weight"]).T, dtype=dtype))
+            module.bias.set_value(jnp.asarray(np.asarray(tensors[name + ".bias"]), dtype=dtype))
 
 def attention_bias(attention_mask: jax.Array) -> jax.Array:
     """[B, L] segment mask (0 padding) -> [B, L, L] float32 bias: 0 where query and key share a segment."""

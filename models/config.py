@@ -217,6 +217,10 @@ def _sliding_window(hf: dict[str, Any], qwen: bool) -> int | None:
     return int(window)
 
 
+# The torch.nn activations a cross-encoder's config may name for its scores (jvllm.pooling.scoring applies them).
+SCORE_ACTIVATIONS = ("Identity", "Sigmoid", "Softmax", "Tanh")
+
+
 @dataclasses.dataclass(frozen=True)
 class EncoderConfig:
     """A BERT-family bidirectional encoder (BERT, RoBERTa, XLM-R), read from an HF config dict."""
@@ -235,8 +239,15 @@ class EncoderConfig:
     position_offset: int = 0  # RoBERTa numbers positions from pad_token_id + 1; BERT from 0
     matryoshka_dimensions: tuple[int, ...] | None = None  # output sizes the model was trained to truncate to
     eos_token_ids: tuple[int, ...] = ()  # an encoder never generates
+    num_labels: int = 0  # a sequence classifier's (cross-encoder's) outputs; 0: a plain encoder
+    score_activation: str | None = None  # the torch.nn class its config names for scores ('Sigmoid', 'Identity')
 
     is_encoder = True
+
+    @property
+    def is_cross_encoder(self) -> bool:
+        """A sequence-pair classifier (`*ForSequenceClassification`): it scores pairs, it does not embed."""
+        return self.num_labels > 0
 
     @property
     def head_dim(self) -> int:
@@ -256,6 +267,7 @@ class EncoderConfig:
                              "only 'absolute' is implemented")
         pad = int(hf.get("pad_token_id") or 0)
         matryoshka = hf.get("matryoshka_dimensions")
+        classifier = architecture.endswith("ForSequenceClassification")
         return cls(
             architecture=architecture,
             vocab_size=int(hf["vocab_size"]),
@@ -270,4 +282,29 @@ class EncoderConfig:
             pad_token_id=pad,
             position_offset=pad + 1 if model_type in ("roberta", "xlm-roberta") else 0,
             matryoshka_dimensions=tuple(int(d) for d in matryoshka) if matryoshka else None,
+            num_labels=_num_labels(hf) if classifier else 0,
+            score_activation=_score_activation(hf) if classifier else None,
         )
+
+
+def _num_labels(hf: dict[str, Any]) -> int:
+    """A classifier's output count as transformers reads it: id2label's size, else num_labels (default 2)."""
+    labels = hf.get("id2label")
+    return len(labels) if labels else int(hf.get("num_labels", 2))
+
+
+def _score_activation(hf: dict[str, Any]) -> str | None:
+    """The activation a cross-encoder's config names for its scores, as sentence-transformers' CrossEncoder reads it
+    (`sentence_transformers.activation_fn`, else the older `sbert_ce_default_activation_function`): the class name
+    of a torch.nn path; None when it names none, or names something outside torch (CrossEncoder then uses its
+    default too)."""
+    st = hf.get("sentence_transformers")
+    path = st.get("activation_fn") if isinstance(st, dict) else None
+    path = path or hf.get("sbert_ce_default_activation_function")
+    if not isinstance(path, str) or not path.startswith("torch.nn."):
+        return None
+    name = path.rsplit(".", 1)[-1]
+    if name not in SCORE_ACTIVATIONS:
+        raise ValueError(f"the cross-encoder's config names the score activation {path}; supported: "
+                         f"{', '.join(SCORE_ACTIVATIONS)}")
+    return name

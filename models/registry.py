@@ -5,7 +5,7 @@ from typing import Any
 
 from flax import nnx
 
-from models.bert import BertModel
+from models.bert import BertForSequenceClassification, BertModel
 from models.config import EncoderConfig, ModelConfig
 from models.gemma import GemmaForCausalLM
 from models.llama import LlamaForCausalLM
@@ -24,7 +24,8 @@ _CAUSAL_LMS: dict[str, type[nnx.Module]] = {
     "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 
-# Encoders serve embeddings only. Task heads' weights (MLM, pooler) are ignored; the encoder is the same.
+# Encoders serve embeddings; task heads' weights (MLM, pooler) are ignored, the encoder is the same. Sequence
+# classifiers (cross-encoders) keep their pooler and classifier and serve pair scores.
 _ENCODERS: dict[str, type[nnx.Module]] = {
     "BertModel": BertModel,
     "BertForMaskedLM": BertModel,
@@ -33,6 +34,9 @@ _ENCODERS: dict[str, type[nnx.Module]] = {
     "RobertaForMaskedLM": BertModel,
     "XLMRobertaModel": BertModel,
     "XLMRobertaForMaskedLM": BertModel,
+    "BertForSequenceClassification": BertForSequenceClassification,
+    "RobertaForSequenceClassification": BertForSequenceClassification,
+    "XLMRobertaForSequenceClassification": BertForSequenceClassification,
 }
 
 # Vision-language models -> their language model's config dict (one of the causal LMs above); the vision sides are

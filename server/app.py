@@ -11,13 +11,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import jvllm
 from jvllm.engine.async_engine import AsyncEngine
+from server.anthropic_messages import anthropic_routes
 from server.auth import check_api_key
 from server.blocking import BlockingWork, json_in_pieces
 from server.body_limit import BodySizeLimit
 from server.chat import create_chat_completion, render_chat
 from server.completions import create_completion
 from server.embeddings import create_embedding
-from server.errors import APIError, ClientGone, bad_request, error_response, install_error_handlers, to_api_error
+from server.errors import (APIError, ClientGone, bad_request, error_response, install_error_handlers, route_path,
+                           to_api_error)
 from server.limits import AdmissionLimits
 from server.memory_trim import TrimAfterLargeBodies
 from server.metrics import ServerMetrics
@@ -26,7 +28,10 @@ from server.protocol import (ChatCompletionRequest, CompletionRequest, Detokeniz
                              TokenizeRequest)
 from server.responses import (ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, DetokenizeResponse,
                               EmbeddingResponse, ErrorResponse, ModelCard, ModelList, TokenizeResponse)
+from server.responses_api import create_response, retrieve_response
+from server.responses_api_protocol import ResponseObject, ResponsesRequest, ResponseStreamEvent
 from server.sampling import check_model
+from server.score import score_routes
 from server.settings import ServerSettings
 from server.state import ServerState, state_of
 from server.tokens import TokenText
@@ -38,8 +43,8 @@ access_logger = logging.getLogger("uvicorn.access")
 
 
 async def _guarded(request: Request, work: Awaitable[Response]) -> Response:
-    """Run a handler; errors become OpenAI error bodies without a traceback reaching the client. A client
-    that left gets no response: its line in the access log says 499, as nginx logs one."""
+    """Run a handler; errors become OpenAI error bodies (Anthropic's on its routes) without a traceback reaching
+    the client. A client that left gets no response: its line in the access log says 499, as nginx logs one."""
     try:
         return await work
     except ClientGone:
@@ -48,7 +53,7 @@ async def _guarded(request: Request, work: Awaitable[Response]) -> Response:
                            request.method, request.url.path, request.scope.get("http_version", "1.1"), 499)
         return Response(status_code=499)
     except Exception as error:
-        return error_response(to_api_error(error))
+        return error_response(to_api_error(error), route_path(request.scope))
 
 
 def _protected_routes() -> APIRouter:
@@ -74,6 +79,15 @@ def _protected_routes() -> APIRouter:
                  openapi_extra=streamed(ChatCompletionChunk))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _guarded(request, create_chat_completion(body, request, state_of(request)))
+
+    @router.post("/v1/responses", responses={200: {"model": ResponseObject}, **_ERRORS},
+                 openapi_extra=streamed(ResponseStreamEvent))
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await _guarded(request, create_response(body, request, state_of(request)))
+
+    @router.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERRORS)
+    async def get_response(response_id: str, request: Request) -> Response:
+        return await _guarded(request, retrieve_response(response_id, state_of(request)))
 
     @router.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
@@ -181,6 +195,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.state.settings = settings
     install_error_handlers(app)
     app.include_router(_protected_routes())
+    app.include_router(anthropic_routes(_guarded))
+    app.include_router(score_routes(_guarded))
     app.include_router(_public_routes())
     app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
                        allow_methods=settings.allowed_methods, allow_headers=settings.allowed_headers,

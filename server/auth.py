@@ -1,4 +1,5 @@
-"""API-key check for the protected routes: `Authorization: Bearer <key>`, compared in constant time."""
+"""API-key checks for the protected routes: `Authorization: Bearer <key>` (the Anthropic routes also take
+`x-api-key: <key>`), compared in constant time."""
 from __future__ import annotations
 
 import hmac
@@ -8,14 +9,33 @@ from fastapi import Request
 from server.errors import APIError
 
 
+def _matches(given: str, expected: bytes) -> bool:
+    # compare_digest on bytes: constant time whatever the content (str would refuse non-ASCII)
+    return hmac.compare_digest(given.strip().encode(), expected)
+
+
+def _bearer_matches(request: Request, expected: bytes) -> bool:
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and _matches(given, expected)
+
+
 async def check_api_key(request: Request) -> None:
     """FastAPI dependency (async: a plain def would run in the thread pool, a hop per request); a no-op
     when the server runs without --api-key."""
     expected: bytes | None = request.app.state.settings.api_key_bytes
     if expected is None:
         return
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    # compare_digest on bytes: constant time whatever the content (str would refuse non-ASCII)
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+    if not _bearer_matches(request, expected):
         raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+async def check_anthropic_api_key(request: Request) -> None:
+    """check_api_key for the Anthropic routes: Anthropic's clients send the key as `x-api-key`."""
+    expected: bytes | None = request.app.state.settings.api_key_bytes
+    if expected is None:
+        return
+    given = request.headers.get("x-api-key")
+    if not (given is not None and _matches(given, expected)) and not _bearer_matches(request, expected):
+        raise APIError(401, "invalid or missing API key: send 'x-api-key: <key>' (or 'Authorization: Bearer <key>')",
+                       code="invalid_api_key")

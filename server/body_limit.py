@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from typing import Any, Awaitable, Callable
 
-from server.errors import error_body
+from server.errors import error_body_for, route_path
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -36,7 +36,7 @@ class BodySizeLimit:
         if declared is not None and declared > self.max_bytes:
             if declared <= DRAIN_LIMIT_BYTES:
                 await _drain(receive)
-            await self._refuse(send, declared)
+            await self._refuse(scope, send, declared)
             return
         chunks: list[bytes] = []
         size = 0
@@ -49,16 +49,17 @@ class BodySizeLimit:
             if size > self.max_bytes:
                 if message.get("more_body", False):
                     size += await _drain(receive, DRAIN_LIMIT_BYTES - size)
-                await self._refuse(send, size)
+                await self._refuse(scope, send, size)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
         await self.app(scope, _replay(b"".join(chunks), receive), send)
 
-    async def _refuse(self, send: Send, size: int) -> None:
-        body = json.dumps(error_body(413, f"the request body has {size} bytes or more; this server accepts at most "
-                                          f"{self.max_bytes} (--max-request-body-bytes)", "body")).encode()
+    async def _refuse(self, scope: Scope, send: Send, size: int) -> None:
+        body = json.dumps(error_body_for(route_path(scope), 413, f"the request body has {size} bytes or more; this "
+                                         f"server accepts at most {self.max_bytes} (--max-request-body-bytes)",
+                                         "body")).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})

@@ -24,6 +24,7 @@ from server.settings import REQUEST_TEMPLATE_TIMEOUT_S
 from server.state import ServerState
 from server.structured import structured_outputs
 from server.tools import ToolPlan, plan_tools, template_messages
+from server.tool_prompt import template_shows_tools, tools_description, with_tools_described
 from server.chat_reply import StreamedReply, whole_reply
 from server.streaming import DONE, check_not_failed, sse, sse_response, unless_disconnected
 
@@ -66,11 +67,17 @@ async def render_chat(state: ServerState, messages: list[ChatMessage], *, reques
     kwargs = {k: v for k, v in (extra or {}).items() if k not in _RESERVED_TEMPLATE_ARGS}
     if tools:
         kwargs["tools"] = tools
-
+    describe = False  # the tools in a system message, for a template that ignores them
+    if tools and request_template is None:
+        shows = await template_shows_tools(state)  # logs once when the model cannot see them
+        describe = not shows and state.settings.tools_in_system_prompt
     image_token = state.engine.image_token or ""
 
     def render() -> str:
-        return state.engine.apply_chat_template(conversation(messages, image_token),
+        turns = conversation(messages, image_token)
+        if describe:
+            turns = with_tools_described(turns, tools_description(tools, state.settings.tool_call_parser))
+        return state.engine.apply_chat_template(turns,
                                                 chat_template=request_template or state.settings.chat_template,
                                                 add_generation_prompt=add_generation_prompt,
                                                 continue_final_message=continue_final_message, **kwargs)
@@ -102,7 +109,9 @@ async def chat_images(state: ServerState, messages: list[ChatMessage]) -> list[P
         raise bad_request(str(error), "messages") from None
 
 
-class _Chat:
+class ChatRun:
+    """One chat request on its way: its id, tool plan and prompt size; builds the route's reply or its events."""
+
     def __init__(self, body: ChatCompletionRequest, state: ServerState, model: str, num_prompt: int,
                  num_top: int | None, tools: ToolPlan):
         self.body, self.state, self.model, self.tools = body, state, model, tools
@@ -195,37 +204,49 @@ def _check_request(body: ChatCompletionRequest, state: ServerState) -> int | Non
     return num_top
 
 
-async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
-    arrival = time.time()
-    warn_unknown_fields(body, "/v1/chat/completions")
-    model = check_model(body.model, state.settings)
-    check_generates(model, state)
-    num_top = _check_request(body, state)
-    state.limits.check_tools(len(body.tools or ()))
-    tools = plan_tools(body, state.settings.auto_tool_parser())
-    constraint = await structured_outputs(body, state, tools.constraint(bool(body.parallel_tool_calls)))
+async def chat_prompt(body: ChatCompletionRequest, state: ServerState,
+                      tools: ToolPlan) -> tuple[str, list[int], list[ProcessedImage]]:
+    """The request's prompt as the chat route runs it -> (text, token ids, images); the ids count every image
+    token, so length checks and usage see the whole prompt."""
     text = await render_chat(state, body.messages, request_template=body.chat_template,
                              add_generation_prompt=body.add_generation_prompt,
                              continue_final_message=body.continue_final_message, extra=body.chat_template_kwargs,
                              tools=tools.tools or None)
     images = await chat_images(state, body.messages)
     ids = await state.tokenize(text, add_special_tokens=body.add_special_tokens)
-    if images:  # placeholders expanded here too, so the length checks and usage count every image token
+    if images:
         try:
             ids = state.engine.expand_image_tokens(ids, images)
         except ValueError as error:
             raise bad_request(str(error), "messages") from None
+    return text, ids, images
+
+
+async def start_chat(body: ChatCompletionRequest, state: ServerState) -> tuple[ChatRun, RequestStream]:
+    """The chat route's path up to generation (checks, tool plan, structured outputs, template, limits), the
+    request queued: -> the run and its engine stream. Routes that translate to chat start here too."""
+    arrival = time.time()
+    model = check_model(body.model, state.settings)
+    check_generates(model, state)
+    num_top = _check_request(body, state)
+    state.limits.check_tools(len(body.tools or ()))
+    tools = plan_tools(body, state.settings.auto_tool_parser())
+    constraint = await structured_outputs(body, state, tools.constraint(bool(body.parallel_tool_calls)))
+    text, ids, images = await chat_prompt(body, state, tools)
     wanted = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = sampling_params(body, max_tokens=check_fits(len(ids), wanted, state.engine.max_model_len),
                              logprobs=num_top, prompt_logprobs=body.prompt_logprobs, structured_outputs=constraint)
-    chat = _Chat(body, state, model, len(ids), num_top, tools)
+    chat = ChatRun(body, state, model, len(ids), num_top, tools)
     state.log_request(chat.id, "received", repr(text)[:2000], params)
     prompt = {"prompt": text, "prompt_token_ids": ids}
     if images:
         prompt["multi_modal_data"] = {"image": images}
-    stream = await state.engine.add_request(prompt, params, chat.id, arrival_time=arrival)
-    if body.stream:
-        return sse_response(chat.events(stream), [stream])
+    stream = await state.engine.add_request(prompt, params, chat.id, arrival_time=arrival, priority=body.priority)
+    return chat, stream
+
+
+async def final_output(request: Request, stream: RequestStream) -> RequestOutput:
+    """The stream's last output (a failed one raises); the client hanging up aborts the request (ClientGone)."""
 
     async def last() -> RequestOutput:
         final = None
@@ -235,8 +256,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         return final
 
     try:
-        final = await unless_disconnected(request, last())
+        return await unless_disconnected(request, last())
     finally:
         stream.close()
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
+    warn_unknown_fields(body, "/v1/chat/completions")
+    chat, stream = await start_chat(body, state)
+    if body.stream:
+        return sse_response(chat.events(stream), [stream])
+    final = await final_output(request, stream)
     state.log_request(chat.id, "finished", repr(final.outputs[0].text)[:2000])
     return JSONResponse(chat.response(final).model_dump())

@@ -8,7 +8,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from jvllm.pooling.embedder import InputTooLongError
+from jvllm.pooling.token_inputs import InputTooLongError
 from server.errors import bad_request
 from server.protocol import EmbeddingRequest
 from server.responses import EmbeddingData, EmbeddingResponse, EmbeddingUsage
@@ -55,6 +55,9 @@ def encode(vector: list[float], encoding_format: str) -> list[float] | str:
 async def create_embedding(body: EmbeddingRequest, request: Request, state: ServerState) -> Response:
     model = check_model(body.model, state.settings)
     engine = state.engine
+    if engine.is_cross_encoder:
+        raise bad_request(f"{model} is a cross-encoder: it scores text pairs and does not embed; use /v1/score or "
+                          "/v1/rerank", "model")
     if not engine.supports_embeddings:
         raise bad_request(f"{model} is a generative model and does not support embeddings; serve an embedding "
                           "model (e.g. `jvllm serve all-MiniLM-L6-v2`)", "model")

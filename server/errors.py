@@ -1,4 +1,5 @@
-"""OpenAI-style error bodies and the exception handlers that produce them (never a traceback)."""
+"""OpenAI-style (and, on the Anthropic routes, Anthropic-style) error bodies and the exception handlers that
+produce them (never a traceback)."""
 from __future__ import annotations
 
 import logging
@@ -17,6 +18,10 @@ RETRY_AFTER_SECONDS = 1
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
           503: "server_error"}
+# The Anthropic Messages API routes answer errors in Anthropic's shape.
+ANTHROPIC_PREFIX = "/v1/messages"
+_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
 
 
 class APIError(Exception):
@@ -46,6 +51,23 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "param": param, "code": code}}
 
 
+def anthropic_error_body(status: int, message: str) -> dict:
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_body_for(path: str, status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """The error body a route at `path` answers: Anthropic's under /v1/messages, OpenAI's elsewhere."""
+    if path.startswith(ANTHROPIC_PREFIX):
+        return anthropic_error_body(status, message)
+    return error_body(status, message, param, code)
+
+
+def route_path(scope: dict) -> str:
+    """The request's path as the routes see it (a proxy's root_path taken off)."""
+    return scope["path"].removeprefix(scope.get("root_path") or "")
+
+
 def to_api_error(error: BaseException) -> APIError:
     """Map an exception from request handling to what the client is told."""
     if isinstance(error, APIError):
@@ -66,8 +88,9 @@ def to_api_error(error: BaseException) -> APIError:
     return APIError(500, "internal server error", code="internal_error")
 
 
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error_body(error.status, error.message, error.param, error.code),
+def error_response(error: APIError, path: str = "") -> JSONResponse:
+    """`error` as the route at `path` tells it (error_body_for)."""
+    return JSONResponse(error_body_for(path, error.status, error.message, error.param, error.code),
                         status_code=error.status, headers=error.headers)
 
 
@@ -90,18 +113,19 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc, route_path(request.scope))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return error_response(APIError(400, message, param=param))
+        return error_response(APIError(400, message, param=param), route_path(request.scope))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)))
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(APIError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)),
+                              route_path(request.scope))
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        return error_response(to_api_error(exc))
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(to_api_error(exc), route_path(request.scope))

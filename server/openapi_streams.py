@@ -7,10 +7,13 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from server.anthropic_protocol import MessageStreamEvent
 from server.responses import ChatCompletionChunk, CompletionResponse, ErrorResponse
+from server.responses_api_protocol import ResponseStreamEvent
 
 _CHUNK_KEY = "x-jvllm-stream-chunk"
-_CHUNKS: dict[str, type[BaseModel]] = {model.__name__: model for model in (CompletionResponse, ChatCompletionChunk)}
+_CHUNKS: dict[str, type[BaseModel]] = {model.__name__: model for model in (CompletionResponse, ChatCompletionChunk,
+                                                                           ResponseStreamEvent, MessageStreamEvent)}
 
 
 def streamed(chunk: type[BaseModel]) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from jvllm.sampling_params import SamplingParams, StructuredOutputsParams
 from server.errors import APIError, bad_request
 from server.limits import AdmissionLimits
-from server.protocol import SamplingFields
+from server.protocol import RequestBody, SamplingFields
 from server.settings import ServerSettings
 
 if TYPE_CHECKING:
@@ -26,10 +26,13 @@ def check_model(requested: str | None, settings: ServerSettings) -> str:
 def check_generates(model: str, state: ServerState) -> None:
     """Generation routes on an embedding model: 400 saying what it can do instead."""
     if not state.engine.supports_generation:
+        if state.engine.is_cross_encoder:
+            raise bad_request(f"{model} is a cross-encoder: it cannot generate text; use /v1/score or /v1/rerank",
+                              "model")
         raise bad_request(f"{model} is an embedding model: it cannot generate text; use /v1/embeddings", "model")
 
 
-def warn_unknown_fields(body: SamplingFields, route: str) -> None:
+def warn_unknown_fields(body: RequestBody, route: str) -> None:
     extra = sorted(body.model_extra or {})
     if extra:
         logger.warning("%s: ignored unknown request fields %s", route, extra)

@@ -67,6 +67,9 @@ class ServerSettings:
                                                 "(<tool_call>{...}</tool_call>), llama3_json ({\"name\": ..., "
                                                 "\"parameters\": ...}), mistral ([TOOL_CALLS][...])",
                                           choices=sorted(TOOL_PARSERS), group=TOOLS_GROUP)
+    tools_in_system_prompt: bool = option(False, "when the chat template does not render `tools` (the log says so "
+                                                 "on the first request with tools), describe them in a system "
+                                                 "message, with the --tool-call-parser's call format", group=TOOLS_GROUP)
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:

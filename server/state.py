@@ -11,6 +11,7 @@ from jvllm.engine.async_engine import AsyncEngine
 from server.blocking import BlockingWork
 from server.limits import AdmissionLimits
 from server.metrics import ServerMetrics
+from server.response_store import ResponseStore
 from server.settings import ServerSettings
 from server.tokens import TokenText
 
@@ -26,6 +27,8 @@ class ServerState:
     limits: AdmissionLimits
     blocking: BlockingWork
     started: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    template_shows_tools: bool | None = None  # whether the chat template renders `tools` (found on first use)
+    responses: ResponseStore = dataclasses.field(default_factory=ResponseStore)  # for previous_response_id
 
     def log_request(self, request_id: str, what: str, *details: object) -> None:
         """Content (prompts, outputs) is logged only with --enable-log-requests; ids always at debug."""

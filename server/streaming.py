@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -25,8 +25,14 @@ def sse(payload: BaseModel | dict[str, Any]) -> str:
     return f"data: {body}\n\n"
 
 
-def sse_response(events: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
-    """Stream `events`; an exception becomes an error event before `[DONE]`; the end (or a client that
+def error_events(error: APIError) -> list[str]:
+    """An error after the headers went out, as the completions and chat streams tell it: its body, then `[DONE]`."""
+    return [sse(error_body(error.status, error.message, error.param, error.code)), DONE]
+
+
+def sse_response(events: AsyncIterator[str], streams: list[RequestStream],
+                 on_error: Callable[[APIError], list[str]] = error_events) -> StreamingResponse:
+    """Stream `events`; an exception becomes the events `on_error` makes of it; the end (or a client that
     disconnects, which cancels this body) closes every request stream, aborting unfinished ones."""
 
     async def body() -> AsyncIterator[str]:
@@ -34,9 +40,8 @@ def sse_response(events: AsyncIterator[str], streams: list[RequestStream]) -> St
             async for event in events:
                 yield event
         except Exception as error:  # headers are gone: tell the client in-band
-            api_error = to_api_error(error)
-            yield sse(error_body(api_error.status, api_error.message, api_error.param, api_error.code))
-            yield DONE
+            for event in on_error(to_api_error(error)):
+                yield event
         finally:
             for stream in streams:
                 stream.close()

@@ -16,9 +16,8 @@ from jvllm.engine.llm import Engine, PromptType
 from jvllm.engine.request_stream import RequestStream, aborted_output
 from jvllm.engine.status import EngineDeadError, EngineShutDownError, EngineStats, EngineStepError, QueueFullError
 from jvllm.multimodal.inputs import ProcessedImage
-from jvllm.outputs import EmbeddingRequestOutput, RequestOutput
-from jvllm.pooling.async_batcher import EmbeddingBatcher
-from jvllm.pooling.embedder import embed_unsupported
+from jvllm.engine.async_pooling import AsyncPooling
+from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("jvllm.engine.async_engine")
@@ -38,7 +37,7 @@ BURST_WAIT_STEP_FRACTION = 0.25
 OutputObserver = Callable[[RequestOutput], None]
 
 
-class AsyncEngine:
+class AsyncEngine(AsyncPooling):
     """Wraps an `Engine` for asyncio callers (the HTTP server, notebooks with top-level `await`).
 
     The Engine is not thread-safe, so exactly one thread ever touches it: the engine thread applies
@@ -63,9 +62,8 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}  # owned by the callers' event loops
         self._loops: dict[str, asyncio.AbstractEventLoop] = {}  # owned by the engine thread
         self._commands = CommandQueue()
-        self._embedder_lock = threading.Lock()
         self._failures = 0
-        self._embedder: EmbeddingBatcher | None = None  # started on the first embed()
+        self._init_pooling()
         self._thread = threading.Thread(target=self._run, name="jvllm-engine", daemon=True)
         self._thread.start()
 
@@ -100,10 +98,6 @@ class AsyncEngine:
 
     def expand_image_tokens(self, token_ids: list[int], images: list[ProcessedImage]) -> list[int]:
         return self.engine.expand_image_tokens(token_ids, images)
-
-    @property
-    def supports_dimensions(self) -> bool:
-        return self.engine.supports_dimensions
 
     @property
     def is_running(self) -> bool:
@@ -165,25 +159,6 @@ class AsyncEngine:
         finally:
             stream.close()
 
-    async def embed(self, prompts: PromptType | list[PromptType], *, truncate: bool = True,
-                    truncate_prompt_tokens: int | None = None,
-                    dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
-        """`Engine.embed` for asyncio callers: concurrent calls share padded forwards on a worker thread
-        (the embed path keeps no KV pages, so it never waits for the generation steps)."""
-        self._check_alive()
-        if self.engine.embedder is None:
-            raise embed_unsupported(self.engine.model.served_name)
-        with self._embedder_lock:
-            if self._embedder is None:
-                self._embedder = EmbeddingBatcher(self.engine.embedder)
-            batcher = self._embedder
-        return await batcher.embed(prompts, truncate=truncate, truncate_prompt_tokens=truncate_prompt_tokens,
-                                   dimensions=dimensions)
-
-    @property
-    def supports_embeddings(self) -> bool:
-        return self.engine.embedder is not None
-
     @property
     def supports_generation(self) -> bool:
         return self.engine.runner is not None
@@ -199,11 +174,10 @@ class AsyncEngine:
     def close(self) -> None:
         """Blocking `shutdown` for code without an event loop."""
         self._commands.stop()
-        with self._embedder_lock:
-            embedder, self._embedder = self._embedder, None
+        batcher = self._take_batcher()
         self._thread.join()
-        if embedder is not None:
-            embedder.close()
+        if batcher is not None:
+            batcher.close()
 
     def _forget(self, stream: RequestStream) -> None:
         if self._streams.get(stream.request_id) is stream:

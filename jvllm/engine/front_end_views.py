@@ -9,9 +9,11 @@ from jvllm.multimodal.inputs import ProcessedImage, text_only_error
 
 
 class FrontEndViews:
-    """Mixed into Engine, which sets `scheduler`, `encoder_cache`, `pages`, `config`, `model`, `mm_processor`, `media`, `embedder`."""
+    """Mixed into Engine, which sets `scheduler`, `tokenizer`, `encoder_cache`, `pages`, `config`, `model`,
+    `mm_processor`, `media`, `embedder`."""
 
     scheduler: Any
+    tokenizer: Any
     encoder_cache: Any
     pages: Any
     config: Any
@@ -32,6 +34,13 @@ class FrontEndViews:
         """Sequences waiting beyond those the next step can still admit (may be negative: room left)."""
         scheduler = self.scheduler
         return len(scheduler.waiting) - max(self.config.max_num_seqs - len(scheduler.running), 0)
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model.served_name
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -15,9 +15,10 @@ from jvllm.worker.compile_cache import enable_compilation_cache
 from jvllm.worker.compile_watch import during_start_up
 from jvllm.config import EngineConfig, UsageContext
 from jvllm.engine.arg_utils import EngineArgs, keyword_help
-from jvllm.engine.start_up import engine_config_for, eos_token_ids, log_ready
+from jvllm.engine.start_up import attention_backend_for, engine_config_for, eos_token_ids, log_ready
 from jvllm.engine.detokenizer import IncrementalDetokenizer
 from jvllm.pooling.embedder import embed_unsupported, generate_unsupported
+from jvllm.pooling.scoring import ScoreTexts, score
 from jvllm.core.kv_pages import PageManager
 from jvllm.core.lookahead import plan_lookahead, settle_lookahead
 from jvllm.worker.model_runner import ModelRunner
@@ -27,7 +28,7 @@ from jvllm.worker.step_shapes import ShapeSet
 from jvllm.sample.logprobs import MAX_LOGPROBS
 from jvllm.parallel import distributed
 from jvllm.engine.output_processor import append_token, record_prompt_logprobs, request_output
-from jvllm.outputs import EmbeddingRequestOutput, RequestOutput
+from jvllm.outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
 from jvllm.engine.progress import GenerateProgress, precompile_progress
 from jvllm.engine.front_end_views import FrontEndViews
 from jvllm.engine.multihost import MultiHostRoles
@@ -77,7 +78,6 @@ class Engine(MultiHostRoles, FrontEndViews):
     def _start(self, args: EngineArgs, usage: UsageContext) -> None:
         """Load the model, size the KV pool, build the scheduler and the runner, and precompile."""
         self.args = args
-        from jvllm.attention import resolve_backend_name
         from jvllm.pooling.embedder import build_embedder
         from jvllm.model_loader.loader import load_model
         from jvllm.worker.kv_cache_dtype import kv_cache_dtype_for
@@ -87,7 +87,6 @@ class Engine(MultiHostRoles, FrontEndViews):
         if hosts.multi_host and args.tensor_parallel_size == 1:
             raise ValueError(f"num_hosts={hosts.num_hosts} needs tensor_parallel_size equal to the number of "
                              "devices of all hosts together")
-        backend = resolve_backend_name(args.attention_backend)
         enable_compilation_cache()
         started = time.perf_counter()
         self.model = load_model(args.model, dtype=args.dtype, load_format=args.load_format, tokenizer=args.tokenizer,
@@ -95,6 +94,7 @@ class Engine(MultiHostRoles, FrontEndViews):
                                 tensor_parallel_size=args.tensor_parallel_size,
                                 mm_processor_kwargs=args.mm_processor_kwargs, quantization=args.quantization)
         self.tokenizer = self.model.tokenizer
+        backend = attention_backend_for(args.attention_backend, self.model)
         kv_dtype = kv_cache_dtype_for(args.kv_cache_dtype, args.dtype, self.model)
         self.config: EngineConfig = engine_config_for(self.model, args, kv_dtype, usage, hosts.multi_host)
         self.enable_prefix_caching = args.enable_prefix_caching
@@ -163,13 +163,6 @@ class Engine(MultiHostRoles, FrontEndViews):
                 self.embedder.precompile(progress)
         logger.info("precompiled %d step shapes in %.1fs", len(shapes), time.perf_counter() - started)
 
-    @property
-    def served_model_name(self) -> str:
-        return self.model.served_name
-
-    def get_tokenizer(self) -> Any:
-        return self.tokenizer
-
     def _decode_token(self, token_id: int) -> str:
         """One token's text, as logprob entries show it (cached: the same ids recur constantly)."""
         text = self._token_text.get(token_id)
@@ -186,7 +179,7 @@ class Engine(MultiHostRoles, FrontEndViews):
         self._check_leader()
         check_priority(priority, self.scheduler.policy)
         if self.model.is_encoder:
-            raise generate_unsupported(self.model.served_name)
+            raise generate_unsupported(self.model.served_name, self.model.is_cross_encoder)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self._request_groups:
@@ -385,6 +378,13 @@ class Engine(MultiHostRoles, FrontEndViews):
             raise embed_unsupported(self.model.served_name)
         return self.embedder.embed(prompts, truncate=truncate, truncate_prompt_tokens=truncate_prompt_tokens,
                                    dimensions=dimensions, use_tqdm=use_tqdm)
+
+    def score(self, text_1: ScoreTexts, text_2: ScoreTexts, *, truncate: bool = True,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score: pairs 1:1, 1:N or N:N (jvllm.pooling.scoring); a cross-encoder's score, else the cosine
+        similarity of the texts' embeddings. truncate / truncate_prompt_tokens as embed() (a pair: longest first)."""
+        return score(self.embedder, self.model.served_name, text_1, text_2, truncate=truncate,
+                     truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
 
 
 Engine.__init__.__doc__ = (Engine.__init__.__doc__ or "") + keyword_help()

@@ -33,6 +33,14 @@ def engine_config_for(model: Any, args: EngineArgs, kv_dtype: Any, usage: UsageC
     return config
 
 
+def attention_backend_for(name: str, model: Any) -> str:
+    """The attention backend's name. An encoder (embeddings, scores) runs no paged attention: for it "auto" is
+    "xla", so that no native kernels are built for nothing."""
+    from jvllm.attention import resolve_backend_name
+
+    return "xla" if name == "auto" and model.is_encoder else resolve_backend_name(name)
+
+
 def log_ready(engine: Any, backend: str, seconds: float) -> None:
     """One line with what the engine loaded and how long start-up took."""
     model, cfg = engine.model, engine.config

@@ -50,6 +50,11 @@ class LoadedModel:
         return self.config.is_encoder
 
     @property
+    def is_cross_encoder(self) -> bool:
+        """A sequence-pair classifier: scores pairs, neither embeds nor generates."""
+        return bool(getattr(self.config, "is_cross_encoder", False))
+
+    @property
     def weight_bytes(self) -> int:
         """Bytes of every weight array (GGUF blocks as stored), the vision side's included."""
         arrays = jax.tree.leaves(self.state) + (jax.tree.leaves(self.vision.state) if self.vision else [])

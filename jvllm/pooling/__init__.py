@@ -1,1 +1,1 @@
-"""The embedding path: pooled forwards over padded batches, offline and for asyncio callers."""
+"""The pooled path: embeddings and text-pair scores over padded batches, offline and for asyncio callers."""

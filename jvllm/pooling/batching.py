@@ -137,16 +137,21 @@ def batch_shapes(max_model_len: int, *, max_num_seqs: int, max_num_batched_token
     return sorted(shapes, key=lambda s: (s[1], s[0]))
 
 
-def pack_arrays(token_lists: Sequence[Sequence[int]], batch: EmbedBatch, pad_id: int = 0
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """-> input_ids, positions, segments [rows, width] int32. segments is 1 + the output slot of the sequence
-    owning each token (0 = padding): tokens attend within their segment and pool into their slot."""
+def pack_arrays(token_lists: Sequence[Sequence[int]], batch: EmbedBatch, pad_id: int = 0,
+                token_types: Sequence[Sequence[int]] | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """-> input_ids, positions, segments, types [rows, width] int32. segments is 1 + the output slot of the sequence
+    owning each token (0 = padding): tokens attend within their segment and pool into their slot. types holds each
+    token's type id (a pair's second text is 1 for BERT) from `token_types`, else 0."""
     shape = (batch.rows, batch.width)
     ids, positions, segments = np.full(shape, pad_id, np.int32), np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+    types = np.zeros(shape, np.int32)
     for slot, (index, row, column) in enumerate(batch.placements):
         tokens = token_lists[index]
         span = slice(column, column + len(tokens))
         ids[row, span] = tokens
         positions[row, span] = np.arange(len(tokens))
         segments[row, span] = slot + 1
-    return ids, positions, segments
+        if token_types is not None:
+            types[row, span] = token_types[index]
+    return ids, positions, segments, types

@@ -1,5 +1,6 @@
-"""The embed path of an Engine: prompts -> token ids (truncated as sentence-transformers does) -> bucketed
-forwards (one per batch, no KV pages kept) -> EmbeddingRequestOutputs in input order."""
+"""The pooled path of an Engine: prompts -> token ids (truncated as sentence-transformers does) -> bucketed
+forwards (one per batch, no KV pages kept) -> EmbeddingRequestOutputs in input order (a cross-encoder's forwards
+give its classifier's logits: jvllm.pooling.scoring)."""
 from __future__ import annotations
 
 import itertools
@@ -15,7 +16,8 @@ from jvllm.utils import next_power_of_2
 from jvllm.pooling.batching import EmbedBatch, batch_shapes, pack_arrays, plan_batches
 from jvllm.worker.compile_watch import compile_watch
 from jvllm.worker.executable_memo import compile_once
-from jvllm.pooling.forward import build_causal_forward, build_encoder_forward
+from jvllm.pooling.forward import build_causal_forward, build_classifier_forward, build_encoder_forward
+from jvllm.pooling.token_inputs import InputTooLongError, truncate_tokens
 from jvllm.worker.weights import cast_matrices
 from jvllm.outputs import EmbeddingOutput, EmbeddingRequestOutput
 from jvllm.model_loader.loader import LoadedModel
@@ -31,17 +33,12 @@ _ENCODER_MAX_NUM_BATCHED_TOKENS = 1024
 _BATCHED_MIN_TOKENS = 512  # batches of at least this many padded tokens use the batched (e.g. bf16) weights
 
 
-def generate_unsupported(served_name: str) -> ValueError:
+def generate_unsupported(served_name: str, cross_encoder: bool = False) -> ValueError:
+    if cross_encoder:
+        return ValueError(f"{served_name} is a cross-encoder: it cannot generate text; use Engine.score() "
+                          "(or /v1/score, /v1/rerank)")
     return ValueError(f"{served_name} is an embedding model: it cannot generate text; use Engine.embed() "
                       "(or /v1/embeddings)")
-
-
-class InputTooLongError(ValueError):
-    """An embedding input over the model's token limit, with truncation off."""
-
-    def __init__(self, message: str, *, index: int, num_tokens: int, limit: int):
-        super().__init__(message)
-        self.index, self.num_tokens, self.limit = index, num_tokens, limit
 
 
 def embed_unsupported(served_name: str) -> ValueError:
@@ -51,7 +48,7 @@ def embed_unsupported(served_name: str) -> ValueError:
 
 def model_token_limit(loaded: LoadedModel) -> int:
     """The longest input an encoder takes: sentence-transformers' max_seq_length, else the position table."""
-    st = read_sentence_transformers_config(loaded.folder) if loaded.folder is not None else None
+    st = read_sentence_transformers_config(loaded.folder) if loaded.folder and not loaded.is_cross_encoder else None
     table = loaded.config.max_tokens
     return min(st.max_seq_length, table) if st is not None and st.max_seq_length else table
 
@@ -72,7 +69,13 @@ def encoder_engine_config(loaded: LoadedModel, *, max_model_len: int | None, max
 
 def build_embedder(loaded: LoadedModel, config: EngineConfig, *, pooling: str | None, normalize: bool | None,
                    batched_weight_dtype: Any = None) -> "Embedder | None":
-    """The engine's embedder, or None for a causal LM given no pooling choice (it then only generates)."""
+    """The engine's embedder, or None for a causal LM given no pooling choice (it then only generates). A
+    cross-encoder's runs its classifier head instead of a pooling."""
+    if loaded.is_cross_encoder:
+        if pooling is not None or normalize is not None:
+            raise ValueError(f"{loaded.served_name} is a cross-encoder: it scores pairs with its classifier head, "
+                             "so pooling= and normalize= do not apply")
+        return Embedder(loaded, PoolingConfig("cls", False), config, batched_weight_dtype=batched_weight_dtype)
     st = read_sentence_transformers_config(loaded.folder) if loaded.folder is not None else None
     choice = resolve_pooling(st, is_encoder=loaded.is_encoder, pooling=pooling, normalize=normalize)
     if choice is None:
@@ -92,7 +95,11 @@ class Embedder:
                                                                                       batched_weight_dtype)
         cfg = loaded.config
         self.num_slots = next_power_of_2(config.max_num_seqs)  # outputs per forward: a static shape
-        if loaded.is_encoder:
+        self.is_cross_encoder = loaded.is_cross_encoder
+        self.output_size = cfg.num_labels if self.is_cross_encoder else cfg.hidden_size  # D of each forward's rows
+        if self.is_cross_encoder:
+            self.forward = build_classifier_forward(loaded.graphdef, treedef, self.num_slots)
+        elif loaded.is_encoder:
             self.forward = build_encoder_forward(loaded.graphdef, treedef, pooling, self.num_slots)
         else:
             self.forward = build_causal_forward(loaded.graphdef, treedef, pooling, self.num_slots, cfg.num_layers,
@@ -104,10 +111,11 @@ class Embedder:
                                 if t is not None}
         self._pad_id = self.tokenizer.pad_token_id or 0
         self._counter = itertools.count()
-        self._lock = threading.RLock()  # the tokenizer and the device steps are used by one caller at a time
+        self.lock = threading.RLock()  # the tokenizer and the device steps are used by one caller at a time
         self._compiled: dict[tuple[int, int], Any] = {}  # (rows, width) -> the forward compiled for that batch
-        logger.info("embedding with %s pooling%s, up to %d tokens per input", pooling.mode,
-                    " + L2 normalization" if pooling.normalize else "", config.max_model_len)
+        if not self.is_cross_encoder:
+            logger.info("embedding with %s pooling%s, up to %d tokens per input", pooling.mode,
+                        " + L2 normalization" if pooling.normalize else "", config.max_model_len)
 
     @property
     def max_model_len(self) -> int:
@@ -123,7 +131,7 @@ class Embedder:
                  truncate_prompt_tokens: int | None = None) -> list[tuple[str | None, list[int]]]:
         """-> (text, token ids the model will see) per prompt; ValueError for bad or (untruncated) long ones."""
         keep_last = truncate_prompt_tokens is not None
-        limit = self._truncation_limit(truncate_prompt_tokens)
+        limit = self.truncation_limit(truncate_prompt_tokens)
         texts, token_lists, special_masks = self._token_ids(prompts)
         out = []
         for index, (text, ids, special) in enumerate(zip(texts, token_lists, special_masks)):
@@ -139,8 +147,9 @@ class Embedder:
             out.append((text, ids))
         return out
 
-    def _truncation_limit(self, truncate_prompt_tokens: int | None) -> int:
-        """vLLM's truncate_prompt_tokens: -1 is the model's limit, k keeps the last k tokens."""
+    def truncation_limit(self, truncate_prompt_tokens: int | None) -> int:
+        """vLLM's truncate_prompt_tokens -> a token limit: -1 is the model's, k is k (a text keeps its last k tokens,
+        a cross-encoder's pair is cut longest-first)."""
         if truncate_prompt_tokens is None or truncate_prompt_tokens == -1:
             return self.max_model_len
         if not isinstance(truncate_prompt_tokens, int) or not 1 <= truncate_prompt_tokens <= self.max_model_len:
@@ -179,30 +188,33 @@ class Embedder:
         return texts, token_lists, special_masks  # type: ignore[return-value]
 
     # ---- device -------------------------------------------------------------------------------
-    def embed_token_lists(self, token_lists: Sequence[Sequence[int]], progress: Any = None) -> np.ndarray:
-        """-> [N, D] float32 embeddings in input order. Every batch is dispatched before any result is read,
-        so the host pads batch i + 1 while the device runs batch i."""
+    def embed_token_lists(self, token_lists: Sequence[Sequence[int]], progress: Any = None,
+                          token_types: Sequence[Sequence[int]] | None = None) -> np.ndarray:
+        """-> [N, output_size] float32 embeddings (a cross-encoder's logits) in input order; `token_types` per token
+        (default 0). Every batch is dispatched before any result is read, so the host pads batch i + 1 while the
+        device runs batch i."""
         cfg = self.config
         batches = plan_batches([len(t) for t in token_lists], max_num_seqs=cfg.max_num_seqs,
                                max_num_batched_tokens=cfg.max_num_batched_tokens, share_rows=self.loaded.is_encoder)
-        out = np.zeros((len(token_lists), self.hidden_size), np.float32)
-        with self._lock:
-            pending = [(batch, self._run(token_lists, batch)) for batch in batches]
+        out = np.zeros((len(token_lists), self.output_size), np.float32)
+        with self.lock:
+            pending = [(batch, self._run(token_lists, token_types, batch)) for batch in batches]
             for batch, result in pending:
                 out[list(batch.indices)] = np.asarray(result)[: len(batch.indices)]
                 if progress is not None:
                     progress.update(len(batch.indices))
         return out
 
-    def _run(self, token_lists: Sequence[Sequence[int]], batch: EmbedBatch) -> jax.Array:
-        ids, positions, segments = pack_arrays(token_lists, batch, self._pad_id)
+    def _run(self, token_lists: Sequence[Sequence[int]], token_types: Sequence[Sequence[int]] | None,
+             batch: EmbedBatch) -> jax.Array:
+        arrays = pack_arrays(token_lists, batch, self._pad_id, token_types)  # ids, positions, segments, types
         shape = (batch.rows, batch.width)
         forward = self._compiled.get(shape)
         if forward is None:
             logger.info("compiling embedding batch shape rows=%d width=%d", *shape)
             forward = self._compiled[shape] = self._compile(shape)
         with compile_watch().running(f"embedding rows={shape[0]} width={shape[1]}"):
-            return forward(self._weights_for(shape), ids, positions, segments)
+            return forward(self._weights_for(shape), *arrays)
 
     def _weights_for(self, shape: tuple[int, int]) -> list[jax.Array]:
         big = self.batched_weights is not None and shape[0] * shape[1] >= _BATCHED_MIN_TOKENS
@@ -210,7 +222,7 @@ class Embedder:
 
     def _compile(self, shape: tuple[int, int]) -> Any:
         spec = jax.ShapeDtypeStruct(shape, np.int32)
-        return compile_once(self.forward.lower(self._weights_for(shape), spec, spec, spec))
+        return compile_once(self.forward.lower(self._weights_for(shape), spec, spec, spec, spec))
 
     def batch_shapes(self) -> list[tuple[int, int]]:
         """Every (rows, width) batch this embedder can run."""
@@ -236,10 +248,10 @@ class Embedder:
               truncate_prompt_tokens: int | None = None, dimensions: int | None = None,
               use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        with self._lock:
+        with self.lock:
             inputs = self.prepare(prompt_list, truncate=truncate, truncate_prompt_tokens=truncate_prompt_tokens,
                                   dimensions=dimensions)
-            progress = _progress(len(inputs), use_tqdm)
+            progress = progress_bar(len(inputs), use_tqdm)
             try:
                 vectors = self.embed_token_lists([ids for _, ids in inputs], progress)
             finally:
@@ -251,10 +263,13 @@ class Embedder:
                 truncate_prompt_tokens: int | None = None,
                 dimensions: int | None = None) -> list[tuple[str | None, list[int]]]:
         """Validate a request and tokenize it: -> (text, token ids) per prompt; ValueError when refused."""
+        if self.is_cross_encoder:
+            raise ValueError(f"{self.loaded.served_name} is a cross-encoder: it scores text pairs and does not embed; "
+                             "use Engine.score() (or /v1/score, /v1/rerank)")
         if not prompts:
             raise ValueError("embed() needs at least one prompt")
         self._check_dimensions(dimensions)
-        with self._lock:
+        with self.lock:
             return self.tokenize(prompts, truncate=truncate, truncate_prompt_tokens=truncate_prompt_tokens)
 
     def outputs(self, inputs: Sequence[tuple[str | None, list[int]]], vectors: np.ndarray,
@@ -277,22 +292,9 @@ class Embedder:
             raise ValueError(f"dimensions must be in [1, {self.hidden_size}], got {dimensions!r}")
 
 
-def truncate_tokens(ids: list[int], special: list[bool], limit: int, *, keep_last: bool = False) -> list[int]:
-    """Shorten ids to `limit` tokens, as a tokenizer's truncation does: leading and trailing special tokens
-    ([CLS] ... [SEP]; `special` marks them) stay, the content between loses its end (or, keep_last, its start)."""
-    lead = next((i for i, s in enumerate(special) if not s), len(ids))
-    trail = next((i for i, s in enumerate(reversed(special)) if not s), len(ids))
-    room = limit - lead - trail
-    if room <= 0 or lead + trail >= len(ids):  # no content to cut between the special tokens
-        return ids[-limit:] if keep_last else ids[:limit]
-    content = ids[lead: len(ids) - trail]
-    content = content[len(content) - room:] if keep_last else content[:room]
-    return ids[:lead] + content + ids[len(ids) - trail:]
-
-
-def _progress(total: int, enabled: bool) -> Any:
+def progress_bar(total: int, enabled: bool, desc: str = "Embedding prompts") -> Any:
     if not enabled:
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="Embedding prompts", unit="prompt", dynamic_ncols=True)
+    return tqdm(total=total, desc=desc, unit="prompt", dynamic_ncols=True)

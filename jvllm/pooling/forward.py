@@ -1,4 +1,5 @@
-"""The jitted embedding forward passes: [rows, length] token ids -> pooled embeddings [rows, D], no KV kept.
+"""The jitted pooled forward passes: [rows, length] token ids -> pooled embeddings [rows, D] (or a cross-encoder's
+logits [rows, num_labels]), no KV kept.
 
 Encoders run their own padded forward. Causal LMs run the paged-attention model over a throwaway one-slot
 pool: every sequence is a first prefill chunk that attends to itself, so nothing is ever read from the pool."""
@@ -14,9 +15,9 @@ from jvllm.attention import get_backend
 from models.attention import AttentionMetadata
 from models.pooling import PoolingConfig, l2_normalize, pool
 
-# (flat weights, input_ids, positions, segments [R, W] int32) -> embeddings [num_slots, D] float32. segments
-# holds 1 + the output slot of each token's sequence (0 = padding): see jvllm.pooling.batching.pack_arrays.
-EmbedFn = Callable[[list[jax.Array], jax.Array, jax.Array, jax.Array], jax.Array]
+# (flat weights, input_ids, positions, segments, token types [R, W] int32) -> embeddings [num_slots, D] float32.
+# segments holds 1 + the output slot of each token's sequence (0 = padding): see jvllm.pooling.batching.pack_arrays.
+EmbedFn = Callable[[list[jax.Array], jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def _finish(hidden: jax.Array, positions: jax.Array, segments: jax.Array, num_slots: int,
@@ -30,10 +31,25 @@ def _finish(hidden: jax.Array, positions: jax.Array, segments: jax.Array, num_sl
 def build_encoder_forward(graphdef: Any, treedef: Any, pooling: PoolingConfig, num_slots: int) -> EmbedFn:
     """Rows may pack several sequences: attention stays within each segment."""
     @jax.jit
-    def forward(weights: list[jax.Array], input_ids: jax.Array, positions: jax.Array,
-                segments: jax.Array) -> jax.Array:
+    def forward(weights: list[jax.Array], input_ids: jax.Array, positions: jax.Array, segments: jax.Array,
+                token_types: jax.Array) -> jax.Array:
         model = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
-        return _finish(model(input_ids, segments, positions), positions, segments, num_slots, pooling)
+        return _finish(model(input_ids, segments, positions, token_types), positions, segments, num_slots, pooling)
+
+    return forward
+
+
+def build_classifier_forward(graphdef: Any, treedef: Any, num_slots: int) -> EmbedFn:
+    """A cross-encoder (models.bert.BertForSequenceClassification): the classifier head on each sequence's first
+    token -> logits [num_slots, num_labels] float32. Rows pack several sequences, as for encoder embeddings."""
+    @jax.jit
+    def forward(weights: list[jax.Array], input_ids: jax.Array, positions: jax.Array, segments: jax.Array,
+                token_types: jax.Array) -> jax.Array:
+        model = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
+        hidden = model(input_ids, segments, positions, token_types)  # [R, W, D]
+        slots = jnp.where(segments > 0, segments - 1, num_slots).reshape(-1)  # [R * W]; padding -> dropped
+        first = pool(hidden.reshape(slots.shape[0], -1), slots, positions.reshape(-1), num_slots, "cls")  # [S, D]
+        return model.classify(first.astype(hidden.dtype))
 
     return forward
 
@@ -68,8 +84,8 @@ def build_causal_forward(graphdef: Any, treedef: Any, pooling: PoolingConfig, nu
     attention = get_backend("xla").layer_attention()
 
     @jax.jit
-    def forward(weights: list[jax.Array], input_ids: jax.Array, positions: jax.Array,
-                segments: jax.Array) -> jax.Array:
+    def forward(weights: list[jax.Array], input_ids: jax.Array, positions: jax.Array, segments: jax.Array,
+                token_types: jax.Array) -> jax.Array:  # token types: unused (a causal LM has none)
         model = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
         rows, width = input_ids.shape
         pool_shape = (1, 1, num_kv_heads, head_dim)  # one page of one slot, masked out: cached length is 0

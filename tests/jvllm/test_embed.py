@@ -137,6 +137,29 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens_as_vllm(engine):
         engine.embed("x", truncate_prompt_tokens=257, use_tqdm=False)
 
 
+# ---- scores --------------------------------------------------------------------------------------
+def test_score_is_the_cosine_similarity_of_sentence_transformers_embeddings(engine, st_model):
+    queries, documents = TEXTS[1:7], TEXTS[7:13]  # a long text, an empty one, scripts and emoji among them
+    theirs = st_model.encode(queries + documents + [LONG], convert_to_numpy=True).astype(np.float64)
+    pairs = engine.score(queries, documents, use_tqdm=False)  # N to N
+    np.testing.assert_allclose([o.outputs.score for o in pairs], cosine(theirs[:6], theirs[6:12]), atol=1e-4)
+    one_to_n = engine.score(LONG, documents, use_tqdm=False)
+    expected = cosine(np.repeat(theirs[12:], 6, axis=0), theirs[6:12])
+    np.testing.assert_allclose([o.outputs.score for o in one_to_n], expected, atol=1e-4)
+    assert np.ptp(expected) > 0.1
+    # the tokens counted as vLLM counts them: the first text's, the pad token, the second's
+    tokenizer = engine.get_tokenizer()
+    assert pairs[1].prompt_token_ids == (tokenizer(queries[1])["input_ids"] + [tokenizer.pad_token_id]
+                                         + tokenizer(documents[1])["input_ids"])
+
+
+def test_score_refuses_unpaired_lists_and_generative_models(engine, default_engine):
+    with pytest.raises(ValueError, match="1:1, 1:N or N:N"):
+        engine.score(["a", "b"], ["c", "d", "e"], use_tqdm=False)
+    with pytest.raises(ValueError, match="generative model: it cannot score"):
+        default_engine.score("a", "b", use_tqdm=False)
+
+
 # ---- errors --------------------------------------------------------------------------------------
 def test_generate_on_an_embedding_model_is_a_clear_error(engine):
     with pytest.raises(ValueError, match="embedding model"):

@@ -96,8 +96,8 @@ def test_shard_reads_repeat_kv_heads_transpose_and_pad():
 # ---- TP=N against TP=1 (subprocesses with virtual devices) ------------------------------------------------
 SAMPLING_CHECKED_ON = ("llama_gqa", "qwen2_moe_padded")  # a dense model at TP 2/4 and a padded MoE at TP 2/3
 
-# One family per sharding feature (CI time): Mixtral's experts run under the pallas experts test below, per-head q/k
-# norms under qwen3_moe (whose layer 1 is dense).
+# One family per sharding feature (CI time): per-head q/k norms and the Pallas experts under qwen3_moe (whose layer 1
+# is dense); Gemma-2's soft-caps and windows shard as Llama's attention does (the extended run has them).
 EXTENDED = pytest.mark.extended  # families whose sharding the CI run's families already cover
 
 
@@ -105,7 +105,8 @@ EXTENDED = pytest.mark.extended  # families whose sharding the CI run's families
                                        ("qwen2_padded", [3]), pytest.param("qwen2_padded", [2], marks=EXTENDED),
                                        ("qwen2_moe_padded", [3]), pytest.param("qwen2_moe_padded", [2], marks=EXTENDED),
                                        ("phi3_fused", [2]), pytest.param("qwen3_moe", [2], marks=EXTENDED),
-                                       pytest.param("mistral_window", [2], marks=EXTENDED), ("gemma2", [2]),
+                                       pytest.param("mistral_window", [2], marks=EXTENDED),
+                                       pytest.param("gemma2", [2], marks=EXTENDED),
                                        pytest.param("gemma3", [2], marks=EXTENDED)])
 def test_tp_logits_and_greedy_tokens_match_tp1(tiny_models, name, tps):
     # The sharded sampler (seeded sampling, logprobs, token masks) does not depend on the family: checked on one.
@@ -134,7 +135,7 @@ def test_pallas_backend_under_tp_matches_tp1(tiny_models):
     assert result["runs"]["4"]["tokens"] == result["reference_tokens"]
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("name", [pytest.param("mixtral", marks=EXTENDED), "qwen3_moe"])
 def test_pallas_experts_under_tp_match_tp1(tiny_models, name, monkeypatch):
     """JVLLM_MOE_EXPERTS=pallas in the worker: the grouped-matmul kernel (interpret mode) runs per device on its
     slice of every expert's intermediate width (Qwen3-MoE's 40 -> 20 per device, padded to 32 in the kernel), and
@@ -177,6 +178,7 @@ def test_decode_step_collectives(tiny_models, backend, tp):
 
 
 @pytest.mark.slow
+@EXTENDED  # the sharding of its family and of tp=3: llama_gqa and qwen2_padded above
 def test_smollm2_tp3_greedy_tokens_match_tp1():
     """The default model (9 heads, 3 KV heads, 30 layers): 4 prompts of ~16 tokens, submitted together."""
     from transformers import AutoTokenizer

@@ -50,7 +50,8 @@ def _read_stream(reply: httpx.Response, sink: list) -> None:
 @contextlib.contextmanager
 def _serve(model_dir, port: int, log_path: pathlib.Path, *flags: str,
            env: dict | None = None) -> Iterator[subprocess.Popen]:
-    """`jvllm serve` of the tiny model in a subprocess, its output in `log_path`; killed if still running."""
+    """`jvllm serve` of the tiny model in a subprocess, its output in `log_path`; killed if still running. The tests
+    pass --no-precompile: notebooks/serving_and_metrics.ipynb starts `jvllm serve` with its default precompile."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "entrypoints.cli", "serve", str(model_dir), "--port", str(port), "--max-num-seqs",
@@ -67,7 +68,7 @@ def test_sigterm_lets_open_streams_finish_then_exits_0(tiny_llama, tmp_path):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     with _serve(tiny_llama, port, tmp_path / "serve.log", "--shutdown-timeout", "120", "--disable-access-log",
-                env={"JVLLM_API_KEY": API_KEY}) as proc:
+                "--no-precompile", env={"JVLLM_API_KEY": API_KEY}) as proc:
         assert wait_until(lambda: _healthy(url), timeout=180), (tmp_path / "serve.log").read_text()
         headers = {"Authorization": f"Bearer {API_KEY}"}
         assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401  # the env key is in force
@@ -105,7 +106,8 @@ def test_past_the_shutdown_timeout_open_requests_end_cleanly_and_the_server_exit
     shutil.copytree(tiny_llama, long_llama)
     config = json.loads((long_llama / "config.json").read_text())
     (long_llama / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
-    with _serve(long_llama, port, log_path, "--shutdown-timeout", "2", "--max-model-len", "8192") as proc:
+    with _serve(long_llama, port, log_path, "--shutdown-timeout", "2", "--max-model-len", "8192",
+                "--no-precompile") as proc:
         assert wait_until(lambda: _healthy(url), timeout=180), log_path.read_text()
         client = httpx.Client(timeout=600)
         endless = {"prompt": "go on", "max_tokens": 8000, "ignore_eos": True}

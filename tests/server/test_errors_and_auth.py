@@ -124,6 +124,14 @@ def test_bad_chat_requests_are_400(live_server, body):
     _error(_post(live_server, "/v1/chat/completions", body), 400)
 
 
+@pytest.mark.parametrize("route, body", [("/v1/completions", {"prompt": "hi", "priority": 1}),
+                                         ("/v1/chat/completions",
+                                          {"messages": [{"role": "user", "content": "hi"}], "priority": -2})])
+def test_a_priority_on_a_first_come_first_served_server_is_400(live_server, route, body):
+    error = _error(_post(live_server, route, body), 400)
+    assert "--scheduling-policy priority" in error["message"]
+
+
 def test_prompt_plus_max_tokens_over_the_context_is_400_with_both_numbers(live_server):
     error = _error(_post(live_server, "/v1/completions", {"prompt": "hello " * 20, "max_tokens": 500}), 400)
     assert "512" in error["message"] and "500" in error["message"]
