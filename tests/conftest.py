@@ -107,13 +107,18 @@ def hf_smollm():
 # instead of leaving one file running alone.
 LONGEST_FILES = [
     "tests/parallel/test_tensor_parallel.py",
+    "tests/models/test_gguf_families.py",
     "tests/notebooks/test_notebooks.py",
+    "tests/multimodal/test_multimodal_engine.py",
+    "tests/jvllm/test_prefix_cache.py",
+    "tests/server/test_cli_serve.py",
+    "tests/models/test_gguf_blocks.py",
+    "tests/models/test_family_parity.py",
+    "tests/jvllm/test_engine_scheduling.py",
+    "tests/multimodal/test_qwen2_vl_engine.py",
     "tests/jvllm/test_no_compile.py",
     "tests/models/test_llama_parity.py",
-    "tests/models/test_gguf_families.py",
-    "tests/models/test_family_parity.py",
-    "tests/server/test_cli_serve.py",
-    "tests/jvllm/test_logprobs.py",
+    "tests/server/test_fuzz.py",
     "tests/jvllm/test_cli.py",
 ]
 
