@@ -102,8 +102,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         """This step's chunks: running requests first (preempting from the back when pages run out), then
         waiting ones in queue order while the token budget, the sequence limit and free pages allow."""
-        if self.policy == "priority":
-            self._make_room_for_higher_priority()
+        victims = self._make_room_for_higher_priority() if self.policy == "priority" else []
         budget = self.max_num_batched_tokens
         encoder = None if self.encoder_cache is None else EncoderBudget(self.max_num_encoder_tokens)
         chunks: list[ScheduledChunk] = []
@@ -127,6 +126,8 @@ class Scheduler:
             index += 1
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if any(request is victim for victim in victims):
+                break  # preempted for a higher rank this step: it waits at least one step
             if not self._fork_prompt_pages(request):
                 break  # its sibling is still computing the shared prompt: wait one step, in FCFS order
             cached_pages = self._lookup_prefix(request)
@@ -151,16 +152,19 @@ class Scheduler:
             budget -= count
         return chunks
 
-    def _make_room_for_higher_priority(self) -> None:
+    def _make_room_for_higher_priority(self) -> list[Request]:
         """Preempt the lowest-priority running requests while the head of the queue outranks them and lacks a
-        sequence slot or the pages of its first chunk."""
+        sequence slot or the pages of its first chunk. -> the preempted."""
+        victims: list[Request] = []
         while self.waiting and self.running and priority_order(self.waiting[0]) < priority_order(self.running[-1]):
             head = self.waiting[0]
             first_chunk = min(head.num_tokens - head.num_computed_tokens, self.max_num_batched_tokens)
             needed = self.pages.pages_for_tokens(head.num_computed_tokens + first_chunk) - len(head.page_table)
             if len(self.running) < self.max_num_seqs and needed <= self.pages.num_free_pages:
-                return
-            self._preempt(self.running[-1])
+                break
+            victims.append(self.running[-1])
+            self._preempt(victims[-1])
+        return victims
 
     def _encoder_room(self, request: Request, count: int, encoder: EncoderBudget | None) -> int:
         """How many of the next `count` tokens can run: all, unless an image among them cannot be encoded yet."""
