@@ -69,14 +69,22 @@ async def _score(state: ServerState, model: str, firsts: list[str], seconds: lis
                           "truncate_prompt_tokens (-1 truncates to the model's limit).", param) from error
 
 
+async def _scored_request(state: ServerState, kind: str, model_name: str | None, first: str | list[str],
+                          second: str | list[str], truncate_prompt_tokens: int | None,
+                          names: tuple[str, str]) -> tuple[str, str, list[ScoringRequestOutput]]:
+    """One score or rerank request's pairs checked, bounded, logged and run -> (request id, model, outputs)."""
+    model = check_model(model_name, state.settings)
+    cross, truncating = state.engine.is_cross_encoder, truncate_prompt_tokens is not None
+    firsts = _texts(first, names[0], state, keep_head=cross, truncating=truncating)
+    seconds = _texts(second, names[1], state, keep_head=cross, truncating=truncating)
+    request_id = f"{kind}-{uuid.uuid4().hex}"
+    state.log_request(request_id, kind, f"{len(firsts)} x {len(seconds)} texts:", firsts, seconds)
+    return request_id, model, await _score(state, model, firsts, seconds, truncate_prompt_tokens, names)
+
+
 async def create_score(body: ScoreRequest, state: ServerState) -> Response:
-    model = check_model(body.model, state.settings)
-    cross, truncating = state.engine.is_cross_encoder, body.truncate_prompt_tokens is not None
-    firsts = _texts(body.text_1, "text_1", state, keep_head=cross, truncating=truncating)
-    seconds = _texts(body.text_2, "text_2", state, keep_head=cross, truncating=truncating)
-    request_id = f"score-{uuid.uuid4().hex}"
-    state.log_request(request_id, "score", f"{len(firsts)} x {len(seconds)} texts:", firsts, seconds)
-    outputs = await _score(state, model, firsts, seconds, body.truncate_prompt_tokens, ("text_1", "text_2"))
+    request_id, model, outputs = await _scored_request(state, "score", body.model, body.text_1, body.text_2,
+                                                       body.truncate_prompt_tokens, ("text_1", "text_2"))
     tokens = sum(len(out.prompt_token_ids) for out in outputs)
     response = ScoreResponse(id=request_id, model=model,
                              data=[ScoreData(index=i, score=out.outputs.score) for i, out in enumerate(outputs)],
@@ -85,13 +93,8 @@ async def create_score(body: ScoreRequest, state: ServerState) -> Response:
 
 
 async def create_rerank(body: RerankRequest, state: ServerState) -> Response:
-    model = check_model(body.model, state.settings)
-    cross, truncating = state.engine.is_cross_encoder, body.truncate_prompt_tokens is not None
-    query = _texts(body.query, "query", state, keep_head=cross, truncating=truncating)
-    documents = _texts(body.documents, "documents", state, keep_head=cross, truncating=truncating)
-    request_id = f"rerank-{uuid.uuid4().hex}"
-    state.log_request(request_id, "rerank", f"{len(documents)} documents:", query, documents)
-    outputs = await _score(state, model, query, documents, body.truncate_prompt_tokens, ("query", "documents"))
+    request_id, model, outputs = await _scored_request(state, "rerank", body.model, body.query, body.documents,
+                                                       body.truncate_prompt_tokens, ("query", "documents"))
     order = sorted(range(len(outputs)), key=lambda i: -outputs[i].outputs.score)  # stable: ties keep input order
     top_n = body.top_n or len(outputs)
     results = [RerankResult(index=i, relevance_score=outputs[i].outputs.score,

@@ -20,11 +20,16 @@ from models.pooling import PoolingConfig, l2_normalize, pool
 EmbedFn = Callable[[list[jax.Array], jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
+def _pooled(hidden: jax.Array, positions: jax.Array, segments: jax.Array, num_slots: int, mode: str) -> jax.Array:
+    """hidden [R, W, D] -> each sequence's pooled row [num_slots, D] float32."""
+    slots = jnp.where(segments > 0, segments - 1, num_slots).reshape(-1)  # [R * W]; padding -> dropped
+    return pool(hidden.reshape(slots.shape[0], -1), slots, positions.reshape(-1), num_slots, mode)
+
+
 def _finish(hidden: jax.Array, positions: jax.Array, segments: jax.Array, num_slots: int,
             pooling: PoolingConfig) -> jax.Array:
     """hidden [R, W, D] -> pooled (and normalized) [num_slots, D] float32."""
-    slots = jnp.where(segments > 0, segments - 1, num_slots).reshape(-1)  # [R * W]; padding -> dropped
-    pooled = pool(hidden.reshape(slots.shape[0], -1), slots, positions.reshape(-1), num_slots, pooling.mode)
+    pooled = _pooled(hidden, positions, segments, num_slots, pooling.mode)
     return l2_normalize(pooled) if pooling.normalize else pooled
 
 
@@ -47,8 +52,7 @@ def build_classifier_forward(graphdef: Any, treedef: Any, num_slots: int) -> Emb
                 token_types: jax.Array) -> jax.Array:
         model = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
         hidden = model(input_ids, segments, positions, token_types)  # [R, W, D]
-        slots = jnp.where(segments > 0, segments - 1, num_slots).reshape(-1)  # [R * W]; padding -> dropped
-        first = pool(hidden.reshape(slots.shape[0], -1), slots, positions.reshape(-1), num_slots, "cls")  # [S, D]
+        first = _pooled(hidden, positions, segments, num_slots, "cls")  # [S, D]
         return model.classify(first.astype(hidden.dtype))
 
     return forward
