@@ -70,11 +70,46 @@ inline float HorizontalSum(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
+// sums + the pairwise products of w and x (16-bit pairs summed into each 32-bit lane): one VNNI `vpdpwssd` where
+// the CPU has it (AVX-512 VNNI or AVX-VNNI), else `vpmaddwd` + `vpaddd`.
+inline __m256i AddPairProducts(__m256i sums, __m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(sums, w, x);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(sums, w, x);
+#else
+  return _mm256_add_epi32(sums, _mm256_madd_epi16(w, x));
+#endif
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// AddPairProducts on 512-bit vectors.
+inline __m512i AddPairProducts(__m512i sums, __m512i w, __m512i x) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(sums, w, x);
+#else
+  return _mm512_add_epi32(sums, _mm512_madd_epi16(w, x));
+#endif
+}
+
+inline void KeepInRegister(__m512i& v) { __asm__("" : "+v"(v)); }
+#endif
+
+// An empty asm that says v is read and written in a vector register, so the compiler keeps a running sum there
+// (32 registers with AVX-512, else 16).
+inline void KeepInRegister(__m256i& v) {
+#if defined(__AVX512F__)
+  __asm__("" : "+v"(v));
+#else
+  __asm__("" : "+x"(v));
+#endif
+}
+
 // 16-bit weights (elements 0-15, 16-31) . 32 activations -> acc += (their dot product) * scale.
 inline void Accumulate(__m256i w0, __m256i w1, const int16_t* x, float scale, __m256& acc) {
   const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
-  const __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+  const __m256i sums = AddPairProducts(_mm256_madd_epi16(w0, x0), w1, x1);
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(scale), acc);
 }
 

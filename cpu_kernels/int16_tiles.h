@@ -29,8 +29,8 @@ constexpr int32_t Int16Limit() {
 
 // y[M, N] = x[M, K] . W[N, K]^T for ranges of output rows, x given quantized (Int16Rows with Int16Limit<Fmt>()).
 // The layout follows FloatTiles::Blocked: each thread unpacks up to kChunkBytes of its weight rows into tiles of
-// kTileCols rows, then sweeps x kBlockRows rows and kIntDepth weights at a time, kGroupRows rows against a tile's
-// slice (6 x 16 again: 12 integer accumulators, two weight vectors and a broadcast pair of x fill the 16 registers).
+// kTileCols rows, then sweeps x kBlockRows rows and kIntDepth weights at a time, kRowGroup rows against a tile's
+// slice.
 template <typename Fmt>
 class Int16Tiles {
  public:
@@ -69,15 +69,8 @@ class Int16Tiles {
                               scales.data() + ((t * 2 + 1) * subs_ + s0) * kTileCols, s0, subs, n,
                               static_cast<int>(std::min<int64_t>(kTileCols, c1 - n))};
             int64_t m = m0;
-            for (; m + kGroupRows <= m1; m += kGroupRows) GroupTimesSlice<kGroupRows>(slice, m);
-            switch (m1 - m) {
-              case 1: GroupTimesSlice<1>(slice, m); break;
-              case 2: GroupTimesSlice<2>(slice, m); break;
-              case 3: GroupTimesSlice<3>(slice, m); break;
-              case 4: GroupTimesSlice<4>(slice, m); break;
-              case 5: GroupTimesSlice<5>(slice, m); break;
-              default: break;
-            }
+            for (; m + kRowGroup <= m1; m += kRowGroup) GroupTimesSlice<kRowGroup>(slice, m);
+            if (m < m1) LastGroupTimesSlice<kRowGroup - 1>(slice, m, static_cast<int>(m1 - m));
           }
         }
       }
@@ -142,6 +135,68 @@ class Int16Tiles {
     }
   }
 
+  // Rows of x per register group: R int32 sums, R float sums, the tile's weight vector(s) and a broadcast pair of
+  // x fill the registers (AVX-512: 12 x one 16-lane vector of its 32 registers; AVX2: 6 x two 8-lane vectors of 16).
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  static constexpr int kRowGroup = 12;
+#else
+  static constexpr int kRowGroup = kGroupRows;
+#endif
+
+  // The last `rows` (< kRowGroup) rows from m: GroupTimesSlice<rows>.
+  template <int R>
+  void LastGroupTimesSlice(const Slice& slice, int64_t m, int rows) const {
+    if constexpr (R > 0) {
+      if (rows == R) {
+        GroupTimesSlice<R>(slice, m);
+      } else {
+        LastGroupTimesSlice<R - 1>(slice, m, rows);
+      }
+    }
+  }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  // Rows [m, m + R) of x, the slice's sub-blocks, times the tile -> y[m .. m + R, n .. n + cols), written by the
+  // first slice and added to by the others. A tile's pair p of all 16 columns is one 512-bit vector; per pair, R
+  // broadcast pairs of x multiply it into int32 sums, and each sub-block's sums are scaled into float.
+  template <int R>
+  void GroupTimesSlice(const Slice& slice, int64_t m) const {
+    const int64_t k = k_, subs_total = subs_;
+    const int16_t* xq = xq_->q.data() + m * k + slice.s0 * kBlock;
+    const float* xd = xq_->d.data() + m * subs_total + slice.s0;
+    const float* xs = xq_->s.data() + m * subs_total + slice.s0;
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < slice.subs; ++s) {
+      const int16_t* tile = slice.codes + s * kPairs * kTileCols * 2;
+      __m512i sums[R];
+      for (int r = 0; r < R; ++r) sums[r] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+      for (int p = 0; p < kPairs; ++p) {
+        const __m512i w = _mm512_loadu_si512(tile + p * kTileCols * 2);
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, xq + r * k + s * kBlock + 2 * p, 4);
+          sums[r] = AddPairProducts(sums[r], w, _mm512_set1_epi32(pair));
+          KeepInRegister(sums[r]);  // running sums, as in the AVX2 loop below
+        }
+      }
+      const __m512 d = _mm512_loadu_ps(slice.d + s * kTileCols);
+      const __m512 c = _mm512_loadu_ps(slice.c + s * kTileCols);
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), _mm512_mul_ps(d, _mm512_set1_ps(xd[r * subs_total + s])),
+                                 acc[r]);
+        acc[r] = _mm512_fmadd_ps(c, _mm512_set1_ps(xs[r * subs_total + s]), acc[r]);
+      }
+    }
+    const __mmask16 live = static_cast<__mmask16>((1u << slice.cols) - 1u);
+    for (int r = 0; r < R; ++r) {
+      float* yr = y_ + (m + r) * n_ + slice.n;
+      const __m512 out = slice.s0 == 0 ? acc[r] : _mm512_add_ps(acc[r], _mm512_maskz_loadu_ps(live, yr));
+      _mm512_mask_storeu_ps(yr, live, out);
+    }
+  }
+#else
   // Rows [m, m + R) of x, the slice's sub-blocks, times the tile -> y[m .. m + R, n .. n + cols), written by the
   // first slice and added to by the others. Per sub-block: per pair of weights, R broadcast pairs of x against the
   // tile's two vectors into int32 sums, then each sum scaled into float. (6 rows x 2 vectors measured fastest:
@@ -171,10 +226,10 @@ class Int16Tiles {
           std::memcpy(&pair, xq + r * k + s * kBlock + 2 * p, 4);
           const __m256i xb = _mm256_set1_epi32(pair);
           for (int v = 0; v < V; ++v) {
-            sums[r][v] = _mm256_add_epi32(sums[r][v], _mm256_madd_epi16(w[v], xb));
+            sums[r][v] = AddPairProducts(sums[r][v], w[v], xb);
             // kept in registers as running sums: otherwise GCC reassociates the unrolled loop into a tree of
             // sums with the products spilled to the stack (~2x slower)
-            __asm__("" : "+x"(sums[r][v]));
+            KeepInRegister(sums[r][v]);
           }
         }
       }
@@ -200,6 +255,8 @@ class Int16Tiles {
       }
     }
   }
+
+#endif  // AVX-512
 
   int64_t m_, k_, n_, subs_;
   const Int16Rows* xq_;

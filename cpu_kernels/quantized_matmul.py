@@ -1,6 +1,8 @@
 """Products with GGUF-quantized weights (quantized_matmul.cc) as a JAX function, for XLA CPU."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,14 @@ from cpu_kernels.build import load
 # GGUF block formats the kernel reads: name -> (its code in the kernel, weights per block, bytes per block).
 FORMATS = {"q8_0": (0, 32, 34), "q4_0": (1, 32, 18), "q4_1": (2, 32, 20),
            "q4_k": (3, 256, 144), "q5_k": (4, 256, 176), "q6_k": (5, 256, 210)}
+
+
+@functools.lru_cache(maxsize=1)
+def row_path_limits() -> tuple[int, int]:
+    """(int16_max_rows, int16_tile_min_rows) that suit this machine's kernel build (its vector width and integer
+    dot products)."""
+    library = load()
+    return int(library.JvllmInt16MaxRows()), int(library.JvllmInt16TileMinRows())
 
 
 def quantized_matmul(x: jax.Array, weight: jax.Array, fmt: str, int16_max_rows: int = 0,

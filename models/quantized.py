@@ -116,13 +116,10 @@ def native_kernel_available() -> bool:
     return available()
 
 
-# Steps of up to this many live token rows (models.live_rows: padding rows are skipped) multiply with activations
-# quantized to int16 blocks (integer dot products, each weight row read once per activation row); larger ones unpack
-# the weights once into tiles for all rows: float32 tiles below INT16_TILE_MIN_ROWS rows, 16-bit code tiles with
-# int16 activations from there (~1.2x the float tiles' speed at 128-2,048 rows; at 16-32 rows the float tiles are
-# faster).
-INT16_ACTIVATION_MAX_ROWS = 8
-INT16_TILE_MIN_ROWS = 64
+# How a product's live token rows (models.live_rows: padding rows are skipped) meet the blocks depends on their
+# count, at limits the kernel build picks for its machine (cpu_kernels.quantized_matmul.row_path_limits): few rows
+# multiply with activations quantized to int16 blocks, each weight block unpacked once per activation row; more rows
+# unpack the weights once into 16-bit code tiles for all rows (AVX2 builds: float32 tiles in between).
 
 
 def quantized_dot(x: jax.Array, raw: jax.Array, fmt: str, scale: jax.Array | None = None) -> jax.Array:
@@ -131,9 +128,9 @@ def quantized_dot(x: jax.Array, raw: jax.Array, fmt: str, scale: jax.Array | Non
     if fmt in CHANNEL_FORMATS:
         return channel_dot(x, raw, scale)
     if jax.default_backend() == "cpu" and native_kernel_available():
-        from cpu_kernels.quantized_matmul import quantized_matmul
+        from cpu_kernels.quantized_matmul import quantized_matmul, row_path_limits
 
-        return quantized_matmul(x, raw, fmt, INT16_ACTIVATION_MAX_ROWS, INT16_TILE_MIN_ROWS, live_rows_of(x.shape[0]))
+        return quantized_matmul(x, raw, fmt, *row_path_limits(), live_rows_of(x.shape[0]))
     w = dequantize(raw, fmt, x.shape[-1])  # [N, K]
     return jnp.einsum("tk,nk->tn", x.astype(jnp.float32), w, preferred_element_type=jnp.float32)
 

@@ -54,3 +54,13 @@ def _encode(runner: ModelRunner, cache: EncoderCache | None, items: list[MultiMo
     rows = cache.token_rows(holder, 0, num_tokens)
     cache.release(holder)
     return rows, calls
+
+
+def blocks_take_float_activations(rows: int) -> bool:
+    """Whether the CPU kernel multiplies quantized blocks with float32 activations for a step of `rows` live rows
+    (the float tiles of AVX2 builds, between the build's int16 row paths: cpu_kernels.quantized_matmul), rather
+    than with activations quantized to int16 (within ~3e-5 of float32)."""
+    from cpu_kernels.quantized_matmul import row_path_limits
+
+    max_rows, tile_min_rows = row_path_limits()
+    return max_rows < rows < tile_min_rows

@@ -12,7 +12,7 @@ import pytest
 from jvllm import Engine, SamplingParams
 from tests.hf_weights import redraw_weights
 from tests.models.test_llama_parity import LOGITS_TEXT
-from tests.prompt_logits import prompt_logits
+from tests.prompt_logits import blocks_take_float_activations, prompt_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -66,9 +66,10 @@ def test_int8_blocks_give_the_float32_logits_of_the_rounded_weights(untied_llama
     rounded = _engine(_rounded_through_int8(untied_llama, tmp_path), dtype="float32")
     assert len(_blocks(int8)) == 2 * 7 + 2 and not _blocks(float32)  # 7 projections a layer, the table, the head
     assert int8.weight_bytes < 0.3 * float32.weight_bytes
-    prompt = int8.get_tokenizer().encode(LOGITS_TEXT)[:32]  # one 32-row step: float32 activations
+    prompt = int8.get_tokenizer().encode(LOGITS_TEXT)[:32]  # one 32-row step
     got, want = prompt_logits(int8.runner, prompt), prompt_logits(rounded.runner, prompt)
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    fraction = 1e-4 if blocks_take_float_activations(len(prompt)) else 1e-3  # int16 activations: ~3e-5 a product
+    np.testing.assert_allclose(got, want, rtol=0, atol=fraction * np.abs(want).max())
     unrounded = prompt_logits(float32.runner, prompt)
     assert np.abs(got - unrounded).max() > 10 * np.abs(got - want).max()  # the rounding, not the order, differs
 
