@@ -3,9 +3,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import pathlib
+import signal
 import sys
-from typing import Any, AsyncIterator, Callable
+import threading
+from typing import Any, AsyncIterator, Callable, Iterator
+
+try:
+    import termios
+except ImportError:  # not a POSIX terminal (Windows)
+    termios = None
 
 from jvllm.engine.arg_utils import EngineArgs
 
@@ -72,15 +81,18 @@ def engine_replier(engine: Any, settings: dict[str, Any]) -> ReplyFn:
     return reply
 
 
+HELP = "commands: /clear or /reset (start afresh), /system TEXT (set the system message), /save PATH, /exit"
+
+
 async def converse(reply: ReplyFn, system: str | None, quick: str | None,
                    read: Callable[[str], str] = input, write: Callable[[str], Any] | None = None) -> None:
-    """The read-reply loop: each reply streams to `write` (default: stdout) as it arrives."""
+    """The read-reply loop: each reply streams to `write` (default: stdout) as it arrives. Ctrl-C during a reply
+    stops it and keeps the conversation (the partial reply included); at the prompt it quits. Commands: HELP."""
     if write is None:
         def write(text: str) -> None:
             sys.stdout.write(text)
             sys.stdout.flush()
-    start: Messages = [{"role": "system", "content": system}] if system else []
-    messages = list(start)
+    messages: Messages = [{"role": "system", "content": system}] if system else []
     while True:
         if quick is not None:
             line = quick
@@ -93,25 +105,106 @@ async def converse(reply: ReplyFn, system: str | None, quick: str | None,
         line = line.strip()
         if line in ("/exit", "/quit"):
             return
-        if line == "/clear":
-            messages = list(start)
+        if line.startswith("/"):
+            messages = _command(line, messages, write)
             continue
         if not line:
             continue
         messages.append({"role": "user", "content": line})
-        parts = []
         try:
-            async for piece in reply(messages):
-                write(piece)
-                parts.append(piece)
+            with _typing_held(read is input):
+                text, stopped = await _streamed(reply(messages), write)
         except ChatError as error:
             write(f"[error: {error}]")
             messages.pop()
         else:
-            messages.append({"role": "assistant", "content": "".join(parts)})
+            messages.append({"role": "assistant", "content": text})
+            if stopped:
+                write(" [stopped]")
         write("\n")
         if quick is not None:
             return
+
+
+def _command(line: str, messages: Messages, write: Callable[[str], Any]) -> Messages:
+    """A /command at the prompt -> the conversation after it."""
+    name, _, argument = line.partition(" ")
+    argument = argument.strip()
+    system = [m for m in messages[:1] if m["role"] == "system"]
+    if name in ("/clear", "/reset"):
+        return system
+    if name == "/system" and argument:
+        write("system message set; the conversation starts afresh\n")
+        return [{"role": "system", "content": argument}]
+    if name == "/save" and argument:
+        try:
+            pathlib.Path(argument).write_text(json.dumps({"messages": messages}, indent=1, ensure_ascii=False) + "\n")
+        except OSError as error:
+            write(f"[cannot save: {error}]\n")
+        else:
+            write(f"saved {len(messages)} messages to {argument}\n")
+        return messages
+    write(HELP + "\n")
+    return messages
+
+
+async def _streamed(pieces: AsyncIterator[str], write: Callable[[str], Any]) -> tuple[str, bool]:
+    """Writes the reply's pieces as they arrive -> (the reply's text, whether Ctrl-C stopped it)."""
+    parts: list[str] = []
+
+    async def consume() -> None:
+        async for piece in pieces:
+            write(piece)
+            parts.append(piece)
+
+    task = asyncio.ensure_future(consume())
+    with _interrupt_cancels(task) as interrupted:
+        try:
+            await task
+        except asyncio.CancelledError:
+            if not interrupted:  # this coroutine itself is being cancelled
+                raise
+    return "".join(parts), bool(interrupted)
+
+
+@contextlib.contextmanager
+def _interrupt_cancels(task: asyncio.Future) -> Iterator[list[bool]]:
+    """While inside, SIGINT (Ctrl-C) cancels `task` instead of raising KeyboardInterrupt; -> a list that holds True
+    once that happened. Signal handlers belong to the main thread: elsewhere nothing changes."""
+    interrupted: list[bool] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield interrupted
+        return
+    loop = asyncio.get_running_loop()
+
+    def on_interrupt(_signum: int, _frame: Any) -> None:
+        interrupted.append(True)
+        loop.call_soon_threadsafe(task.cancel)
+
+    previous = signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def _typing_held(terminal: bool) -> Iterator[None]:
+    """While a reply streams to a terminal, keys typed are neither echoed into it nor read as the next message
+    (echo and line editing off, pending input dropped at the end; Ctrl-C still signals)."""
+    fd = sys.stdin.fileno() if terminal and sys.stdin is not None and sys.stdin.isatty() else None
+    if fd is None or termios is None:
+        yield
+        return
+    saved = termios.tcgetattr(fd)
+    quiet = list(saved)
+    quiet[3] &= ~(termios.ECHO | termios.ICANON)  # local modes
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcflush(fd, termios.TCIFLUSH)
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
 
 
 async def _run(args: argparse.Namespace, engine_args: EngineArgs) -> None:

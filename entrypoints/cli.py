@@ -58,8 +58,9 @@ _CHAT_HELP = """\
 Chat in the terminal; replies stream token by token. Against a running server:
   jvllm chat --url http://localhost:8000/v1 [--api-key KEY]
 or, without --url, with an engine loaded in this process (engine flags below). With --url, --model is the
-served model name (default: the server's first model). Type a message and press Enter; /clear forgets
-the conversation, /exit or Ctrl-D ends the chat."""
+served model name (default: the server's first model). Type a message and press Enter. Ctrl-C stops a reply
+and keeps the conversation; /clear or /reset forgets it, /system TEXT sets the system message, /save PATH writes
+the conversation as JSON, /exit, Ctrl-D or Ctrl-C at the prompt ends the chat."""
 
 
 def _add_chat_parser(commands: argparse._SubParsersAction) -> None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from jvllm.third_party_logs import quiet_third_party_notices
 from jvllm.worker.xla_flags import apply_cpu_defaults
 
 __version__ = "0.1.0"
 apply_cpu_defaults()  # before anything starts a JAX backend
+quiet_third_party_notices()
 
 _EXPORTS = {
     "Engine": "jvllm.engine.llm",

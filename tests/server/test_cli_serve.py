@@ -216,3 +216,42 @@ def test_the_chat_loop_keeps_the_conversation_until_cleared(lines, expected):
         assert [m["role"] for m in seen[1]] == ["system", "user"]
     else:
         assert [m["role"] for m in seen[1]] == ["system", "user", "assistant", "user"]
+
+
+def test_ctrl_c_stops_a_reply_and_the_conversation_goes_on(tmp_path):
+    """SIGINT during a reply cancels just that reply (its text so far stays in the conversation); /system, /save
+    and /reset act on the conversation."""
+    import asyncio
+    import json
+    import os
+    import signal
+
+    from entrypoints.chat_client import converse
+
+    seen: list[list[dict]] = []
+
+    async def reply(messages):
+        seen.append([dict(m) for m in messages])
+        yield "partial"
+        if len(seen) == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # the user presses Ctrl-C mid-reply
+            await asyncio.sleep(30)
+            yield "never shown"
+        yield " done"
+
+    saved = tmp_path / "chat.json"
+    feed = iter(["/system be brief", "one", "two", f"/save {saved}", "/reset", "three"])
+
+    def read(_prompt: str) -> str:
+        try:
+            return next(feed)
+        except StopIteration:
+            raise EOFError from None
+
+    out: list[str] = []
+    asyncio.run(asyncio.wait_for(converse(reply, None, None, read=read, write=out.append), 20))
+    text = "".join(out)
+    assert "partial [stopped]\n" in text and "never shown" not in text
+    assert [m["content"] for m in seen[1]] == ["be brief", "one", "partial", "two"]
+    assert json.loads(saved.read_text())["messages"][-1] == {"role": "assistant", "content": "partial done"}
+    assert [m["content"] for m in seen[2]] == ["be brief", "three"]
