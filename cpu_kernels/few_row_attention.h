@@ -15,7 +15,18 @@ namespace jvllm {
 
 // out[i] = the sum of x[i]'s lanes, for 4 vectors.
 inline void SumEach4(const VF (&x)[4], float* out) {
-#if defined(__AVX__) && !defined(__AVX512F__)
+#if defined(__AVX512F__)
+  __m256 halves[4];  // each vector's two 256-bit halves added, then the AVX2 reduction below
+  for (int i = 0; i < 4; ++i) {
+    const __m512 v = x[i];
+    halves[i] = _mm256_add_ps(_mm512_castps512_ps256(v),
+                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  }
+  const __m256 pairs01 = _mm256_hadd_ps(halves[0], halves[1]);
+  const __m256 pairs23 = _mm256_hadd_ps(halves[2], halves[3]);
+  const __m256 quads = _mm256_hadd_ps(pairs01, pairs23);
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(quads), _mm256_extractf128_ps(quads, 1)));
+#elif defined(__AVX__)
   const __m256 pairs01 = _mm256_hadd_ps(x[0], x[1]);     // per 128-bit half: x0 01, x0 23, x1 01, x1 23
   const __m256 pairs23 = _mm256_hadd_ps(x[2], x[3]);
   const __m256 quads = _mm256_hadd_ps(pairs01, pairs23);  // per half: x0 0-3, x1 0-3, x2 0-3, x3 0-3

@@ -80,6 +80,7 @@ class Attention {
             const int32_t* kv_lens, const int32_t* page_tables, float* out)
       : sh_(sh), opt_(opt), q_(q), k_(k), v_(v), k_pages_(k_pages), v_pages_(v_pages),
         query_start_(query_start), q_lens_(q_lens), kv_lens_(kv_lens), page_tables_(page_tables), out_(out) {
+    if (sh.page_size > 0 && (sh.page_size & (sh.page_size - 1)) == 0) page_shift_ = __builtin_ctzll(sh.page_size);
     int64_t blocks = 0;
     for (int64_t s = 0; s < sh.seqs; ++s) blocks += QueryBlocks(s);
     // An item reads every KV head of its keys (whole token rows of the pages); with few query blocks (a lone
@@ -114,9 +115,12 @@ class Attention {
   const T* Row(const T* pages, const float* own, int64_t s, int64_t head, int64_t pos, int64_t cached,
                const float** own_row) const {
     if (pos < cached) {
-      const int64_t page = page_tables_[s * sh_.pages_per_seq + pos / sh_.page_size];
+      // page sizes are powers of two in practice: a shift and a mask instead of a division per key
+      const int64_t index = page_shift_ >= 0 ? pos >> page_shift_ : pos / sh_.page_size;
+      const int64_t within = page_shift_ >= 0 ? pos & (sh_.page_size - 1) : pos % sh_.page_size;
+      const int64_t page = page_tables_[s * sh_.pages_per_seq + index];
       *own_row = nullptr;
-      return pages + ((page * sh_.page_size + pos % sh_.page_size) * sh_.kv_heads + head) * sh_.head_dim;
+      return pages + ((page * sh_.page_size + within) * sh_.kv_heads + head) * sh_.head_dim;
     }
     *own_row = own + ((query_start_[s] + pos - cached) * sh_.kv_heads + head) * sh_.head_dim;
     return nullptr;
@@ -385,6 +389,7 @@ class Attention {
   const int32_t *query_start_, *q_lens_, *kv_lens_, *page_tables_;
   float* out_;
   int64_t head_splits_ = 1, heads_per_item_ = 1;
+  int64_t page_shift_ = -1;  // log2(page_size) when it is a power of two
   std::vector<int64_t> item_start_;  // [seqs + 1] first work item of each sequence
 };
 

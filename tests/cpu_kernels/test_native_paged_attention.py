@@ -124,7 +124,7 @@ def test_prefill_and_decode_mix(head_dim, heads, kv_heads):
              head_dim=head_dim, page_size=16)
 
 
-@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("page_size", [16, 24, 32])
 @pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
 def test_pages_and_pool_dtypes(page_size, pool_dtype):
     run_case(np.random.default_rng(page_size), MIXED, heads=8, kv_heads=2, head_dim=64, page_size=page_size,
