@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -246,6 +247,7 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
         raise ValueError(f"unknown load_format {load_format!r}; choose auto, safetensors, gguf or dummy")
     path, name = resolve_model_path(model)
     is_gguf = path.endswith(".gguf")
+    logger.info("loading %s from %s", name, path)
     check_quantization(quantization, is_gguf, name, tensor_parallel_size)
     blocks = is_gguf and keeps_gguf_blocks(quantization, dtype, tensor_parallel_size, load_format)
     folder = _gguf_as_hf_folder(path, tokenizer_required=tokenizer is None, weights=not blocks) if is_gguf \
@@ -257,9 +259,11 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
     config = config_from_hf(hf_config)
     model_cls = model_class_for(config.architecture)
     jdtype = resolve_dtype(dtype)
+    started = time.perf_counter()
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer or str(folder))
+    logger.info("tokenizer ready in %.1fs", time.perf_counter() - started)
     if tok.chat_template is None:
         tok.chat_template = processor_chat_template(folder)
     if tensor_parallel_size != 1:
@@ -303,7 +307,10 @@ def _load_gguf_blocks(path: str, config: Any, model_cls: Any, jdtype: Any, parti
     if not hasattr(model_cls, "set_quantized_embedding"):
         raise ValueError(f"{config.architecture} does not run on GGUF blocks; leave quantization unset")
     module = abstract_module(model_cls, config, jdtype)
-    weights = read_gguf_weights(open_gguf(path))
+    started = time.perf_counter()
+    header = open_gguf(path)
+    logger.info("read the GGUF header (%d tensors) in %.1fs", len(header.tensors), time.perf_counter() - started)
+    weights = read_gguf_weights(header)
     kept = load_gguf_weights(module, weights, jdtype)
     logger.info("kept %d tensors in their GGUF blocks (%.1f MB)", kept, weights.block_bytes / 1e6)
     graphdef, state = nnx.split(module)
