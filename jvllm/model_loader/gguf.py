@@ -36,9 +36,23 @@ _QWEN2_SPLIT = (
 _SUPPORTED_PRE = ("default", "gpt2", "smollm", "llama-bpe", "qwen2")
 
 
+class _PlainViewReader(gguf.GGUFReader):
+    """gguf's reader over a plain ndarray view of its memory map: the reader slices the file once per metadata
+    item (twice per vocabulary string), and a slice of a np.memmap pays for the subclass's bookkeeping each time
+    (the embedded model's header: 1.6 s -> 0.5 s). The view reads the same mapped pages."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain
+
+    @data.setter
+    def data(self, mapped: np.ndarray) -> None:
+        self._plain = mapped.view(np.ndarray)
+
+
 def open_gguf(source: str | GGUFHeader) -> GGUFHeader:
-    """A file's header, parsed once (a large vocabulary takes seconds): pass it to each reader below."""
-    return source if isinstance(source, GGUFHeader) else GGUFHeader(gguf.GGUFReader(source))
+    """A file's header, parsed once (a large vocabulary takes a while): pass it to each reader below."""
+    return source if isinstance(source, GGUFHeader) else GGUFHeader(_PlainViewReader(source))
 
 
 def _llama3_rope_scaling(rope_freqs: np.ndarray, theta: float, low: float = 1.0,
