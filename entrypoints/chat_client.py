@@ -5,6 +5,8 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
+import os
 import pathlib
 import signal
 import sys
@@ -228,16 +230,30 @@ async def _run(args: argparse.Namespace, engine_args: EngineArgs) -> None:
         return
     from jvllm.engine.async_engine import AsyncEngine
 
-    engine = AsyncEngine.from_engine_args(engine_args)
+    with _startup_progress(not args.quiet):
+        engine = AsyncEngine.from_engine_args(engine_args)
     try:
         await converse(engine_replier(engine, settings), args.system, args.quick)
     finally:
         await engine.shutdown()
 
 
-def run_chat(args: argparse.Namespace, engine_args: EngineArgs) -> int:
-    import logging
+@contextlib.contextmanager
+def _startup_progress(show: bool) -> Iterator[None]:
+    """While the engine loads, its progress lines (each phase and its time) show at INFO, unless the user set
+    JVLLM_LOGGING_LEVEL; the conversation then runs at WARNING."""
+    logger = logging.getLogger("jvllm")
+    if not show or os.environ.get("JVLLM_LOGGING_LEVEL"):
+        yield
+        return
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.setLevel(logging.NOTSET)
 
+
+def run_chat(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     try:
         asyncio.run(_run(args, engine_args))

@@ -76,6 +76,8 @@ def _add_chat_parser(commands: argparse._SubParsersAction) -> None:
     chat.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     chat.add_argument("-q", "--quick", default=None, metavar="MESSAGE",
                       help="send MESSAGE, print the streamed reply and exit")
+    chat.add_argument("--quiet", action="store_true",
+                      help="no start-up progress lines while the in-process engine loads (errors still show)")
     EngineArgs.add_cli_args(chat, skip=MULTIHOST_FIELDS)
 
 

@@ -255,3 +255,21 @@ def test_ctrl_c_stops_a_reply_and_the_conversation_goes_on(tmp_path):
     assert [m["content"] for m in seen[1]] == ["be brief", "one", "partial", "two"]
     assert json.loads(saved.read_text())["messages"][-1] == {"role": "assistant", "content": "partial done"}
     assert [m["content"] for m in seen[2]] == ["be brief", "three"]
+
+
+def test_in_process_chat_shows_start_up_progress_unless_quiet(caplog, monkeypatch):
+    """`jvllm chat` without --url: the engine's phase lines show while it loads, not during the conversation."""
+    import logging
+
+    from entrypoints.chat_client import _startup_progress
+
+    monkeypatch.delenv("JVLLM_LOGGING_LEVEL", raising=False)
+    logger = logging.getLogger("jvllm")
+    monkeypatch.setattr(logger, "level", logging.NOTSET)
+    monkeypatch.setattr(logging.getLogger(), "level", logging.WARNING)  # run_chat's basicConfig level
+    caplog.handler.setLevel(logging.NOTSET)
+    for show in (True, False):
+        with _startup_progress(show):
+            logger.info("loading the model (shown=%s)", show)
+        logger.info("during the conversation")
+    assert [r.getMessage() for r in caplog.records] == ["loading the model (shown=True)"]
