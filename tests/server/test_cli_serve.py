@@ -188,6 +188,19 @@ def test_chat_in_process_matches_engine_chat(tiny_llama, offline_engine, capsys)
     assert captured.out == expected + "\n"
 
 
+def scripted_input(lines: list[str]):
+    """A stand-in for input(): the lines one by one, then EOF (Ctrl-D)."""
+    feed = iter(lines)
+
+    def read(_prompt: str) -> str:
+        try:
+            return next(feed)
+        except StopIteration:
+            raise EOFError from None
+
+    return read
+
+
 @pytest.mark.parametrize("lines, expected", [(["one", "/clear", "two", "/exit"], 2), (["one", "two"], 2)])
 def test_the_chat_loop_keeps_the_conversation_until_cleared(lines, expected):
     import asyncio
@@ -200,13 +213,7 @@ def test_the_chat_loop_keeps_the_conversation_until_cleared(lines, expected):
         seen.append([dict(m) for m in messages])
         yield f"echo {messages[-1]['content']}"
 
-    feed = iter(lines)
-
-    def read(_prompt: str) -> str:
-        try:
-            return next(feed)
-        except StopIteration:
-            raise EOFError from None
+    read = scripted_input(lines)
 
     out: list[str] = []
     asyncio.run(converse(reply, "sys", None, read=read, write=out.append))
@@ -240,13 +247,7 @@ def test_ctrl_c_stops_a_reply_and_the_conversation_goes_on(tmp_path):
         yield " done"
 
     saved = tmp_path / "chat.json"
-    feed = iter(["/system be brief", "one", "two", f"/save {saved}", "/reset", "three"])
-
-    def read(_prompt: str) -> str:
-        try:
-            return next(feed)
-        except StopIteration:
-            raise EOFError from None
+    read = scripted_input(["/system be brief", "one", "two", f"/save {saved}", "/reset", "three"])
 
     out: list[str] = []
     asyncio.run(asyncio.wait_for(converse(reply, None, None, read=read, write=out.append), 20))
