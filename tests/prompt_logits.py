@@ -56,11 +56,12 @@ def _encode(runner: ModelRunner, cache: EncoderCache | None, items: list[MultiMo
     return rows, calls
 
 
-def blocks_take_float_activations(rows: int) -> bool:
-    """Whether the CPU kernel multiplies quantized blocks with float32 activations for a step of `rows` live rows
-    (the float tiles of AVX2 builds, between the build's int16 row paths: cpu_kernels.quantized_matmul), rather
-    than with activations quantized to int16 (within ~3e-5 of float32)."""
+def blocks_take_float_activations(runner: ModelRunner, length: int) -> bool:
+    """Whether every quantized product of `prompt_logits(runner, ids[:length])` multiplies the blocks with float32
+    activations (the float tiles of AVX2 builds, between the build's int16 row paths: cpu_kernels.quantized_matmul),
+    rather than some with activations quantized to int16 (within ~3e-5 of float32). The layers take the live rows'
+    path, the all-position LM head the padded step's."""
     from cpu_kernels.quantized_matmul import row_path_limits
 
     max_rows, tile_min_rows = row_path_limits()
-    return max_rows < rows < tile_min_rows
+    return max_rows < length and runner.shapes.prefill(length).tokens < tile_min_rows

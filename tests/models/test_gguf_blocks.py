@@ -98,7 +98,7 @@ def test_quantized_family_matches_its_float32_twin_and_transformers(name, quanti
     with torch.no_grad():
         want = hf_model(torch.tensor([prompt])).logits[0].float().numpy()
     for length in (32, 40):  # float32 or int16 activations, as the kernel build's row paths choose
-        atol = TWIN_ATOL if blocks_take_float_activations(length) else INT16_TWIN_FRACTION * np.abs(want).max()
+        atol = TWIN_ATOL if blocks_take_float_activations(blocks.runner, length) else INT16_TWIN_FRACTION * np.abs(want).max()
         got = prompt_logits(blocks.runner, prompt[:length])
         np.testing.assert_allclose(got, prompt_logits(float32.runner, prompt[:length]), rtol=0, atol=atol)
         np.testing.assert_allclose(got, want[:length], rtol=0, atol=atol)

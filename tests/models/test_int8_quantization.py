@@ -68,7 +68,7 @@ def test_int8_blocks_give_the_float32_logits_of_the_rounded_weights(untied_llama
     assert int8.weight_bytes < 0.3 * float32.weight_bytes
     prompt = int8.get_tokenizer().encode(LOGITS_TEXT)[:32]  # one 32-row step
     got, want = prompt_logits(int8.runner, prompt), prompt_logits(rounded.runner, prompt)
-    fraction = 1e-4 if blocks_take_float_activations(len(prompt)) else 1e-3  # int16 activations: ~3e-5 a product
+    fraction = 1e-4 if blocks_take_float_activations(int8.runner, len(prompt)) else 1e-3  # int16 activations: ~3e-5 a product
     np.testing.assert_allclose(got, want, rtol=0, atol=fraction * np.abs(want).max())
     unrounded = prompt_logits(float32.runner, prompt)
     assert np.abs(got - unrounded).max() > 10 * np.abs(got - want).max()  # the rounding, not the order, differs
