@@ -262,6 +262,8 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
     started = time.perf_counter()
     from transformers import AutoTokenizer
 
+    logger.info("transformers imported in %.1fs; reading the tokenizer", time.perf_counter() - started)
+    started = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(tokenizer or str(folder))
     logger.info("tokenizer ready in %.1fs", time.perf_counter() - started)
     if tok.chat_template is None:
