@@ -82,7 +82,15 @@ inline __m256i AddPairProducts(__m256i sums, __m256i w, __m256i x) {
 #endif
 }
 
+// 1 where this build multiplies the 16-bit code tiles 512 bits at a time (int16_tiles.h), which also moves the
+// row counts at which the product's paths meet (quantized_matmul.cc).
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+#define JVLLM_INT16_512 1
+#else
+#define JVLLM_INT16_512 0
+#endif
+
+#if JVLLM_INT16_512
 // AddPairProducts on 512-bit vectors.
 inline __m512i AddPairProducts(__m512i sums, __m512i w, __m512i x) {
 #if defined(__AVX512VNNI__)

@@ -137,7 +137,7 @@ class Int16Tiles {
 
   // Rows of x per register group: R int32 sums, R float sums, the tile's weight vector(s) and a broadcast pair of
   // x fill the registers (AVX-512: 12 x one 16-lane vector of its 32 registers; AVX2: 6 x two 8-lane vectors of 16).
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if JVLLM_INT16_512
   static constexpr int kRowGroup = 12;
 #else
   static constexpr int kRowGroup = kGroupRows;
@@ -155,7 +155,7 @@ class Int16Tiles {
     }
   }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if JVLLM_INT16_512
   // Rows [m, m + R) of x, the slice's sub-blocks, times the tile -> y[m .. m + R, n .. n + cols), written by the
   // first slice and added to by the others. A tile's pair p of all 16 columns is one 512-bit vector; per pair, R
   // broadcast pairs of x multiply it into int32 sums, and each sub-block's sums are scaled into float.

@@ -268,26 +268,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmQuantizedMatmul, QuantizedMatmulImpl,
                                   .Attr<int64_t>("int16_max_rows")
                                   .Attr<int64_t>("int16_tile_min_rows"));
 
-// The row counts at which this build's paths meet (measured on the quantized formats at 576-2,048 wide projections):
-// with 512-bit integer tiles (AVX-512 BW, VNNI where present) the code tiles beat the per-row path from 5 rows
-// (Zen 5: 5 rows 190 vs 147 GFLOP/s, 32 rows 400-440 vs 205 for the float tiles); with AVX2 the float tiles win
-// from 9 rows up to 63.
-extern "C" int32_t JvllmInt16MaxRows() {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  return 4;
+// The row counts at which this build's paths meet (measured per vector width: docs/design.md, GGUF blocks): the
+// per-row int16 path up to the first, 16-bit code tiles from the second, float tiles between (AVX2 builds only).
+#if JVLLM_INT16_512
+constexpr int32_t kInt16MaxRows = 4, kInt16TileMinRows = 5;
 #elif defined(__AVX2__)
-  return 8;
+constexpr int32_t kInt16MaxRows = 8, kInt16TileMinRows = 64;
 #else
-  return 0;
+constexpr int32_t kInt16MaxRows = 0, kInt16TileMinRows = 0;
 #endif
-}
 
-extern "C" int32_t JvllmInt16TileMinRows() {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  return 5;
-#elif defined(__AVX2__)
-  return 64;
-#else
-  return 0;
-#endif
-}
+extern "C" int32_t JvllmInt16MaxRows() { return kInt16MaxRows; }
+extern "C" int32_t JvllmInt16TileMinRows() { return kInt16TileMinRows; }
