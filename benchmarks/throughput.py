@@ -16,6 +16,7 @@ ignore_eos, prefill included in the timing; each timed --repeats times after a w
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -209,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--single-output-len", type=int, default=128)
     parser.add_argument("--prefill-prompts", type=int, default=16, help="prompts of the 'prefill' scenario")
     parser.add_argument("--prefill-len", type=int, default=1024, help="tokens per prompt of the 'prefill' scenario")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                         help="dispatch each decode step before the previous step's tokens reach the host")
     parser.add_argument("--repeats", type=int, default=3,
@@ -233,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         options["quantization"] = args.quantization
     if args.attention_backend:
         options["attention_backend"] = args.attention_backend
+    if args.speculative_config:
+        options["speculative_config"] = json.loads(args.speculative_config)
     engine = Engine(args.model, dtype=args.dtype, load_format=args.load_format,
                     async_scheduling=args.async_scheduling, **options)
     cfg = engine.model.config
@@ -244,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             w.dtype for w in engine.runner.batched_weights if w.ndim == 2)),
         "attention_backend": engine.runner.backend.name, "async_scheduling": engine.async_scheduling, "repeats": args.repeats,
         "step_shapes": len(engine.step_shapes()), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "engine_start_seconds": time.perf_counter() - started,
+        "speculative_config": options.get("speculative_config"), "engine_start_seconds": time.perf_counter() - started,
     }
     print(f"engine start (precompile of {results['step_shapes']} step shapes included): "
           f"{results['engine_start_seconds']:.1f} s", flush=True)

@@ -34,6 +34,7 @@ using namespace jvllm;
 constexpr int kBlockKeys = 64;     // keys per score block
 constexpr int kBlockQueries = 16;  // queries per work item
 constexpr int kDirectRows = 4;     // up to this many score rows, keys are read in place (no transposed copy)
+constexpr int kDirectQueries = 8;  // ... and for up to this many queries (a decode row verifying draft tokens)
 constexpr int kStripKeys = 16;     // direct reads: keys of every head per strip, so token rows are read in order
 constexpr int kPrefetchKeys = 32;  // direct reads: how far ahead (in keys) each strip asks for keys and values
 constexpr float kMasked = -1e30f;  // finite: exp() of it underflows to 0 without NaNs
@@ -165,7 +166,7 @@ class Attention {
     const int64_t first_pos = cached + first, last_pos = cached + first + count - 1;
     int64_t lowest = 0;
     if (opt_.sliding_window > 0) lowest = std::max<int64_t>(0, first_pos - opt_.sliding_window + 1);
-    const bool direct = rows <= kDirectRows;
+    const bool direct = rows <= kDirectRows || count <= kDirectQueries;
     Prefetch(s, h0, h1, cached, lowest, direct ? kPrefetchKeys : kBlockKeys);
     for (int64_t key0 = lowest; key0 <= last_pos; key0 += kBlockKeys) {
       const int64_t nkeys = std::min<int64_t>(kBlockKeys, last_pos + 1 - key0);

@@ -88,6 +88,8 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified for the request (its n members together)
+    num_accepted_tokens: int = 0  # of those, accepted
 
     @property
     def time_to_first_token(self) -> float | None:

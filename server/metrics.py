@@ -44,6 +44,36 @@ class _EngineStateCollector(Collector):
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        if stats.spec_decode_accepted_per_position is not None:
+            yield from self._spec_decode(stats)
+
+    def _spec_decode(self, stats):
+        """Speculative decoding's counters, as vLLM's spec_decode metrics (an engine that speculates only)."""
+        for name, doc, value in (
+                ("jvllm:spec_decode_num_drafts", "Verification steps of requests with draft tokens.",
+                 stats.spec_decode_num_drafts),
+                ("jvllm:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                 stats.spec_decode_num_draft_tokens),
+                ("jvllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                 stats.spec_decode_num_accepted_tokens)):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        family = CounterMetricFamily("jvllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by position in the draft (0: the first).",
+                                     labels=["model_name", "position"])
+        for position, value in enumerate(stats.spec_decode_accepted_per_position):
+            family.add_metric([self.model_name, str(position)], value)
+        yield family
+        for name, doc, value in (
+                ("jvllm:spec_decode_acceptance_rate", "Accepted draft tokens over proposed ones so far.",
+                 stats.spec_decode_num_accepted_tokens / max(stats.spec_decode_num_draft_tokens, 1)),
+                ("jvllm:spec_decode_mean_accepted_length", "Tokens a verification step emits on average (accepted "
+                 "drafts plus the token sampled after them).",
+                 1 + stats.spec_decode_num_accepted_tokens / max(stats.spec_decode_num_drafts, 1))):
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
 
 
 @dataclasses.dataclass

@@ -20,14 +20,16 @@ def _has_next_step(request: Request) -> bool:
 def plan_lookahead(scheduler: Scheduler, current: list[ScheduledChunk]) -> list[ScheduledChunk] | None:
     """One-token chunks continuing `current` (a step just dispatched and committed, every chunk sampling), with
     pages reserved for the token each will compute; None when the next step must be scheduled normally: a
-    request is waiting to be admitted, not every running request is in `current`, one uses penalties, or pages
-    are short. Never preempts. Requests whose current token is their last are left out: they finish now."""
+    request is waiting to be admitted, not every running request is in `current`, one uses penalties or verifies
+    draft tokens, or pages are short. Never preempts. Requests whose current token is their last are left out: they finish now."""
     if scheduler.waiting or len(current) != len(scheduler.running):
         return None
     # Penalties count every output token, including the one still on the device. All or nothing: a request
     # left out of the look-ahead step would advance only every other step. (Grammars are fine: the look-ahead
     # step's sampler waits for them, see ModelRunner.finish_head.)
     if not all(chunk.samples and not chunk.request.params.uses_penalties for chunk in current):
+        return None
+    if any(chunk.draft is not None for chunk in current):  # how many drafts it keeps is known on the host only
         return None
     requests = [chunk.request for chunk in current if _has_next_step(chunk.request)]
     if not requests:

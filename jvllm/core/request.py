@@ -81,6 +81,8 @@ class Request:
         self.num_registered_pages = 0  # leading pages already offered to the prefix cache
         self.grammar: Any = None  # structured outputs: a jvllm.structured GrammarState fed every output token
         self.mm_items: list = []  # multimodal: jvllm.core.encoder_cache.MultiModalItem per image, by offset
+        self.num_draft_tokens = 0  # speculative decoding: draft tokens verified for this request
+        self.num_accepted_tokens = 0  # of those, accepted
 
     @property
     def num_prompt_tokens(self) -> int:

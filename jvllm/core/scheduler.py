@@ -5,7 +5,7 @@ import bisect
 import dataclasses
 import time
 from collections import deque
-from typing import Literal
+from typing import Any, Literal
 
 from jvllm.core.encoder_cache import EncoderBudget, EncoderCache, MultiModalItem
 from jvllm.core.kv_pages import PageManager
@@ -32,11 +32,14 @@ def priority_order(request: Request) -> tuple[int, float]:
 @dataclasses.dataclass
 class ScheduledChunk:
     """`num_tokens` tokens of `request`, starting at its `num_computed_tokens`, run this step. A `lookahead`
-    chunk computes the token the previous step is still sampling on the device (see jvllm.core.lookahead)."""
+    chunk computes the token the previous step is still sampling on the device (see jvllm.core.lookahead). A chunk
+    with a `draft` (speculative decoding, a jvllm.spec_decode.drafter.DraftTokens) ends in its proposed tokens: a
+    token is sampled after the last known token and after each draft, and the drafts are kept while they match."""
 
     request: Request
     num_tokens: int
     lookahead: bool = False
+    draft: Any = None
     start: int = dataclasses.field(init=False)  # fixed at scheduling time, before commit() moves the request on
     samples: bool = dataclasses.field(init=False)  # reaches the last known token, so its logits are sampled
     # images whose encoder output this chunk needs and nobody has computed: encoded before the step runs
@@ -44,12 +47,20 @@ class ScheduledChunk:
 
     def __post_init__(self) -> None:
         self.start = self.request.num_computed_tokens
-        self.samples = self.lookahead or self.start + self.num_tokens == self.request.num_tokens
+        self.samples = self.lookahead or self.start + self.num_tokens - len(self.draft_ids) == self.request.num_tokens
 
     @property
     def pending_tokens(self) -> int:
         """Tokens of the request sampled on the device but not yet known on the host (0 or 1)."""
         return 1 if self.lookahead else 0
+
+    @property
+    def draft_ids(self) -> tuple[int, ...]:
+        return () if self.draft is None else self.draft.token_ids
+
+    @property
+    def sampler_rows(self) -> int:
+        return 1 + len(self.draft_ids)
 
 
 class Scheduler:
@@ -57,13 +68,16 @@ class Scheduler:
 
     def __init__(self, pages: PageManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_prefix_caching: bool = False, encoder_cache: EncoderCache | None = None,
-                 max_num_encoder_tokens: int = 0, policy: SchedulingPolicy = "fcfs"):
+                 max_num_encoder_tokens: int = 0, policy: SchedulingPolicy = "fcfs",
+                 drafter: Any = None):
         """`encoder_cache` (multimodal models): a chunk runs only once the images it touches have encoder rows,
         and a step encodes at most `max_num_encoder_tokens` rows of new images. `policy`: "fcfs" admits in
         arrival order; "priority" keeps the waiting queue and the running list in `priority_order`, so the
         preempted are always the lowest-priority requests, and a waiting request preempts running requests
-        of lower priority when there is no room for it."""
+        of lower priority when there is no room for it. `drafter` (speculative decoding, a
+        jvllm.spec_decode.drafter.Drafter): decoding requests of small batches get its draft tokens to verify."""
         self.pages = pages
+        self.drafter = drafter
         self.encoder_cache = encoder_cache
         self.max_num_encoder_tokens = max_num_encoder_tokens
         self.enable_prefix_caching = enable_prefix_caching
@@ -108,9 +122,15 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted = False
         index = 0
+        speculates = self.drafter is not None and self.drafter.speculates(len(self.running))
+        spare_rows = self.max_num_seqs - len(self.running)  # sampler rows left for draft tokens
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             wanted = min(request.num_tokens - request.num_computed_tokens, budget)
+            draft = None
+            if speculates and request.num_tokens - request.num_computed_tokens == 1:
+                draft = self.drafter.propose(request, min(budget - 1, spare_rows))
+                wanted += 0 if draft is None else len(draft.token_ids)
             count = self._encoder_room(request, wanted, encoder)
             if count == 0 < wanted:  # its next image waits for encoder rows or budget
                 index += 1
@@ -121,10 +141,12 @@ class Scheduler:
                 if encoder is not None:
                     encoder.drop(request.request_id)
                 break  # `request` itself was preempted; it was the last one running
-            chunks.append(self._chunk(request, count, encoder))
+            chunks.append(self._chunk(request, count, encoder, draft))
+            spare_rows -= chunks[-1].sampler_rows - 1
             budget -= count
             index += 1
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (self.waiting and not preempted and budget > 0
+               and len(self.running) < self.max_num_seqs - sum(len(chunk.draft_ids) for chunk in chunks)):
             request = self.waiting[0]
             if any(request is victim for victim in victims):
                 break  # preempted for a higher rank this step: it waits at least one step
@@ -178,8 +200,8 @@ class Scheduler:
             self.encoder_cache.release(request)
 
     @staticmethod
-    def _chunk(request: Request, count: int, encoder: EncoderBudget | None) -> ScheduledChunk:
-        chunk = ScheduledChunk(request, count)
+    def _chunk(request: Request, count: int, encoder: EncoderBudget | None, draft: Any = None) -> ScheduledChunk:
+        chunk = ScheduledChunk(request, count, draft=draft)
         if encoder is not None:
             chunk.encode = encoder.items_of(request.request_id)
         return chunk
@@ -268,12 +290,24 @@ class Scheduler:
     def commit(self, chunks: list[ScheduledChunk]) -> None:
         """Once the step is dispatched: the scheduled tokens have (or will have, in device order) KV in the pool."""
         for chunk in chunks:
-            chunk.request.num_computed_tokens += chunk.num_tokens
+            chunk.request.num_computed_tokens += chunk.num_tokens - len(chunk.draft_ids)  # drafts: accept_drafts
             if self.enable_prefix_caching:
                 self._register_full_pages(chunk.request)
             if self.encoder_cache is not None:
                 self.encoder_cache.mark_ready(chunk.encode)
                 self.encoder_cache.release_passed(chunk.request)
+
+    def accept_drafts(self, request: Request, accepted: int) -> None:
+        """After a verification step whose first `accepted` drafts were kept (and the tokens sampled after them
+        appended): their KV is valid; the pages past the request's next token, which only rejected drafts used, go
+        back to the pool."""
+        request.num_computed_tokens += accepted
+        if self.enable_prefix_caching:
+            self._register_full_pages(request)
+        keep = self.pages.pages_for_tokens(request.num_tokens)
+        if len(request.page_table) > keep:
+            self.pages.release(request.page_table[keep:])
+            del request.page_table[keep:]
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """Retire a running or waiting request, returning its pages."""

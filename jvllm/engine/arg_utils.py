@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from jvllm.utils import check_positive
 from jvllm.multimodal.media import DEFAULT_MAX_IMAGE_PIXELS
+from jvllm.spec_decode.config import SpeculativeConfig
 from jvllm.structured.reasoning import REASONING_ENDS
 
 ENGINE_GROUP = "engine"
@@ -149,6 +150,12 @@ class EngineArgs:
                                     choices=["fcfs", "priority"])
     async_scheduling: bool = option(True, "dispatch each decode step before the previous step's tokens reach the "
                                           "host, so host work overlaps the device's (one device only; default on)")
+    speculative_config: dict[str, Any] | None = option(
+        None, 'speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4}\' (drafts from '
+              'the prompt and output: prompt_lookup_min/max tokens must match) or \'{"method": "suffix"}\' (drafts '
+              'from the longest matching suffix in this and earlier outputs). Greedy and seeded outputs are those '
+              'without it; only batches of at most max_batch_size (default 4) requests speculate', parse=json_object,
+        metavar="JSON")
     precompile: bool = option(True, "compile every step shape before serving (default on; loaded from the cache "
                                     "after the first start; `generate` compiles only the shapes its one prompt can "
                                     "meet); --no-precompile compiles each shape when first used")
@@ -204,6 +211,7 @@ class EngineArgs:
         if self.pooling is not None and self.tensor_parallel_size != 1:
             raise ValueError("embedding with a generative model (pooling=...) runs on one device; "
                              "use tensor_parallel_size=1")
+        SpeculativeConfig.parse(self.speculative_config)  # a bad config fails here, before the model loads
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_ENDS:
             raise ValueError(f"unknown reasoning parser {self.reasoning_parser!r}; known: {', '.join(REASONING_ENDS)}")
 

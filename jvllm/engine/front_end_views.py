@@ -25,10 +25,15 @@ class FrontEndViews:
     def stats(self, num_steps: int = 0) -> EngineStats:
         """The scheduler's queues, the KV pool's use and the prefix cache's counts now (`num_steps`: the caller's)."""
         scheduler = self.scheduler
+        drafter = getattr(self, "drafter", None)
+        spec = {} if drafter is None else dict(
+            spec_decode_num_drafts=drafter.stats.num_drafts, spec_decode_num_draft_tokens=drafter.stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=drafter.stats.num_accepted_tokens,
+            spec_decode_accepted_per_position=tuple(drafter.stats.accepted_per_position))
         return EngineStats(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
                            kv_cache_usage=self.pages.usage, num_preemptions=scheduler.num_preemptions,
                            prefix_cache_queries=getattr(scheduler, "prefix_cache_queries", 0),
-                           prefix_cache_hits=getattr(scheduler, "prefix_cache_hits", 0), num_steps=num_steps)
+                           prefix_cache_hits=getattr(scheduler, "prefix_cache_hits", 0), num_steps=num_steps, **spec)
 
     def num_waiting_past_capacity(self) -> int:
         """Sequences waiting beyond those the next step can still admit (may be negative: room left)."""

@@ -38,6 +38,8 @@ from jvllm.core.request import Request, RequestStatus
 from jvllm.sampling_params import SamplingParams, StructuredOutputsParams
 from jvllm.core.scheduler import ScheduledChunk, Scheduler, check_priority
 from jvllm.structured.grammar import GrammarCompiler
+from jvllm.spec_decode.config import SpeculativeConfig
+from jvllm.spec_decode.drafter import Drafter
 
 logger = logging.getLogger("jvllm")
 ENGINE_KEYWORDS = frozenset(field.name for field in dataclasses.fields(EngineArgs)) - {"model"}
@@ -104,10 +106,12 @@ class Engine(MultiHostRoles, FrontEndViews):
             self.model, cfg.max_num_batched_tokens, args.limit_mm_per_prompt, args.allowed_local_media_path,
             args.encoder_cache_tokens, allowed_media_domains=args.allowed_media_domains, max_image_pixels=args.max_image_pixels)
         image_tokens = 0 if self.model.vision is None else self.model.vision.max_image_tokens
+        speculative = SpeculativeConfig.parse(args.speculative_config)
+        self.drafter = None if speculative is None or self.model.is_encoder else Drafter(speculative)
         self.scheduler = Scheduler(self.pages, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    enable_prefix_caching=args.enable_prefix_caching, encoder_cache=self.encoder_cache,
                                    max_num_encoder_tokens=max(cfg.max_num_batched_tokens, image_tokens),
-                                   policy=args.scheduling_policy)
+                                   policy=args.scheduling_policy, drafter=self.drafter)
         shapes = ShapeSet(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         batched_dtype = batched_weights_for(args.batched_weight_dtype, args.dtype, self.model)
         self.channel = distributed.StepChannel() if hosts.multi_host else None
@@ -225,7 +229,7 @@ class Engine(MultiHostRoles, FrontEndViews):
         for rid in ids:
             for request in self._request_groups.pop(rid, []):
                 if not request.is_finished:
-                    self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+                    self._finish(request, RequestStatus.FINISHED_ABORTED)
         if self._ahead is not None and all(c.request.is_finished for c in self._ahead.chunks):
             self._ahead = None  # nobody is left to read the look-ahead step's results
 
@@ -264,6 +268,9 @@ class Engine(MultiHostRoles, FrontEndViews):
         if not (self.async_scheduling and len(current.groups) == 1):
             return None
         alive = [chunk for chunk in current.step_order if not chunk.request.is_finished]  # not aborted
+        if self.drafter is not None and self.drafter.speculates(len(self.scheduler.running)) and any(
+                self.drafter.has_proposal(chunk.request) for chunk in alive):
+            return None  # the next step verifies drafts: it is scheduled once this step's tokens are known
         chunks = plan_lookahead(self.scheduler, alive)
         return None if chunks is None else StepInFlight.dispatch(self.runner, chunks, self.encoder_cache, current)
 
@@ -286,9 +293,9 @@ class Engine(MultiHostRoles, FrontEndViews):
             record_prompt_logprobs(request, result, self._decode_token)
             if result.token_id is None:
                 continue
-            status = append_token(request, result, self._decode_token)
+            status = self._append_sampled(chunk, result)
             if status is not None:
-                self.scheduler.finish(request, status)
+                self._finish(request, status)
             advanced[request.group_id] = None
         outputs = []
         for group_id in advanced:
@@ -300,6 +307,27 @@ class Engine(MultiHostRoles, FrontEndViews):
                 del self._request_groups[group_id]
             outputs.append(output)
         return outputs
+
+    def _append_sampled(self, chunk: ScheduledChunk, result: Any) -> RequestStatus | None:
+        """Append the chunk's sampled token; after draft tokens, also each token sampled after a draft while the
+        drafts match what was sampled (the tokens plain decoding would have given). -> the finish it causes."""
+        request, drafts = chunk.request, chunk.draft_ids
+        accepted = 0
+        for index, sampled in enumerate([result, *result.after_drafts]):
+            status = append_token(request, sampled, self._decode_token)
+            if status is not None or index == len(drafts) or sampled.token_id != drafts[index]:
+                break
+            accepted += 1
+        if drafts:
+            self.drafter.record(request, len(drafts), accepted)
+            if status is None:
+                self.scheduler.accept_drafts(request, accepted)
+        return status
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(request, status)
+        if self.drafter is not None:
+            self.drafter.finish(request)
 
     # ---- batch API ------------------------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],

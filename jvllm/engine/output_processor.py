@@ -80,6 +80,8 @@ def request_output(request_id: str, members: list[Request]) -> RequestOutput:
         first_token_time=min((m.first_token_time for m in members if m.first_token_time), default=None),
         last_token_time=max((m.last_token_time for m in members if m.last_token_time), default=None),
         finished_time=max((m.finished_time or 0.0) for m in members) if finished else None,
+        num_draft_tokens=sum(m.num_draft_tokens for m in members),
+        num_accepted_tokens=sum(m.num_accepted_tokens for m in members),
     )
     return RequestOutput(
         request_id=request_id,

@@ -31,6 +31,12 @@ class EngineStats:
     prefix_cache_queries: int = 0  # cumulative prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # cumulative, of those, tokens found there
     num_steps: int = 0  # cumulative
+    # speculative decoding (cumulative): verification steps with drafts, draft tokens, accepted draft tokens, and
+    # accepted drafts by position (None: the engine does not speculate)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_position: tuple[int, ...] | None = None
 
 
 __all__ = ["EngineDeadError", "EngineShutDownError", "EngineStats", "EngineStepError", "QueueFullError"]

@@ -21,29 +21,38 @@ from jvllm.worker.step_plan import ChunkPlan, EncodeItem
 def chunk_row(chunk: ScheduledChunk, encoder_cache: EncoderCache | None = None, mrope: bool = False) -> ChunkRow:
     """`mrope`: the model takes multimodal RoPE positions, which a request's images shift."""
     request, start = chunk.request, chunk.start
-    ids = [request.token_at(i) for i in range(start, start + chunk.num_tokens - chunk.pending_tokens)]
+    known = chunk.num_tokens - chunk.pending_tokens - len(chunk.draft_ids)
+    ids = [request.token_at(i) for i in range(start, start + known)]
     mm_rows = None
     if encoder_cache is not None and request.mm_items:
         mm_rows = encoder_cache.token_rows(request, start, chunk.num_tokens)
     positions = mrope_positions(request.mm_items, start, chunk.num_tokens) if mrope and request.mm_items else None
-    return ChunkRow(ids + [0] * chunk.pending_tokens, start, request.page_table, mm_rows, positions)
+    return ChunkRow(ids + list(chunk.draft_ids) + [0] * chunk.pending_tokens, start, request.page_table, mm_rows,
+                    positions)
 
 
-def row_spec(chunk: ScheduledChunk) -> RowSpec:
-    """A look-ahead chunk samples the token after the one still on the device."""
+def row_spec(chunk: ScheduledChunk, num_drafts: int = 0) -> RowSpec:
+    """The sampler row after the chunk's last known token, or with `num_drafts` after its first drafts (the row
+    sees them as output). A look-ahead chunk samples the token after the one still on the device."""
     request = chunk.request
     params = request.params
+    ahead = chunk.pending_tokens + num_drafts  # tokens before this row's that the request has not appended yet
     blocked: list[int] = []
-    if len(request.output_token_ids) + chunk.pending_tokens < params.min_tokens:
+    if len(request.output_token_ids) + ahead < params.min_tokens:
         blocked = [*params.stop_token_ids, *([] if params.ignore_eos else request.eos_token_ids)]
     if request.grammar is None or not chunk.samples:
         grammar_bits = None
     elif chunk.lookahead:  # the grammar has not seen the token before this one yet: finish_head narrows it
         grammar_bits = ALL_TOKENS
+    elif num_drafts:
+        grammar_bits = chunk.draft.grammar_bits[num_drafts - 1]
     else:
         grammar_bits = request.grammar.allowed_bits()
-    return RowSpec(params=params, seed=request.seed, position=request.num_tokens + chunk.pending_tokens,
-                   prompt_ids=request.prompt_token_ids, output_ids=request.output_token_ids, blocked_ids=blocked,
+    output_ids = request.output_token_ids
+    if num_drafts and params.uses_penalties:  # penalties count the drafts before this row
+        output_ids = [*output_ids, *chunk.draft_ids[:num_drafts]]
+    return RowSpec(params=params, seed=request.seed, position=request.num_tokens + ahead,
+                   prompt_ids=request.prompt_token_ids, output_ids=output_ids, blocked_ids=blocked,
                    grammar_bits=grammar_bits)
 
 
@@ -72,7 +81,8 @@ def plan_chunks(chunks: list[ScheduledChunk], encoder_cache: EncoderCache | None
                 mrope: bool = False) -> list[ChunkPlan]:
     return [ChunkPlan(chunk.request.request_id, chunk_row(chunk, encoder_cache, mrope), row_spec(chunk),
                       chunk.samples, chunk.request.params.logprobs is not None, chunk.request.grammar is not None,
-                      prompt_targets(chunk), encode_items(chunk.encode, encoder_cache) if chunk.encode else ())
+                      prompt_targets(chunk), encode_items(chunk.encode, encoder_cache) if chunk.encode else (),
+                      chunk.draft_ids, tuple(row_spec(chunk, i) for i in range(1, len(chunk.draft_ids) + 1)))
             for chunk in chunks]
 
 

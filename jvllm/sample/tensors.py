@@ -33,6 +33,7 @@ class SamplingTensors:
     any_top_k_p: jax.Array  # [] bool: some random row truncates
     any_logprobs: jax.Array  # [] bool: some row asks for the sampled token's logprobs
     num_rows: jax.Array  # [] int32: the real rows, first; the head's products skip the padding rows after them
+    token_index: jax.Array  # [S] int32 flat step token whose hidden state each row samples from (set by the runner)
     history: jax.Array | None = None  # [S, L] int32 prompt then output ids, -1 padded (flags.penalties)
     num_prompt: jax.Array | None = None  # [S] int32 prompt tokens at the start of each history row
     allowed_bits: jax.Array | None = None  # [S, W] int32, W = ceil(V / 32): bit t % 32 of word t // 32 allows t
@@ -168,7 +169,8 @@ def build_sampling_tensors(rows: list[RowSpec], num_padded_rows: int, *, vocab_s
         temperature, top_k, top_p, min_p, presence, frequency, repetition, seeds, positions,
         any_random=np.asarray((temperature > 0).any()),
         any_top_k_p=np.asarray(((top_k > 0) | (top_p < 1) | (min_p > 0)).any()),
-        any_logprobs=np.asarray(any_logprobs), num_rows=np.asarray(len(rows), np.int32))
+        any_logprobs=np.asarray(any_logprobs), num_rows=np.asarray(len(rows), np.int32),
+        token_index=np.zeros(s, np.int32))
     if penalties:
         tensors.history = np.full((s, history_width), -1, np.int32)
         tensors.num_prompt = np.zeros(s, np.int32)

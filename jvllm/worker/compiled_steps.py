@@ -157,7 +157,7 @@ class CompiledSteps:
         store = steps.store_kv
         if hasattr(store, "lower"):
             store = compiled(f"store {shape}", store, runner.kv_cache, results, md)
-        last_rows = compiled(f"last rows {shape}", steps.last_rows, x, md)
+        last_rows = compiled(f"last rows {shape}", steps.last_rows, x, sampling.token_index)
         x_last = _spec(last_rows.out_info)
         head = self._head(shape, weights.outer, x_last, every_head)
         take_ids = prompt_stats = None

@@ -40,6 +40,8 @@ class StepResult:
     token_logprobs: TokenLogprobs | None  # the sampled token's logprob, rank and top-k, when the request asked
     prompt_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     prompt_start: int = 1
+    # a chunk with draft tokens: what was sampled after each draft, in order (valid while the drafts match)
+    after_drafts: list[StepResult] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -58,6 +60,17 @@ class DispatchedGroup:
     call: StepCall
     out: Any
     pending: PendingHead | None = None
+
+
+def sampler_token_index(plans: list[ChunkPlan]) -> list[int]:
+    """The flat step token each sampler row samples after: a chunk's last token, or with draft tokens its last known
+    token and each draft."""
+    index, cursor = [], 0
+    for plan in plans:
+        last = cursor + plan.num_tokens - 1
+        index += range(last - plan.sampler_rows + 1, last + 1)
+        cursor += plan.num_tokens
+    return index
 
 
 class ModelRunner:
@@ -198,8 +211,12 @@ class ModelRunner:
             if plan.prompt_targets is not None:
                 targets[cursor:cursor + plan.num_tokens] = plan.prompt_targets
             cursor += plan.num_tokens
-        sampling, flags = build_sampling_tensors([plan.spec for plan in plans], shape.seqs,
-                                                 vocab_size=self.vocab_size, history_width=self.history_width)
+        specs = [spec for plan in plans for spec in (plan.spec, *(plan.verify_specs if plan.samples else ()))]
+        if len(specs) > shape.seqs:
+            raise ValueError(f"{len(specs)} sampler rows do not fit a {shape} step")
+        sampling, flags = build_sampling_tensors(specs, shape.seqs, vocab_size=self.vocab_size,
+                                                 history_width=self.history_width)
+        sampling.token_index[:len(specs)] = sampler_token_index(plans)
         wants_targets = any(plan.prompt_targets is not None for plan in plans)
         return StepCall(shape, batch.input_ids, batch.positions, batch.metadata, sampling,
                         targets if wants_targets else None, flags, batch.mm_rows, encode)
@@ -233,7 +250,7 @@ class ModelRunner:
                 results.append(result)
             if call.all_logits:
                 return settle(step.logits(weights.outer, x))
-            x_last = settle(step.last_rows(x, md))
+            x_last = settle(step.last_rows(x, sampling.token_index))
             extra = {} if targets is None else {"prompt_stats": settle(step.prompt_stats(weights.outer, x, targets))}
             self.kv_cache = settle(step.store_kv(self.kv_cache, results, md))
             logits = settle(step.head.logits(weights.outer, x_last, sampling.num_rows))  # [S, V] float32
@@ -279,13 +296,20 @@ class ModelRunner:
         if self.mesh is not None and jax.process_count() > 1:
             out = jax.tree.map(host_array, out)  # replicated over every host's devices: read the local copy
         token_ids = np.asarray(out["token_ids"])
+        num_rows = sum(plan.sampler_rows for plan in plans)
         asked = any(p.samples and p.wants_logprobs for p in plans)
-        sample_stats = host_rows(out["sample_stats"], list(range(len(plans)))) if asked else None
+        sample_stats = host_rows(out["sample_stats"], list(range(num_rows))) if asked else None
+
+        def sampled(row: int, plan: ChunkPlan) -> StepResult:
+            return StepResult(int(token_ids[row]), sample_stats[row] if plan.wants_logprobs and sample_stats else None)
+
         results: dict[str, StepResult] = {}
-        for row, plan in enumerate(plans):
+        row = 0
+        for plan in plans:
             if plan.samples:
-                results[plan.request_id] = StepResult(
-                    int(token_ids[row]), sample_stats[row] if plan.wants_logprobs and sample_stats else None)
+                result = results[plan.request_id] = sampled(row, plan)
+                result.after_drafts = [sampled(row + 1 + i, plan) for i in range(len(plan.draft_ids))]
+            row += plan.sampler_rows
         cursor = 0
         for plan in plans:  # prompt token j's entry comes from the row at position j - 1 of the same sequence
             if plan.prompt_targets is not None:

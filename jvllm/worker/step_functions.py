@@ -32,7 +32,8 @@ class StepFunctions:
     mm_rows [T] int32 and the encoder buffer [R, D]: a token with a row >= 0 takes that buffer row as its embedding;
     layer(layer weights, x, cos, sin, (k_pages, v_pages), md, group=) -> (x, the attention's per-layer result), one
     function per layer group (jvllm.worker.model_parts);
-    last_rows(x, md) -> [S, D], each row's last token;
+    last_rows(x, token_index [S]) -> [S, D], the token each sampler row samples after (a chunk's last token; every
+verified position of a chunk with draft tokens);
     prompt_stats(outer, x, prompt_targets [T]) -> logprob stats [T, K] of each next prompt token;
     logits(outer, x) -> [T, V] float32 at every position;
     store_kv(pool, per-layer results, md) -> the pool holding the step's K/V;
@@ -102,8 +103,8 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
         with live_rows(jnp.sum(md.q_lens), x.shape[0]):  # padding tokens: no products on CPU's quantized weights
             return parts.layer(weights, group)(x, cos, sin, pages, md, attention)
 
-    def last_rows(x: jax.Array, md: AttentionMetadata) -> jax.Array:
-        return x[md.last_token_index]
+    def last_rows(x: jax.Array, token_index: jax.Array) -> jax.Array:
+        return x[token_index]
 
     def head_logits(outer: list[jax.Array], x_last: jax.Array, num_rows: jax.Array) -> jax.Array:
         model = parts.outer(outer)

@@ -33,17 +33,26 @@ class ChunkPlan:
 
     request_id: str
     row: ChunkRow  # input ids (0 where a look-ahead token comes from the device), first position, page table
-    spec: RowSpec  # what its sampler row needs (read only when `samples`)
+    spec: RowSpec  # what its sampler row needs (read only when `samples`); with drafts, the first verified position
     samples: bool  # reaches the request's last known token: a token is sampled from its last position
     wants_logprobs: bool  # the sampled token's logprob stats are returned
     constrained: bool  # a grammar narrows its tokens (a look-ahead step's sampler waits for it: finish_head)
     # prompt logprobs: per position of the chunk, the next prompt token (-1 past the prompt's last); None: not asked
     prompt_targets: list[int] | None = None
     encode: tuple[EncodeItem, ...] = ()  # images to encode before the step (multimodal models)
+    # speculative decoding: the chunk's last len(draft_ids) tokens are proposed, not known; a token is sampled after
+    # the last known token and after each draft (verify_specs: the sampler rows after each draft, in order)
+    draft_ids: tuple[int, ...] = ()
+    verify_specs: tuple[RowSpec, ...] = ()
 
     @property
     def num_tokens(self) -> int:
         return len(self.row.token_ids)
+
+    @property
+    def sampler_rows(self) -> int:
+        """Rows of the step's sampler this chunk takes: one per verified position when it samples, else one."""
+        return 1 + len(self.draft_ids) if self.samples else 1
 
     @property
     def num_prompt_targets(self) -> int:

@@ -106,7 +106,7 @@ def test_the_quantized_engines_layer_and_head_take_the_codes(quantization, tmp_p
     x, cos, sin = lower_jitted_for_cuda(steps.embed, weights.outer, ids, positions).out_info
     layer = main_arguments(lower_jitted_for_cuda(steps.layer, weights.layers[0], x, cos, sin, runner.kv_cache[0],
                                                  md).as_text())
-    last = lower_jitted_for_cuda(steps.last_rows, x, md).out_info
+    last = lower_jitted_for_cuda(steps.last_rows, x, sampling.token_index).out_info
     head = main_arguments(lower_jitted_for_cuda(steps.head_logits, weights.outer, last,
                                                 sampling.num_rows).as_text())
     code = MLIR_TYPES[f"{quantization}_channel"]

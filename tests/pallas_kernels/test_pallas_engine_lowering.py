@@ -61,7 +61,7 @@ def test_engine_step_pieces_lower_for_cuda(engine, kind, monkeypatch):
     embed = lower_jitted_for_cuda(steps.embed, weights.outer, ids, positions)
     x, cos, sin = embed.out_info  # [T, D] activations, [T, hd] rotary tables
     layer = lower_jitted_for_cuda(steps.layer, weights.layers[0], x, cos, sin, runner.kv_cache[0], md)
-    last_rows = lower_jitted_for_cuda(steps.last_rows, x, md)
+    last_rows = lower_jitted_for_cuda(steps.last_rows, x, sampling.token_index)
     head_logits = lower_jitted_for_cuda(steps.head_logits, weights.outer, last_rows.out_info, sampling.num_rows)
     pick = lower_jitted_for_cuda(steps.pick, head_logits.out_info, head_logits.out_info, scalars_only(sampling))
 

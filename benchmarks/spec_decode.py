@@ -1,0 +1,131 @@
+"""Single-stream speed with speculative decoding against without, same run: copy-heavy prompts (a code edit,
+a summary that quotes its source, JSON extraction) and free-form chat.
+
+One `LLM()` per setting (default settings otherwise: the embedded SmolLM2-135M-Instruct), each warmed up on other
+prompts of the same kind; then, alternating the settings, every prompt is sent alone through `chat` (greedy, up to
+--max-tokens) once per setting, and tokens per second are counted from the call to the last token, prefill
+included. Every measured prompt is new to every engine (the suffix method's cache of earlier outputs holds only
+other prompts' outputs).
+
+    python -m benchmarks.spec_decode --json benchmarks/results/spec_decode_cpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+
+from benchmarks.common import command_line, machine_info, write_json
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SETTINGS = {
+    "off": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 5},
+    "suffix": {"method": "suffix"},
+}
+
+
+def _source(path: str, start: int, lines: int) -> str:
+    return "".join((ROOT / path).read_text().splitlines(keepends=True)[start:start + lines])
+
+
+def _paragraph(path: str, index: int) -> str:
+    """A paragraph of prose from the design notes (the project's own text, so the benchmark needs no data)."""
+    paragraphs = [p for p in (ROOT / path).read_text().split("\n\n") if len(p) > 400 and not p.startswith(("|", "```"))]
+    return paragraphs[index % len(paragraphs)]
+
+
+def prompts() -> dict[str, list[list[str]]]:
+    """Per kind, [warm-up prompts, measured prompts] (user messages)."""
+    def edit(path: str, start: int) -> str:
+        return ("Add a docstring to the first function below and return the whole code unchanged otherwise.\n\n"
+                + _source(path, start, 30))
+
+    def quote(index: int) -> str:
+        return ("Summarize the text below in three sentences, quoting its most important sentence word for word.\n\n"
+                + _paragraph("docs/design.md", index))
+
+    def extract(name: str, city: str, age: int, job: str) -> str:
+        return (f"Extract the person's name, city, age and job from this note as JSON with keys name, city, age, "
+                f"job.\n\nNote: I met {name} last week in {city}. {name} is {age} years old and works as a {job}; "
+                f"{name} moved to {city} three years ago and has lived in the old town of {city} since.")
+
+    from benchmarks.workloads import ASKS, TOPICS
+
+    chat = [ASKS[i % len(ASKS)].format(t=TOPICS[i], u=TOPICS[-1 - i]) for i in range(8)]
+    return {
+        "code edit": [[edit("jvllm/core/kv_pages.py", 20)],
+                      [edit("jvllm/core/scheduler.py", 100), edit("jvllm/core/request.py", 50),
+                       edit("jvllm/engine/output_processor.py", 24), edit("jvllm/core/lookahead.py", 20),
+                       edit("jvllm/engine/detokenizer.py", 30), edit("jvllm/sample/logprobs.py", 20)]],
+        "quote summary": [[quote(0)], [quote(i) for i in (3, 7, 11, 15, 19, 23)]],
+        "json extraction": [[extract("Ana Ruiz", "Porto", 34, "baker")],
+                            [extract("Tom Becker", "Leipzig", 51, "pilot"), extract("Mei Lin", "Taipei", 27, "nurse"),
+                             extract("Omar Haddad", "Tunis", 45, "teacher"), extract("Ines Costa", "Braga", 38, "judge"),
+                             extract("Raj Patel", "Pune", 29, "chemist"), extract("Lena Voss", "Graz", 62, "farmer")]],
+        "free-form chat": [chat[:1], chat[1:7]],
+    }
+
+
+def run_one(engine, message: str, max_tokens: int) -> tuple[list[int], float]:
+    from jvllm import SamplingParams
+
+    started = time.perf_counter()
+    out = engine.chat([{"role": "user", "content": message}], SamplingParams(temperature=0, max_tokens=max_tokens),
+                      use_tqdm=False)[0]
+    return out.outputs[0].token_ids, time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+
+    from jvllm import LLM
+
+    engines = {name: LLM(speculative_config=config) for name, config in SETTINGS.items()}
+    kinds = prompts()
+    for engine in engines.values():
+        for warm, _ in kinds.values():
+            for message in warm:
+                run_one(engine, message, args.max_tokens)
+    tokens = {(kind, name): 0 for kind in kinds for name in engines}
+    seconds = {(kind, name): 0.0 for kind in kinds for name in engines}
+    same = {(kind, name): 0 for kind in kinds for name in engines}  # prompts whose tokens equal those without
+    for kind, (_, measured) in kinds.items():
+        for message in measured:
+            reference = None
+            for name, engine in engines.items():
+                ids, wall = run_one(engine, message, args.max_tokens)
+                reference = ids if reference is None else reference
+                tokens[kind, name] += len(ids)
+                seconds[kind, name] += wall
+                same[kind, name] += ids == reference
+    results = {"command": command_line("benchmarks.spec_decode", argv), "machine": machine_info(),
+               "settings": SETTINGS, "max_tokens": args.max_tokens, "kinds": {}}
+    print(f"{'prompts':18s} " + " ".join(f"{name:>16s}" for name in engines))
+    for kind in kinds:
+        row = {name: tokens[kind, name] / seconds[kind, name] for name in engines}
+        results["kinds"][kind] = {name: {"tok_s": row[name], "tokens": tokens[kind, name],
+                                         "ratio_to_off": row[name] / row["off"], "prompts": len(kinds[kind][1]),
+                                         "same_tokens_as_off": same[kind, name]} for name in engines}
+        print(f"{kind:18s} " + " ".join(f"{row[name]:7.1f} ({row[name] / row['off']:4.2f}x)" for name in engines))
+    for name, engine in engines.items():
+        if engine.drafter is not None:
+            stats = engine.drafter.stats
+            results.setdefault("acceptance", {})[name] = {
+                "num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
+                "num_accepted_tokens": stats.num_accepted_tokens, "mean_accepted_length": stats.mean_accepted_length}
+            print(f"{name}: acceptance {stats.acceptance_rate:.2f}, mean accepted length "
+                  f"{stats.mean_accepted_length:.2f}")
+    for name in engines:
+        equal = sum(same[kind, name] for kind in kinds)
+        print(f"{name}: {equal} of {sum(len(m) for _, m in kinds.values())} outputs token for token as without")
+    write_json(args.json, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""SpeculativeConfig: vLLM's `speculative_config` dictionary (methods "ngram" and "suffix"), checked once at start."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+METHODS = ("ngram", "suffix")
+# The engine speculates only while at most this many requests run: past it a CPU step is compute-bound and
+# verifying drafts costs more than it saves (docs/design.md, speculative decoding).
+DEFAULT_MAX_BATCH = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """How drafts are proposed and how many a step verifies per request.
+
+    ngram: the tokens that followed the latest earlier occurrence of the sequence's last n tokens (n from
+    prompt_lookup_max down to prompt_lookup_min) in its prompt and output. suffix: the most frequent continuation of
+    the longest suffix (up to suffix_decoding_max_tree_depth tokens) found in the sequence and in the outputs of
+    earlier requests; at most max_spec_factor x the match length tokens, stopping where the continuation's
+    estimated probability drops below suffix_decoding_min_token_prob."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 2
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    max_batch_size: int = DEFAULT_MAX_BATCH  # speculate only while at most this many requests run
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            hint = (" (a draft model is not supported yet)" if self.method in ("draft_model", "eagle", "eagle3",
+                                                                               "medusa", "mtp") else "")
+            raise ValueError(f"speculative_config method must be one of {', '.join(METHODS)}, got "
+                             f"{self.method!r}{hint}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                     "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests", "max_batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config {name} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) is larger than "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if not 0 < self.suffix_decoding_max_spec_factor:
+            raise ValueError("speculative_config suffix_decoding_max_spec_factor must be positive")
+        if not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ValueError("speculative_config suffix_decoding_min_token_prob must be within [0, 1]")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """A dict as vLLM takes it (or its JSON text). With only one of prompt_lookup_min/max given, the other keeps
+        its default (min 2, max 5) unless that would cross it."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ValueError(f"speculative_config must be a JSON object, got {value!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+        known = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        if "method" not in value:
+            raise ValueError("speculative_config needs a 'method' (ngram or suffix)")
+        fields = dict(value)
+        if fields["method"] == "suffix":
+            fields.setdefault("num_speculative_tokens", 16)
+        if "num_speculative_tokens" not in fields:
+            raise ValueError("speculative_config needs num_speculative_tokens for the ngram method")
+        low, high = fields.get("prompt_lookup_min"), fields.get("prompt_lookup_max")
+        if low is None and high is not None:
+            fields["prompt_lookup_min"] = min(high, 2)
+        elif high is None and low is not None:
+            fields["prompt_lookup_max"] = max(low, 5)
+        return cls(**fields)

@@ -1,0 +1,69 @@
+"""Suffix decoding: continue the longest matching suffix by its most frequent continuation, over the sequence's own
+tokens and the outputs of earlier requests (a bounded cache), with a speculation length that grows with the match.
+
+SuffixDecoding (Oliaro et al., 2024) walks suffix trees; this proposer finds the same occurrences with vectorized
+scans of flat token arrays, and proposes one path (the most frequent next token at each step), not a tree."""
+from __future__ import annotations
+
+import collections
+import math
+
+import numpy as np
+
+from jvllm.spec_decode.ngram import match_lengths
+
+SEPARATOR = -1  # between cached outputs: never equal to a token, so no match or continuation crosses it
+
+
+class OutputCache:
+    """The outputs of the last `max_requests` finished requests, one flat array with separators."""
+
+    def __init__(self, max_requests: int):
+        self.outputs: collections.deque[np.ndarray] = collections.deque(maxlen=max_requests)
+        self._flat: np.ndarray | None = None
+
+    def add(self, output_ids: list[int]) -> None:
+        if len(output_ids) > 1:
+            self.outputs.append(np.asarray(output_ids, np.int32))
+            self._flat = None
+
+    @property
+    def flat(self) -> np.ndarray:
+        if self._flat is None:
+            parts = [piece for output in self.outputs for piece in (output, np.full(1, SEPARATOR, np.int32))]
+            self._flat = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+        return self._flat
+
+
+def propose_suffix(tokens: np.ndarray, num_tokens: int, cache: OutputCache, limit: int, max_depth: int,
+                   max_spec_factor: float, min_token_prob: float) -> list[int]:
+    """tokens [>= num_tokens] int32 (the sequence's first `num_tokens` known) -> up to `limit` draft tokens."""
+    if num_tokens < 2 or limit < 1:
+        return []
+    context = tokens[max(0, num_tokens - max_depth):num_tokens]
+    own = tokens[:num_tokens]
+    corpus = np.concatenate([cache.flat, np.full(1, SEPARATOR, np.int32), own]) if len(cache.outputs) else own
+    ends = np.flatnonzero(corpus[:-1] == context[-1])  # the sequence's own last token is not an occurrence
+    if not len(ends):
+        return []
+    lengths = match_lengths(corpus, ends, context, max_depth)
+    best = int(lengths.max())
+    candidates = ends[lengths == best] + 1  # where each occurrence's continuation starts
+    wanted = min(limit, max(1, math.floor(max_spec_factor * best)))
+    drafts: list[int] = []
+    probability = 1.0
+    while len(drafts) < wanted:
+        candidates = candidates[candidates < len(corpus)]
+        following = corpus[candidates]
+        following = following[following != SEPARATOR]
+        if not len(following):
+            break
+        values, counts = np.unique(following, return_counts=True)
+        top = int(np.argmax(counts))
+        probability *= counts[top] / len(candidates)
+        if probability < min_token_prob:
+            break
+        token = int(values[top])
+        drafts.append(token)
+        candidates = candidates[corpus[candidates] == token] + 1
+    return drafts

@@ -1,0 +1,69 @@
+"""The draft proposers and the config, no model: n-gram lookup, suffix matching, the output cache, parsing."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jvllm.spec_decode.config import SpeculativeConfig
+from jvllm.spec_decode.ngram import propose_ngram
+from jvllm.spec_decode.suffix import OutputCache, propose_suffix
+
+
+def _tokens(values: list[int]) -> tuple[np.ndarray, int]:
+    buffer = np.zeros(len(values) + 7, np.int32)  # buffers are longer than what is known
+    buffer[:len(values)] = values
+    return buffer, len(values)
+
+
+def test_ngram_continues_the_latest_longest_match():
+    tokens, n = _tokens([1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 8, 1, 2, 3, 4])
+    # the tail 2 3 4 occurs twice; with its 1 before it, only at the start: the longest match wins
+    assert propose_ngram(tokens, n, min_n=2, max_n=4, limit=3) == [5, 9, 2]
+    # up to 3 tokens only: 2 3 4 ends at index 8 (latest), continuing 6 7 8
+    assert propose_ngram(tokens, n, min_n=2, max_n=3, limit=3) == [6, 7, 8]
+    assert propose_ngram(tokens, n, min_n=2, max_n=3, limit=10) == [6, 7, 8, 1, 2, 3, 4]  # up to the known end
+
+
+def test_ngram_needs_min_n_tokens_to_match():
+    tokens, n = _tokens([5, 6, 7, 1, 2, 3, 9, 3])
+    assert propose_ngram(tokens, n, min_n=2, max_n=4, limit=4) == []  # only "3" matches
+    assert propose_ngram(tokens, n, min_n=1, max_n=4, limit=2) == [9, 3]
+    assert propose_ngram(tokens, n, min_n=1, max_n=4, limit=0) == []
+
+
+def test_suffix_takes_the_most_frequent_continuation_and_scales_with_the_match():
+    cache = OutputCache(max_requests=8)
+    for output in ([1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [7, 2, 3, 4, 6], [2, 3, 9]):
+        cache.add(output)
+    tokens, n = _tokens([8, 8, 2, 3, 4])  # "2 3 4" occurs three times, followed by 5, 6, 6
+    assert propose_suffix(tokens, n, cache, limit=8, max_depth=24, max_spec_factor=1.0, min_token_prob=0.1) == [6]
+    assert propose_suffix(tokens, n, cache, limit=8, max_depth=24, max_spec_factor=2.0, min_token_prob=0.1) == [6]
+    # no continuation crosses the separator after an output
+    assert propose_suffix(tokens, n, cache, limit=1, max_depth=24, max_spec_factor=1.0, min_token_prob=0.9) == []
+
+
+def test_suffix_searches_the_sequence_itself_and_the_cache_forgets_old_outputs():
+    cache = OutputCache(max_requests=1)
+    cache.add([4, 5, 6, 7])
+    cache.add([1, 1])  # pushes the first one out
+    tokens, n = _tokens([3, 4, 5])
+    assert propose_suffix(tokens, n, cache, limit=4, max_depth=24, max_spec_factor=4.0, min_token_prob=0.1) == []
+    tokens, n = _tokens([4, 5, 6, 0, 4, 5])
+    assert propose_suffix(tokens, n, cache, limit=4, max_depth=24, max_spec_factor=1.0, min_token_prob=0.1) == [6, 0]
+
+
+def test_config_parses_vllm_spellings_and_refuses_the_rest():
+    config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
+    assert (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (3, 2, 4)
+    assert SpeculativeConfig.parse({"method": "suffix"}).num_speculative_tokens == 16
+    assert SpeculativeConfig.parse(None) is None
+    for bad, words in (({"method": "eagle", "num_speculative_tokens": 2}, "not supported yet"),
+                       ({"num_speculative_tokens": 2}, "needs a 'method'"),
+                       ({"method": "ngram"}, "needs num_speculative_tokens"),
+                       ({"method": "ngram", "num_speculative_tokens": 0}, "positive integer"),
+                       ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 6,
+                         "prompt_lookup_max": 3}, "larger than"),
+                       ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown key"),
+                       ("not json", "JSON object")):
+        with pytest.raises(ValueError, match=words):
+            SpeculativeConfig.parse(bad)
