@@ -8,6 +8,7 @@ included. Every measured prompt is new to every engine (the suffix method's cach
 other prompts' outputs).
 
     python -m benchmarks.spec_decode --json benchmarks/results/spec_decode_cpu.json
+    python -m benchmarks.spec_decode --crossover 1,2,4,8,16   # batch sizes where speculation stops paying
 """
 from __future__ import annotations
 
@@ -77,11 +78,42 @@ def run_one(engine, message: str, max_tokens: int) -> tuple[list[int], float]:
     return out.outputs[0].token_ids, time.perf_counter() - started
 
 
+def crossover(max_tokens: int, batch_sizes: list[int]) -> dict:
+    """Batches of b copy-heavy prompts at once, ngram speculation (every batch size allowed) against none: where
+    verifying drafts stops paying for itself. -> {b: {"off": tok/s, "ngram": tok/s}}."""
+    from jvllm import LLM, SamplingParams
+
+    engines = {"off": LLM(), "ngram": LLM(speculative_config={**SETTINGS["ngram"], "max_batch_size": 256})}
+    edits, quotes = prompts()["code edit"][1], prompts()["quote summary"][1]
+    messages = [[{"role": "user", "content": text}] for pair in zip(edits, quotes) for text in pair]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    for engine in engines.values():
+        engine.chat(messages[:2], params, use_tqdm=False)
+    table = {}
+    for size in batch_sizes:
+        batch = [messages[i % len(messages)] for i in range(size)]
+        table[size] = {}
+        for name, engine in engines.items():
+            started = time.perf_counter()
+            outs = engine.chat(batch, params, use_tqdm=False)
+            table[size][name] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - started)
+        print(f"batch {size:3d}: off {table[size]['off']:7.1f} tok/s, ngram {table[size]['ngram']:7.1f} "
+              f"({table[size]['ngram'] / table[size]['off']:4.2f}x)", flush=True)
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--crossover", default=None, metavar="SIZES",
+                        help="instead: batches of these sizes (e.g. 1,2,4,8,16) with and without ngram speculation")
     args = parser.parse_args(argv)
+    if args.crossover:
+        table = crossover(args.max_tokens, [int(size) for size in args.crossover.split(",")])
+        write_json(args.json, {"command": command_line("benchmarks.spec_decode", argv), "machine": machine_info(),
+                               "max_tokens": args.max_tokens, "batches": table})
+        return 0
 
     from jvllm import LLM
 

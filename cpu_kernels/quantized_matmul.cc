@@ -1,8 +1,10 @@
 // Matrix products with GGUF-quantized weights for XLA CPU, as an XLA FFI custom call:
 //   y[M, N] = x[M, K] . W[N, K]^T   (x, y float32; W as its GGUF blocks, row n = whole blocks of one format)
 //
-// The weights stay in the file's blocks. Which rows of x meet them how (Path): few rows (up to the caller's
-// int16_max_rows) with x quantized to int16 blocks and each weight block unpacked in registers (int16_dots.h);
+// The weights stay in the file's blocks. Which rows of x meet them how (Path): on CPUs with AVX-512 BF16, 2 to the
+// caller's bf16_max_rows rows (at most 8) in bfloat16 (x and each weight block rounded to it, float32 sums); few
+// rows (up to the caller's int16_max_rows) with x quantized to int16 blocks and each weight block unpacked in
+// registers (int16_dots.h);
 // from int16_tile_min_rows with x so quantized against 16-bit code tiles (int16_tiles.h); the rows between through
 // float32 weight tiles (float_tiles.h), a lone row without int16 through blocks dequantized in registers. The float
 // paths give the float32 product with the dequantized weights up to summation order, the int16 ones within ~3e-5 of
@@ -16,6 +18,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "block_formats.h"
@@ -57,7 +60,51 @@ struct Int16Rows {};
 #endif
 
 // How a product's rows of x meet the weights (Matmul::Run).
-enum class Path { kIntRows, kDirect, kFloatTiles, kIntTiles };
+enum class Path { kIntRows, kDirect, kFloatTiles, kIntTiles, kBf16Rows };
+
+#if defined(__AVX512BF16__)
+// 2 to this many rows of x, on CPUs with AVX-512 BF16: x rounded to bfloat16 once, each weight block dequantized
+// in registers and rounded to bfloat16 once for all the rows, then one `vdpbf16ps` (32 multiply-adds into float32)
+// per row per 32 weights, where the int16 row path takes about nine instructions.
+constexpr int64_t kBf16MaxRows = 8;
+
+// Sub-block s of a weight block as 32 bfloat16 weights (rounded from float32 w = d * code + c).
+template <typename Fmt>
+inline __m512bh WeightsBf16(const uint8_t* b, int s, float d, float c) {
+  if constexpr (std::is_same_v<Fmt, jvllm::Q4_0> || std::is_same_v<Fmt, jvllm::Q4_1>) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + Fmt::kBytes - 16)));
+    const __m512 low = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));  // weights 0-15
+    const __m512 high = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));                    // weights 16-31
+    const __m512 vd = _mm512_set1_ps(d), vc = _mm512_set1_ps(c);
+    return _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(high, vd, vc), _mm512_fmadd_ps(low, vd, vc));
+  } else if constexpr (std::is_same_v<Fmt, jvllm::Q8_0>) {
+    const __m512 vd = _mm512_set1_ps(d);
+    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2))));
+    const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18))));
+    return _mm512_cvtne2ps_pbh(_mm512_mul_ps(high, vd), _mm512_mul_ps(low, vd));
+  } else {
+    V8 w[kVecsPerSub];  // 4 x 8 weights
+    Fmt::Dequant(b, s, d, c, w);
+    return _mm512_cvtne2ps_pbh(_mm512_insertf32x8(_mm512_castps256_ps512(w[2]), w[3], 1),
+                               _mm512_insertf32x8(_mm512_castps256_ps512(w[0]), w[1], 1));
+  }
+}
+
+struct Bf16Rows {
+  std::vector<uint16_t> bits;  // [M, K] bfloat16
+
+  void Convert(const float* x, int64_t m, int64_t k) {
+    bits.resize(static_cast<size_t>(m * k));
+    for (int64_t i = 0; i < m * k; i += 32) {
+      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
+      _mm512_storeu_si512(bits.data() + i, reinterpret_cast<const __m512i&>(v));
+    }
+  }
+};
+#else
+constexpr int64_t kBf16MaxRows = 0;
+struct Bf16Rows {};
+#endif
 
 template <typename Fmt>
 class Matmul {
@@ -65,8 +112,8 @@ class Matmul {
   // kIntRows and kIntTiles take `xq` (x quantized to int16 blocks); kFloatTiles takes `panels` (x packed by
   // PackPanels) where FloatTiles::TakesPanels.
   Matmul(Path path, Shapes sh, const float* x, const uint8_t* w, float* y, const Int16Rows* xq = nullptr,
-         const float* panels = nullptr)
-      : path_(path), sh_(sh), x_(x), w_(w), y_(y), xq_(xq), tiles_(sh.m, sh.k, sh.n, x, w, y, panels)
+         const float* panels = nullptr, const Bf16Rows* xb = nullptr)
+      : path_(path), sh_(sh), x_(x), w_(w), y_(y), xq_(xq), xb_(xb), tiles_(sh.m, sh.k, sh.n, x, w, y, panels)
 #if defined(__AVX2__)
         , int_tiles_(sh.m, sh.k, sh.n, xq, w, y)
 #endif
@@ -86,6 +133,20 @@ class Matmul {
 
   void Run(int64_t item) const {
     const int64_t n0 = item * rows_per_item(), n1 = std::min(sh_.n, n0 + rows_per_item());
+#if defined(__AVX512BF16__)
+    if (path_ == Path::kBf16Rows) {
+      switch (sh_.m) {
+        case 2: Bf16Range<2>(n0, n1); break;
+        case 3: Bf16Range<3>(n0, n1); break;
+        case 4: Bf16Range<4>(n0, n1); break;
+        case 5: Bf16Range<5>(n0, n1); break;
+        case 6: Bf16Range<6>(n0, n1); break;
+        case 7: Bf16Range<7>(n0, n1); break;
+        default: Bf16Range<8>(n0, n1); break;
+      }
+      return;
+    }
+#endif
 #if defined(__AVX2__)
     if (path_ == Path::kIntTiles) {
       int_tiles_.Run(n0, n1);
@@ -160,6 +221,44 @@ class Matmul {
   }
 #endif
 
+#if defined(__AVX512BF16__)
+  // All X rows of x (bfloat16) against weight rows [n0, n1), two at a time.
+  template <int X>
+  void Bf16Range(int64_t n0, int64_t n1) const {
+    int64_t n = n0;
+    for (; n + 2 <= n1; n += 2) Bf16Dots<2, X>(n);
+    for (; n < n1; ++n) Bf16Dots<1, X>(n);
+  }
+
+  template <int R, int X>
+  void Bf16Dots(int64_t n) const {
+    const int64_t k = sh_.k;
+    const uint16_t* xb = xb_->bits.data();
+    __m512 acc[R][X];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < X; ++i) acc[r][i] = _mm512_setzero_ps();
+    for (int64_t block = 0; block < blocks_per_row(); ++block) {
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* src = Row(n + r) + block * Fmt::kBytes;
+        jvllm::PrefetchBlock<Fmt>(Row(n + R + r) + block * Fmt::kBytes);
+        float d[Fmt::kSubs], c[Fmt::kSubs];
+        Fmt::Scales(src, d, c);
+#pragma GCC unroll 8
+        for (int s = 0; s < Fmt::kSubs; ++s) {
+          const __m512bh wb = WeightsBf16<Fmt>(src, s, d[s], c[s]);
+          const uint16_t* xs = xb + (block * Fmt::kSubs + s) * kBlock;
+          for (int i = 0; i < X; ++i) {
+            const __m512i xv = _mm512_loadu_si512(xs + i * k);
+            acc[r][i] = _mm512_dpbf16_ps(acc[r][i], wb, reinterpret_cast<const __m512bh&>(xv));
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < X; ++i) y_[i * sh_.n + n + r] = _mm512_reduce_add_ps(acc[r][i]);
+  }
+#endif
+
   // One row of x against weight rows [n0, n1), four at a time.
   void Direct(int64_t m, int64_t n0, int64_t n1) const {
     const float* xr = x_ + m * sh_.k;
@@ -195,6 +294,7 @@ class Matmul {
   const uint8_t* w_;
   float* y_;
   const Int16Rows* xq_;
+  const Bf16Rows* xb_;
   jvllm::FloatTiles<Fmt> tiles_;
 #if defined(__AVX2__)
   jvllm::Int16Tiles<Fmt> int_tiles_;
@@ -203,10 +303,19 @@ class Matmul {
 
 template <typename Fmt>
 ffi::Error Run(Shapes sh, const float* x, const uint8_t* w, float* y, int64_t row_bytes, int64_t int16_max_rows,
-               int64_t int16_tile_min_rows) {
+               int64_t int16_tile_min_rows, int64_t bf16_max_rows) {
   if (sh.k % Fmt::kWeights != 0 || row_bytes != sh.k / Fmt::kWeights * Fmt::kBytes) {
     return ffi::Error::InvalidArgument("quantized_matmul: a weight row must be whole blocks of its format");
   }
+#if defined(__AVX512BF16__)
+  if (sh.m >= 2 && sh.m <= std::min(bf16_max_rows, kBf16MaxRows)) {
+    thread_local Bf16Rows xb;
+    xb.Convert(x, sh.m, sh.k);
+    Matmul<Fmt> work(Path::kBf16Rows, sh, x, w, y, nullptr, nullptr, &xb);
+    jvllm::RunItems(work);
+    return ffi::Error::Success();
+  }
+#endif
 #if defined(__AVX2__)
   const bool int_rows = sh.m <= int16_max_rows;
   if (int_rows || (int16_tile_min_rows > 0 && sh.m >= int16_tile_min_rows)) {
@@ -231,7 +340,7 @@ ffi::Error Run(Shapes sh, const float* x, const uint8_t* w, float* y, int64_t ro
 
 ffi::Error QuantizedMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> live_rows,
                                ffi::ResultBuffer<ffi::F32> y, int64_t format, int64_t int16_max_rows,
-                               int64_t int16_tile_min_rows) {
+                               int64_t int16_tile_min_rows, int64_t bf16_max_rows) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] % kBlock != 0 || live_rows.element_count() != 1) {
@@ -246,12 +355,12 @@ ffi::Error QuantizedMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, 
   std::memset(yp + live * sh.n, 0, sizeof(float) * (xd[0] - live) * sh.n);
   if (live == 0) return ffi::Error::Success();
   switch (format) {
-    case jvllm::kQ8_0: return Run<jvllm::Q8_0>(sh, xp, wp, yp, wd[1], int16_max_rows, int16_tile_min_rows);
-    case jvllm::kQ4_0: return Run<jvllm::Q4_0>(sh, xp, wp, yp, wd[1], int16_max_rows, int16_tile_min_rows);
-    case jvllm::kQ4_1: return Run<jvllm::Q4_1>(sh, xp, wp, yp, wd[1], int16_max_rows, int16_tile_min_rows);
-    case jvllm::kQ4_K: return Run<jvllm::Q4_K>(sh, xp, wp, yp, wd[1], int16_max_rows, int16_tile_min_rows);
-    case jvllm::kQ5_K: return Run<jvllm::Q5_K>(sh, xp, wp, yp, wd[1], int16_max_rows, int16_tile_min_rows);
-    case jvllm::kQ6_K: return Run<jvllm::Q6_K>(sh, xp, wp, yp, wd[1], int16_max_rows, int16_tile_min_rows);
+    case jvllm::kQ8_0: return Run<jvllm::Q8_0>(sh, xp, wp, yp, wd[1], int16_max_rows, int16_tile_min_rows, bf16_max_rows);
+    case jvllm::kQ4_0: return Run<jvllm::Q4_0>(sh, xp, wp, yp, wd[1], int16_max_rows, int16_tile_min_rows, bf16_max_rows);
+    case jvllm::kQ4_1: return Run<jvllm::Q4_1>(sh, xp, wp, yp, wd[1], int16_max_rows, int16_tile_min_rows, bf16_max_rows);
+    case jvllm::kQ4_K: return Run<jvllm::Q4_K>(sh, xp, wp, yp, wd[1], int16_max_rows, int16_tile_min_rows, bf16_max_rows);
+    case jvllm::kQ5_K: return Run<jvllm::Q5_K>(sh, xp, wp, yp, wd[1], int16_max_rows, int16_tile_min_rows, bf16_max_rows);
+    case jvllm::kQ6_K: return Run<jvllm::Q6_K>(sh, xp, wp, yp, wd[1], int16_max_rows, int16_tile_min_rows, bf16_max_rows);
     default: return ffi::Error::InvalidArgument("quantized_matmul: unknown format");
   }
 }
@@ -266,7 +375,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmQuantizedMatmul, QuantizedMatmulImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<int64_t>("format")
                                   .Attr<int64_t>("int16_max_rows")
-                                  .Attr<int64_t>("int16_tile_min_rows"));
+                                  .Attr<int64_t>("int16_tile_min_rows")
+                                  .Attr<int64_t>("bf16_max_rows"));
 
 // The row counts at which this build's paths meet (measured per vector width: docs/design.md, GGUF blocks): the
 // per-row int16 path up to the first, 16-bit code tiles from the second, float tiles between (AVX2 builds only).
@@ -280,3 +390,4 @@ constexpr int32_t kInt16MaxRows = 0, kInt16TileMinRows = 0;
 
 extern "C" int32_t JvllmInt16MaxRows() { return kInt16MaxRows; }
 extern "C" int32_t JvllmInt16TileMinRows() { return kInt16TileMinRows; }
+extern "C" int32_t JvllmBf16MaxRows() { return static_cast<int32_t>(kBf16MaxRows); }

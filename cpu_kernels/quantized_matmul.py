@@ -22,13 +22,22 @@ def row_path_limits() -> tuple[int, int]:
     return int(library.JvllmInt16MaxRows()), int(library.JvllmInt16TileMinRows())
 
 
+@functools.lru_cache(maxsize=1)
+def bf16_max_rows() -> int:
+    """The most live rows this machine's kernel build multiplies in bfloat16 (8 with AVX-512 BF16, else 0)."""
+    return int(load().JvllmBf16MaxRows())
+
+
 def quantized_matmul(x: jax.Array, weight: jax.Array, fmt: str, int16_max_rows: int = 0,
-                     int16_tile_min_rows: int = 0, live_rows: jax.Array | None = None) -> jax.Array:
+                     int16_tile_min_rows: int = 0, live_rows: jax.Array | None = None,
+                     bf16_max_rows: int = 0) -> jax.Array:
     """x [M, K] float, weight [N, K / block weights * block bytes] uint8 (GGUF blocks, one row per output) -> x @ W^T
     [M, N] float32. `live_rows` ([] int32, default M): only the first rows of x are multiplied, the other rows of
-    the result are 0 (a step's padding). Up to `int16_max_rows` live rows, and from `int16_tile_min_rows` if that is
-    not 0, x is quantized to int16 blocks and multiplied with integer dot products (AVX2 builds; within ~3e-5 of the
-    float32 products); other row counts multiply float32 weights dequantized in registers or in tiles."""
+    the result are 0 (a step's padding). From 2 to `bf16_max_rows` live rows (builds with AVX-512 BF16), x and each
+    weight block are rounded to bfloat16 and summed in float32. Up to `int16_max_rows` live rows, and from
+    `int16_tile_min_rows` if that is not 0, x is quantized to int16 blocks and multiplied with integer dot products
+    (AVX2 builds; within ~3e-5 of the float32 products); other row counts multiply float32 weights dequantized in
+    registers or in tiles."""
     code, block_weights, block_bytes = FORMATS[fmt]
     m, k = x.shape
     if k % block_weights or weight.shape[1] != k // block_weights * block_bytes:
@@ -38,4 +47,4 @@ def quantized_matmul(x: jax.Array, weight: jax.Array, fmt: str, int16_max_rows: 
     call = jax.ffi.ffi_call("jvllm_quantized_matmul", jax.ShapeDtypeStruct((m, weight.shape[0]), jnp.float32))
     live = jnp.asarray(m if live_rows is None else live_rows, jnp.int32).reshape(())
     return call(x.astype(jnp.float32), weight, live, format=np.int64(code), int16_max_rows=np.int64(int16_max_rows),
-                int16_tile_min_rows=np.int64(int16_tile_min_rows))
+                int16_tile_min_rows=np.int64(int16_tile_min_rows), bf16_max_rows=np.int64(bf16_max_rows))

@@ -117,7 +117,8 @@ def native_kernel_available() -> bool:
 
 
 # How a product's live token rows (models.live_rows: padding rows are skipped) meet the blocks depends on their
-# count, at limits the kernel build picks for its machine (cpu_kernels.quantized_matmul.row_path_limits): few rows
+# count, at limits the kernel build picks for its machine (cpu_kernels.quantized_matmul.row_path_limits and
+# bf16_max_rows): 2-8 rows on CPUs with AVX-512 BF16 in bfloat16 (like a float model's batched bf16 weights); few rows
 # multiply with activations quantized to int16 blocks, each weight block unpacked once per activation row; more rows
 # unpack the weights once into 16-bit code tiles for all rows (AVX2 builds: float32 tiles in between).
 
@@ -128,9 +129,10 @@ def quantized_dot(x: jax.Array, raw: jax.Array, fmt: str, scale: jax.Array | Non
     if fmt in CHANNEL_FORMATS:
         return channel_dot(x, raw, scale)
     if jax.default_backend() == "cpu" and native_kernel_available():
-        from cpu_kernels.quantized_matmul import quantized_matmul, row_path_limits
+        from cpu_kernels.quantized_matmul import bf16_max_rows, quantized_matmul, row_path_limits
 
-        return quantized_matmul(x, raw, fmt, *row_path_limits(), live_rows_of(x.shape[0]))
+        return quantized_matmul(x, raw, fmt, *row_path_limits(), live_rows_of(x.shape[0]),
+                                bf16_max_rows=bf16_max_rows())
     w = dequantize(raw, fmt, x.shape[-1])  # [N, K]
     return jnp.einsum("tk,nk->tn", x.astype(jnp.float32), w, preferred_element_type=jnp.float32)
 

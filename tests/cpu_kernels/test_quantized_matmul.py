@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpu_kernels.quantized_matmul import quantized_matmul, row_path_limits
+from cpu_kernels.quantized_matmul import bf16_max_rows, quantized_matmul, row_path_limits
 from jvllm.model_loader.gguf_blocks import dequantize_blocks
 from models.quantized import FORMATS, dequantize, dequantized_rows, quantize_reference, quantized_dot
 from models.quantized import random_blocks as random_codes
@@ -99,6 +99,24 @@ def test_int16_activation_paths_stay_within_their_precision(path, fmt, m, n, k):
     block_max = np.abs(x).reshape(m, k // 32, 32).max(-1)  # [m, blocks]
     bound = block_max @ np.abs(w).reshape(n, k // 32, 32).sum(-1).T / limit  # half a step per element, summed
     np.testing.assert_array_less(np.abs(got - want), bound + 1e-6 * np.abs(x) @ np.abs(w).T + 1e-30)
+
+
+@pytest.mark.parametrize("fmt, m, n, k", cases([2, 3, 5, 8], [2, 8]))
+def test_bf16_rows_stay_within_bfloat16_precision(fmt, m, n, k):
+    """2-8 rows in bfloat16 (builds with AVX-512 BF16; elsewhere the int16 or float paths, within their tighter
+    bounds): x and the dequantized weights rounded to 8 bits of mantissa, products summed in float32, so each
+    output is within ~2^-8 of sum |x| |w| (two roundings of 2^-9 each)."""
+    raw = random_blocks(fmt, n, k, seed=m * 31 + n)
+    x = np.random.default_rng(k + m).standard_normal((m, k)).astype(np.float32)
+    w = dequantize_blocks(raw, fmt).astype(np.float64)
+    want = x.astype(np.float64) @ w.T
+    product = jax.jit(lambda a, b, c: quantized_matmul(a, b, fmt, live_rows=c, bf16_max_rows=8))
+    got = np.asarray(product(np.concatenate([x, x[:1]]), raw, np.int32(m)))  # one padding row, not multiplied
+    np.testing.assert_array_less(np.abs(got[:m] - want), 2.0 ** -8 * np.abs(x) @ np.abs(w).T + 1e-30)
+    assert not got[m:].any()
+    if bf16_max_rows():  # the bfloat16 path ran: not the float32 product
+        exact = np.asarray(jax.jit(lambda a, b: quantized_matmul(a, b, fmt))(x, raw))
+        assert np.abs(got[:m] - exact).max() > 0
 
 
 def test_int16_tiles_keep_int32_sums_of_extreme_blocks():
