@@ -1,4 +1,5 @@
-"""The `jvllm` command line: `jvllm generate PROMPT`, `jvllm serve [MODEL]`, `jvllm chat`; flags from EngineArgs."""
+"""The `jvllm` command line: `jvllm generate PROMPT`, `jvllm serve [MODEL]`, `jvllm chat`, `jvllm bench`; flags from
+EngineArgs."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +9,7 @@ import sys
 import time
 
 from jvllm.engine.arg_utils import EngineArgs, MULTIHOST_FIELDS, add_dataclass_flags, dataclass_from_flags, human_int
+from entrypoints.bench import add_bench_parser, run_bench
 from server.settings import ServerSettings
 
 
@@ -30,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(gen)
     _add_serve_parser(commands)
     _add_chat_parser(commands)
+    add_bench_parser(commands)
     return parser
 
 
@@ -153,6 +156,13 @@ def main(argv: list[str] | None = None) -> int:
         return run_generate(args)
     if args.command == "serve":
         return run_serve(args)
+    if args.command == "bench":
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+        try:
+            return run_bench(args)
+        except (ValueError, FileNotFoundError, RuntimeError) as error:
+            print(f"jvllm bench: error: {error}", file=sys.stderr)
+            return 2
     if args.command == "chat":
         from entrypoints.chat_client import run_chat
 
