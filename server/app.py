@@ -35,6 +35,7 @@ from server.score import score_routes
 from server.settings import ServerSettings
 from server.state import ServerState, state_of
 from server.tokens import TokenText
+from server.web_page import install_web_page
 
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 500, 503)}
 
@@ -198,6 +199,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.include_router(anthropic_routes(_guarded))
     app.include_router(score_routes(_guarded))
     app.include_router(_public_routes())
+    if not settings.disable_web_ui:
+        install_web_page(app)
     app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
                        allow_methods=settings.allowed_methods, allow_headers=settings.allowed_headers,
                        allow_credentials=settings.allow_credentials)

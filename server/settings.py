@@ -56,6 +56,8 @@ class ServerSettings:
     trust_request_chat_template: bool = option(False, "accept a `chat_template` in requests (refused by default: a "
                                                       "template is code the server runs; even trusted ones get a "
                                                       "time bound)", group=LIMITS_GROUP)
+    disable_web_ui: bool = option(False, "no chat page at / (the API routes are the same either way)",
+                                  group=SERVER_GROUP)
     allowed_origins: list[str] = option(["*"], 'allowed origins (default ["*"])', parse=json_list, group=CORS_GROUP)
     allowed_methods: list[str] = option(["*"], 'allowed methods (default ["*"])', parse=json_list, group=CORS_GROUP)
     allowed_headers: list[str] = option(["*"], 'allowed headers (default ["*"])', parse=json_list, group=CORS_GROUP)

@@ -11,6 +11,7 @@ import time
 from typing import Any, Iterable, Sequence
 
 from jvllm.heap import release_freed_memory
+from jvllm.logging_setup import configure_default_logging
 from jvllm.worker.compile_cache import enable_compilation_cache
 from jvllm.worker.compile_watch import during_start_up
 from jvllm.config import EngineConfig, UsageContext
@@ -80,6 +81,7 @@ class Engine(MultiHostRoles, FrontEndViews):
     def _start(self, args: EngineArgs, usage: UsageContext) -> None:
         """Load the model, size the KV pool, build the scheduler and the runner, and precompile."""
         self.args = args
+        configure_default_logging()  # a plain Python program sees the start-up phases, as vLLM's users do
         from jvllm.pooling.embedder import build_embedder
         from jvllm.model_loader.loader import load_model
         from jvllm.worker.kv_cache_dtype import kv_cache_dtype_for
