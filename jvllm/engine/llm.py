@@ -28,7 +28,7 @@ from jvllm.worker.weights import batched_weights_for
 from jvllm.worker.step_shapes import ShapeSet
 from jvllm.sample.logprobs import MAX_LOGPROBS
 from jvllm.parallel import distributed
-from jvllm.engine.output_processor import append_token, record_prompt_logprobs, request_output
+from jvllm.engine.output_processor import append_sampled, record_prompt_logprobs, request_output
 from jvllm.outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
 from jvllm.engine.progress import GenerateProgress, precompile_progress
 from jvllm.engine.front_end_views import FrontEndViews
@@ -295,7 +295,7 @@ class Engine(MultiHostRoles, FrontEndViews):
             record_prompt_logprobs(request, result, self._decode_token)
             if result.token_id is None:
                 continue
-            status = self._append_sampled(chunk, result)
+            status = append_sampled(chunk, result, self._decode_token, self.scheduler, self.drafter)
             if status is not None:
                 self._finish(request, status)
             advanced[request.group_id] = None
@@ -309,22 +309,6 @@ class Engine(MultiHostRoles, FrontEndViews):
                 del self._request_groups[group_id]
             outputs.append(output)
         return outputs
-
-    def _append_sampled(self, chunk: ScheduledChunk, result: Any) -> RequestStatus | None:
-        """Append the chunk's sampled token; after draft tokens, also each token sampled after a draft while the
-        drafts match what was sampled (the tokens plain decoding would have given). -> the finish it causes."""
-        request, drafts = chunk.request, chunk.draft_ids
-        accepted = 0
-        for index, sampled in enumerate([result, *result.after_drafts]):
-            status = append_token(request, sampled, self._decode_token)
-            if status is not None or index == len(drafts) or sampled.token_id != drafts[index]:
-                break
-            accepted += 1
-        if drafts:
-            self.drafter.record(request, len(drafts), accepted)
-            if status is None:
-                self.scheduler.accept_drafts(request, accepted)
-        return status
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.scheduler.finish(request, status)

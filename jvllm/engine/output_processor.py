@@ -1,4 +1,4 @@
-"""After each step: append sampled tokens, detokenize, apply stop rules, build RequestOutputs."""
+"""After each step: append sampled tokens (and verified drafts), detokenize, apply stop rules, build RequestOutputs."""
 from __future__ import annotations
 
 import time
@@ -8,6 +8,8 @@ from jvllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jvllm.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
+    from jvllm.core.scheduler import ScheduledChunk, Scheduler
+    from jvllm.spec_decode.drafter import Drafter
     from jvllm.worker.model_runner import StepResult
 
 
@@ -53,6 +55,25 @@ def append_token(request: Request, result: StepResult, decode: Callable[[int], s
     if num_out >= request.max_output_tokens:
         return RequestStatus.FINISHED_LENGTH
     return None
+
+
+def append_sampled(chunk: ScheduledChunk, result: StepResult, decode: Callable[[int], str], scheduler: Scheduler,
+                   drafter: Drafter | None) -> RequestStatus | None:
+    """Append the chunk's sampled token; after draft tokens, also each token sampled after a draft while the drafts
+    match what was sampled (the tokens plain decoding would have given), then settle the drafts' pages.
+    -> the finish it causes."""
+    request, drafts = chunk.request, chunk.draft_ids
+    accepted = 0
+    for index, sampled in enumerate([result, *result.after_drafts]):
+        status = append_token(request, sampled, decode)
+        if status is not None or index == len(drafts) or sampled.token_id != drafts[index]:
+            break
+        accepted += 1
+    if drafts:
+        drafter.record(request, len(drafts), accepted)
+        if status is None:
+            scheduler.accept_drafts(request, accepted)
+    return status
 
 
 def completion_output(request: Request, index: int) -> CompletionOutput:
