@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from jvllm.model_loader.gguf import DERIVED_TENSORS, dequantized_tensor, restore_tensor
+from jvllm.model_loader.read_progress import weight_bar
 from jvllm.model_loader.gguf_arch import (EXPERT, GGUFHeader, architecture_for, fuse_phi3_attention, hf_name,
                                           split_experts)
 from models.hf_names import ArraySource, DerivedTensors
@@ -77,26 +78,28 @@ def load_gguf_weights(module: Any, weights: GGUFWeights, dtype: Any) -> int:
     formats = {name: fmt for name, (_, fmt) in weights.blocks.items()}
     source = DerivedTensors(ArraySource({**weights.floats, **raws}), num_experts)
     kept = 0
-    for param, name, transpose, _ in list(module.hf_parameters(source)):
-        if name not in source:
-            raise ValueError(f"the GGUF file is missing tensor {source.source_name(name)!r}")
-        array = source.whole(name)
-        fmt = formats.get(source.source_name(name))
-        if fmt is not None:
-            blocks = jnp.asarray(np.ascontiguousarray(array))
-            owner = linears.get(id(param))
-            if owner is not None and transpose:
-                owner.set_quantized(blocks, fmt)
-                kept += 1
-                continue
-            if param is module.embed_tokens:
-                module.set_quantized_embedding(blocks, fmt)
-                kept += 1
-                continue
-            if param is getattr(module, "lm_head", None) and transpose:
-                module.set_quantized_head(blocks, fmt)
-                kept += 1
-                continue
-            array = dequantize_blocks(array, fmt)
-        param.set_value(jnp.asarray(array.T if transpose else array, dtype=dtype))
+    with weight_bar(sum(raw.nbytes for raw in raws.values()) + sum(a.nbytes for a in weights.floats.values())) as bar:
+        for param, name, transpose, _ in list(module.hf_parameters(source)):
+            if name not in source:
+                raise ValueError(f"the GGUF file is missing tensor {source.source_name(name)!r}")
+            array = source.whole(name)
+            bar.update(array.nbytes)
+            fmt = formats.get(source.source_name(name))
+            if fmt is not None:
+                blocks = jnp.asarray(np.ascontiguousarray(array))
+                owner = linears.get(id(param))
+                if owner is not None and transpose:
+                    owner.set_quantized(blocks, fmt)
+                    kept += 1
+                    continue
+                if param is module.embed_tokens:
+                    module.set_quantized_embedding(blocks, fmt)
+                    kept += 1
+                    continue
+                if param is getattr(module, "lm_head", None) and transpose:
+                    module.set_quantized_head(blocks, fmt)
+                    kept += 1
+                    continue
+                array = dequantize_blocks(array, fmt)
+            param.set_value(jnp.asarray(array.T if transpose else array, dtype=dtype))
     return kept

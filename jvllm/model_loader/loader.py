@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jvllm.model_loader.read_progress import weight_bar
 from jvllm.model_loader.vision import complete_config, is_vision_language, load_vision, split_tensors
 from models.config import EncoderConfig, ModelConfig
 from models.registry import config_from_hf, model_class_for
@@ -209,10 +210,12 @@ def read_safetensors(folder: Path) -> dict[str, np.ndarray]:
     if not files:
         raise ValueError(f"no *.safetensors files in {folder}")
     tensors: dict[str, np.ndarray] = {}
-    for file in files:
-        with safe_open(file, framework="flax") as f:
-            for name in f.keys():
-                tensors[name] = np.asarray(f.get_tensor(name))
+    with weight_bar(sum(os.path.getsize(file) for file in files)) as bar:
+        for file in files:
+            with safe_open(file, framework="flax") as f:
+                for name in f.keys():
+                    tensors[name] = np.asarray(f.get_tensor(name))
+                    bar.update(tensors[name].nbytes)
     return tensors
 
 
