@@ -23,10 +23,8 @@ def test_a_client_leaving_mid_stream_aborts_its_request_and_frees_its_pages(live
     finished = _metric(live_server, 'jvllm:request_success_total{finished_reason="length"')
     with httpx.stream("POST", f"{live_server.v1}/completions", headers=live_server.headers, timeout=600,
                       json={"prompt": "Leave early", "stream": True, **LONG}) as reply:
-        chunks = 0
-        for line in reply.iter_lines():
-            chunks += line.startswith("data:")
-            if chunks == 3:
+        for line in reply.iter_lines():  # leave at the first chunk: a loaded machine may finish 480 tokens quickly
+            if line.startswith("data:"):
                 break
         assert engine.engine.pages.num_free_pages < engine.engine.pages.num_usable_pages  # it holds pages now
     assert wait_until(lambda: idle(engine)), engine.stats

@@ -102,6 +102,17 @@ def test_the_page_chats_like_the_api(browser, live_server, tmp_path):
     _wait(browser, lambda d: len(d.find_elements(By.CSS_SELECTOR, ".turn.assistant[data-done='true']")) == 3)
     assert not stop.is_displayed() and browser.find_element(By.ID, "send").is_enabled()
 
+    picture_file = tmp_path / "dot.png"  # an image goes with the next message; this text model refuses it
+    from PIL import Image
+
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(picture_file)
+    browser.find_element(By.ID, "attach").send_keys(str(picture_file))
+    _wait(browser, lambda d: d.find_element(By.ID, "attached").text == "dot.png")
+    _send(browser, "What is in this picture?")
+    assert browser.find_elements(By.CSS_SELECTOR, ".turn.user img")[-1].get_attribute("src").startswith(
+        "data:image/png;base64,")
+    assert "image" in browser.find_element(By.ID, "error").text.lower()  # the server's 400, shown in the page
+
     browser.find_element(By.ID, "clear").click()
     assert browser.find_elements(By.CSS_SELECTOR, ".turn") == []
     _set(browser, "max_tokens", "12")
