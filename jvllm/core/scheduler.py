@@ -58,10 +58,6 @@ class ScheduledChunk:
     def draft_ids(self) -> tuple[int, ...]:
         return () if self.draft is None else self.draft.token_ids
 
-    @property
-    def sampler_rows(self) -> int:
-        return 1 + len(self.draft_ids)
-
 
 class Scheduler:
     """Decides each step which requests run and how many tokens each computes. Pure Python."""
@@ -123,13 +119,13 @@ class Scheduler:
         preempted = False
         index = 0
         speculates = self.drafter is not None and self.drafter.speculates(len(self.running))
-        spare_rows = self.max_num_seqs - len(self.running)  # sampler rows left for draft tokens
+        drafted = 0  # draft tokens scheduled: each takes a sampler row of the step's max_num_seqs
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             wanted = min(request.num_tokens - request.num_computed_tokens, budget)
             draft = None
             if speculates and request.num_tokens - request.num_computed_tokens == 1:
-                draft = self.drafter.propose(request, min(budget - 1, spare_rows))
+                draft = self.drafter.propose(request, min(budget - 1, self.max_num_seqs - len(self.running) - drafted))
                 wanted += 0 if draft is None else len(draft.token_ids)
             count = self._encoder_room(request, wanted, encoder)
             if count == 0 < wanted:  # its next image waits for encoder rows or budget
@@ -142,11 +138,10 @@ class Scheduler:
                     encoder.drop(request.request_id)
                 break  # `request` itself was preempted; it was the last one running
             chunks.append(self._chunk(request, count, encoder, draft))
-            spare_rows -= chunks[-1].sampler_rows - 1
+            drafted += len(chunks[-1].draft_ids)
             budget -= count
             index += 1
-        while (self.waiting and not preempted and budget > 0
-               and len(self.running) < self.max_num_seqs - sum(len(chunk.draft_ids) for chunk in chunks)):
+        while self.waiting and not preempted and budget > 0 and len(self.running) + drafted < self.max_num_seqs:
             request = self.waiting[0]
             if any(request is victim for victim in victims):
                 break  # preempted for a higher rank this step: it waits at least one step
