@@ -5,6 +5,10 @@
 #include <cmath>
 #include <cstdint>
 
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
 namespace jvllm {
 
 // Vectors of kLanes floats (GCC/Clang vector extensions): one AVX-512 register, or one AVX2 register on machines
@@ -74,6 +78,24 @@ inline float SoftCap(float x, float cap) {
   const float t = VecExp(-2.0f * std::fabs(x / cap));
   const float tanh_abs = (1.0f - t) / (1.0f + t);
   return cap * std::copysign(tanh_abs, x);
+}
+
+// Copies n bytes, a multiple of 32 (rows of head_dim % 16 == 0 floats or bfloat16s), a vector at a time. (GCC's
+// generic 64-byte vectors made this copy ~10% slower than the AVX-512 intrinsics.)
+inline void CopyBytes(const void* src, void* dst, int64_t n) {
+  const char* from = static_cast<const char*>(src);
+  char* to = static_cast<char*>(dst);
+  int64_t b = 0;
+#if defined(__AVX512F__)
+  for (; b + 64 <= n; b += 64) _mm512_storeu_si512(to + b, _mm512_loadu_si512(from + b));
+#endif
+#if defined(__AVX__)
+  for (; b < n; b += 32) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + b), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + b)));
+  }
+#else
+  for (; b < n; ++b) to[b] = from[b];
+#endif
 }
 
 inline float Load(const float* p) { return *p; }

@@ -141,25 +141,37 @@ def test_decode_rows(seqs, pool_dtype):
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (9, 3), (8, 2)])
-@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
 def test_decode_rows_per_kv_head(heads, kv_heads, head_dim):
     """Decode rows read a bfloat16 pool in place with 1-4 query heads per KV head, over key counts that leave every
-    remainder of the four-key passes (and head sizes that leave one of the value passes)."""
+    remainder of the four-key passes and of the key pairs (and head sizes that leave one of the value passes, or do
+    not fit the bf16 loops' 32-value chunks)."""
     rng = np.random.default_rng(heads * head_dim + kv_heads)
     chunks = [(c, 1) for c in (0, 1, 2, 3, 62, 63, 64, 65, 130)]
     run_case(rng, chunks, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=16, pool_dtype=jnp.bfloat16)
 
 
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+def test_verification_rows(pool_dtype):
+    """2-8 tokens after a cached context, as a speculative verification step lays out a decode row and its drafts
+    (read in place like decode rows)."""
+    rng = np.random.default_rng(8)
+    chunks = [(int(c), int(n)) for c, n in zip(rng.integers(0, 200, 7), range(2, 9))]
+    run_case(rng, chunks, heads=9, kv_heads=3, head_dim=64, page_size=16, pool_dtype=pool_dtype)
+
+
 @pytest.mark.parametrize("window", [1, 7, 16, 50])
-def test_sliding_window(window):
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+def test_sliding_window(window, pool_dtype):
     run_case(np.random.default_rng(window), MIXED, heads=8, kv_heads=4, head_dim=64, page_size=16,
-             sliding_window=window)
+             sliding_window=window, pool_dtype=pool_dtype)
 
 
 @pytest.mark.parametrize("cap", [2.0, 50.0])
-def test_soft_cap(cap):
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+def test_soft_cap(cap, pool_dtype):
     run_case(np.random.default_rng(int(cap)), MIXED, heads=8, kv_heads=4, head_dim=128, page_size=16, soft_cap=cap,
-             sliding_window=20)
+             sliding_window=20, pool_dtype=pool_dtype)
 
 
 def test_long_prompt_in_blocks():

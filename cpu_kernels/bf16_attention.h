@@ -1,0 +1,175 @@
+// Decode attention over bfloat16 pages with AVX-512 BF16 dot products (`vdpbf16ps`: 32 bf16 products summed into 16
+// floats per instruction): a query row's scores against keys read in place, and probabilities times value rows.
+// Queries and probabilities are split into a bfloat16 high part and the bfloat16 rest (two products each), so the
+// sums keep ~16 bits of them rather than bfloat16's 8: the scores and outputs stay within float32 rounding of the
+// float loops' (the pages' values are bf16 already). Without AVX-512 BF16 (kBf16Attention false) the float loops of
+// few_row_attention.h run instead.
+#pragma once
+
+#include <cstdint>
+
+#include "few_row_attention.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
+
+namespace jvllm {
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool kBf16Attention = true;
+constexpr int64_t kBf16Chunk = 32;  // bf16 values per 512-bit vector: head_dim must be a multiple of it
+
+// hi[i] = bf16(x[i]), lo[i] = bf16(x[i] - hi[i]), n a multiple of 16.
+inline void SplitToBf16(const float* x, int64_t n, uint16_t* hi, uint16_t* lo) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    const __m256bh h = _mm512_cvtneps_pbh(v);
+    const __m512 back = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(h)), 16));
+    const __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, back));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i), reinterpret_cast<const __m256i&>(h));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i), reinterpret_cast<const __m256i&>(l));
+  }
+}
+
+inline __m512 DotPairs(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<const __m512bh&>(a), reinterpret_cast<const __m512bh&>(b));
+}
+
+// scores[r * stride + j] = (q_hi[r] + q_lo[r]) . keys[j][offset : offset + hd] for rows r < R, keys j in
+// [begin, end); the query parts are bf16 [R, hd], keys bf16 rows. Four keys at a time, R x 4 sums in registers.
+template <int R>
+inline void Bf16DotKeys(const uint16_t* q_hi, const uint16_t* q_lo, int64_t hd, const uint16_t* const* keys,
+                        int64_t offset, int64_t begin, int64_t end, float* scores, int64_t stride) {
+  constexpr int kKeys = 4;
+  int64_t j = begin;
+  for (; j + kKeys <= end; j += kKeys) {
+    VF acc[R][kKeys] = {};
+    for (int64_t c = 0; c < hd; c += kBf16Chunk) {
+      __m512i key[kKeys];
+      for (int t = 0; t < kKeys; ++t) key[t] = _mm512_loadu_si512(keys[j + t] + offset + c);
+      for (int r = 0; r < R; ++r) {
+        const __m512i hi = _mm512_loadu_si512(q_hi + r * hd + c), lo = _mm512_loadu_si512(q_lo + r * hd + c);
+        for (int t = 0; t < kKeys; ++t) acc[r][t] = DotPairs(DotPairs(acc[r][t], hi, key[t]), lo, key[t]);
+      }
+    }
+    for (int r = 0; r < R; ++r) SumEach4(acc[r], scores + r * stride + j);
+  }
+  for (; j < end; ++j) {
+    VF acc[R] = {};
+    for (int64_t c = 0; c < hd; c += kBf16Chunk) {
+      const __m512i key = _mm512_loadu_si512(keys[j] + offset + c);
+      for (int r = 0; r < R; ++r) {
+        acc[r] = DotPairs(DotPairs(acc[r], _mm512_loadu_si512(q_hi + r * hd + c), key),
+                          _mm512_loadu_si512(q_lo + r * hd + c), key);
+      }
+    }
+    for (int r = 0; r < R; ++r) scores[r * stride + j] = Sum(acc[r]);
+  }
+}
+
+// The value pairs below hold, per 128-bit lane i, dims 8i..8i+3 (`unpacklo`) or 8i+4..8i+7 (`unpackhi`) of a 32-dim
+// chunk. These turn two natural 16-float halves of a chunk into those orders and back.
+inline void ToPairOrder(__m512 n0, __m512 n1, __m512* lo, __m512* hi) {
+  const __m512i lo_index = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i hi_index = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  *lo = _mm512_permutex2var_ps(n0, lo_index, n1);
+  *hi = _mm512_permutex2var_ps(n0, hi_index, n1);
+}
+
+inline void FromPairOrder(__m512 lo, __m512 hi, __m512* n0, __m512* n1) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  *n0 = _mm512_permutex2var_ps(lo, first, hi);
+  *n1 = _mm512_permutex2var_ps(lo, second, hi);
+}
+
+// acc[r][c0 : c0 + N * 32] += sum_j p[r][j] * values[j][offset + c0 : ...] for keys j in [begin, end), two keys a
+// step: their rows interleaved into (v_j, v_j+1) pairs, times the pair (p_j, p_j+1) of each row's high and low
+// bf16 parts (p_hi / p_lo [R rows of `stride`], indexed by j). N x 2 x R sums in registers.
+template <int R, int N>
+inline void Bf16AddValueChunks(const uint16_t* p_hi, const uint16_t* p_lo, int64_t stride,
+                               const uint16_t* const* values, int64_t offset, int64_t begin, int64_t end, float* acc,
+                               int64_t hd, int64_t c0) {
+  __m512 lo[R][N], hi[R][N];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < N; ++c) {
+      const float* a = acc + r * hd + c0 + c * kBf16Chunk;
+      ToPairOrder(_mm512_loadu_ps(a), _mm512_loadu_ps(a + 16), &lo[r][c], &hi[r][c]);
+    }
+  for (int64_t j = begin; j < end; j += 2) {
+    const bool lone = j + 1 == end;  // an odd count: the last key pairs with itself at probability 0
+    const uint16_t* first = values[j] + offset + c0;
+    const uint16_t* second = lone ? first : values[j + 1] + offset + c0;
+    __m512i pair_hi[R], pair_lo[R];
+    for (int r = 0; r < R; ++r) {
+      uint32_t h = p_hi[r * stride + j], l = p_lo[r * stride + j];
+      if (!lone) {
+        h |= static_cast<uint32_t>(p_hi[r * stride + j + 1]) << 16;
+        l |= static_cast<uint32_t>(p_lo[r * stride + j + 1]) << 16;
+      }
+      pair_hi[r] = _mm512_set1_epi32(static_cast<int32_t>(h));
+      pair_lo[r] = _mm512_set1_epi32(static_cast<int32_t>(l));
+    }
+    for (int c = 0; c < N; ++c) {
+      const __m512i a = _mm512_loadu_si512(first + c * kBf16Chunk), b = _mm512_loadu_si512(second + c * kBf16Chunk);
+      const __m512i low = _mm512_unpacklo_epi16(a, b), high = _mm512_unpackhi_epi16(a, b);
+      for (int r = 0; r < R; ++r) {
+        lo[r][c] = DotPairs(DotPairs(lo[r][c], pair_hi[r], low), pair_lo[r], low);
+        hi[r][c] = DotPairs(DotPairs(hi[r][c], pair_hi[r], high), pair_lo[r], high);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < N; ++c) {
+      __m512 n0, n1;
+      FromPairOrder(lo[r][c], hi[r][c], &n0, &n1);
+      float* a = acc + r * hd + c0 + c * kBf16Chunk;
+      _mm512_storeu_ps(a, n0);
+      _mm512_storeu_ps(a + 16, n1);
+    }
+}
+
+// Bf16AddValueChunks over the whole head, 64 dims a pass.
+template <int R>
+inline void Bf16AddValues(const uint16_t* p_hi, const uint16_t* p_lo, int64_t stride, const uint16_t* const* values,
+                          int64_t offset, int64_t begin, int64_t end, float* acc, int64_t hd) {
+  int64_t c0 = 0;
+  for (; c0 + 2 * kBf16Chunk <= hd; c0 += 2 * kBf16Chunk)
+    Bf16AddValueChunks<R, 2>(p_hi, p_lo, stride, values, offset, begin, end, acc, hd, c0);
+  if (c0 < hd) Bf16AddValueChunks<R, 1>(p_hi, p_lo, stride, values, offset, begin, end, acc, hd, c0);
+}
+
+// Bf16DotKeys for any number of rows.
+inline void Bf16FewRowDots(int64_t rows, const uint16_t* q_hi, const uint16_t* q_lo, int64_t hd,
+                           const uint16_t* const* keys, int64_t offset, int64_t begin, int64_t end, float* scores,
+                           int64_t stride) {
+  if (begin >= end) return;
+  InRowGroups(rows, [&](auto group, int64_t r) {
+    Bf16DotKeys<decltype(group)::value>(q_hi + r * hd, q_lo + r * hd, hd, keys, offset, begin, end,
+                                        scores + r * stride, stride);
+  });
+}
+
+// Bf16AddValues for any number of rows.
+inline void Bf16FewRowValues(int64_t rows, const uint16_t* p_hi, const uint16_t* p_lo, int64_t stride,
+                             const uint16_t* const* values, int64_t offset, int64_t begin, int64_t end, float* acc,
+                             int64_t hd) {
+  if (begin >= end) return;
+  InRowGroups(rows, [&](auto group, int64_t r) {
+    Bf16AddValues<decltype(group)::value>(p_hi + r * stride, p_lo + r * stride, stride, values, offset, begin, end,
+                                          acc + r * hd, hd);
+  });
+}
+#else
+constexpr bool kBf16Attention = false;
+constexpr int64_t kBf16Chunk = 32;
+inline void SplitToBf16(const float*, int64_t, uint16_t*, uint16_t*) {}
+inline void Bf16FewRowDots(int64_t, const uint16_t*, const uint16_t*, int64_t, const uint16_t* const*, int64_t,
+                           int64_t, int64_t, float*, int64_t) {}
+inline void Bf16FewRowValues(int64_t, const uint16_t*, const uint16_t*, int64_t, const uint16_t* const*, int64_t,
+                             int64_t, int64_t, float*, int64_t) {}
+#endif
+
+}  // namespace jvllm
