@@ -24,6 +24,7 @@
 #include "block_formats.h"
 #include "float_tiles.h"
 #include "int16_dots.h"
+#include "bf16_tiles.h"
 #include "int16_tiles.h"
 #include "run_items.h"
 #include "xla/ffi/api/ffi.h"
@@ -60,47 +61,16 @@ struct Int16Rows {};
 #endif
 
 // How a product's rows of x meet the weights (Matmul::Run).
-enum class Path { kIntRows, kDirect, kFloatTiles, kIntTiles, kBf16Rows };
+enum class Path { kIntRows, kDirect, kFloatTiles, kIntTiles, kBf16Rows, kBf16Tiles };
 
 #if defined(__AVX512BF16__)
 // 2 to this many rows of x, on CPUs with AVX-512 BF16: x rounded to bfloat16 once, each weight block dequantized
 // in registers and rounded to bfloat16 once for all the rows, then one `vdpbf16ps` (32 multiply-adds into float32)
-// per row per 32 weights, where the int16 row path takes about nine instructions.
+// per row per 32 weights, where the int16 row path takes about nine instructions. More rows: bf16 tiles
+// (bf16_tiles.h).
 constexpr int64_t kBf16MaxRows = 8;
-
-// Sub-block s of a weight block as 32 bfloat16 weights (rounded from float32 w = d * code + c).
-template <typename Fmt>
-inline __m512bh WeightsBf16(const uint8_t* b, int s, float d, float c) {
-  if constexpr (std::is_same_v<Fmt, jvllm::Q4_0> || std::is_same_v<Fmt, jvllm::Q4_1>) {
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + Fmt::kBytes - 16)));
-    const __m512 low = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));  // weights 0-15
-    const __m512 high = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));                    // weights 16-31
-    const __m512 vd = _mm512_set1_ps(d), vc = _mm512_set1_ps(c);
-    return _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(high, vd, vc), _mm512_fmadd_ps(low, vd, vc));
-  } else if constexpr (std::is_same_v<Fmt, jvllm::Q8_0>) {
-    const __m512 vd = _mm512_set1_ps(d);
-    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2))));
-    const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18))));
-    return _mm512_cvtne2ps_pbh(_mm512_mul_ps(high, vd), _mm512_mul_ps(low, vd));
-  } else {
-    V8 w[kVecsPerSub];  // 4 x 8 weights
-    Fmt::Dequant(b, s, d, c, w);
-    return _mm512_cvtne2ps_pbh(_mm512_insertf32x8(_mm512_castps256_ps512(w[2]), w[3], 1),
-                               _mm512_insertf32x8(_mm512_castps256_ps512(w[0]), w[1], 1));
-  }
-}
-
-struct Bf16Rows {
-  std::vector<uint16_t> bits;  // [M, K] bfloat16
-
-  void Convert(const float* x, int64_t m, int64_t k) {
-    bits.resize(static_cast<size_t>(m * k));
-    for (int64_t i = 0; i < m * k; i += 32) {
-      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
-      _mm512_storeu_si512(bits.data() + i, reinterpret_cast<const __m512i&>(v));
-    }
-  }
-};
+using jvllm::Bf16Rows;
+using jvllm::WeightsBf16;
 #else
 constexpr int64_t kBf16MaxRows = 0;
 struct Bf16Rows {};
@@ -117,6 +87,9 @@ class Matmul {
 #if defined(__AVX2__)
         , int_tiles_(sh.m, sh.k, sh.n, xq, w, y)
 #endif
+#if defined(__AVX512BF16__)
+        , bf16_tiles_(sh.m, sh.k, sh.n, xb, w, y)
+#endif
   {
   }
 
@@ -126,7 +99,8 @@ class Matmul {
     const int64_t items = 2 * (jvllm::HelperPool::Get().num_helpers() + 1);
     const int64_t unit = path_ == Path::kFloatTiles ? jvllm::FloatTiles<Fmt>::RowUnit(sh_.m)
                          : path_ == Path::kIntTiles ? jvllm::kTileCols
-                                                    : 4;
+                         : path_ == Path::kBf16Tiles ? 2 * jvllm::kTileCols  // the tiles go in pairs
+                                                     : 4;
     return std::max<int64_t>(kMinRowsPerItem, ((sh_.n + items - 1) / items + unit - 1) / unit * unit);
   }
   int64_t num_items() const { return (sh_.n + rows_per_item() - 1) / rows_per_item(); }
@@ -134,6 +108,10 @@ class Matmul {
   void Run(int64_t item) const {
     const int64_t n0 = item * rows_per_item(), n1 = std::min(sh_.n, n0 + rows_per_item());
 #if defined(__AVX512BF16__)
+    if (path_ == Path::kBf16Tiles) {
+      bf16_tiles_.Run(n0, n1);
+      return;
+    }
     if (path_ == Path::kBf16Rows) {
       switch (sh_.m) {
         case 2: Bf16Range<2>(n0, n1); break;
@@ -299,6 +277,9 @@ class Matmul {
 #if defined(__AVX2__)
   jvllm::Int16Tiles<Fmt> int_tiles_;
 #endif
+#if defined(__AVX512BF16__)
+  jvllm::Bf16Tiles<Fmt> bf16_tiles_;
+#endif
 };
 
 template <typename Fmt>
@@ -308,10 +289,11 @@ ffi::Error Run(Shapes sh, const float* x, const uint8_t* w, float* y, int64_t ro
     return ffi::Error::InvalidArgument("quantized_matmul: a weight row must be whole blocks of its format");
   }
 #if defined(__AVX512BF16__)
-  if (sh.m >= 2 && sh.m <= std::min(bf16_max_rows, kBf16MaxRows)) {
+  if (sh.m >= 2 && bf16_max_rows > 0) {  // the caller takes bfloat16 products: rows, or tiles past kBf16MaxRows
     thread_local Bf16Rows xb;
     xb.Convert(x, sh.m, sh.k);
-    Matmul<Fmt> work(Path::kBf16Rows, sh, x, w, y, nullptr, nullptr, &xb);
+    const bool rows = sh.m <= std::min(bf16_max_rows, kBf16MaxRows);
+    Matmul<Fmt> work(rows ? Path::kBf16Rows : Path::kBf16Tiles, sh, x, w, y, nullptr, nullptr, &xb);
     jvllm::RunItems(work);
     return ffi::Error::Success();
   }

@@ -3,8 +3,11 @@ native CPU kernel on XLA CPU, dequantize-then-dot elsewhere); `quantized_dot` an
 per-channel formats of models.channel_quant."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -118,9 +121,22 @@ def native_kernel_available() -> bool:
 
 # How a product's live token rows (models.live_rows: padding rows are skipped) meet the blocks depends on their
 # count, at limits the kernel build picks for its machine (cpu_kernels.quantized_matmul.row_path_limits and
-# bf16_max_rows): 2-8 rows on CPUs with AVX-512 BF16 in bfloat16 (like a float model's batched bf16 weights); few rows
-# multiply with activations quantized to int16 blocks, each weight block unpacked once per activation row; more rows
-# unpack the weights once into 16-bit code tiles for all rows (AVX2 builds: float32 tiles in between).
+# bf16_max_rows): on CPUs with AVX-512 BF16, 2+ rows in bfloat16 (like a float model's batched bf16 weights: rows
+# to 8, bf16 weight tiles beyond) unless bf16_products(False) is in effect; otherwise few rows multiply with
+# activations quantized to int16 blocks, each weight block unpacked once per activation row, and more rows unpack
+# the weights once into 16-bit code tiles for all rows (AVX2 builds: float32 tiles in between).
+_BF16_PRODUCTS: contextvars.ContextVar[bool] = contextvars.ContextVar("bf16_products", default=True)
+
+
+@contextlib.contextmanager
+def bf16_products(enabled: bool) -> Iterator[None]:
+    """Within: whether products of 2+ rows with GGUF blocks may run in bfloat16 where the CPU has bf16 dot products
+    (jvllm.worker.step_functions sets it around a step's layers and head from the engine's batched_weight_dtype)."""
+    token = _BF16_PRODUCTS.set(enabled)
+    try:
+        yield
+    finally:
+        _BF16_PRODUCTS.reset(token)
 
 
 def quantized_dot(x: jax.Array, raw: jax.Array, fmt: str, scale: jax.Array | None = None) -> jax.Array:
@@ -132,7 +148,7 @@ def quantized_dot(x: jax.Array, raw: jax.Array, fmt: str, scale: jax.Array | Non
         from cpu_kernels.quantized_matmul import bf16_max_rows, quantized_matmul, row_path_limits
 
         return quantized_matmul(x, raw, fmt, *row_path_limits(), live_rows_of(x.shape[0]),
-                                bf16_max_rows=bf16_max_rows())
+                                bf16_max_rows=bf16_max_rows() if _BF16_PRODUCTS.get() else 0)
     w = dequantize(raw, fmt, x.shape[-1])  # [N, K]
     return jnp.einsum("tk,nk->tn", x.astype(jnp.float32), w, preferred_element_type=jnp.float32)
 

@@ -143,7 +143,8 @@ class EngineArgs:
     batched_weight_dtype: str | None = option(
         "auto", "extra weight copy for steps of 2+ token rows: auto (bfloat16 when a float32 model runs on CPU "
                 "because dtype is auto; ~1.6x faster batched steps, outputs then depend slightly on the batch), none, "
-                "or a dtype such as bfloat16")
+                "or a dtype such as bfloat16. GGUF blocks get no copy; on CPUs with AVX-512 BF16 their products of "
+                "2+ rows run in bfloat16 unless this is none or float32")
     scheduling_policy: str = option("fcfs", "fcfs: requests run in arrival order; priority: by each request's "
                                             "`priority` (lower first, then arrival), preempting running requests of "
                                             "lower priority when a higher one waits without room",

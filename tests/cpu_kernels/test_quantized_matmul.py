@@ -101,11 +101,12 @@ def test_int16_activation_paths_stay_within_their_precision(path, fmt, m, n, k):
     np.testing.assert_array_less(np.abs(got - want), bound + 1e-6 * np.abs(x) @ np.abs(w).T + 1e-30)
 
 
-@pytest.mark.parametrize("fmt, m, n, k", cases([2, 3, 5, 8], [2, 8]))
+@pytest.mark.parametrize("fmt, m, n, k", cases([2, 3, 5, 8, 9, 13, 40, 130], [2, 8, 9, 40]))
 def test_bf16_rows_stay_within_bfloat16_precision(fmt, m, n, k):
-    """2-8 rows in bfloat16 (builds with AVX-512 BF16; elsewhere the int16 or float paths, within their tighter
-    bounds): x and the dequantized weights rounded to 8 bits of mantissa, products summed in float32, so each
-    output is within ~2^-8 of sum |x| |w| (two roundings of 2^-9 each)."""
+    """2+ rows in bfloat16 (builds with AVX-512 BF16: the row path to 8 rows, tiles beyond, over partial tile pairs,
+    several depth slices and row blocks; elsewhere the int16 or float paths, within their tighter bounds): x and the
+    dequantized weights rounded to 8 bits of mantissa, products summed in float32, so each output is within ~2^-8 of
+    sum |x| |w| (two roundings of 2^-9 each)."""
     raw = random_blocks(fmt, n, k, seed=m * 31 + n)
     x = np.random.default_rng(k + m).standard_normal((m, k)).astype(np.float32)
     w = dequantize_blocks(raw, fmt).astype(np.float64)
@@ -146,8 +147,9 @@ def test_jnp_dequantize_is_the_reference_bit_for_bit(fmt):
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_the_xla_fallback_gives_the_kernels_products(fmt, monkeypatch):
     """Where the kernel does not run (another backend), quantized_dot dequantizes in the step instead. 16 rows take
-    the kernel's float tiles on AVX2 builds (the float product up to summation order) and its int16 code tiles on
-    AVX-512 ones (x rounded to 15 bits a block: within ~3e-5 of the largest product)."""
+    the kernel's float tiles on AVX2 builds (the float product up to summation order), its int16 code tiles on
+    AVX-512 ones (x rounded to 15 bits a block: within ~3e-5 of the largest product) and its bf16 tiles with AVX-512
+    BF16 (within 2^-8 of sum |x| |w|)."""
     from models import quantized
 
     k = FORMATS[fmt].block_size * 3
@@ -156,6 +158,11 @@ def test_the_xla_fallback_gives_the_kernels_products(fmt, monkeypatch):
     native = np.asarray(jax.jit(lambda a, b: quantized_dot(a, b, fmt))(x, raw))
     monkeypatch.setattr(quantized, "native_kernel_available", lambda: False)
     fallback = np.asarray(jax.jit(lambda a, b: quantized_dot(a, b, fmt))(x, raw))
+    if bf16_max_rows():
+        w = np.asarray(dequantize_blocks(np.asarray(raw), fmt), np.float64)
+        bound = 2.0 ** -8 * np.abs(np.asarray(x, np.float64)) @ np.abs(w).T
+        np.testing.assert_array_less(np.abs(native - fallback), bound + 1e-30)
+        return
     max_rows, tile_min_rows = row_path_limits()
     tolerance = 1e-5 if max_rows < 16 < tile_min_rows else 1e-4
     np.testing.assert_allclose(native, fallback, rtol=tolerance, atol=tolerance * np.abs(fallback).max())

@@ -1,0 +1,214 @@
+// bfloat16 products with GGUF weights on CPUs with AVX-512 BF16 (`vdpbf16ps`: 32 multiply-adds into 16 floats an
+// instruction): weight blocks dequantized and rounded to bfloat16, x rounded to bfloat16 once, float32 sums.
+// WeightsBf16 gives one 32-weight sub-block in registers (the few-row path of quantized_matmul.cc); Bf16Tiles
+// multiplies many rows (prefill and wide decode steps) with weight rows dequantized once per call into tiles of 16
+// rows, kept as bf16 pairs, so the scale of each block is inside the weights and every instruction of the inner loop
+// is a load, a broadcast or a product (the int16 tiles scale each sub-block's integer sums into float apart).
+#pragma once
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "block_formats.h"
+#include "float_tiles.h"
+#include "transpose.h"
+
+namespace jvllm {
+
+// Sub-block s of a weight block as 32 bfloat16 weights (rounded from float32 w = d * code + c).
+template <typename Fmt>
+inline __m512bh WeightsBf16(const uint8_t* b, int s, float d, float c) {
+  if constexpr (std::is_same_v<Fmt, Q4_0> || std::is_same_v<Fmt, Q4_1>) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + Fmt::kBytes - 16)));
+    const __m512 low = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));  // weights 0-15
+    const __m512 high = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));                    // weights 16-31
+    const __m512 vd = _mm512_set1_ps(d), vc = _mm512_set1_ps(c);
+    return _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(high, vd, vc), _mm512_fmadd_ps(low, vd, vc));
+  } else if constexpr (std::is_same_v<Fmt, Q8_0>) {
+    const __m512 vd = _mm512_set1_ps(d);
+    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2))));
+    const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18))));
+    return _mm512_cvtne2ps_pbh(_mm512_mul_ps(high, vd), _mm512_mul_ps(low, vd));
+  } else {
+    V8 w[kVecsPerSub];  // 4 x 8 weights
+    Fmt::Dequant(b, s, d, c, w);
+    return _mm512_cvtne2ps_pbh(_mm512_insertf32x8(_mm512_castps256_ps512(w[2]), w[3], 1),
+                               _mm512_insertf32x8(_mm512_castps256_ps512(w[0]), w[1], 1));
+  }
+}
+
+// x [M, K] rounded to bfloat16 (K a multiple of 32).
+struct Bf16Rows {
+  std::vector<uint16_t> bits;  // [M, K]
+
+  void Convert(const float* x, int64_t m, int64_t k) {
+    bits.resize(static_cast<size_t>(m * k));
+    for (int64_t i = 0; i < m * k; i += 32) {
+      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
+      _mm512_storeu_si512(bits.data() + i, reinterpret_cast<const __m512i&>(v));
+    }
+  }
+};
+
+// y[M, N] = x[M, K] . W[N, K]^T for ranges of output rows, in bfloat16 with float32 sums. Each thread dequantizes
+// up to kChunkBytes of its weight rows into tiles of kTileCols rows ([K / 2, kTileCols] bf16 pairs: weights 2p and
+// 2p + 1 of a row as one 32-bit lane, so one 512-bit load holds pair p of all 16 rows), then sweeps x kBlockRows
+// rows and kDepthPairs pairs at a time, kRowGroup rows against two tiles: 24 float accumulators, two tile vectors and
+// a broadcast pair of x per step.
+template <typename Fmt>
+class Bf16Tiles {
+ public:
+  static constexpr int64_t kDepthPairs = 512;  // a tile's depth slice: 16 rows x 512 pairs x 4 bytes = 32 KB (L1)
+  static constexpr int kRowGroup = 12;
+
+  Bf16Tiles(int64_t m, int64_t k, int64_t n, const Bf16Rows* xb, const uint8_t* w, float* y)
+      : m_(m), k_(k), n_(n), xb_(xb), w_(w), y_(y) {}
+
+  void Run(int64_t n0, int64_t n1) const {
+    thread_local std::vector<uint32_t> tiles;  // [tiles, K / 2, kTileCols] bf16 pairs, one tile after another
+    const int64_t pairs = k_ / 2;
+    const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (k_ * 2 * kTileCols * 2)) * 2 * kTileCols;
+    const int64_t most_tiles = (std::min(chunk, n1 - n0) + kTileCols - 1) / kTileCols;
+    tiles.resize(static_cast<size_t>(most_tiles * pairs * kTileCols));
+    for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
+      const int64_t c1 = std::min(n1, c0 + chunk), num_tiles = (c1 - c0 + kTileCols - 1) / kTileCols;
+      for (int64_t t = 0; t < num_tiles; ++t) {
+        const int64_t n = c0 + t * kTileCols;
+        TileWeights(n, static_cast<int>(std::min<int64_t>(kTileCols, c1 - n)), tiles.data() + t * pairs * kTileCols);
+      }
+      for (int64_t m0 = 0; m0 < m_; m0 += kBlockRows) {
+        const int64_t m1 = std::min(m_, m0 + kBlockRows);
+        for (int64_t p0 = 0; p0 < pairs; p0 += kDepthPairs) {
+          const int64_t p1 = std::min(pairs, p0 + kDepthPairs);
+          for (int64_t t = 0; t < num_tiles; t += 2) {
+            const int64_t n = c0 + t * kTileCols;
+            const Slice slice{tiles.data() + t * pairs * kTileCols, p0, p1, n, static_cast<int>(std::min<int64_t>(
+                                  t + 2 <= num_tiles ? 2 * kTileCols : kTileCols, c1 - n))};
+            int64_t m = m0;
+            for (; m + kRowGroup <= m1; m += kRowGroup) GroupTimesSlice<kRowGroup>(slice, m);
+            if (m < m1) LastGroupTimesSlice<kRowGroup - 1>(slice, m, static_cast<int>(m1 - m));
+          }
+        }
+      }
+    }
+  }
+
+ private:
+  // Pairs [p0, p1) of one or two adjacent tiles (`cols` output columns from n: up to 32).
+  struct Slice {
+    const uint32_t* tiles;  // the first tile [K / 2, kTileCols]; the second follows it
+    int64_t p0, p1, n;
+    int cols;
+  };
+
+  int64_t blocks_per_row() const { return k_ / Fmt::kWeights; }
+  const uint8_t* Row(int64_t n) const { return w_ + n * blocks_per_row() * Fmt::kBytes; }
+
+  // Weight rows [n, n + cols) -> tile [K / 2, kTileCols] of bf16 pairs (zero columns past `cols`): each half of 8
+  // rows is dequantized into `rows` [8, K], then its 32-bit pairs are transposed 8 x 8 at a time.
+  void TileWeights(int64_t n, int cols, uint32_t* tile) const {
+    thread_local std::vector<uint16_t> rows;
+    const int64_t k = k_;
+    rows.resize(static_cast<size_t>(8 * k));
+    for (int half = 0; half < kTileCols / 8; ++half) {
+      for (int r = 0; r < 8; ++r) {
+        const int col = half * 8 + r;
+        uint16_t* dst = rows.data() + r * k;
+        if (col >= cols) {
+          std::fill(dst, dst + k, uint16_t{0});
+          continue;
+        }
+        const uint8_t* src = Row(n + col);
+        for (int64_t block = 0; block < blocks_per_row(); ++block) {
+          const uint8_t* w_block = src + block * Fmt::kBytes;
+          PrefetchBlock<Fmt>(Row(n + col + 8) + block * Fmt::kBytes);
+          float d[Fmt::kSubs], c[Fmt::kSubs];
+          Fmt::Scales(w_block, d, c);
+#pragma GCC unroll 8
+          for (int s = 0; s < Fmt::kSubs; ++s) {
+            const __m512bh w = WeightsBf16<Fmt>(w_block, s, d[s], c[s]);
+            _mm512_storeu_si512(dst + (block * Fmt::kSubs + s) * kBlock, reinterpret_cast<const __m512i&>(w));
+          }
+        }
+      }
+      // the pairs as 32-bit units: an 8 x 8 float transpose moves their bits unchanged
+      const float* src = reinterpret_cast<const float*>(rows.data());
+      float* out = reinterpret_cast<float*>(tile);
+      for (int64_t p = 0; p < k / 2; p += 8) Transpose8x8(src + p, k / 2, out + p * kTileCols + half * 8, kTileCols);
+    }
+  }
+
+  template <int R>
+  void LastGroupTimesSlice(const Slice& slice, int64_t m, int rows) const {
+    if constexpr (R > 0) {
+      if (rows == R) {
+        GroupTimesSlice<R>(slice, m);
+      } else {
+        LastGroupTimesSlice<R - 1>(slice, m, rows);
+      }
+    }
+  }
+
+  // Rows [m, m + R) of x times the slice -> y[m .. m + R, n .. n + cols), written by the first depth slice and added
+  // to by the others. Per pair: each tile's vector, and per row a broadcast pair of x into two products.
+  template <int R>
+  void GroupTimesSlice(const Slice& slice, int64_t m) const {
+    const int64_t pairs = k_ / 2;
+    const uint32_t* x = reinterpret_cast<const uint32_t*>(xb_->bits.data()) + m * pairs;
+    const uint32_t* t0 = slice.tiles;
+    const uint32_t* t1 = slice.tiles + pairs * kTileCols;  // read only when cols > 16
+    __m512 a0[R], a1[R];
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+    if (slice.cols > kTileCols) {
+      for (int64_t p = slice.p0; p < slice.p1; ++p) {
+        const __m512bh w0 = Pairs(t0 + p * kTileCols), w1 = Pairs(t1 + p * kTileCols);
+#pragma GCC unroll 12
+        for (int r = 0; r < R; ++r) {
+          const __m512bh xr = Broadcast(x + r * pairs + p);
+          a0[r] = _mm512_dpbf16_ps(a0[r], w0, xr);
+          a1[r] = _mm512_dpbf16_ps(a1[r], w1, xr);
+        }
+      }
+    } else {
+      for (int64_t p = slice.p0; p < slice.p1; ++p) {
+        const __m512bh w0 = Pairs(t0 + p * kTileCols);
+#pragma GCC unroll 12
+        for (int r = 0; r < R; ++r) a0[r] = _mm512_dpbf16_ps(a0[r], w0, Broadcast(x + r * pairs + p));
+      }
+    }
+    const int cols1 = std::max(0, slice.cols - kTileCols);
+    const __mmask16 live0 = static_cast<__mmask16>((1u << std::min(slice.cols, kTileCols)) - 1u);
+    const __mmask16 live1 = static_cast<__mmask16>((1u << cols1) - 1u);
+    for (int r = 0; r < R; ++r) {
+      float* yr = y_ + (m + r) * n_ + slice.n;
+      Store(yr, live0, a0[r], slice.p0 == 0);
+      if (cols1 > 0) Store(yr + kTileCols, live1, a1[r], slice.p0 == 0);
+    }
+  }
+
+  static __m512bh Pairs(const uint32_t* p) {
+    const __m512i v = _mm512_loadu_si512(p);
+    return reinterpret_cast<const __m512bh&>(v);
+  }
+  static __m512bh Broadcast(const uint32_t* p) {
+    const __m512i v = _mm512_set1_epi32(static_cast<int32_t>(*p));
+    return reinterpret_cast<const __m512bh&>(v);
+  }
+  static void Store(float* y, __mmask16 live, __m512 sums, bool first) {
+    _mm512_mask_storeu_ps(y, live, first ? sums : _mm512_add_ps(sums, _mm512_maskz_loadu_ps(live, y)));
+  }
+
+  int64_t m_, k_, n_;
+  const Bf16Rows* xb_;
+  const uint8_t* w_;
+  float* y_;
+};
+
+}  // namespace jvllm
+#endif
