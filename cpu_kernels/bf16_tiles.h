@@ -92,7 +92,10 @@ class Bf16Tiles {
                                   t + 2 <= num_tiles ? 2 * kTileCols : kTileCols, c1 - n))};
             int64_t m = m0;
             for (; m + kRowGroup <= m1; m += kRowGroup) GroupTimesSlice<kRowGroup>(slice, m);
-            if (m < m1) LastGroupTimesSlice<kRowGroup - 1>(slice, m, static_cast<int>(m1 - m));
+            if (m < m1) {
+              WithRowCount<kRowGroup - 1>(static_cast<int>(m1 - m),
+                                           [&](auto rows) { GroupTimesSlice<decltype(rows)::value>(slice, m); });
+            }
           }
         }
       }
@@ -144,16 +147,6 @@ class Bf16Tiles {
     }
   }
 
-  template <int R>
-  void LastGroupTimesSlice(const Slice& slice, int64_t m, int rows) const {
-    if constexpr (R > 0) {
-      if (rows == R) {
-        GroupTimesSlice<R>(slice, m);
-      } else {
-        LastGroupTimesSlice<R - 1>(slice, m, rows);
-      }
-    }
-  }
 
   // Rows [m, m + R) of x times the slice -> y[m .. m + R, n .. n + cols), written by the first depth slice and added
   // to by the others. Per pair: each tile's vector, and per row a broadcast pair of x into two products.

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "block_formats.h"
@@ -33,6 +34,19 @@ inline V8 LoadV(const float* p) { return *reinterpret_cast<const V8Unaligned*>(p
 inline void StoreV(float* p, V8 x) { *reinterpret_cast<V8Unaligned*>(p) = x; }
 
 constexpr int kBlock = 32;  // weights per sub-block: the unit the kernels walk a row in
+
+// f(std::integral_constant<int, rows>{}) for a run-time `rows` in [1, Max]: the tiled sweeps' last, smaller group of
+// rows gets its own register-resident instance.
+template <int Max, typename F>
+inline void WithRowCount(int rows, F&& f) {
+  if constexpr (Max > 0) {
+    if (rows == Max) {
+      f(std::integral_constant<int, Max>{});
+    } else {
+      WithRowCount<Max - 1>(rows, f);
+    }
+  }
+}
 
 // kTileRows weight rows at a time are dequantized into a float tile reused by every panel of kPanelRows
 // rows of x (6 x 16: 12 accumulators, two x vectors and a broadcast weight fill AVX2's 16 registers).

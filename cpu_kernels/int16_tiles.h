@@ -70,7 +70,10 @@ class Int16Tiles {
                               static_cast<int>(std::min<int64_t>(kTileCols, c1 - n))};
             int64_t m = m0;
             for (; m + kRowGroup <= m1; m += kRowGroup) GroupTimesSlice<kRowGroup>(slice, m);
-            if (m < m1) LastGroupTimesSlice<kRowGroup - 1>(slice, m, static_cast<int>(m1 - m));
+            if (m < m1) {
+              WithRowCount<kRowGroup - 1>(static_cast<int>(m1 - m),
+                                           [&](auto rows) { GroupTimesSlice<decltype(rows)::value>(slice, m); });
+            }
           }
         }
       }
@@ -143,17 +146,6 @@ class Int16Tiles {
   static constexpr int kRowGroup = kGroupRows;
 #endif
 
-  // The last `rows` (< kRowGroup) rows from m: GroupTimesSlice<rows>.
-  template <int R>
-  void LastGroupTimesSlice(const Slice& slice, int64_t m, int rows) const {
-    if constexpr (R > 0) {
-      if (rows == R) {
-        GroupTimesSlice<R>(slice, m);
-      } else {
-        LastGroupTimesSlice<R - 1>(slice, m, rows);
-      }
-    }
-  }
 
 #if JVLLM_INT16_512
   // Rows [m, m + R) of x, the slice's sub-blocks, times the tile -> y[m .. m + R, n .. n + cols), written by the

@@ -34,9 +34,9 @@ using namespace jvllm;
 
 constexpr int kBlockKeys = 64;     // keys per score block
 constexpr int kBlockQueries = 16;  // queries per work item
-constexpr int kDirectRows = 4;     // up to this many score rows, keys are read in place (no transposed copy)
+constexpr int kDirectRows = 4;     // up to this many score rows, key rows are multiplied as stored (no transpose)
 constexpr int kDirectQueries = 8;  // ... and for up to this many queries (a decode row verifying draft tokens)
-constexpr int kStripKeys = 16;     // direct reads: keys of every head per strip, so token rows are read in order
+constexpr int kStripKeys = 16;     // direct path: keys of every head per strip, so token rows are read in order
 constexpr float kMasked = -1e30f;  // finite: exp() of it underflows to 0 without NaNs
 
 struct Shapes {
@@ -190,7 +190,7 @@ class Attention {
     if (!direct) Prefetch(s, h0, h1, cached, lowest, kBlockKeys);
     for (int64_t key0 = lowest; key0 <= last_pos; key0 += kBlockKeys) {
       const int64_t nkeys = std::min<int64_t>(kBlockKeys, last_pos + 1 - key0);
-      if (direct) {  // few rows (decode): keys and values read in place, a strip of positions at a time
+      if (direct) {  // few rows (decode): key and value rows copied per block, then a strip of positions at a time
         DirectScores(scratch, s, h0, h1, cached, key0, nkeys, rows, scratch.queries.data(), bf16_dots, scores);
         for (int64_t h = 0; h < heads; ++h) Mask(first_pos, group, key0, nkeys, rows, scores + h * rows * kBlockKeys);
         Softmax(heads * rows, scores, scratch.row_max.data(), scratch.denom.data(), scratch.rescale.data());
@@ -286,7 +286,8 @@ class Attention {
   }
 
   // acc[h, r] = acc[h, r] * rescale[h, r] + sum_j probs[h, r, j] * value_{key0 + j, h} for every head of [h0, h1),
-  // values read in place; paged values times the probabilities' two bf16 parts where `probs_hi` is given.
+  // values as rows (paged ones copied first); paged values times the probabilities' two bf16 parts where `probs_hi`
+  // is given.
   void DirectValues(Scratch& scratch, int64_t s, int64_t h0, int64_t h1, int64_t cached, int64_t key0, int64_t nkeys,
                     int64_t rows, const float* probs, const uint16_t* probs_hi, const uint16_t* probs_lo,
                     const float* rescale, float* acc) const {
