@@ -233,10 +233,9 @@ class Attention {
     int64_t paged;
   };
 
-  // Fills `rows`, copying the paged rows into `copy` ([nkeys, h1 - h0, head_dim]) first: a plain copy streams the
-  // scattered pages from memory at close to the machine's bandwidth, where loads interleaved with the arithmetic
-  // (software prefetches or not) got a third of it (decode attention over DRAM-resident pages: 62 -> 44 ms a step
-  // of 128 sequences x 256 keys).
+  // Fills `rows`, copying the paged rows into `copy` ([nkeys, h1 - h0, head_dim]) first: a loop of copies alone
+  // streams the scattered pages from memory at close to the machine's bandwidth, where loads interleaved with the
+  // arithmetic do not (docs/design.md, "Where a CPU step's time goes on an AVX-512 machine").
   void GatherRows(const PoolT* pages, const float* own, int64_t s, int64_t h0, int64_t h1, int64_t cached,
                   int64_t key0, int64_t nkeys, char* copy, BlockRows* rows) const {
     const int64_t elems = (h1 - h0) * sh_.head_dim;

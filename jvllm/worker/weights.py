@@ -40,6 +40,12 @@ def batched_weights_for(requested: Any, dtype: Any, loaded: Any) -> Any:
     return jnp.dtype(jnp.bfloat16)
 
 
+def bf16_block_products(requested: Any) -> bool:
+    """Whether GGUF blocks may multiply 2+ rows in bfloat16 (CPUs with AVX-512 BF16: models.quantized), given the
+    engine's `batched_weight_dtype`: yes unless it asks for no batched copy ("none") or for float32."""
+    return requested not in (None, "none", "float32")
+
+
 def _host_memory_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
