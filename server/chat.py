@@ -25,7 +25,7 @@ from server.state import ServerState
 from server.structured import structured_outputs
 from server.tools import ToolPlan, plan_tools, template_messages
 from server.tool_prompt import template_shows_tools, tools_description, with_tools_described
-from server.chat_reply import StreamedReply, whole_reply
+from server.chat_reply import StreamedReply, one_entry_per_call, whole_reply
 from server.streaming import DONE, check_not_failed, sse, sse_response, unless_disconnected
 
 _RESERVED_TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "chat_template", "add_generation_prompt",
@@ -182,7 +182,10 @@ class ChatRun:
                     logprobs = ChatLogprobs(content=[])  # asked for: always an object, never null
                 if finished:
                     ended.add(out.index)
-                choice = ChatChunkChoice(index=out.index, delta=delta or DeltaMessage(content=""), logprobs=logprobs,
+                parts = one_entry_per_call(delta) if delta is not None else [DeltaMessage(content="")]
+                for part in parts[:-1]:
+                    yield self.chunk([ChatChunkChoice(index=out.index, delta=part, logprobs=None, finish_reason=None)])
+                choice = ChatChunkChoice(index=out.index, delta=parts[-1], logprobs=logprobs,
                                          finish_reason=replies[out.index].finish_reason(out.finish_reason),
                                          stop_reason=out.stop_reason)
                 yield self.chunk([choice], self.usage(output) if continuous else None)

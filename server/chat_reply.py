@@ -92,15 +92,32 @@ class StreamedReply:
         if pieces.content:
             delta.content = pieces.content
         if pieces.calls:
-            delta.tool_calls = [_tool_delta(piece) for piece in pieces.calls]
+            delta.tool_calls = [call for piece in pieces.calls for call in _tool_deltas(piece)]
             self.made_calls = True
         return delta if delta.model_fields_set else None
 
 
-def _tool_delta(piece: CallPiece) -> DeltaToolCall:
-    """A call's first delta carries its id, type and name; every delta its new argument text."""
-    function = DeltaFunctionCall(arguments=piece.arguments)
+def one_entry_per_call(delta: DeltaMessage) -> list[DeltaMessage]:
+    """A delta -> deltas in which each call appears at most once (a call's header and its first argument text,
+    decoded in one step, go out as two chunks, as OpenAI streams them); text and reasoning stay in the first."""
+    groups: list[list[DeltaToolCall]] = [[]]
+    for call in delta.tool_calls or []:
+        if any(earlier.index == call.index for earlier in groups[-1]):
+            groups.append([])
+        groups[-1].append(call)
+    if len(groups) == 1:
+        return [delta]
+    first = delta.model_copy()
+    first.tool_calls = groups[0]
+    return [first, *(DeltaMessage(tool_calls=group) for group in groups[1:])]
+
+
+def _tool_deltas(piece: CallPiece) -> list[DeltaToolCall]:
+    """A call's first delta carries its id, type and name with empty arguments (as OpenAI streams it, even when the
+    name and argument text were decoded in the same step); every later delta its new argument text."""
+    fragment = DeltaToolCall(index=piece.index, function=DeltaFunctionCall(arguments=piece.arguments))
     if piece.name is None:
-        return DeltaToolCall(index=piece.index, function=function)
-    function.name = piece.name
-    return DeltaToolCall(index=piece.index, id=new_call_id(), type="function", function=function)
+        return [fragment]
+    header = DeltaToolCall(index=piece.index, id=new_call_id(), type="function",
+                           function=DeltaFunctionCall(name=piece.name, arguments=""))
+    return [header, fragment] if piece.arguments else [header]

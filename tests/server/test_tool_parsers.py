@@ -7,7 +7,7 @@ import re
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from server.chat_reply import StreamedReply, whole_reply
+from server.chat_reply import StreamedReply, one_entry_per_call, whole_reply
 from server.reasoning import ReasoningStream, split_reasoning
 from server.tool_parsers import HermesParser, Llama3JsonParser, MistralParser
 from server.tools import ToolPlan
@@ -129,9 +129,7 @@ def _streamed(plan, reasoning_parser, pieces, finish_reason="stop"):
     deltas = [stream.start()]
     deltas += [stream.feed(piece, i == len(pieces) - 1, cut=finish_reason == "length")
                for i, piece in enumerate(pieces)]
-    for delta in deltas:
-        if delta is None:
-            continue
+    for delta in [part for delta in deltas if delta is not None for part in one_entry_per_call(delta)]:
         reasoning += delta.reasoning_content or ""
         content += delta.content or ""
         assert len({call.index for call in delta.tool_calls or []}) == len(delta.tool_calls or [])
@@ -139,6 +137,7 @@ def _streamed(plan, reasoning_parser, pieces, finish_reason="stop"):
             first = call.index not in calls
             assert (call.id is not None, call.type, call.function.name is not None) == (
                 (True, "function", True) if first else (False, None, False))
+            assert not first or call.function.arguments == "", "a call's first delta has empty arguments"
             entry = calls.setdefault(call.index, [call.function.name, "", 0])
             entry[1] += call.function.arguments
             entry[2] += bool(call.function.arguments)
@@ -243,6 +242,21 @@ def test_forced_calls_are_named_before_any_text():
             (0, "get_weather", "")]
     assert StreamedReply(PLANS["required"], None).start() is None
     assert StreamedReply(PLANS["hermes"], None).start() is None
+
+
+@pytest.mark.parametrize("kind", ["hermes", "llama3_json", "mistral", "required"])
+def test_a_call_named_and_begun_in_one_step_streams_its_header_then_its_text(kind):
+    """A whole reply decoded in one step (forced tokens, or a stream reader that fell behind): each call's header
+    goes out alone, with empty arguments, then its argument text."""
+    delta = StreamedReply(PLANS[kind], None).feed(CALL_REPLIES[kind], final=True)
+    parts = one_entry_per_call(delta)
+    assert len(parts) > 1
+    headers = [(call.index, call.function.arguments) for part in parts for call in part.tool_calls or []
+               if call.id is not None]
+    assert headers == [(index, "") for index in range(len(EXPECTED_CALLS[kind]))]
+    for part in parts:
+        indices = [call.index for call in part.tool_calls or []]
+        assert len(set(indices)) == len(indices)
 
 
 def test_reasoning_stream_holds_back_a_partial_closing_tag():
