@@ -102,14 +102,16 @@ def test_greedy_argmax_and_raw_logprob():
 
 @pytest.mark.parametrize("vocab", [1, 127, 128, 300, 49152])
 def test_row_argmax_matches_numpy_first_index(vocab):
-    """Blocked argmax: ties resolve to the first index, -inf and NaN rows as numpy, any vocab size."""
+    """Blocked argmax: ties resolve to the first index, -inf, +inf and NaN rows as numpy, any vocab size."""
     rng = np.random.default_rng(vocab)
-    x = rng.normal(size=(6, vocab)).astype(np.float32)  # [6, V] float32
+    x = rng.normal(size=(8, vocab)).astype(np.float32)  # [8, V] float32
     x[1] = np.round(x[1])  # many ties at the maximum
     x[2, :] = -np.inf  # fully masked row
     x[3, vocab // 2] = np.nan
     x[4, -1] = 50.0  # maximum in the last (possibly partial) block
     x[5, :] = 7.0  # every entry tied
+    x[6, 0], x[6, -1] = -np.inf, np.inf  # both infinities in one block (its sum is NaN, it holds no NaN)
+    x[7, -1], x[7, 0] = -np.inf, np.inf  # ... after an earlier +inf
     np.testing.assert_array_equal(np.asarray(jax.jit(row_argmax)(x)), x.argmax(-1))
 
 
