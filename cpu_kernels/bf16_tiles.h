@@ -17,6 +17,7 @@
 
 #include "block_formats.h"
 #include "float_tiles.h"
+#include "run_items.h"
 #include "transpose.h"
 
 namespace jvllm {
@@ -43,17 +44,33 @@ inline __m512bh WeightsBf16(const uint8_t* b, int s, float d, float c) {
   }
 }
 
-// x [M, K] rounded to bfloat16 (K a multiple of 32).
+// x [M, K] rounded to bfloat16 (K a multiple of 32), in chunks shared by the caller and the helper threads: a
+// prefill step's x comes from DRAM, which one core alone reads at a fraction of the machine's bandwidth.
 struct Bf16Rows {
   std::vector<uint16_t> bits;  // [M, K]
 
   void Convert(const float* x, int64_t m, int64_t k) {
     bits.resize(static_cast<size_t>(m * k));
-    for (int64_t i = 0; i < m * k; i += 32) {
-      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
-      _mm512_storeu_si512(bits.data() + i, reinterpret_cast<const __m512i&>(v));
-    }
+    const Chunks chunks{x, bits.data(), m * k};
+    RunItems(chunks);
   }
+
+ private:
+  struct Chunks {
+    static constexpr int64_t kValues = 1 << 14;  // 64 KB of x an item
+    const float* x;
+    uint16_t* out;
+    int64_t total;
+
+    int64_t num_items() const { return (total + kValues - 1) / kValues; }
+    void Run(int64_t item) const {
+      const int64_t end = std::min(total, (item + 1) * kValues);
+      for (int64_t i = item * kValues; i < end; i += 32) {
+        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
+        _mm512_storeu_si512(out + i, reinterpret_cast<const __m512i&>(v));
+      }
+    }
+  };
 };
 
 // y[M, N] = x[M, K] . W[N, K]^T for ranges of output rows, in bfloat16 with float32 sums. Each thread dequantizes
@@ -84,8 +101,9 @@ class Bf16Tiles {
       }
       for (int64_t m0 = 0; m0 < m_; m0 += kBlockRows) {
         const int64_t m1 = std::min(m_, m0 + kBlockRows);
-        for (int64_t p0 = 0; p0 < pairs; p0 += kDepthPairs) {
-          const int64_t p1 = std::min(pairs, p0 + kDepthPairs);
+        const int64_t depth = kDepthPairs;
+        for (int64_t p0 = 0; p0 < pairs; p0 += depth) {
+          const int64_t p1 = std::min(pairs, p0 + depth);
           for (int64_t t = 0; t < num_tiles; t += 2) {
             const int64_t n = c0 + t * kTileCols;
             const Slice slice{tiles.data() + t * pairs * kTileCols, p0, p1, n, static_cast<int>(std::min<int64_t>(

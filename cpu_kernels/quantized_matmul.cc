@@ -76,6 +76,20 @@ constexpr int64_t kBf16MaxRows = 0;
 struct Bf16Rows {};
 #endif
 
+// Units of work per item such that the threads' shares are as even as whole units allow: 1 to 4 items per thread,
+// the most items among the most even splits (a thread that starts late still finds work). 18 units on 2 threads:
+// 6 items of 3, where 4 items of 5 would leave one thread 10 units and the other 8.
+inline int64_t BalancedUnits(int64_t units, int64_t threads) {
+  int64_t best = units, best_share = INT64_MAX;
+  for (int64_t per_thread = 1; per_thread <= 4; ++per_thread) {
+    const int64_t size = (units + threads * per_thread - 1) / (threads * per_thread);
+    const int64_t items = (units + size - 1) / size;
+    const int64_t share = size * ((items + threads - 1) / threads);  // the busiest thread's units, at most
+    if (share <= best_share) best = size, best_share = share;
+  }
+  return best;
+}
+
 template <typename Fmt>
 class Matmul {
  public:
@@ -94,13 +108,16 @@ class Matmul {
   }
 
   // Two contiguous ranges of rows per thread: each thread streams long runs of the weights, and one that started
-  // late still finds work. The tiled paths take whole tiles.
+  // late still finds work. The tiled paths take whole tiles (or pairs), as evenly as those split.
   int64_t rows_per_item() const {
-    const int64_t items = 2 * (jvllm::HelperPool::Get().num_helpers() + 1);
-    const int64_t unit = path_ == Path::kFloatTiles ? jvllm::FloatTiles<Fmt>::RowUnit(sh_.m)
-                         : path_ == Path::kIntTiles ? jvllm::kTileCols
-                         : path_ == Path::kBf16Tiles ? 2 * jvllm::kTileCols  // the tiles go in pairs
-                                                     : 4;
+    const int64_t threads = jvllm::HelperPool::Get().num_helpers() + 1;
+    if (path_ == Path::kFloatTiles || path_ == Path::kIntTiles || path_ == Path::kBf16Tiles) {
+      const int64_t unit = path_ == Path::kFloatTiles ? jvllm::FloatTiles<Fmt>::RowUnit(sh_.m)
+                           : path_ == Path::kIntTiles ? jvllm::kTileCols
+                                                      : 2 * jvllm::kTileCols;  // bf16 tiles go in pairs
+      return std::max<int64_t>(kMinRowsPerItem, BalancedUnits((sh_.n + unit - 1) / unit, threads) * unit);
+    }
+    const int64_t items = 2 * threads, unit = 4;
     return std::max<int64_t>(kMinRowsPerItem, ((sh_.n + items - 1) / items + unit - 1) / unit * unit);
   }
   int64_t num_items() const { return (sh_.n + rows_per_item() - 1) / rows_per_item(); }
