@@ -30,10 +30,34 @@ inline VF LoadV(const uint16_t* p) {  // bfloat16 bits -> float32
   return reinterpret_cast<const VF&>(wide);
 }
 inline void StoreV(float* p, VF x) { *reinterpret_cast<VFUnaligned*>(p) = x; }
+// Horizontal sum and maximum of a vector's lanes, as a tree of vector steps.
 inline float Sum(VF x) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<const __m512&>(x));
+#elif defined(__AVX__)
+  const __m256 v = reinterpret_cast<const __m256&>(x);
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+#else
   float total = 0.0f;
   for (int i = 0; i < kLanes; ++i) total += x[i];
   return total;
+#endif
+}
+inline float Max(VF x) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(reinterpret_cast<const __m512&>(x));
+#elif defined(__AVX__)
+  const __m256 v = reinterpret_cast<const __m256&>(x);
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+#else
+  float best = x[0];
+  for (int i = 1; i < kLanes; ++i) best = x[i] > best ? x[i] : best;
+  return best;
+#endif
 }
 
 // Cephes' single-precision polynomial for exp(r) on r in [-ln2 / 2, ln2 / 2], for a float or a vector of them.

@@ -25,6 +25,7 @@
 #include "bf16_attention.h"
 #include "few_row_attention.h"
 #include "run_items.h"
+#include "transpose.h"
 
 namespace ffi = xla::ffi;
 
@@ -33,7 +34,7 @@ namespace {
 using namespace jvllm;
 
 constexpr int kBlockKeys = 64;     // keys per score block
-constexpr int kBlockQueries = 16;  // queries per work item
+constexpr int kBlockQueries = 32;  // queries per work item: each block of keys is transposed once for them all
 constexpr int kDirectRows = 4;     // up to this many score rows, key rows are multiplied as stored (no transpose)
 constexpr int kDirectQueries = 8;  // ... and for up to this many queries (a decode row verifying draft tokens)
 constexpr int kStripKeys = 16;     // direct path: keys of every head per strip, so token rows are read in order
@@ -57,7 +58,8 @@ struct Scratch {
   std::vector<float> acc;      // [rows, head_dim]
   std::vector<float> row_max, denom, rescale;
   std::vector<float> values;   // [kBlockKeys, head_dim] (bfloat16 pools: converted)
-  std::vector<const float*> value_rows;
+  std::vector<const float*> value_rows;  // [kBlockKeys] rows of values (or of keys, to transpose)
+  std::vector<float> zeros;              // [head_dim] of 0, the rows past a block's keys
   // bf16 pages with bf16 dot products: queries [rows, head_dim] and probabilities [rows, kBlockKeys] split into a
   // bf16 high part and the bf16 rest
   std::vector<uint16_t> queries_hi, queries_lo, probs_hi, probs_lo;
@@ -73,6 +75,7 @@ struct Scratch {
     grow(denom, rows);
     grow(rescale, rows);
     grow(values, kBlockKeys * head_dim);
+    grow(zeros, head_dim);
     if (value_rows.size() < kBlockKeys) value_rows.resize(kBlockKeys);
     if (key_copy.size() < row_bytes * kBlockKeys) {
       key_copy.resize(row_bytes * kBlockKeys);
@@ -320,22 +323,30 @@ class Attention {
   }
 
   // One head: scores[r, j] = q_r . key_{key0 + j} (scaled, soft-capped), for j < nkeys. The keys are transposed
-  // once into [hd, kBlockKeys], then 4 rows x 64 keys per pass.
+  // once into [hd, kBlockKeys] (8 x 8 at a time), then 6 rows x 32 keys per pass.
   void Scores(Scratch& scratch, int64_t s, int64_t head, int64_t cached, int64_t key0, int64_t nkeys,
               int64_t rows, const float* queries, float* scores) const {
     const int64_t hd = sh_.head_dim;
     float* kt = scratch.keys_t.data();
-    for (int64_t j = 0; j < nkeys; ++j) {
-      const float* own;
-      const PoolT* paged = Row(k_pages_, k_, s, head, key0 + j, cached, &own);
-      if (own != nullptr) {
-        for (int64_t d = 0; d < hd; ++d) kt[d * kBlockKeys + j] = own[d];
+    const float** krows = scratch.value_rows.data();  // the block's key rows as float32 (past nkeys: zeros)
+    for (int64_t j = 0; j < kBlockKeys; ++j) {
+      const float* own = scratch.zeros.data();
+      const PoolT* paged = j < nkeys ? Row(k_pages_, k_, s, head, key0 + j, cached, &own) : nullptr;
+      if (paged == nullptr) {
+        krows[j] = own;
+      } else if constexpr (std::is_same_v<PoolT, float>) {
+        krows[j] = paged;
       } else {
-        for (int64_t d = 0; d < hd; ++d) kt[d * kBlockKeys + j] = Load(paged + d);
+        float* dst = scratch.values.data() + j * hd;
+        for (int64_t c = 0; c < hd / kLanes; ++c) StoreV(dst + c * kLanes, LoadV(paged + c * kLanes));
+        krows[j] = dst;
       }
     }
-    for (int64_t j = nkeys; j < kBlockKeys; ++j)
-      for (int64_t d = 0; d < hd; ++d) kt[d * kBlockKeys + j] = 0.0f;
+    for (int64_t j = 0; j < kBlockKeys; j += 8) {
+      for (int64_t d = 0; d < hd; d += 8) {
+        Transpose8([&](int i) { return krows[j + i] + d; }, kt + d * kBlockKeys + j, kBlockKeys);
+      }
+    }
     int64_t r = 0;
     for (; r + 6 <= rows; r += 6) ScoreRows<6>(queries + r * hd, kt, hd, scores + r * kBlockKeys);
     for (; r + 3 <= rows; r += 3) ScoreRows<3>(queries + r * hd, kt, hd, scores + r * kBlockKeys);
@@ -433,9 +444,7 @@ class Attention {
       const VF x = LoadV(scores + c * kLanes);
       best = x > best ? x : best;
     }
-    float result = best[0];
-    for (int i = 1; i < kLanes; ++i) result = best[i] > result ? best[i] : result;
-    return result;
+    return Max(best);
   }
 
   Shapes sh_;
