@@ -101,9 +101,8 @@ class Bf16Tiles {
       }
       for (int64_t m0 = 0; m0 < m_; m0 += kBlockRows) {
         const int64_t m1 = std::min(m_, m0 + kBlockRows);
-        const int64_t depth = kDepthPairs;
-        for (int64_t p0 = 0; p0 < pairs; p0 += depth) {
-          const int64_t p1 = std::min(pairs, p0 + depth);
+        for (int64_t p0 = 0; p0 < pairs; p0 += kDepthPairs) {
+          const int64_t p1 = std::min(pairs, p0 + kDepthPairs);
           for (int64_t t = 0; t < num_tiles; t += 2) {
             const int64_t n = c0 + t * kTileCols;
             const Slice slice{tiles.data() + t * pairs * kTileCols, p0, p1, n, static_cast<int>(std::min<int64_t>(

@@ -323,7 +323,7 @@ class Attention {
   }
 
   // One head: scores[r, j] = q_r . key_{key0 + j} (scaled, soft-capped), for j < nkeys. The keys are transposed
-  // once into [hd, kBlockKeys] (8 x 8 at a time), then 6 rows x 32 keys per pass.
+  // once into [hd, kBlockKeys] (8 x 8 at a time), then 6 rows x 2 vectors of keys per pass.
   void Scores(Scratch& scratch, int64_t s, int64_t head, int64_t cached, int64_t key0, int64_t nkeys,
               int64_t rows, const float* queries, float* scores) const {
     const int64_t hd = sh_.head_dim;

@@ -184,7 +184,8 @@ class ChatRun:
                     ended.add(out.index)
                 parts = one_entry_per_call(delta) if delta is not None else [DeltaMessage(content="")]
                 for part in parts[:-1]:
-                    yield self.chunk([ChatChunkChoice(index=out.index, delta=part, logprobs=None, finish_reason=None)])
+                    yield self.chunk([ChatChunkChoice(index=out.index, delta=part, logprobs=None, finish_reason=None)],
+                                     self.usage(output) if continuous else None)
                 choice = ChatChunkChoice(index=out.index, delta=parts[-1], logprobs=logprobs,
                                          finish_reason=replies[out.index].finish_reason(out.finish_reason),
                                          stop_reason=out.stop_reason)
