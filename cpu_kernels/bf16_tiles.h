@@ -83,9 +83,12 @@ class Bf16Tiles {
  public:
   static constexpr int64_t kDepthPairs = 512;  // a tile's depth slice: 16 rows x 512 pairs x 4 bytes = 32 KB (L1)
   static constexpr int kRowGroup = 12;
+  // Outputs larger than this, written once (one depth slice), bypass the caches (streaming stores): a decode step's
+  // logits [rows, vocab] would otherwise be read into the cache line by line just to be overwritten.
+  static constexpr int64_t kStreamBytes = 16 << 20;
 
   Bf16Tiles(int64_t m, int64_t k, int64_t n, const Bf16Rows* xb, const uint8_t* w, float* y)
-      : m_(m), k_(k), n_(n), xb_(xb), w_(w), y_(y) {}
+      : m_(m), k_(k), n_(n), xb_(xb), w_(w), y_(y), stream_(k / 2 <= kDepthPairs && m * n * 4 > kStreamBytes) {}
 
   void Run(int64_t n0, int64_t n1) const {
     thread_local std::vector<uint32_t> tiles;  // [tiles, K / 2, kTileCols] bf16 pairs, one tile after another
@@ -117,6 +120,7 @@ class Bf16Tiles {
         }
       }
     }
+    if (stream_) _mm_sfence();  // streamed stores are seen before the call returns
   }
 
  private:
@@ -210,7 +214,11 @@ class Bf16Tiles {
     const __m512i v = _mm512_set1_epi32(static_cast<int32_t>(*p));
     return reinterpret_cast<const __m512bh&>(v);
   }
-  static void Store(float* y, __mmask16 live, __m512 sums, bool first) {
+  void Store(float* y, __mmask16 live, __m512 sums, bool first) const {
+    if (stream_ && first && live == 0xFFFF && (reinterpret_cast<uintptr_t>(y) & 63) == 0) {
+      _mm512_stream_ps(y, sums);
+      return;
+    }
     _mm512_mask_storeu_ps(y, live, first ? sums : _mm512_add_ps(sums, _mm512_maskz_loadu_ps(live, y)));
   }
 
@@ -218,6 +226,7 @@ class Bf16Tiles {
   const Bf16Rows* xb_;
   const uint8_t* w_;
   float* y_;
+  bool stream_;
 };
 
 }  // namespace jvllm

@@ -10,7 +10,7 @@ import random
 import time
 from typing import Any, Iterable, Sequence
 
-from jvllm.heap import release_freed_memory
+from jvllm.heap import release_freed_memory, reuse_freed_memory
 from jvllm.logging_setup import configure_default_logging
 from jvllm.worker.compile_cache import enable_compilation_cache
 from jvllm.worker.compile_watch import during_start_up
@@ -139,6 +139,7 @@ class Engine(MultiHostRoles, FrontEndViews):
         if args.precompile:
             self.precompile()
         release_freed_memory()  # what loading and compiling freed (1 GB of an 8B GGUF's) would stay resident
+        reuse_freed_memory()  # ... while what steps free is kept for the next step (jvllm.heap)
         log_ready(self, backend, time.perf_counter() - started)
 
     @property

@@ -120,6 +120,17 @@ def test_bf16_rows_stay_within_bfloat16_precision(fmt, m, n, k):
         assert np.abs(got[:m] - exact).max() > 0
 
 
+def test_an_output_too_large_for_the_caches_is_streamed_out_whole():
+    """A product whose output passes 16 MB (a decode step's logits) in one depth slice is written with streaming
+    stores on the bf16 path: every row and column, the last partial tile's included, as the bounded product."""
+    m, k, n = 96, 64, 44_001  # [96, 44,001] float32: 16.9 MB
+    raw = random_blocks("q8_0", n, k, seed=5)
+    x = np.random.default_rng(6).standard_normal((m, k)).astype(np.float32)
+    w = dequantize_blocks(raw, "q8_0").astype(np.float64)
+    got = np.asarray(jax.jit(lambda a, b: quantized_matmul(a, b, "q8_0", bf16_max_rows=8))(x, raw))
+    np.testing.assert_array_less(np.abs(got - x.astype(np.float64) @ w.T), 2.0 ** -8 * np.abs(x) @ np.abs(w).T + 1e-30)
+
+
 def test_int16_tiles_keep_int32_sums_of_extreme_blocks():
     """Q6_K codes at their extreme (group scale -128 times q - 32 = -32: 4,096) against x at its largest in every
     element: a block's 32 products stay within int32 in the tiles, so the product is the float one."""
