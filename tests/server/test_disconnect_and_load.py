@@ -18,19 +18,27 @@ def _metric(server, name: str) -> float:
 
 
 def test_a_client_leaving_mid_stream_aborts_its_request_and_frees_its_pages(live_server):
+    """The client leaves at the first chunk. On a loaded machine the tiny model may write all 480 tokens before the
+    client gets to leave; such an attempt must have finished by length, and the next one is tried."""
     engine = live_server.engine
-    aborted = _metric(live_server, 'jvllm:request_success_total{finished_reason="abort"')
-    finished = _metric(live_server, 'jvllm:request_success_total{finished_reason="length"')
-    with httpx.stream("POST", f"{live_server.v1}/completions", headers=live_server.headers, timeout=600,
-                      json={"prompt": "Leave early", "stream": True, **LONG}) as reply:
-        for line in reply.iter_lines():  # leave at the first chunk: a loaded machine may finish 480 tokens quickly
-            if line.startswith("data:"):
-                break
-        assert engine.engine.pages.num_free_pages < engine.engine.pages.num_usable_pages  # it holds pages now
-    assert wait_until(lambda: idle(engine)), engine.stats
-    engine.engine.pages.check_integrity()
-    assert _metric(live_server, 'jvllm:request_success_total{finished_reason="abort"') == aborted + 1
-    assert _metric(live_server, 'jvllm:request_success_total{finished_reason="length"') == finished
+    for _ in range(3):
+        aborted = _metric(live_server, 'jvllm:request_success_total{finished_reason="abort"')
+        finished = _metric(live_server, 'jvllm:request_success_total{finished_reason="length"')
+        with httpx.stream("POST", f"{live_server.v1}/completions", headers=live_server.headers, timeout=600,
+                          json={"prompt": "Leave early", "stream": True, **LONG}) as reply:
+            for line in reply.iter_lines():
+                if line.startswith("data:"):
+                    break
+            held = engine.engine.pages.num_free_pages < engine.engine.pages.num_usable_pages
+        assert wait_until(lambda: idle(engine)), engine.stats
+        engine.engine.pages.check_integrity()
+        if _metric(live_server, 'jvllm:request_success_total{finished_reason="abort"') == aborted + 1:
+            assert held  # it held pages while it ran
+            assert _metric(live_server, 'jvllm:request_success_total{finished_reason="length"') == finished
+            break
+        assert _metric(live_server, 'jvllm:request_success_total{finished_reason="length"') == finished + 1
+    else:
+        raise AssertionError("every attempt finished before its client left")
     assert wait_until(lambda: _metric(live_server, "jvllm:kv_cache_usage_perc") == 0.0)
 
 
