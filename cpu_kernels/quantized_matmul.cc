@@ -105,11 +105,12 @@ class Matmul {
         , bf16_tiles_(sh.m, sh.k, sh.n, xb, w, y)
 #endif
   {
+    rows_per_item_ = RowsPerItem();
   }
 
   // Two contiguous ranges of rows per thread: each thread streams long runs of the weights, and one that started
   // late still finds work. The tiled paths take whole tiles (or pairs), as evenly as those split.
-  int64_t rows_per_item() const {
+  int64_t RowsPerItem() const {
     const int64_t threads = jvllm::HelperPool::Get().num_helpers() + 1;
     if (path_ == Path::kFloatTiles || path_ == Path::kIntTiles || path_ == Path::kBf16Tiles) {
       const int64_t unit = path_ == Path::kFloatTiles ? jvllm::FloatTiles<Fmt>::RowUnit(sh_.m)
@@ -120,10 +121,10 @@ class Matmul {
     const int64_t items = 2 * threads, unit = 4;
     return std::max<int64_t>(kMinRowsPerItem, ((sh_.n + items - 1) / items + unit - 1) / unit * unit);
   }
-  int64_t num_items() const { return (sh_.n + rows_per_item() - 1) / rows_per_item(); }
+  int64_t num_items() const { return (sh_.n + rows_per_item_ - 1) / rows_per_item_; }
 
   void Run(int64_t item) const {
-    const int64_t n0 = item * rows_per_item(), n1 = std::min(sh_.n, n0 + rows_per_item());
+    const int64_t n0 = item * rows_per_item_, n1 = std::min(sh_.n, n0 + rows_per_item_);
 #if defined(__AVX512BF16__)
     if (path_ == Path::kBf16Tiles) {
       bf16_tiles_.Run(n0, n1);
@@ -285,6 +286,7 @@ class Matmul {
 
   Path path_;
   Shapes sh_;
+  int64_t rows_per_item_ = 0;  // output rows per work item (RowsPerItem)
   const float* x_;
   const uint8_t* w_;
   float* y_;

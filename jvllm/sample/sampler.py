@@ -42,7 +42,7 @@ def row_argmax(x: jax.Array, block: int = 128) -> jax.Array:
     float32, against 0.7 ms here. Plain max-reductions find the block holding the first maximum, then one
     small argmax runs inside that block. NaN counts as +inf (XLA CPU's max-reduction skips NaN): a block whose
     sum is NaN holds a NaN (or both infinities, whose maximum is +inf anyway), and the winning block's NaNs are
-    replaced. The reductions read the input as it is: replacing NaNs before them made XLA write a copy of all
+    replaced. The reductions read the input as it is: a select before them would make XLA write a copy of all
     [S, V] logits for its reduction kernels to read."""
     rows, vocab = x.shape
     num_blocks = cdiv(vocab, block)
