@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "vector_exp.h"
+
 #if defined(__AVX__)
 #include <immintrin.h>
 #endif
@@ -60,18 +62,6 @@ inline float Max(VF x) {
 #endif
 }
 
-// Cephes' single-precision polynomial for exp(r) on r in [-ln2 / 2, ln2 / 2], for a float or a vector of them.
-template <typename T>
-inline T ExpPolynomial(T r) {
-  T p = r * 0.0f + 1.9875691500e-4f;  // (r is finite: the callers clamp x first)
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  return p * r * r + r + 1.0f;
-}
-
 // exp(x) (~1 ulp on [-87, 88]; below -87.3 it gives 0): exp(x) = 2^n exp(r) with n = round(x / ln2).
 inline float VecExp(float x) {
   const bool underflow = x < -87.3f;
@@ -85,17 +75,7 @@ inline float VecExp(float x) {
 typedef int32_t I32xL __attribute__((vector_size(4 * kLanes)));
 
 // VecExp on a whole vector.
-inline VF VecExp(VF x) {
-  const auto underflow = x < -87.3f;
-  x = x < -87.3f ? VF{} - 87.3f : (x > 88.7f ? VF{} + 88.7f : x);
-  const VF t = x * 1.44269504088896341f + 0.5f;
-  VF n = __builtin_convertvector(__builtin_convertvector(t, I32xL), VF);  // toward zero, then down to floor(t)
-  n = n > t ? n - 1.0f : n;
-  const VF p = ExpPolynomial(x - n * 0.693359375f + n * 2.12194440e-4f);
-  const I32xL bits = (__builtin_convertvector(n, I32xL) + 127) << 23;
-  const VF result = p * reinterpret_cast<const VF&>(bits);
-  return underflow ? VF{} : result;
-}
+inline VF VecExp(VF x) { return ExpVector<VF, I32xL>(x); }
 
 // Gemma 2's soft cap: cap * tanh(x / cap), with tanh from VecExp.
 inline float SoftCap(float x, float cap) {

@@ -3,7 +3,8 @@
 // WeightsBf16 gives one 32-weight sub-block in registers (the few-row path of quantized_matmul.cc); Bf16Tiles
 // multiplies many rows (prefill and wide decode steps) with weight rows dequantized once per call into tiles of 16
 // rows, kept as bf16 pairs, so the scale of each block is inside the weights and every instruction of the inner loop
-// is a load, a broadcast or a product (the int16 tiles scale each sub-block's integer sums into float apart).
+// is a load, a broadcast or a product (the int16 tiles scale each sub-block's integer sums into float apart); with
+// an MLP's gate and up weights, Bf16Tiles gives silu(gate) * up without writing either product.
 #pragma once
 
 #if defined(__AVX512BF16__)
@@ -19,6 +20,7 @@
 #include "float_tiles.h"
 #include "run_items.h"
 #include "transpose.h"
+#include "vector_exp.h"
 
 namespace jvllm {
 
@@ -78,6 +80,10 @@ struct Bf16Rows {
 // 2p + 1 of a row as one 32-bit lane, so one 512-bit load holds pair p of all 16 rows), then sweeps x kBlockRows
 // rows and kDepthPairs pairs at a time, kRowGroup rows against two tiles: 24 float accumulators, two tile vectors and
 // a broadcast pair of x per step.
+//
+// Gated (`up` given): output column n is silu(x . gate_n) * (x . up_n). The two tiles of each step are then a gate
+// tile and the up tile of the same 16 columns, summed over the whole depth at once (one slice: the tiles come from
+// L2 for K > 2 * kDepthPairs) so the epilogue sees finished sums, and only [M, N] of the activations is written.
 template <typename Fmt>
 class Bf16Tiles {
  public:
@@ -87,29 +93,41 @@ class Bf16Tiles {
   // logits [rows, vocab] would otherwise be read into the cache line by line just to be overwritten.
   static constexpr int64_t kStreamBytes = 16 << 20;
 
-  Bf16Tiles(int64_t m, int64_t k, int64_t n, const Bf16Rows* xb, const uint8_t* w, float* y)
-      : m_(m), k_(k), n_(n), xb_(xb), w_(w), y_(y), stream_(k / 2 <= kDepthPairs && m * n * 4 > kStreamBytes) {}
+  Bf16Tiles(int64_t m, int64_t k, int64_t n, const Bf16Rows* xb, const uint8_t* w, float* y,
+            const uint8_t* up = nullptr)
+      : m_(m), k_(k), n_(n), xb_(xb), w_(w), up_(up), y_(y),
+        stream_(up == nullptr && k / 2 <= kDepthPairs && m * n * 4 > kStreamBytes) {}
+
+  // Output columns per pair of tiles (a work item takes whole pairs).
+  int64_t ColumnsPerTilePair() const { return up_ == nullptr ? 2 * kTileCols : kTileCols; }
 
   void Run(int64_t n0, int64_t n1) const {
     thread_local std::vector<uint32_t> tiles;  // [tiles, K / 2, kTileCols] bf16 pairs, one tile after another
-    const int64_t pairs = k_ / 2;
-    const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (k_ * 2 * kTileCols * 2)) * 2 * kTileCols;
-    const int64_t most_tiles = (std::min(chunk, n1 - n0) + kTileCols - 1) / kTileCols;
-    tiles.resize(static_cast<size_t>(most_tiles * pairs * kTileCols));
+    const int64_t pairs = k_ / 2, tile_values = pairs * kTileCols;
+    const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (k_ * 2 * kTileCols * 2)) * ColumnsPerTilePair();
+    const int64_t tiles_per_column_tile = up_ == nullptr ? 1 : 2;
+    const int64_t most_tiles = (std::min(chunk, n1 - n0) + kTileCols - 1) / kTileCols * tiles_per_column_tile;
+    const int64_t depth = up_ == nullptr ? kDepthPairs : pairs;
+    tiles.resize(static_cast<size_t>(most_tiles * tile_values));
     for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
-      const int64_t c1 = std::min(n1, c0 + chunk), num_tiles = (c1 - c0 + kTileCols - 1) / kTileCols;
-      for (int64_t t = 0; t < num_tiles; ++t) {
+      const int64_t c1 = std::min(n1, c0 + chunk), column_tiles = (c1 - c0 + kTileCols - 1) / kTileCols;
+      for (int64_t t = 0; t < column_tiles; ++t) {
         const int64_t n = c0 + t * kTileCols;
-        TileWeights(n, static_cast<int>(std::min<int64_t>(kTileCols, c1 - n)), tiles.data() + t * pairs * kTileCols);
+        const int cols = static_cast<int>(std::min<int64_t>(kTileCols, c1 - n));
+        uint32_t* tile = tiles.data() + t * tiles_per_column_tile * tile_values;
+        TileWeights(w_, n, cols, tile);
+        if (up_ != nullptr) TileWeights(up_, n, cols, tile + tile_values);
       }
+      const int64_t num_tiles = column_tiles * tiles_per_column_tile;
       for (int64_t m0 = 0; m0 < m_; m0 += kBlockRows) {
         const int64_t m1 = std::min(m_, m0 + kBlockRows);
-        for (int64_t p0 = 0; p0 < pairs; p0 += kDepthPairs) {
-          const int64_t p1 = std::min(pairs, p0 + kDepthPairs);
+        for (int64_t p0 = 0; p0 < pairs; p0 += depth) {
+          const int64_t p1 = std::min(pairs, p0 + depth);
           for (int64_t t = 0; t < num_tiles; t += 2) {
-            const int64_t n = c0 + t * kTileCols;
-            const Slice slice{tiles.data() + t * pairs * kTileCols, p0, p1, n, static_cast<int>(std::min<int64_t>(
-                                  t + 2 <= num_tiles ? 2 * kTileCols : kTileCols, c1 - n))};
+            const int64_t n = c0 + t / tiles_per_column_tile * kTileCols;
+            const int64_t cols = up_ != nullptr ? kTileCols : t + 2 <= num_tiles ? 2 * kTileCols : kTileCols;
+            const Slice slice{tiles.data() + t * tile_values, p0, p1, n,
+                              static_cast<int>(std::min<int64_t>(cols, c1 - n))};
             int64_t m = m0;
             for (; m + kRowGroup <= m1; m += kRowGroup) GroupTimesSlice<kRowGroup>(slice, m);
             if (m < m1) {
@@ -132,11 +150,11 @@ class Bf16Tiles {
   };
 
   int64_t blocks_per_row() const { return k_ / Fmt::kWeights; }
-  const uint8_t* Row(int64_t n) const { return w_ + n * blocks_per_row() * Fmt::kBytes; }
+  const uint8_t* Row(const uint8_t* w, int64_t n) const { return w + n * blocks_per_row() * Fmt::kBytes; }
 
   // Weight rows [n, n + cols) -> tile [K / 2, kTileCols] of bf16 pairs (zero columns past `cols`): each half of 8
   // rows is dequantized into `rows` [8, K], then its 32-bit pairs are transposed 8 x 8 at a time.
-  void TileWeights(int64_t n, int cols, uint32_t* tile) const {
+  void TileWeights(const uint8_t* w, int64_t n, int cols, uint32_t* tile) const {
     thread_local std::vector<uint16_t> rows;
     const int64_t k = k_;
     rows.resize(static_cast<size_t>(8 * k));
@@ -148,10 +166,10 @@ class Bf16Tiles {
           std::fill(dst, dst + k, uint16_t{0});
           continue;
         }
-        const uint8_t* src = Row(n + col);
+        const uint8_t* src = Row(w, n + col);
         for (int64_t block = 0; block < blocks_per_row(); ++block) {
           const uint8_t* w_block = src + block * Fmt::kBytes;
-          PrefetchBlock<Fmt>(Row(n + col + 8) + block * Fmt::kBytes);
+          PrefetchBlock<Fmt>(Row(w, n + col + 8) + block * Fmt::kBytes);
           float d[Fmt::kSubs], c[Fmt::kSubs];
           Fmt::Scales(w_block, d, c);
 #pragma GCC unroll 8
@@ -179,7 +197,7 @@ class Bf16Tiles {
     const uint32_t* t1 = slice.tiles + pairs * kTileCols;  // read only when cols > 16
     __m512 a0[R], a1[R];
     for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
-    if (slice.cols > kTileCols) {
+    if (slice.cols > kTileCols || up_ != nullptr) {
       for (int64_t p = slice.p0; p < slice.p1; ++p) {
         const __m512bh w0 = Pairs(t0 + p * kTileCols), w1 = Pairs(t1 + p * kTileCols);
 #pragma GCC unroll 12
@@ -199,6 +217,12 @@ class Bf16Tiles {
     const int cols1 = std::max(0, slice.cols - kTileCols);
     const __mmask16 live0 = static_cast<__mmask16>((1u << std::min(slice.cols, kTileCols)) - 1u);
     const __mmask16 live1 = static_cast<__mmask16>((1u << cols1) - 1u);
+    if (up_ != nullptr) {  // a0: gate sums, a1: up sums of the same columns
+      for (int r = 0; r < R; ++r) {
+        _mm512_mask_storeu_ps(y_ + (m + r) * n_ + slice.n, live0, Silu(a0[r]) * a1[r]);
+      }
+      return;
+    }
     for (int r = 0; r < R; ++r) {
       float* yr = y_ + (m + r) * n_ + slice.n;
       Store(yr, live0, a0[r], slice.p0 == 0);
@@ -206,6 +230,12 @@ class Bf16Tiles {
     }
   }
 
+  static __m512 Silu(__m512 v) {
+    typedef float F16 __attribute__((vector_size(64)));
+    typedef int32_t I16 __attribute__((vector_size(64)));
+    const F16 s = SiluVector<F16, I16>(reinterpret_cast<const F16&>(v));
+    return reinterpret_cast<const __m512&>(s);
+  }
   static __m512bh Pairs(const uint32_t* p) {
     const __m512i v = _mm512_loadu_si512(p);
     return reinterpret_cast<const __m512bh&>(v);
@@ -225,6 +255,7 @@ class Bf16Tiles {
   int64_t m_, k_, n_;
   const Bf16Rows* xb_;
   const uint8_t* w_;
+  const uint8_t* up_;  // gated: the up weights (w_ then holds the gate's)
   float* y_;
   bool stream_;
 };

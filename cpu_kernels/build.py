@@ -22,6 +22,7 @@ TARGETS = {  # XLA custom-call name -> exported handler symbol
     "jvllm_paged_attention": "JvllmPagedAttention",
     "jvllm_paged_attention_write": "JvllmPagedAttentionWrite",
     "jvllm_quantized_matmul": "JvllmQuantizedMatmul",
+    "jvllm_gated_matmul": "JvllmGatedMatmul",
 }
 FLAGS = ["-std=c++17", "-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared"]
 

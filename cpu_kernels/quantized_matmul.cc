@@ -1,369 +1,95 @@
-// Matrix products with GGUF-quantized weights for XLA CPU, as an XLA FFI custom call:
-//   y[M, N] = x[M, K] . W[N, K]^T   (x, y float32; W as its GGUF blocks, row n = whole blocks of one format)
-//
-// The weights stay in the file's blocks. Which rows of x meet them how (Path): on CPUs with AVX-512 BF16, 2 to the
-// caller's bf16_max_rows rows (at most 8) in bfloat16 (x and each weight block rounded to it, float32 sums); few
-// rows (up to the caller's int16_max_rows) with x quantized to int16 blocks and each weight block unpacked in
-// registers (int16_dots.h);
-// from int16_tile_min_rows with x so quantized against 16-bit code tiles (int16_tiles.h); the rows between through
-// float32 weight tiles (float_tiles.h), a lone row without int16 through blocks dequantized in registers. The float
-// paths give the float32 product with the dequantized weights up to summation order, the int16 ones within ~3e-5 of
-// it. Work items are ranges of output rows, shared by the caller and the kernels' helper threads.
+// Matrix products with GGUF-quantized weights for XLA CPU, as XLA FFI custom calls (quantized_products.h):
+//   jvllm_quantized_matmul:  y[M, N] = x[M, K] . W[N, K]^T
+//   jvllm_gated_matmul:      y[M, N] = silu(x . G^T) * (x . U^T)   (an MLP's gate and up projections)
+// x and y float32, the weights as their GGUF blocks (row n = whole blocks of one format).
 //
 // A step's x is padded to its shape's rows; `live_rows` (a traced scalar) says how many lead rows are real tokens.
 // Only those are multiplied (the path is chosen by their count); the padding rows of y are 0.
-//
-// The block formats are described in block_formats.h.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
-#include <vector>
+#include <string>
 
 #include "block_formats.h"
-#include "float_tiles.h"
-#include "int16_dots.h"
-#include "bf16_tiles.h"
-#include "int16_tiles.h"
-#include "run_items.h"
+#include "quantized_products.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kMinRowsPerItem = 16;  // output rows per work item, at least
-
 using jvllm::kBlock;
-using jvllm::kLanes;
-using jvllm::kVecsPerSub;
-using jvllm::LoadV;
-using jvllm::V8;
+using jvllm::RowPaths;
+using jvllm::Shapes;
 
-inline float Sum(V8 x) {
-  float total = 0.0f;
-  for (int i = 0; i < kLanes; ++i) total += x[i];
-  return total;
-}
-
-struct Shapes {
-  int64_t m, k, n, blocks;  // blocks = k / 32 (sub-blocks of 32 weights a row)
-};
-
-// Up to kDirectRows rows of x: each weight block is dequantized in registers and used at once; from 2, the paths of
-// float_tiles.h.
-constexpr int64_t kDirectRows = 1;
-#if defined(__AVX2__)
-using Int16Rows = jvllm::Int16Rows;
-#else
-struct Int16Rows {};
-#endif
-
-// How a product's rows of x meet the weights (Matmul::Run).
-enum class Path { kIntRows, kDirect, kFloatTiles, kIntTiles, kBf16Rows, kBf16Tiles };
-
-#if defined(__AVX512BF16__)
-// 2 to this many rows of x, on CPUs with AVX-512 BF16: x rounded to bfloat16 once, each weight block dequantized
-// in registers and rounded to bfloat16 once for all the rows, then one `vdpbf16ps` (32 multiply-adds into float32)
-// per row per 32 weights, where the int16 row path takes about nine instructions. More rows: bf16 tiles
-// (bf16_tiles.h).
-constexpr int64_t kBf16MaxRows = 8;
-using jvllm::Bf16Rows;
-using jvllm::WeightsBf16;
-#else
-constexpr int64_t kBf16MaxRows = 0;
-struct Bf16Rows {};
-#endif
-
-// Units of work per item such that the threads' shares are as even as whole units allow: 1 to 4 items per thread,
-// the most items among the most even splits (a thread that starts late still finds work). 18 units on 2 threads:
-// 6 items of 3, where 4 items of 5 would leave one thread 10 units and the other 8.
-inline int64_t BalancedUnits(int64_t units, int64_t threads) {
-  int64_t best = units, best_share = INT64_MAX;
-  for (int64_t per_thread = 1; per_thread <= 4; ++per_thread) {
-    const int64_t size = (units + threads * per_thread - 1) / (threads * per_thread);
-    const int64_t items = (units + size - 1) / size;
-    const int64_t share = size * ((items + threads - 1) / threads);  // the busiest thread's units, at most
-    if (share <= best_share) best = size, best_share = share;
+// Checks the operands, zeroes the padding rows of y and gives the live rows' shapes (m = 0: nothing to multiply).
+ffi::Error LiveShapes(const char* what, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::U8>& w,
+                      ffi::Buffer<ffi::S32>& live_rows, ffi::Result<ffi::Buffer<ffi::F32>>& y, Shapes* sh) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] % kBlock != 0 || live_rows.element_count() != 1) {
+    return ffi::Error::InvalidArgument(std::string(what) + ": x [M, K] with K a multiple of 32, w [N, row bytes], "
+                                       "live_rows []");
   }
-  return best;
-}
-
-template <typename Fmt>
-class Matmul {
- public:
-  // kIntRows and kIntTiles take `xq` (x quantized to int16 blocks); kFloatTiles takes `panels` (x packed by
-  // PackPanels) where FloatTiles::TakesPanels.
-  Matmul(Path path, Shapes sh, const float* x, const uint8_t* w, float* y, const Int16Rows* xq = nullptr,
-         const float* panels = nullptr, const Bf16Rows* xb = nullptr)
-      : path_(path), sh_(sh), x_(x), w_(w), y_(y), xq_(xq), xb_(xb), tiles_(sh.m, sh.k, sh.n, x, w, y, panels)
-#if defined(__AVX2__)
-        , int_tiles_(sh.m, sh.k, sh.n, xq, w, y)
-#endif
-#if defined(__AVX512BF16__)
-        , bf16_tiles_(sh.m, sh.k, sh.n, xb, w, y)
-#endif
-  {
-    rows_per_item_ = RowsPerItem();
-  }
-
-  // Two contiguous ranges of rows per thread: each thread streams long runs of the weights, and one that started
-  // late still finds work. The tiled paths take whole tiles (or pairs), as evenly as those split.
-  int64_t RowsPerItem() const {
-    const int64_t threads = jvllm::HelperPool::Get().num_helpers() + 1;
-    if (path_ == Path::kFloatTiles || path_ == Path::kIntTiles || path_ == Path::kBf16Tiles) {
-      const int64_t unit = path_ == Path::kFloatTiles ? jvllm::FloatTiles<Fmt>::RowUnit(sh_.m)
-                           : path_ == Path::kIntTiles ? jvllm::kTileCols
-                                                      : 2 * jvllm::kTileCols;  // bf16 tiles go in pairs
-      return std::max<int64_t>(kMinRowsPerItem, BalancedUnits((sh_.n + unit - 1) / unit, threads) * unit);
-    }
-    const int64_t items = 2 * threads, unit = 4;
-    return std::max<int64_t>(kMinRowsPerItem, ((sh_.n + items - 1) / items + unit - 1) / unit * unit);
-  }
-  int64_t num_items() const { return (sh_.n + rows_per_item_ - 1) / rows_per_item_; }
-
-  void Run(int64_t item) const {
-    const int64_t n0 = item * rows_per_item_, n1 = std::min(sh_.n, n0 + rows_per_item_);
-#if defined(__AVX512BF16__)
-    if (path_ == Path::kBf16Tiles) {
-      bf16_tiles_.Run(n0, n1);
-      return;
-    }
-    if (path_ == Path::kBf16Rows) {
-      switch (sh_.m) {
-        case 2: Bf16Range<2>(n0, n1); break;
-        case 3: Bf16Range<3>(n0, n1); break;
-        case 4: Bf16Range<4>(n0, n1); break;
-        case 5: Bf16Range<5>(n0, n1); break;
-        case 6: Bf16Range<6>(n0, n1); break;
-        case 7: Bf16Range<7>(n0, n1); break;
-        default: Bf16Range<8>(n0, n1); break;
-      }
-      return;
-    }
-#endif
-#if defined(__AVX2__)
-    if (path_ == Path::kIntTiles) {
-      int_tiles_.Run(n0, n1);
-      return;
-    }
-    if (path_ == Path::kIntRows) {
-      for (int64_t m = 0; m < sh_.m; m += 4) {
-        switch (std::min<int64_t>(4, sh_.m - m)) {
-          case 1: IntRange<4, 1>(m, n0, n1); break;
-          case 2: IntRange<2, 2>(m, n0, n1); break;
-          case 3: IntRange<2, 3>(m, n0, n1); break;
-          default: IntRange<2, 4>(m, n0, n1); break;
-        }
-      }
-      return;
-    }
-#endif
-    if (path_ == Path::kDirect) {
-      for (int64_t m = 0; m < sh_.m; ++m) Direct(m, n0, n1);
-    } else {
-      tiles_.Run(n0, n1);
-    }
-  }
-
- private:
-  int64_t blocks_per_row() const { return sh_.k / Fmt::kWeights; }
-  const uint8_t* Row(int64_t n) const { return w_ + n * blocks_per_row() * Fmt::kBytes; }
-
-#if defined(__AVX2__)
-  // Rows [m, m + X) of x (quantized) against weight rows [n0, n1), R weight rows at a time.
-  template <int R, int X>
-  void IntRange(int64_t m, int64_t n0, int64_t n1) const {
-    int64_t n = n0;
-    for (; n + R <= n1; n += R) IntRows<R, X>(m, n);
-    for (; n < n1; ++n) IntRows<1, X>(m, n);
-  }
-
-  // Rows [m, m + X) of x against weight rows [n, n + R): each weight block is unpacked once for the X rows, and
-  // the same block of the next R weight rows is fetched meanwhile.
-  template <int R, int X>
-  void IntRows(int64_t m, int64_t n) const {
-    const int64_t k = sh_.k, blocks = sh_.blocks;
-    const int16_t* xq = xq_->q.data() + m * k;
-    const float* xd = xq_->d.data() + m * blocks;
-    const float* xs = xq_->s.data() + m * blocks;
-    __m256 acc[R][X];
-    float offset[R][X] = {};
-    for (int r = 0; r < R; ++r) {
-      for (int i = 0; i < X; ++i) acc[r][i] = _mm256_setzero_ps();
-    }
-    for (int64_t block = 0; block < blocks_per_row(); ++block) {
-      for (int r = 0; r < R; ++r) {
-        const uint8_t* w = Row(n + r) + block * Fmt::kBytes;
-        jvllm::PrefetchBlock<Fmt>(Row(n + R + r) + block * Fmt::kBytes);
-        float d[Fmt::kSubs], c[Fmt::kSubs];
-        Fmt::Scales(w, d, c);
-#pragma GCC unroll 8
-        for (int s = 0; s < Fmt::kSubs; ++s) {
-          const int64_t b = block * Fmt::kSubs + s;
-          __m256i w0, w1;
-          Fmt::Codes16(w, s, w0, w1);
-          for (int i = 0; i < X; ++i) {
-            jvllm::Accumulate(w0, w1, xq + i * k + b * kBlock, d[s] * xd[i * blocks + b], acc[r][i]);
-            offset[r][i] += c[s] * xs[i * blocks + b];
-          }
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      for (int i = 0; i < X; ++i) y_[(m + i) * sh_.n + n + r] = jvllm::HorizontalSum(acc[r][i]) + offset[r][i];
-    }
-  }
-#endif
-
-#if defined(__AVX512BF16__)
-  // All X rows of x (bfloat16) against weight rows [n0, n1), two at a time.
-  template <int X>
-  void Bf16Range(int64_t n0, int64_t n1) const {
-    int64_t n = n0;
-    for (; n + 2 <= n1; n += 2) Bf16Dots<2, X>(n);
-    for (; n < n1; ++n) Bf16Dots<1, X>(n);
-  }
-
-  template <int R, int X>
-  void Bf16Dots(int64_t n) const {
-    const int64_t k = sh_.k;
-    const uint16_t* xb = xb_->bits.data();
-    __m512 acc[R][X];
-    for (int r = 0; r < R; ++r)
-      for (int i = 0; i < X; ++i) acc[r][i] = _mm512_setzero_ps();
-    for (int64_t block = 0; block < blocks_per_row(); ++block) {
-      for (int r = 0; r < R; ++r) {
-        const uint8_t* src = Row(n + r) + block * Fmt::kBytes;
-        jvllm::PrefetchBlock<Fmt>(Row(n + R + r) + block * Fmt::kBytes);
-        float d[Fmt::kSubs], c[Fmt::kSubs];
-        Fmt::Scales(src, d, c);
-#pragma GCC unroll 8
-        for (int s = 0; s < Fmt::kSubs; ++s) {
-          const __m512bh wb = WeightsBf16<Fmt>(src, s, d[s], c[s]);
-          const uint16_t* xs = xb + (block * Fmt::kSubs + s) * kBlock;
-          for (int i = 0; i < X; ++i) {
-            const __m512i xv = _mm512_loadu_si512(xs + i * k);
-            acc[r][i] = _mm512_dpbf16_ps(acc[r][i], wb, reinterpret_cast<const __m512bh&>(xv));
-          }
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int i = 0; i < X; ++i) y_[i * sh_.n + n + r] = _mm512_reduce_add_ps(acc[r][i]);
-  }
-#endif
-
-  // One row of x against weight rows [n0, n1), four at a time.
-  void Direct(int64_t m, int64_t n0, int64_t n1) const {
-    const float* xr = x_ + m * sh_.k;
-    int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) DirectRows<4>(xr, m, n);
-    for (; n < n1; ++n) DirectRows<1>(xr, m, n);
-  }
-
-  template <int R>
-  void DirectRows(const float* xr, int64_t m, int64_t n) const {
-    V8 acc[R] = {};
-    for (int64_t block = 0; block < blocks_per_row(); ++block) {
-      for (int r = 0; r < R; ++r) {
-        const uint8_t* src = Row(n + r) + block * Fmt::kBytes;
-        jvllm::PrefetchBlock<Fmt>(Row(n + R + r) + block * Fmt::kBytes);
-        float d[Fmt::kSubs], c[Fmt::kSubs];
-        Fmt::Scales(src, d, c);
-#pragma GCC unroll 8
-        for (int s = 0; s < Fmt::kSubs; ++s) {
-          const float* xb = xr + (block * Fmt::kSubs + s) * kBlock;
-          V8 w[kVecsPerSub];
-          Fmt::Dequant(src, s, d[s], c[s], w);
-          for (int v = 0; v < kVecsPerSub; ++v) acc[r] += w[v] * LoadV(xb + v * kLanes);
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r) y_[m * sh_.n + n + r] = Sum(acc[r]);
-  }
-
-  Path path_;
-  Shapes sh_;
-  int64_t rows_per_item_ = 0;  // output rows per work item (RowsPerItem)
-  const float* x_;
-  const uint8_t* w_;
-  float* y_;
-  const Int16Rows* xq_;
-  const Bf16Rows* xb_;
-  jvllm::FloatTiles<Fmt> tiles_;
-#if defined(__AVX2__)
-  jvllm::Int16Tiles<Fmt> int_tiles_;
-#endif
-#if defined(__AVX512BF16__)
-  jvllm::Bf16Tiles<Fmt> bf16_tiles_;
-#endif
-};
-
-template <typename Fmt>
-ffi::Error Run(Shapes sh, const float* x, const uint8_t* w, float* y, int64_t row_bytes, int64_t int16_max_rows,
-               int64_t int16_tile_min_rows, int64_t bf16_max_rows) {
-  if (sh.k % Fmt::kWeights != 0 || row_bytes != sh.k / Fmt::kWeights * Fmt::kBytes) {
-    return ffi::Error::InvalidArgument("quantized_matmul: a weight row must be whole blocks of its format");
-  }
-#if defined(__AVX512BF16__)
-  if (sh.m >= 2 && bf16_max_rows > 0) {  // the caller takes bfloat16 products: rows, or tiles past kBf16MaxRows
-    thread_local Bf16Rows xb;
-    xb.Convert(x, sh.m, sh.k);
-    const bool rows = sh.m <= std::min(bf16_max_rows, kBf16MaxRows);
-    Matmul<Fmt> work(rows ? Path::kBf16Rows : Path::kBf16Tiles, sh, x, w, y, nullptr, nullptr, &xb);
-    jvllm::RunItems(work);
-    return ffi::Error::Success();
-  }
-#endif
-#if defined(__AVX2__)
-  const bool int_rows = sh.m <= int16_max_rows;
-  if (int_rows || (int16_tile_min_rows > 0 && sh.m >= int16_tile_min_rows)) {
-    thread_local Int16Rows xq;
-    xq.Quantize(x, sh.m, sh.k, int_rows ? 32767 : jvllm::Int16Limit<Fmt>());
-    Matmul<Fmt> work(int_rows ? Path::kIntRows : Path::kIntTiles, sh, x, w, y, &xq);
-    jvllm::RunItems(work);
-    return ffi::Error::Success();
-  }
-#endif
-  if (sh.m <= kDirectRows) {
-    Matmul<Fmt> work(Path::kDirect, sh, x, w, y);
-    jvllm::RunItems(work);
-    return ffi::Error::Success();
-  }
-  thread_local std::vector<float> panels;
-  if (jvllm::FloatTiles<Fmt>::TakesPanels(sh.m)) jvllm::PackPanels(x, sh.m, sh.k, panels);
-  Matmul<Fmt> work(Path::kFloatTiles, sh, x, w, y, nullptr, panels.data());
-  jvllm::RunItems(work);
+  const int64_t live = std::clamp<int64_t>(live_rows.typed_data()[0], 0, xd[0]);
+  *sh = Shapes{live, xd[1], wd[0], xd[1] / kBlock};
+  std::memset(y->typed_data() + live * sh->n, 0, sizeof(float) * (xd[0] - live) * sh->n);
   return ffi::Error::Success();
+}
+
+// Calls body(Fmt{}) with the block format named by `format`, after checking that a weight row of `row_bytes` is
+// whole blocks of it.
+template <typename Body>
+ffi::Error WithFormat(const char* what, int64_t format, int64_t k, int64_t row_bytes, Body body) {
+  auto checked = [&](auto fmt) {
+    using Fmt = decltype(fmt);
+    if (k % Fmt::kWeights != 0 || row_bytes != k / Fmt::kWeights * Fmt::kBytes) {
+      return ffi::Error::InvalidArgument(std::string(what) + ": a weight row must be whole blocks of its format");
+    }
+    body(fmt);
+    return ffi::Error::Success();
+  };
+  switch (format) {
+    case jvllm::kQ8_0: return checked(jvllm::Q8_0{});
+    case jvllm::kQ4_0: return checked(jvllm::Q4_0{});
+    case jvllm::kQ4_1: return checked(jvllm::Q4_1{});
+    case jvllm::kQ4_K: return checked(jvllm::Q4_K{});
+    case jvllm::kQ5_K: return checked(jvllm::Q5_K{});
+    case jvllm::kQ6_K: return checked(jvllm::Q6_K{});
+    default: return ffi::Error::InvalidArgument(std::string(what) + ": unknown format");
+  }
 }
 
 ffi::Error QuantizedMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> live_rows,
                                ffi::ResultBuffer<ffi::F32> y, int64_t format, int64_t int16_max_rows,
                                int64_t int16_tile_min_rows, int64_t bf16_max_rows) {
-  const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] % kBlock != 0 || live_rows.element_count() != 1) {
-    return ffi::Error::InvalidArgument("quantized_matmul: x [M, K] with K a multiple of 32, w [N, row bytes], "
-                                       "live_rows []");
+  constexpr const char* kWhat = "quantized_matmul";
+  Shapes sh;
+  if (ffi::Error error = LiveShapes(kWhat, x, w, live_rows, y, &sh); error.failure()) return error;
+  if (sh.m == 0) return ffi::Error::Success();
+  const RowPaths paths{int16_max_rows, int16_tile_min_rows, bf16_max_rows};
+  return WithFormat(kWhat, format, sh.k, w.dimensions()[1], [&](auto fmt) {
+    jvllm::RunProduct<decltype(fmt)>(sh, x.typed_data(), w.typed_data(), y->typed_data(), paths);
+  });
+}
+
+ffi::Error GatedMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> gate, ffi::Buffer<ffi::U8> up,
+                           ffi::Buffer<ffi::S32> live_rows, ffi::ResultBuffer<ffi::F32> y, int64_t format,
+                           int64_t int16_max_rows, int64_t int16_tile_min_rows, int64_t bf16_max_rows) {
+  constexpr const char* kWhat = "gated_matmul";
+  const auto gd = gate.dimensions(), ud = up.dimensions();
+  if (gd.size() != ud.size() || !std::equal(gd.begin(), gd.end(), ud.begin())) {
+    return ffi::Error::InvalidArgument("gated_matmul: the gate and up weights differ in shape");
   }
-  const int64_t live = std::clamp<int64_t>(live_rows.typed_data()[0], 0, xd[0]);
-  const Shapes sh{live, xd[1], wd[0], xd[1] / kBlock};
-  const float* xp = x.typed_data();
-  const uint8_t* wp = w.typed_data();
-  float* yp = y->typed_data();
-  std::memset(yp + live * sh.n, 0, sizeof(float) * (xd[0] - live) * sh.n);
-  if (live == 0) return ffi::Error::Success();
-  switch (format) {
-    case jvllm::kQ8_0: return Run<jvllm::Q8_0>(sh, xp, wp, yp, wd[1], int16_max_rows, int16_tile_min_rows, bf16_max_rows);
-    case jvllm::kQ4_0: return Run<jvllm::Q4_0>(sh, xp, wp, yp, wd[1], int16_max_rows, int16_tile_min_rows, bf16_max_rows);
-    case jvllm::kQ4_1: return Run<jvllm::Q4_1>(sh, xp, wp, yp, wd[1], int16_max_rows, int16_tile_min_rows, bf16_max_rows);
-    case jvllm::kQ4_K: return Run<jvllm::Q4_K>(sh, xp, wp, yp, wd[1], int16_max_rows, int16_tile_min_rows, bf16_max_rows);
-    case jvllm::kQ5_K: return Run<jvllm::Q5_K>(sh, xp, wp, yp, wd[1], int16_max_rows, int16_tile_min_rows, bf16_max_rows);
-    case jvllm::kQ6_K: return Run<jvllm::Q6_K>(sh, xp, wp, yp, wd[1], int16_max_rows, int16_tile_min_rows, bf16_max_rows);
-    default: return ffi::Error::InvalidArgument("quantized_matmul: unknown format");
-  }
+  Shapes sh;
+  if (ffi::Error error = LiveShapes(kWhat, x, gate, live_rows, y, &sh); error.failure()) return error;
+  if (sh.m == 0) return ffi::Error::Success();
+  const RowPaths paths{int16_max_rows, int16_tile_min_rows, bf16_max_rows};
+  return WithFormat(kWhat, format, sh.k, gate.dimensions()[1], [&](auto fmt) {
+    jvllm::RunGatedProduct<decltype(fmt)>(sh, x.typed_data(), gate.typed_data(), up.typed_data(), y->typed_data(),
+                                          paths);
+  });
 }
 
 }  // namespace
@@ -372,6 +98,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmQuantizedMatmul, QuantizedMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::Buffer<ffi::U8>>()   // w [N, K / block weights * block bytes]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // live_rows []: the lead rows of x to multiply
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<int64_t>("format")
+                                  .Attr<int64_t>("int16_max_rows")
+                                  .Attr<int64_t>("int16_tile_min_rows")
+                                  .Attr<int64_t>("bf16_max_rows"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmGatedMatmul, GatedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // gate [N, K / block weights * block bytes]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // up, as gate
                                   .Arg<ffi::Buffer<ffi::S32>>()  // live_rows []: the lead rows of x to multiply
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
                                   .Attr<int64_t>("format")
@@ -391,4 +129,4 @@ constexpr int32_t kInt16MaxRows = 0, kInt16TileMinRows = 0;
 
 extern "C" int32_t JvllmInt16MaxRows() { return kInt16MaxRows; }
 extern "C" int32_t JvllmInt16TileMinRows() { return kInt16TileMinRows; }
-extern "C" int32_t JvllmBf16MaxRows() { return static_cast<int32_t>(kBf16MaxRows); }
+extern "C" int32_t JvllmBf16MaxRows() { return static_cast<int32_t>(jvllm::kBf16MaxRows); }

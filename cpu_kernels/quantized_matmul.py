@@ -38,13 +38,33 @@ def quantized_matmul(x: jax.Array, weight: jax.Array, fmt: str, int16_max_rows: 
     `int16_tile_min_rows` if that is not 0, x is quantized to int16 blocks and multiplied with integer dot products
     (AVX2 builds; within ~3e-5 of the float32 products); other row counts multiply float32 weights dequantized in
     registers or in tiles."""
+    return _call("jvllm_quantized_matmul", x, (weight,), fmt, live_rows, int16_max_rows=int16_max_rows,
+                 int16_tile_min_rows=int16_tile_min_rows, bf16_max_rows=bf16_max_rows)
+
+
+def gated_matmul(x: jax.Array, gate: jax.Array, up: jax.Array, fmt: str, int16_max_rows: int = 0,
+                 int16_tile_min_rows: int = 0, live_rows: jax.Array | None = None,
+                 bf16_max_rows: int = 0) -> jax.Array:
+    """silu(x @ G^T) * (x @ U^T) [M, N] float32 for an MLP's gate and up weights G, U [N, row bytes] in format
+    `fmt`: the products of `quantized_matmul` (same row paths and numerics), and past the bfloat16 row limit made
+    in one pass that writes only the activations."""
+    if gate.shape != up.shape:
+        raise ValueError(f"gated_matmul: gate {gate.shape} and up {up.shape} weights differ")
+    return _call("jvllm_gated_matmul", x, (gate, up), fmt, live_rows, int16_max_rows=int16_max_rows,
+                 int16_tile_min_rows=int16_tile_min_rows, bf16_max_rows=bf16_max_rows)
+
+
+def _call(target: str, x: jax.Array, weights: tuple[jax.Array, ...], fmt: str, live_rows: jax.Array | None,
+          **limits: int) -> jax.Array:
+    """The custom call `target` on x [M, K] and weights [N, row bytes] -> [M, N] float32."""
     code, block_weights, block_bytes = FORMATS[fmt]
     m, k = x.shape
+    weight = weights[0]
     if k % block_weights or weight.shape[1] != k // block_weights * block_bytes:
-        raise ValueError(f"quantized_matmul: x [M, {k}] needs whole blocks of {block_weights} weights, "
+        raise ValueError(f"{target}: x [M, {k}] needs whole blocks of {block_weights} weights, "
                          f"{k // block_weights * block_bytes} bytes a row in {fmt}, got {weight.shape}")
     load()
-    call = jax.ffi.ffi_call("jvllm_quantized_matmul", jax.ShapeDtypeStruct((m, weight.shape[0]), jnp.float32))
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, weight.shape[0]), jnp.float32))
     live = jnp.asarray(m if live_rows is None else live_rows, jnp.int32).reshape(())
-    return call(x.astype(jnp.float32), weight, live, format=np.int64(code), int16_max_rows=np.int64(int16_max_rows),
-                int16_tile_min_rows=np.int64(int16_tile_min_rows), bf16_max_rows=np.int64(bf16_max_rows))
+    return call(x.astype(jnp.float32), *weights, live, format=np.int64(code),
+                **{name: np.int64(value) for name, value in limits.items()})

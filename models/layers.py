@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.params import normal_param, value_or_none
-from models.quantized import check_quantized, quantized_dot
+from models.quantized import check_quantized, quantized_dot, quantized_gated_dot
 
 
 # Up to this many token rows, a kernel stored [out, in] is applied as (kernel @ x^T)^T, which XLA CPU runs faster
@@ -123,7 +123,19 @@ class MLP(nnx.Module):
         self.activation = activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
+        hidden = self._fused_silu_hidden(x)  # [T, f]
+        if hidden is None:
+            hidden = self.activation(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(hidden)
+
+    def _fused_silu_hidden(self, x: jax.Array) -> jax.Array | None:
+        """silu(gate(x)) * up(x) from one native call where gate and up hold GGUF blocks of one format, else None."""
+        gate, up = self.gate_proj, self.up_proj
+        if (self.activation is not jax.nn.silu or gate.quant is None or gate.quant != up.quant
+                or gate.bias is not None or up.bias is not None):
+            return None
+        hidden = quantized_gated_dot(x, gate.kernel[...], up.kernel[...], gate.quant)
+        return None if hidden is None else hidden.astype(x.dtype)
 
 
 def mlp_hf_parameters(mlp: MLP, prefix: str, axis: str = "mlp") -> Iterator[tuple]:

@@ -153,6 +153,19 @@ def quantized_dot(x: jax.Array, raw: jax.Array, fmt: str, scale: jax.Array | Non
     return jnp.einsum("tk,nk->tn", x.astype(jnp.float32), w, preferred_element_type=jnp.float32)
 
 
+def quantized_gated_dot(x: jax.Array, gate: jax.Array, up: jax.Array, fmt: str) -> jax.Array | None:
+    """silu(x @ G^T) * (x @ U^T) [T, N] float32 for an MLP's gate and up GGUF blocks [N, row bytes] in one native
+    call (cpu_kernels.quantized_matmul.gated_matmul: past the bf16 row limit one pass that writes only the
+    activations); None where the native kernel does not run (other backends, per-channel formats), where the
+    caller makes the two products apart."""
+    if fmt in CHANNEL_FORMATS or jax.default_backend() != "cpu" or not native_kernel_available():
+        return None
+    from cpu_kernels.quantized_matmul import bf16_max_rows, gated_matmul, row_path_limits
+
+    return gated_matmul(x, gate, up, fmt, *row_path_limits(), live_rows_of(x.shape[0]),
+                        bf16_max_rows=bf16_max_rows() if _BF16_PRODUCTS.get() else 0)
+
+
 def dequantized_rows(raw: jax.Array, ids: jax.Array, fmt: str, k: int, scale: jax.Array | None = None) -> jax.Array:
     """Rows `ids` [T] of a quantized table raw [V, row_bytes] (per-channel: codes [V, k], scales [V]) -> float32
     [T, k] (an embedding lookup)."""

@@ -1,0 +1,374 @@
+// Matrix products with GGUF-quantized weights: y[M, N] = x[M, K] . W[N, K]^T (x, y float32; W as its GGUF blocks,
+// row n = whole blocks of one format), and the gated product act(x . G^T) * (x . U^T) of an MLP's gate and up
+// projections, for the XLA FFI handlers of quantized_matmul.cc.
+//
+// The weights stay in the file's blocks. Which rows of x meet them how (Path): on CPUs with AVX-512 BF16, 2 to the
+// caller's bf16_max_rows rows (at most 8) in bfloat16 (x and each weight block rounded to it, float32 sums); few
+// rows (up to the caller's int16_max_rows) with x quantized to int16 blocks and each weight block unpacked in
+// registers (int16_dots.h);
+// from int16_tile_min_rows with x so quantized against 16-bit code tiles (int16_tiles.h); the rows between through
+// float32 weight tiles (float_tiles.h), a lone row without int16 through blocks dequantized in registers. The float
+// paths give the float32 product with the dequantized weights up to summation order, the int16 ones within ~3e-5 of
+// it. Work items are ranges of output rows, shared by the caller and the kernels' helper threads.
+//
+// The block formats are described in block_formats.h.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "block_formats.h"
+#include "float_tiles.h"
+#include "int16_dots.h"
+#include "bf16_tiles.h"
+#include "int16_tiles.h"
+#include "run_items.h"
+#include "vector_exp.h"
+
+namespace jvllm {
+
+constexpr int64_t kMinRowsPerItem = 16;  // output rows per work item, at least
+
+
+inline float Sum(V8 x) {
+  float total = 0.0f;
+  for (int i = 0; i < kLanes; ++i) total += x[i];
+  return total;
+}
+
+struct Shapes {
+  int64_t m, k, n, blocks;  // blocks = k / 32 (sub-blocks of 32 weights a row)
+};
+
+// The caller's row-count limits of the paths (quantized_matmul.py: what suits this machine's build).
+struct RowPaths {
+  int64_t int16_max_rows, int16_tile_min_rows, bf16_max_rows;
+};
+
+// Up to kDirectRows rows of x: each weight block is dequantized in registers and used at once; from 2, the paths of
+// float_tiles.h.
+constexpr int64_t kDirectRows = 1;
+#if !defined(__AVX2__)
+struct Int16Rows {};
+#endif
+
+// How a product's rows of x meet the weights (Matmul::Run).
+enum class Path { kIntRows, kDirect, kFloatTiles, kIntTiles, kBf16Rows, kBf16Tiles };
+
+#if defined(__AVX512BF16__)
+// 2 to this many rows of x, on CPUs with AVX-512 BF16: x rounded to bfloat16 once, each weight block dequantized
+// in registers and rounded to bfloat16 once for all the rows, then one `vdpbf16ps` (32 multiply-adds into float32)
+// per row per 32 weights, where the int16 row path takes about nine instructions. More rows: bf16 tiles
+// (bf16_tiles.h).
+constexpr int64_t kBf16MaxRows = 8;
+#else
+constexpr int64_t kBf16MaxRows = 0;
+struct Bf16Rows {};
+#endif
+
+// Units of work per item such that the threads' shares are as even as whole units allow: 1 to 4 items per thread,
+// the most items among the most even splits (a thread that starts late still finds work). 18 units on 2 threads:
+// 6 items of 3, where 4 items of 5 would leave one thread 10 units and the other 8.
+inline int64_t BalancedUnits(int64_t units, int64_t threads) {
+  int64_t best = units, best_share = INT64_MAX;
+  for (int64_t per_thread = 1; per_thread <= 4; ++per_thread) {
+    const int64_t size = (units + threads * per_thread - 1) / (threads * per_thread);
+    const int64_t items = (units + size - 1) / size;
+    const int64_t share = size * ((items + threads - 1) / threads);  // the busiest thread's units, at most
+    if (share <= best_share) best = size, best_share = share;
+  }
+  return best;
+}
+
+template <typename Fmt>
+class Matmul {
+ public:
+  // kIntRows and kIntTiles take `xq` (x quantized to int16 blocks); kFloatTiles takes `panels` (x packed by
+  // PackPanels) where FloatTiles::TakesPanels; kBf16Tiles may take `up` (w then holds the gate: Bf16Tiles, gated).
+  Matmul(Path path, Shapes sh, const float* x, const uint8_t* w, float* y, const Int16Rows* xq = nullptr,
+         const float* panels = nullptr, const Bf16Rows* xb = nullptr, const uint8_t* up = nullptr)
+      : path_(path), sh_(sh), x_(x), w_(w), y_(y), xq_(xq), xb_(xb), tiles_(sh.m, sh.k, sh.n, x, w, y, panels)
+#if defined(__AVX2__)
+        , int_tiles_(sh.m, sh.k, sh.n, xq, w, y)
+#endif
+#if defined(__AVX512BF16__)
+        , bf16_tiles_(sh.m, sh.k, sh.n, xb, w, y, up)
+#endif
+  {
+    rows_per_item_ = RowsPerItem();
+  }
+
+  // Two contiguous ranges of rows per thread: each thread streams long runs of the weights, and one that started
+  // late still finds work. The tiled paths take whole tiles (or pairs), as evenly as those split.
+  int64_t RowsPerItem() const {
+    const int64_t threads = jvllm::HelperPool::Get().num_helpers() + 1;
+    if (path_ == Path::kFloatTiles || path_ == Path::kIntTiles || path_ == Path::kBf16Tiles) {
+      int64_t unit = path_ == Path::kFloatTiles ? jvllm::FloatTiles<Fmt>::RowUnit(sh_.m) : jvllm::kTileCols;
+#if defined(__AVX512BF16__)
+      if (path_ == Path::kBf16Tiles) unit = bf16_tiles_.ColumnsPerTilePair();  // bf16 tiles go in pairs
+#endif
+      return std::max<int64_t>(kMinRowsPerItem, BalancedUnits((sh_.n + unit - 1) / unit, threads) * unit);
+    }
+    const int64_t items = 2 * threads, unit = 4;
+    return std::max<int64_t>(kMinRowsPerItem, ((sh_.n + items - 1) / items + unit - 1) / unit * unit);
+  }
+  int64_t num_items() const { return (sh_.n + rows_per_item_ - 1) / rows_per_item_; }
+
+  void Run(int64_t item) const {
+    const int64_t n0 = item * rows_per_item_, n1 = std::min(sh_.n, n0 + rows_per_item_);
+#if defined(__AVX512BF16__)
+    if (path_ == Path::kBf16Tiles) {
+      bf16_tiles_.Run(n0, n1);
+      return;
+    }
+    if (path_ == Path::kBf16Rows) {
+      switch (sh_.m) {
+        case 2: Bf16Range<2>(n0, n1); break;
+        case 3: Bf16Range<3>(n0, n1); break;
+        case 4: Bf16Range<4>(n0, n1); break;
+        case 5: Bf16Range<5>(n0, n1); break;
+        case 6: Bf16Range<6>(n0, n1); break;
+        case 7: Bf16Range<7>(n0, n1); break;
+        default: Bf16Range<8>(n0, n1); break;
+      }
+      return;
+    }
+#endif
+#if defined(__AVX2__)
+    if (path_ == Path::kIntTiles) {
+      int_tiles_.Run(n0, n1);
+      return;
+    }
+    if (path_ == Path::kIntRows) {
+      for (int64_t m = 0; m < sh_.m; m += 4) {
+        switch (std::min<int64_t>(4, sh_.m - m)) {
+          case 1: IntRange<4, 1>(m, n0, n1); break;
+          case 2: IntRange<2, 2>(m, n0, n1); break;
+          case 3: IntRange<2, 3>(m, n0, n1); break;
+          default: IntRange<2, 4>(m, n0, n1); break;
+        }
+      }
+      return;
+    }
+#endif
+    if (path_ == Path::kDirect) {
+      for (int64_t m = 0; m < sh_.m; ++m) Direct(m, n0, n1);
+    } else {
+      tiles_.Run(n0, n1);
+    }
+  }
+
+ private:
+  int64_t blocks_per_row() const { return sh_.k / Fmt::kWeights; }
+  const uint8_t* Row(int64_t n) const { return w_ + n * blocks_per_row() * Fmt::kBytes; }
+
+#if defined(__AVX2__)
+  // Rows [m, m + X) of x (quantized) against weight rows [n0, n1), R weight rows at a time.
+  template <int R, int X>
+  void IntRange(int64_t m, int64_t n0, int64_t n1) const {
+    int64_t n = n0;
+    for (; n + R <= n1; n += R) IntRows<R, X>(m, n);
+    for (; n < n1; ++n) IntRows<1, X>(m, n);
+  }
+
+  // Rows [m, m + X) of x against weight rows [n, n + R): each weight block is unpacked once for the X rows, and
+  // the same block of the next R weight rows is fetched meanwhile.
+  template <int R, int X>
+  void IntRows(int64_t m, int64_t n) const {
+    const int64_t k = sh_.k, blocks = sh_.blocks;
+    const int16_t* xq = xq_->q.data() + m * k;
+    const float* xd = xq_->d.data() + m * blocks;
+    const float* xs = xq_->s.data() + m * blocks;
+    __m256 acc[R][X];
+    float offset[R][X] = {};
+    for (int r = 0; r < R; ++r) {
+      for (int i = 0; i < X; ++i) acc[r][i] = _mm256_setzero_ps();
+    }
+    for (int64_t block = 0; block < blocks_per_row(); ++block) {
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* w = Row(n + r) + block * Fmt::kBytes;
+        jvllm::PrefetchBlock<Fmt>(Row(n + R + r) + block * Fmt::kBytes);
+        float d[Fmt::kSubs], c[Fmt::kSubs];
+        Fmt::Scales(w, d, c);
+#pragma GCC unroll 8
+        for (int s = 0; s < Fmt::kSubs; ++s) {
+          const int64_t b = block * Fmt::kSubs + s;
+          __m256i w0, w1;
+          Fmt::Codes16(w, s, w0, w1);
+          for (int i = 0; i < X; ++i) {
+            jvllm::Accumulate(w0, w1, xq + i * k + b * kBlock, d[s] * xd[i * blocks + b], acc[r][i]);
+            offset[r][i] += c[s] * xs[i * blocks + b];
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int i = 0; i < X; ++i) y_[(m + i) * sh_.n + n + r] = jvllm::HorizontalSum(acc[r][i]) + offset[r][i];
+    }
+  }
+#endif
+
+#if defined(__AVX512BF16__)
+  // All X rows of x (bfloat16) against weight rows [n0, n1), two at a time.
+  template <int X>
+  void Bf16Range(int64_t n0, int64_t n1) const {
+    int64_t n = n0;
+    for (; n + 2 <= n1; n += 2) Bf16Dots<2, X>(n);
+    for (; n < n1; ++n) Bf16Dots<1, X>(n);
+  }
+
+  template <int R, int X>
+  void Bf16Dots(int64_t n) const {
+    const int64_t k = sh_.k;
+    const uint16_t* xb = xb_->bits.data();
+    __m512 acc[R][X];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < X; ++i) acc[r][i] = _mm512_setzero_ps();
+    for (int64_t block = 0; block < blocks_per_row(); ++block) {
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* src = Row(n + r) + block * Fmt::kBytes;
+        jvllm::PrefetchBlock<Fmt>(Row(n + R + r) + block * Fmt::kBytes);
+        float d[Fmt::kSubs], c[Fmt::kSubs];
+        Fmt::Scales(src, d, c);
+#pragma GCC unroll 8
+        for (int s = 0; s < Fmt::kSubs; ++s) {
+          const __m512bh wb = WeightsBf16<Fmt>(src, s, d[s], c[s]);
+          const uint16_t* xs = xb + (block * Fmt::kSubs + s) * kBlock;
+          for (int i = 0; i < X; ++i) {
+            const __m512i xv = _mm512_loadu_si512(xs + i * k);
+            acc[r][i] = _mm512_dpbf16_ps(acc[r][i], wb, reinterpret_cast<const __m512bh&>(xv));
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < X; ++i) y_[i * sh_.n + n + r] = _mm512_reduce_add_ps(acc[r][i]);
+  }
+#endif
+
+  // One row of x against weight rows [n0, n1), four at a time.
+  void Direct(int64_t m, int64_t n0, int64_t n1) const {
+    const float* xr = x_ + m * sh_.k;
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) DirectRows<4>(xr, m, n);
+    for (; n < n1; ++n) DirectRows<1>(xr, m, n);
+  }
+
+  template <int R>
+  void DirectRows(const float* xr, int64_t m, int64_t n) const {
+    V8 acc[R] = {};
+    for (int64_t block = 0; block < blocks_per_row(); ++block) {
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* src = Row(n + r) + block * Fmt::kBytes;
+        jvllm::PrefetchBlock<Fmt>(Row(n + R + r) + block * Fmt::kBytes);
+        float d[Fmt::kSubs], c[Fmt::kSubs];
+        Fmt::Scales(src, d, c);
+#pragma GCC unroll 8
+        for (int s = 0; s < Fmt::kSubs; ++s) {
+          const float* xb = xr + (block * Fmt::kSubs + s) * kBlock;
+          V8 w[kVecsPerSub];
+          Fmt::Dequant(src, s, d[s], c[s], w);
+          for (int v = 0; v < kVecsPerSub; ++v) acc[r] += w[v] * LoadV(xb + v * kLanes);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) y_[m * sh_.n + n + r] = Sum(acc[r]);
+  }
+
+  Path path_;
+  Shapes sh_;
+  int64_t rows_per_item_ = 0;  // output rows per work item (RowsPerItem)
+  const float* x_;
+  const uint8_t* w_;
+  float* y_;
+  const Int16Rows* xq_;
+  const Bf16Rows* xb_;
+  jvllm::FloatTiles<Fmt> tiles_;
+#if defined(__AVX2__)
+  jvllm::Int16Tiles<Fmt> int_tiles_;
+#endif
+#if defined(__AVX512BF16__)
+  jvllm::Bf16Tiles<Fmt> bf16_tiles_;
+#endif
+};
+
+template <typename Fmt>
+void RunProduct(Shapes sh, const float* x, const uint8_t* w, float* y, const RowPaths& paths) {
+#if defined(__AVX512BF16__)
+  if (sh.m >= 2 && paths.bf16_max_rows > 0) {  // the caller takes bfloat16 products: rows, or tiles past kBf16MaxRows
+    thread_local Bf16Rows xb;
+    xb.Convert(x, sh.m, sh.k);
+    const bool rows = sh.m <= std::min(paths.bf16_max_rows, kBf16MaxRows);
+    Matmul<Fmt> work(rows ? Path::kBf16Rows : Path::kBf16Tiles, sh, x, w, y, nullptr, nullptr, &xb);
+    jvllm::RunItems(work);
+    return;
+  }
+#endif
+#if defined(__AVX2__)
+  const bool int_rows = sh.m <= paths.int16_max_rows;
+  if (int_rows || (paths.int16_tile_min_rows > 0 && sh.m >= paths.int16_tile_min_rows)) {
+    thread_local Int16Rows xq;
+    xq.Quantize(x, sh.m, sh.k, int_rows ? 32767 : jvllm::Int16Limit<Fmt>());
+    Matmul<Fmt> work(int_rows ? Path::kIntRows : Path::kIntTiles, sh, x, w, y, &xq);
+    jvllm::RunItems(work);
+    return;
+  }
+#endif
+  if (sh.m <= kDirectRows) {
+    Matmul<Fmt> work(Path::kDirect, sh, x, w, y);
+    jvllm::RunItems(work);
+    return;
+  }
+  thread_local std::vector<float> panels;
+  if (jvllm::FloatTiles<Fmt>::TakesPanels(sh.m)) jvllm::PackPanels(x, sh.m, sh.k, panels);
+  Matmul<Fmt> work(Path::kFloatTiles, sh, x, w, y, nullptr, panels.data());
+  jvllm::RunItems(work);
+}
+
+// y[i] = silu(y[i]) * up[i] over `total` values, in chunks shared by the caller and the helper threads.
+struct SiluTimes {
+  static constexpr int64_t kValues = 1 << 14;
+  float* y;
+  const float* up;
+  int64_t total;
+
+  int64_t num_items() const { return (total + kValues - 1) / kValues; }
+  void Run(int64_t item) const {
+    typedef int32_t I8 __attribute__((vector_size(32)));
+    const int64_t begin = item * kValues, end = std::min(total, begin + kValues);
+    int64_t i = begin;
+    for (; i + kLanes <= end; i += kLanes) {
+      const V8 v = SiluVector<V8, I8>(LoadV(y + i)) * LoadV(up + i);
+      std::memcpy(y + i, &v, sizeof v);
+    }
+    for (; i < end; ++i) y[i] = y[i] / (1.0f + std::exp(-y[i])) * up[i];
+  }
+};
+
+// y[M, N] = silu(x . G^T) * (x . U^T), G and U [N, K] in one format (an MLP's gate and up projections). Where the
+// rows take bf16 tiles, one pass gives the activations (Bf16Tiles, gated); otherwise the two products are made
+// apart and combined.
+template <typename Fmt>
+void RunGatedProduct(Shapes sh, const float* x, const uint8_t* gate, const uint8_t* up, float* y,
+                     const RowPaths& paths) {
+#if defined(__AVX512BF16__)
+  if (sh.m >= 2 && paths.bf16_max_rows > 0 && sh.m > std::min(paths.bf16_max_rows, kBf16MaxRows)) {
+    thread_local Bf16Rows xb;
+    xb.Convert(x, sh.m, sh.k);
+    Matmul<Fmt> work(Path::kBf16Tiles, sh, x, gate, y, nullptr, nullptr, &xb, up);
+    jvllm::RunItems(work);
+    return;
+  }
+#endif
+  thread_local std::vector<float> up_out;  // [M, N]
+  up_out.resize(static_cast<size_t>(sh.m * sh.n));
+  RunProduct<Fmt>(sh, x, gate, y, paths);
+  RunProduct<Fmt>(sh, x, up, up_out.data(), paths);
+  jvllm::RunItems(SiluTimes{y, up_out.data(), sh.m * sh.n});
+}
+
+}  // namespace jvllm

@@ -1,0 +1,41 @@
+// exp and SiLU on GCC/Clang vectors of any width (or on one float), from Cephes' single-precision polynomial.
+#pragma once
+
+#include <cstdint>
+
+namespace jvllm {
+
+// exp(r) for r in [-ln2 / 2, ln2 / 2], for a float or a vector of them.
+template <typename T>
+inline T ExpPolynomial(T r) {
+  T p = r * 0.0f + 1.9875691500e-4f;  // (r is finite: the callers clamp x first)
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * r * r + r + 1.0f;
+}
+
+// exp(x) on a float vector V with int32 vector I of the same lanes (~1 ulp on [-87, 88]; below -87.3 it gives 0,
+// above 88.7 exp(88.7)): exp(x) = 2^n exp(r) with n = floor(x / ln2 + 1/2).
+template <typename V, typename I>
+inline V ExpVector(V x) {
+  const auto underflow = x < -87.3f;
+  x = x < -87.3f ? V{} - 87.3f : (x > 88.7f ? V{} + 88.7f : x);
+  const V t = x * 1.44269504088896341f + 0.5f;
+  V n = __builtin_convertvector(__builtin_convertvector(t, I), V);  // toward zero, then down to floor(t)
+  n = n > t ? n - 1.0f : n;
+  const V p = ExpPolynomial(x - n * 0.693359375f + n * 2.12194440e-4f);
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  const V result = p * reinterpret_cast<const V&>(bits);
+  return underflow ? V{} : result;
+}
+
+// silu(x) = x / (1 + exp(-x)) (jax.nn.silu, transformers' SiLU), lane by lane.
+template <typename V, typename I>
+inline V SiluVector(V x) {
+  return x / (1.0f + ExpVector<V, I>(-x));
+}
+
+}  // namespace jvllm
