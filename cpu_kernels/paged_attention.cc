@@ -238,16 +238,25 @@ class Attention {
 
   // Fills `rows`, copying the paged rows into `copy` ([nkeys, h1 - h0, head_dim]) first: a loop of copies alone
   // streams the scattered pages from memory at close to the machine's bandwidth, where loads interleaved with the
-  // arithmetic do not (docs/design.md, "Where a CPU step's time goes on an AVX-512 machine").
+  // arithmetic do not (docs/design.md, "Where a CPU step's time goes on an AVX-512 machine"). With `ahead`, each
+  // copied row also prefetches the same heads' row of key ahead_key0 + j from that pool (the block's values while
+  // its keys are copied, the next block's keys while its values are), so the next gather finds them in cache.
   void GatherRows(const PoolT* pages, const float* own, int64_t s, int64_t h0, int64_t h1, int64_t cached,
-                  int64_t key0, int64_t nkeys, char* copy, BlockRows* rows) const {
+                  int64_t key0, int64_t nkeys, char* copy, BlockRows* rows, const PoolT* ahead = nullptr,
+                  int64_t ahead_key0 = 0) const {
     const int64_t elems = (h1 - h0) * sh_.head_dim;
     rows->paged = std::clamp<int64_t>(cached - key0, 0, nkeys);
     for (int64_t j = 0; j < nkeys; ++j) rows->pages[j] = Row(pages, own, s, h0, key0 + j, cached, &rows->own[j]);
+    const int64_t row_bytes = elems * static_cast<int64_t>(sizeof(PoolT));
     for (int64_t j = 0; j < rows->paged; ++j) {  // a loop of copies alone: as many loads in flight as the core allows
       PoolT* dst = reinterpret_cast<PoolT*>(copy) + j * elems;
-      CopyBytes(rows->pages[j], dst, elems * static_cast<int64_t>(sizeof(PoolT)));
+      CopyBytes(rows->pages[j], dst, row_bytes);
       rows->pages[j] = dst;
+      if (ahead != nullptr && ahead_key0 + j < cached) {
+        const float* own_row;  // unused: only paged positions are prefetched
+        const char* next = reinterpret_cast<const char*>(Row(ahead, own, s, h0, ahead_key0 + j, cached, &own_row));
+        for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(next + line);
+      }
     }
   }
 
@@ -258,7 +267,7 @@ class Attention {
                     int64_t rows, const float* queries, bool bf16_dots, float* scores) const {
     const int64_t hd = sh_.head_dim, heads = h1 - h0;
     BlockRows keys;
-    GatherRows(k_pages_, k_, s, h0, h1, cached, key0, nkeys, scratch.key_copy.data(), &keys);
+    GatherRows(k_pages_, k_, s, h0, h1, cached, key0, nkeys, scratch.key_copy.data(), &keys, v_pages_, key0);
     for (int64_t j0 = 0; j0 < nkeys; j0 += kStripKeys) {
       const int64_t j1 = std::min<int64_t>(nkeys, j0 + kStripKeys), paged = std::clamp(keys.paged, j0, j1);
       for (int64_t h = 0; h < heads; ++h) {
@@ -295,7 +304,8 @@ class Attention {
                     const float* rescale, float* acc) const {
     const int64_t hd = sh_.head_dim;
     BlockRows values;
-    GatherRows(v_pages_, v_, s, h0, h1, cached, key0, nkeys, scratch.value_copy.data(), &values);
+    GatherRows(v_pages_, v_, s, h0, h1, cached, key0, nkeys, scratch.value_copy.data(), &values, k_pages_,
+               key0 + kBlockKeys);
     Rescale(acc, rescale, (h1 - h0) * rows, hd);
     for (int64_t j0 = 0; j0 < nkeys; j0 += kStripKeys) {
       const int64_t j1 = std::min<int64_t>(nkeys, j0 + kStripKeys), paged = std::clamp(values.paged, j0, j1);
