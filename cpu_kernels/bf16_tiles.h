@@ -1,6 +1,6 @@
 // bfloat16 products with GGUF weights on CPUs with AVX-512 BF16 (`vdpbf16ps`: 32 multiply-adds into 16 floats an
 // instruction): weight blocks dequantized and rounded to bfloat16, x rounded to bfloat16 once, float32 sums.
-// WeightsBf16 gives one 32-weight sub-block in registers (the few-row path of quantized_matmul.cc); Bf16Tiles
+// WeightsBf16 gives one 32-weight sub-block in registers (the few-row path of quantized_products.h); Bf16Tiles
 // multiplies many rows (prefill and wide decode steps) with weight rows dequantized once per call into tiles of 16
 // rows, kept as bf16 pairs, so the scale of each block is inside the weights and every instruction of the inner loop
 // is a load, a broadcast or a product (the int16 tiles scale each sub-block's integer sums into float apart); with

@@ -1,4 +1,4 @@
-// Products of many rows of x with GGUF weight rows dequantized into float tiles (quantized_matmul.cc's path from
+// Products of many rows of x with GGUF weight rows dequantized into float tiles (quantized_products.h's path from
 // 2 rows): the weights are unpacked once per tile and multiplied with float FMAs, so these paths are bound by the
 // cores' float throughput, not by reading the weights.
 #pragma once
