@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "block_formats.h"
+#include "code_tiles.h"
 #include "float_tiles.h"
 #include "run_items.h"
 #include "transpose.h"
@@ -152,9 +153,14 @@ class Bf16Tiles {
   int64_t blocks_per_row() const { return k_ / Fmt::kWeights; }
   const uint8_t* Row(const uint8_t* w, int64_t n) const { return w + n * blocks_per_row() * Fmt::kBytes; }
 
-  // Weight rows [n, n + cols) -> tile [K / 2, kTileCols] of bf16 pairs (zero columns past `cols`): each half of 8
-  // rows is dequantized into `rows` [8, K], then its 32-bit pairs are transposed 8 x 8 at a time.
+  // Weight rows [n, n + cols) -> tile [K / 2, kTileCols] of bf16 pairs (zero columns past `cols`). Blocks of 32
+  // weights: from their transposed codes (code_tiles.h). K-quants: each half of 8 rows is dequantized into `rows`
+  // [8, K], then its 32-bit pairs are transposed 8 x 8 at a time.
   void TileWeights(const uint8_t* w, int64_t n, int cols, uint32_t* tile) const {
+    if constexpr (kTilesFromCodes<Fmt>) {  // 32-weight blocks: their codes transposed instead (code_tiles.h)
+      TileFromCodes<Fmt>(w, blocks_per_row() * Fmt::kBytes, k_, n, cols, tile);
+      return;
+    }
     thread_local std::vector<uint16_t> rows;
     const int64_t k = k_;
     rows.resize(static_cast<size_t>(8 * k));
