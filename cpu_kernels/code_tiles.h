@@ -9,7 +9,6 @@
 #include <immintrin.h>
 
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 #include "block_formats.h"
