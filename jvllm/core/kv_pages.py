@@ -2,7 +2,9 @@
 
 Free pages live in one LRU list. A page without a key is reused first; a freed page that holds a cached
 prefix keeps its key and joins the back, so the least recently used cached page is evicted first (and loses
-its key) when the pool runs short."""
+its key) when the pool runs short. The pages of one allocation are handed out in ascending order, so a prompt's
+pages lie in address order in the pool, which its attention reads faster than pages in release order
+(docs/design.md, "KV pages in address order")."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -51,10 +53,11 @@ class PageManager:
         return cdiv(num_tokens, self.page_size)
 
     def allocate(self, count: int) -> list[int]:
-        """Fresh pages for new tokens, evicting the least recently used cached pages if needed."""
+        """Fresh pages for new tokens, in ascending order, evicting the least recently used cached pages if
+        needed."""
         if count > len(self._free):
             raise OutOfPages(f"need {count} pages, {len(self._free)} free")
-        pages = [self._free.popitem(last=False)[0] for _ in range(count)]
+        pages = sorted(self._free.popitem(last=False)[0] for _ in range(count))
         for page in pages:
             self._forget(page)
             self._refcount[page] = 1

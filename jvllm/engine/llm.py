@@ -247,13 +247,18 @@ class Engine(MultiHostRoles, FrontEndViews):
 
         With async scheduling, the next decode step is dispatched before this one's ids are read (see
         jvllm.core.lookahead), and the following call starts from it instead of scheduling."""
+        return self._step(finished_only=False)
+
+    def _step(self, finished_only: bool) -> list[RequestOutput]:
+        """`step`; with `finished_only`, outputs only of the prompts that finished (generate's way: building
+        every advancing prompt's output each step is host work that competes with the step's kernels)."""
         current, self._ahead = self._ahead or self._schedule_and_dispatch(), None
         if current is None:
             return []
         try:
             self._ahead = self._dispatch_ahead(current)
             results = self.runner.collect(current.groups)
-            outputs = self._process_results(current.step_order, results)
+            outputs = self._process_results(current.step_order, results, finished_only)
             self._settle_ahead()
         except BaseException:
             self._ahead = None
@@ -287,7 +292,8 @@ class Engine(MultiHostRoles, FrontEndViews):
             # its grammars have now seen the previous step's tokens
             self.runner.finish_head(self._ahead.groups[0], self._ahead.grammar_bits())
 
-    def _process_results(self, chunks: list[ScheduledChunk], results: dict) -> list[RequestOutput]:
+    def _process_results(self, chunks: list[ScheduledChunk], results: dict,
+                         finished_only: bool = False) -> list[RequestOutput]:
         advanced: dict[str, None] = {}
         for chunk in chunks:
             request = chunk.request
@@ -304,7 +310,7 @@ class Engine(MultiHostRoles, FrontEndViews):
         outputs = []
         for group_id in advanced:
             members = self._request_groups.get(group_id)
-            if members is None:
+            if members is None or (finished_only and not all(m.is_finished for m in members)):
                 continue
             output = request_output(group_id, members)
             if output.finished:
@@ -352,7 +358,7 @@ class Engine(MultiHostRoles, FrontEndViews):
         progress = GenerateProgress(len(request_ids), enabled=use_tqdm)
         try:
             while len(finals) < len(wanted):
-                outputs = self.step()
+                outputs = self._step(finished_only=True)
                 if not outputs and not self.has_unfinished_requests():
                     raise RuntimeError("the engine stopped with requests still pending")
                 for output in outputs:

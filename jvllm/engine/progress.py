@@ -17,16 +17,16 @@ class GenerateProgress:
 
             self._bar = tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)
         self._started = time.perf_counter()
-        self._tokens: dict[str, int] = {}
+        self._output_tokens = 0  # of the finished requests
 
     def update(self, output: RequestOutput) -> None:
-        if self._bar is None:
+        """Count a finished request (vLLM's bar too moves on finished requests only); other outputs are ignored."""
+        if self._bar is None or not output.finished:
             return
-        self._tokens[output.request_id] = sum(len(c.token_ids) for c in output.outputs)
+        self._output_tokens += sum(len(c.token_ids) for c in output.outputs)
         elapsed = max(time.perf_counter() - self._started, 1e-9)
-        self._bar.set_postfix_str(f"output {sum(self._tokens.values()) / elapsed:.1f} tok/s", refresh=False)
-        if output.finished:
-            self._bar.update(1)
+        self._bar.set_postfix_str(f"output {self._output_tokens / elapsed:.1f} tok/s", refresh=False)
+        self._bar.update(1)
 
     def close(self) -> None:
         if self._bar is not None:

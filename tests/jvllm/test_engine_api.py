@@ -176,6 +176,33 @@ def test_step_api_abort_mid_way_frees_pages_and_others_complete(default_engine, 
     assert_idle(engine)
 
 
+
+def test_generate_builds_outputs_of_finished_prompts_only_while_step_reports_every_advance(default_engine, singles,
+                                                                                        monkeypatch):
+    """generate() keeps only the final outputs, so it builds no RequestOutput for a prompt that goes on (per-step
+    host work beside the kernels); step() still reports each prompt that advanced, as vLLM's does."""
+    import jvllm.engine.llm as engine_module
+
+    built: list[bool] = []
+    real = engine_module.request_output
+
+    def counting(request_id, members):
+        output = real(request_id, members)
+        built.append(output.finished)
+        return output
+
+    monkeypatch.setattr(engine_module, "request_output", counting)
+    outputs = default_engine.generate(PROMPTS[:2], greedy(), use_tqdm=True)
+    assert [o.outputs[0].token_ids for o in outputs] == [singles[p].token_ids for p in PROMPTS[:2]]
+    assert built == [True, True]
+
+    built.clear()
+    default_engine.add_request("advance-a", PROMPTS[0], greedy())
+    while default_engine.has_unfinished_requests():
+        default_engine.step()
+    assert built == [False] * (MAX_TOKENS - 1) + [True]
+    assert_idle(default_engine)
+
 def test_abort_of_a_waiting_request_leaves_nothing_behind(default_engine):
     default_engine.add_request("waiting-1", PROMPTS[0], greedy())
     assert default_engine.has_unfinished_requests()

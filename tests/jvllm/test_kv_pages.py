@@ -196,6 +196,18 @@ def test_integrity_after_random_operations(num_pages, ops):
     assert pm.num_free_pages == pm.num_usable_pages
 
 
+
+def test_an_allocation_comes_in_address_order_after_pages_return_scrambled():
+    pm = PageManager(12, 16)
+    first = pm.allocate(11)
+    pm.release(first[5:])  # released last-first: 11, 10, ... 6, then (below) 3, 1, 5, 2, 4
+    pm.release([first[i] for i in (3, 1, 4, 0, 2)])
+    again = pm.allocate(8)
+    assert again == sorted(again) and len(set(again)) == 8
+    assert set(again) < set(first)
+    pm.release(again)
+    pm.check_integrity()
+
 # ---- prefix cache -------------------------------------------------------------------------------
 def test_freed_keyed_pages_are_found_again_until_evicted_lru_first():
     pm = PageManager(5, 16)  # 4 usable pages
