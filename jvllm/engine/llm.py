@@ -293,7 +293,7 @@ class Engine(MultiHostRoles, FrontEndViews):
             self.runner.finish_head(self._ahead.groups[0], self._ahead.grammar_bits())
 
     def _process_results(self, chunks: list[ScheduledChunk], results: dict,
-                         finished_only: bool = False) -> list[RequestOutput]:
+                         finished_only: bool) -> list[RequestOutput]:
         advanced: dict[str, None] = {}
         for chunk in chunks:
             request = chunk.request
