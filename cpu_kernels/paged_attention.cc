@@ -23,6 +23,7 @@
 #include "xla/ffi/api/ffi.h"
 #include "attention_vectors.h"
 #include "bf16_attention.h"
+#include "bf16_prefill_attention.h"
 #include "few_row_attention.h"
 #include "run_items.h"
 #include "transpose.h"
@@ -48,6 +49,7 @@ struct Options {
   float scale;
   int64_t sliding_window;  // 0: none
   float soft_cap;          // 0: none
+  bool bf16_tiles;         // prefill blocks over bf16 pages may round queries and probabilities to bf16
 };
 
 // Per-thread scratch space, sized on first use.
@@ -185,6 +187,15 @@ class Attention {
     int64_t lowest = 0;
     if (opt_.sliding_window > 0) lowest = std::max<int64_t>(0, first_pos - opt_.sliding_window + 1);
     const bool direct = rows <= kDirectRows || count <= kDirectQueries;
+#if JVLLM_BF16_PREFILL
+    if constexpr (std::is_same_v<PoolT, uint16_t>) {
+      // bf16 pages on a CPU with bf16 dot products: prefill blocks of queries in transposed tiles
+      if (opt_.bf16_tiles && !direct && hd % kBf16Chunk == 0 && opt_.soft_cap == 0.0f) {
+        AttendInTiles(scratch, s, h0, h1, count, cached, start, first_pos, lowest);
+        return;
+      }
+    }
+#endif
     // bf16 pages on a CPU with bf16 dot products: the direct loops multiply bf16 pairs (bf16_attention.h)
     const bool bf16_dots = std::is_same_v<PoolT, uint16_t> && kBf16Attention && direct && hd % kBf16Chunk == 0;
     if (bf16_dots) {
@@ -227,6 +238,35 @@ class Attention {
       }
     }
   }
+
+  // Attend for a block of prefill queries over bf16 pages (bf16_prefill_attention.h): heads [h0, h1), `count`
+  // queries from flat token `start` at positions first_pos.., their scaled queries in scratch.queries.
+#if JVLLM_BF16_PREFILL
+  void AttendInTiles(Scratch& scratch, int64_t s, int64_t h0, int64_t h1, int64_t count, int64_t cached,
+                     int64_t start, int64_t first_pos, int64_t lowest) const {
+    if constexpr (std::is_same_v<PoolT, uint16_t>) {
+      const int64_t hd = sh_.head_dim, group = sh_.group;
+      const PrefillQueries block{scratch.queries.data(), h1 - h0, count * group, group, hd, first_pos, lowest,
+                                 opt_.sliding_window};
+      Prefetch(s, h0, h1, cached, lowest, kBlockKeys);
+      AttendPrefillQueries(
+          block, kBlockKeys,
+          [&](int64_t h, int64_t pos, uint16_t* k_buf, uint16_t* v_buf, const uint16_t** key, const uint16_t** value) {
+            const float *own_k, *own_v;
+            *key = Row(k_pages_, k_, s, h0 + h, pos, cached, &own_k);
+            *value = Row(v_pages_, v_, s, h0 + h, pos, cached, &own_v);
+            if (own_k != nullptr) {  // this step's own rows: rounded as the pages store them
+              RoundToBf16(own_k, hd, k_buf);
+              RoundToBf16(own_v, hd, v_buf);
+              *key = k_buf;
+              *value = v_buf;
+            }
+          },
+          [&](int64_t key0, int64_t nkeys) { Prefetch(s, h0, h1, cached, key0, nkeys); },
+          [&](int64_t h, int64_t r) { return out_ + ((start + r / group) * sh_.heads + (h0 + h) * group + r % group) * hd; });
+    }
+  }
+#endif
 
   // Pointers to the rows of keys (or values) key0 .. key0 + nkeys - 1 for KV heads [h0, h1): the cached ones copied
   // from the pages, the rest (from index `paged` on) this step's own.
@@ -473,7 +513,7 @@ ffi::Error Attend(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<
                   ffi::Span<const int64_t> pd, ffi::DataType type, const void* k_pages, const void* v_pages,
                   ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
                   ffi::Buffer<ffi::S32> page_tables, float* dst, float scale, int64_t sliding_window,
-                  float soft_cap) {
+                  float soft_cap, int64_t bf16_tiles) {
   const auto qd = q.dimensions();
   const auto td = page_tables.dimensions();
   if (qd.size() != 3 || pd.size() != 4 || td.size() != 2) {
@@ -484,7 +524,7 @@ ffi::Error Attend(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<
     return ffi::Error::InvalidArgument(
         "paged_attention: heads a multiple of KV heads, one head_dim (a multiple of 16) for q and pages");
   }
-  Options opt{scale, sliding_window, soft_cap};
+  Options opt{scale, sliding_window, soft_cap, bf16_tiles != 0};
   // Tokens past the last sequence's are padding: their rows are zero.
   int64_t used = 0;
   for (int64_t s = 0; s < sh.seqs; ++s) {
@@ -516,10 +556,10 @@ ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                               ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> q_lens,
                               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_tables,
                               ffi::ResultBuffer<ffi::F32> out, float scale, int64_t sliding_window,
-                              float soft_cap) {
+                              float soft_cap, int64_t bf16_tiles) {
   return Attend(q, k, v, k_pages.dimensions(), k_pages.element_type(), k_pages.untyped_data(),
                 v_pages.untyped_data(), query_start, q_lens, kv_lens, page_tables, out->typed_data(), scale,
-                sliding_window, soft_cap);
+                sliding_window, soft_cap, bf16_tiles);
 }
 
 // Copies row t of `rows` [T, row bytes] to pool row slots[t] (pool [N * page, row bytes]); slots outside the pool
@@ -544,7 +584,7 @@ ffi::Error PagedAttentionWriteImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32
                                    ffi::Buffer<ffi::S32> page_tables, ffi::Buffer<ffi::S32> slot_mapping,
                                    ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> k_out,
                                    ffi::Result<ffi::AnyBuffer> v_out, float scale, int64_t sliding_window,
-                                   float soft_cap) {
+                                   float soft_cap, int64_t bf16_tiles) {
   const auto pd = k_pages.dimensions();
   if (k_store.element_type() != k_pages.element_type() || v_store.element_type() != v_pages.element_type() ||
       k_store.dimensions().size() != 3 || pd.size() != 4 ||
@@ -559,10 +599,13 @@ ffi::Error PagedAttentionWriteImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32
   WriteRows(k_store, slot_mapping.typed_data(), k_out);
   WriteRows(v_store, slot_mapping.typed_data(), v_out);
   return Attend(q, k, v, pd, k_pages.element_type(), k_out->untyped_data(), v_out->untyped_data(), query_start,
-                q_lens, kv_lens, page_tables, out->typed_data(), scale, sliding_window, soft_cap);
+                q_lens, kv_lens, page_tables, out->typed_data(), scale, sliding_window, soft_cap, bf16_tiles);
 }
 
 }  // namespace
+
+// Whether this build attends prefill blocks over bfloat16 pages in bf16 tiles (bf16_prefill_attention.h).
+extern "C" int32_t JvllmBf16PrefillTiles() { return jvllm::kBf16Prefill ? 1 : 0; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmPagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
@@ -578,7 +621,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmPagedAttention, PagedAttentionImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [T, H, hd]
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("sliding_window")
-                                  .Attr<float>("soft_cap"));
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("bf16_tiles"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmPagedAttentionWrite, PagedAttentionWriteImpl,
                               ffi::Ffi::Bind()
@@ -599,5 +643,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmPagedAttentionWrite, PagedAttentionWriteImpl,
                                   .Ret<ffi::AnyBuffer>()         // v_pages with the step's values
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("sliding_window")
-                                  .Attr<float>("soft_cap"));
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("bf16_tiles"));
 

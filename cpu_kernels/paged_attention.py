@@ -9,6 +9,13 @@ from cpu_kernels.build import load
 
 HEAD_DIM_MULTIPLE = 16  # the kernel works in 16-float vectors
 
+
+def bf16_prefill_tiles() -> bool:
+    """Whether this machine's build can attend prefill blocks (more than 8 queries of a sequence) over bfloat16 pages
+    with bf16 dot products (AVX-512 BF16), where a call allows it (`bf16_tiles`): queries and probabilities rounded
+    to bfloat16, sums in float32."""
+    return bool(load().JvllmBf16PrefillTiles())
+
 def paged_attention(
     q: jax.Array,  # [T, H, hd]
     k: jax.Array,  # [T, KVH, hd] this step's keys (not in the pages yet)
@@ -22,10 +29,13 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    bf16_tiles: bool = False,
 ) -> jax.Array:
     """Causal attention of every query over its sequence's cached pages and this step's own keys -> [T, H, hd]
     float32 (zero on padding tokens). Sequences are back to back in the flat tokens; with `sliding_window`, a query
-    at position p sees keys at positions > p - window; with `soft_cap`, scores become cap * tanh(score / cap)."""
+    at position p sees keys at positions > p - window; with `soft_cap`, scores become cap * tanh(score / cap). With
+    `bf16_tiles`, prefill blocks over bfloat16 pages may round queries and probabilities to bfloat16
+    (`bf16_prefill_tiles`); otherwise the sums keep float32 queries and probabilities."""
     if q.shape[-1] % HEAD_DIM_MULTIPLE:
         raise ValueError(f"the native paged attention needs head_dim a multiple of {HEAD_DIM_MULTIPLE}, got {q.shape[-1]}")
     load()
@@ -33,7 +43,7 @@ def paged_attention(
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     ints = [x.astype(jnp.int32) for x in (query_start, q_lens, kv_lens, page_tables)]
     return call(*f32, k_pages, v_pages, *ints, scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0),
-                soft_cap=np.float32(soft_cap or 0.0))
+                soft_cap=np.float32(soft_cap or 0.0), bf16_tiles=np.int64(bf16_tiles))
 
 
 def paged_attention_write(
@@ -52,6 +62,7 @@ def paged_attention_write(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    bf16_tiles: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`paged_attention` that first writes the step's K/V into the pages at `slot_mapping`, in place (the pages
     are aliased to the outputs) -> (out [T, H, hd] float32, k_pages, v_pages)."""
@@ -66,4 +77,5 @@ def paged_attention_write(
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     ints = [x.astype(jnp.int32) for x in (query_start, q_lens, kv_lens, page_tables, slot_mapping)]
     return call(*f32, k_store, v_store, k_pages, v_pages, *ints, scale=np.float32(scale),
-                sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0))
+                sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
+                bf16_tiles=np.int64(bf16_tiles))

@@ -130,13 +130,19 @@ _BF16_PRODUCTS: contextvars.ContextVar[bool] = contextvars.ContextVar("bf16_prod
 
 @contextlib.contextmanager
 def bf16_products(enabled: bool) -> Iterator[None]:
-    """Within: whether products of 2+ rows with GGUF blocks may run in bfloat16 where the CPU has bf16 dot products
-    (jvllm.worker.step_functions sets it around a step's layers and head from the engine's batched_weight_dtype)."""
+    """Within: whether products of 2+ rows with GGUF blocks, and the native prefill attention over bfloat16 pages, may
+    round their activations to bfloat16 where the CPU has bf16 dot products (jvllm.worker.step_functions sets it
+    around a step's layers and head from the engine's batched_weight_dtype)."""
     token = _BF16_PRODUCTS.set(enabled)
     try:
         yield
     finally:
         _BF16_PRODUCTS.reset(token)
+
+
+def bf16_products_enabled() -> bool:
+    """Whether bf16_products(True) (the default) is in effect here."""
+    return _BF16_PRODUCTS.get()
 
 
 def quantized_dot(x: jax.Array, raw: jax.Array, fmt: str, scale: jax.Array | None = None) -> jax.Array:
@@ -148,7 +154,7 @@ def quantized_dot(x: jax.Array, raw: jax.Array, fmt: str, scale: jax.Array | Non
         from cpu_kernels.quantized_matmul import bf16_max_rows, quantized_matmul, row_path_limits
 
         return quantized_matmul(x, raw, fmt, *row_path_limits(), live_rows_of(x.shape[0]),
-                                bf16_max_rows=bf16_max_rows() if _BF16_PRODUCTS.get() else 0)
+                                bf16_max_rows=bf16_max_rows() if bf16_products_enabled() else 0)
     w = dequantize(raw, fmt, x.shape[-1])  # [N, K]
     return jnp.einsum("tk,nk->tn", x.astype(jnp.float32), w, preferred_element_type=jnp.float32)
 
@@ -163,7 +169,7 @@ def quantized_gated_dot(x: jax.Array, gate: jax.Array, up: jax.Array, fmt: str) 
     from cpu_kernels.quantized_matmul import bf16_max_rows, gated_matmul, row_path_limits
 
     return gated_matmul(x, gate, up, fmt, *row_path_limits(), live_rows_of(x.shape[0]),
-                        bf16_max_rows=bf16_max_rows() if _BF16_PRODUCTS.get() else 0)
+                        bf16_max_rows=bf16_max_rows() if bf16_products_enabled() else 0)
 
 
 def dequantized_rows(raw: jax.Array, ids: jax.Array, fmt: str, k: int, scale: jax.Array | None = None) -> jax.Array:

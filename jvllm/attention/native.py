@@ -12,6 +12,7 @@ from cpu_kernels.paged_attention import HEAD_DIM_MULTIPLE, paged_attention_write
 from jvllm.attention.backend import AttentionBackend, InStepWrite
 from jvllm.attention.pool_storage import as_stored, storage_dtype
 from models.attention import AttentionMetadata
+from models.quantized import bf16_products_enabled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +61,11 @@ def write_and_attend(
     soft_cap: float | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The step's K/V stored at md.slot_mapping, then causal attention of each query over its sequence's cached
-    pages plus this step's chunk -> (out [T, H, hd], k_pages, v_pages)."""
+    pages plus this step's chunk -> (out [T, H, hd], k_pages, v_pages). Prefill blocks over bfloat16 pages round
+    queries and probabilities to bfloat16 where the step's products round their activations
+    (models.quantized.bf16_products)."""
     out, k_pages, v_pages = paged_attention_write(
         q, k, v, as_stored(k, k_pages.dtype), as_stored(v, v_pages.dtype), k_pages, v_pages, md.query_start,
-        md.q_lens, md.kv_lens, md.page_tables, md.slot_mapping, scale, sliding_window, soft_cap)
+        md.q_lens, md.kv_lens, md.page_tables, md.slot_mapping, scale, sliding_window, soft_cap,
+        bf16_tiles=bf16_products_enabled())
     return out.astype(q.dtype), k_pages, v_pages

@@ -12,10 +12,23 @@ import numpy as np
 import pytest
 
 from cpu_kernels import build
-from cpu_kernels.paged_attention import paged_attention, paged_attention_write
+from cpu_kernels.paged_attention import bf16_prefill_tiles, paged_attention, paged_attention_write
 from pallas_kernels.reference import ragged_attention_reference
 
 TOLERANCE = dict(atol=2e-5, rtol=2e-5)  # float32 throughout; bfloat16 pools hold values the reference sees too
+# paged_attention.cc's kBlockQueries, kDirectRows, kDirectQueries: a sequence's queries go in blocks of 32, and a block
+# of more than 8 queries (and 4 rows) over a bfloat16 pool goes through the bf16 tiles on machines with AVX-512 BF16
+BLOCK_QUERIES, DIRECT_ROWS, DIRECT_QUERIES = 32, 4, 8
+
+
+def tiled_tokens(q_lens: list[int], group: int) -> np.ndarray:
+    """[tokens] whether each token's query block is attended in bf16 tiles (when the build has them)."""
+    tiled = []
+    for n in q_lens:
+        for i in range(n):
+            count = min(BLOCK_QUERIES, n - i // BLOCK_QUERIES * BLOCK_QUERIES)
+            tiled.append(count > DIRECT_QUERIES and count * group > DIRECT_ROWS)
+    return np.asarray(tiled, bool)
 
 
 def test_kernels_build_here():
@@ -50,7 +63,7 @@ def make_pool(rng: np.random.Generator, kv_lens: list[int], page_size: int, kv_h
 
 def run_case(rng, chunks: list[tuple[int, int]], *, heads: int, kv_heads: int, head_dim: int, page_size: int,
              pool_dtype=jnp.float32, padding_rows: int = 0, padding_tokens: int = 0, sliding_window=None,
-             soft_cap=None):
+             soft_cap=None, bf16_tiles: bool = True):
     """chunks: (cached tokens, tokens this step) per sequence. Compares the kernel with the reference."""
     kv_lens = [cached + new for cached, new in chunks]
     full_k, full_v, block_tables = make_pool(rng, kv_lens, page_size, kv_heads, head_dim)
@@ -74,12 +87,20 @@ def run_case(rng, chunks: list[tuple[int, int]], *, heads: int, kv_heads: int, h
         k_pages, v_pages = full_k, full_v
     k, v = own(k_pages), own(v_pages)
 
-    seqs = len(chunks) + padding_rows
     pad = lambda a: jnp.asarray(np.concatenate([np.asarray(a, np.int32), np.zeros(padding_rows, np.int32)]))
     tables = jnp.asarray(np.concatenate([block_tables, np.zeros((padding_rows, block_tables.shape[1]), np.int32)]))
     query_start, q_len, kv_len = pad(starts), pad(q_lens), pad(kv_lens)
     expected = ragged_attention_reference(q, k_pages, v_pages, query_start, q_len, kv_len, tables,
                                           scale=head_dim ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap)
+    in_tiles = np.zeros(num_tokens, bool)
+    if bf16_tiles and pool_dtype == jnp.bfloat16 and soft_cap is None and head_dim % 32 == 0 and bf16_prefill_tiles():
+        # bf16 tiles: the scaled queries are rounded to bfloat16 (the reference gets them so), and so are the
+        # probabilities, each within 2^-9 of itself: an output moves by at most 2^-9 of the largest |value|
+        in_tiles[:sum(q_lens)] = tiled_tokens(q_lens, heads // kv_heads)
+        rounded = (q * head_dim ** -0.5).astype(jnp.bfloat16).astype(jnp.float32)
+        expected_in_tiles = ragged_attention_reference(rounded, k_pages, v_pages, query_start, q_len, kv_len, tables,
+                                                       scale=1.0, sliding_window=sliding_window)
+        largest_value = float(np.nanmax(np.abs(np.asarray(v_pages))))
 
     poisoned = np.zeros(k_pages.shape[:2], bool)  # this step's slots: the kernel must take them from k/v
     for s, (cached, new) in enumerate(chunks):
@@ -89,11 +110,14 @@ def run_case(rng, chunks: list[tuple[int, int]], *, heads: int, kv_heads: int, h
     k_in, v_in = jnp.where(mask, jnp.nan, k_pages), jnp.where(mask, jnp.nan, v_pages)
     if pool_dtype == jnp.bfloat16:  # stored as bits, as the cpu backend stores a bfloat16 pool
         k_in, v_in = (jax.lax.bitcast_convert_type(p.astype(jnp.bfloat16), jnp.uint16) for p in (k_in, v_in))
-    got = jax.jit(paged_attention, static_argnames=("scale", "sliding_window", "soft_cap"))(
+    got = jax.jit(paged_attention, static_argnames=("scale", "sliding_window", "soft_cap", "bf16_tiles"))(
         q, k, v, k_in, v_in, query_start, q_len, kv_len, tables, scale=head_dim ** -0.5,
-        sliding_window=sliding_window, soft_cap=soft_cap)
+        sliding_window=sliding_window, soft_cap=soft_cap, bf16_tiles=bf16_tiles)
     assert got.shape == q.shape and got.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(got), np.asarray(expected, np.float32), **TOLERANCE)
+    np.testing.assert_allclose(np.asarray(got)[~in_tiles], np.asarray(expected, np.float32)[~in_tiles], **TOLERANCE)
+    if in_tiles.any():
+        np.testing.assert_allclose(np.asarray(got)[in_tiles], np.asarray(expected_in_tiles, np.float32)[in_tiles],
+                                   atol=2 ** -9 * largest_value + 2e-5, rtol=0)
     if padding_tokens:
         assert not np.asarray(got[sum(q_lens):]).any(), "padding tokens must come back as zeros"
 
@@ -101,9 +125,10 @@ def run_case(rng, chunks: list[tuple[int, int]], *, heads: int, kv_heads: int, h
     slots = slots.at[sum(q_lens):].set(-1)  # padding tokens: outside the pool, not written
     stored = (k, v) if pool_dtype == jnp.float32 else tuple(
         jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16) for x in (k, v))
-    written, k_out, v_out = jax.jit(paged_attention_write, static_argnames=("scale", "sliding_window", "soft_cap"))(
+    written, k_out, v_out = jax.jit(paged_attention_write,
+                                    static_argnames=("scale", "sliding_window", "soft_cap", "bf16_tiles"))(
         q, k, v, *stored, k_in, v_in, query_start, q_len, kv_len, tables, slots, scale=head_dim ** -0.5,
-        sliding_window=sliding_window, soft_cap=soft_cap)
+        sliding_window=sliding_window, soft_cap=soft_cap, bf16_tiles=bf16_tiles)
     np.testing.assert_array_equal(np.asarray(written), np.asarray(got))
     expected_k, expected_v = (
         np.where(np.asarray(mask), np.asarray(full), np.asarray(given)) if pool_dtype == jnp.float32 else
@@ -174,9 +199,29 @@ def test_soft_cap(cap, pool_dtype):
              sliding_window=20, pool_dtype=pool_dtype)
 
 
-def test_long_prompt_in_blocks():
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+def test_long_prompt_in_blocks(pool_dtype):
     """A 300-token chunk after 200 cached tokens: many query blocks and key blocks of one sequence."""
-    run_case(np.random.default_rng(7), [(200, 300)], heads=4, kv_heads=2, head_dim=64, page_size=16)
+    run_case(np.random.default_rng(7), [(200, 300)], heads=4, kv_heads=2, head_dim=64, page_size=16,
+             pool_dtype=pool_dtype)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (8, 1), (9, 3), (16, 2)])
+def test_prefill_blocks_over_bf16_pages(head_dim, heads, kv_heads):
+    """Prefill chunks of 9-100 tokens, fresh and after cached contexts, over a bfloat16 pool: every remainder of the
+    tiles' 16-row chunks, four-key groups and key pairs, blocks that straddle the causal diagonal, with 1-8 query
+    heads per KV head (head sizes the bf16 tiles do not take run the float loops)."""
+    rng = np.random.default_rng(head_dim + heads * kv_heads)
+    chunks = [(0, 9), (0, 37), (5, 63), (64, 64), (17, 100), (130, 33), (1, 10)]
+    run_case(rng, chunks, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=16, pool_dtype=jnp.bfloat16)
+
+
+def test_prefill_over_bf16_pages_without_tiles():
+    """A call that does not allow the bf16 tiles keeps float32 queries and probabilities: float32's tolerance."""
+    chunks = [(0, 40), (17, 100), (130, 33)]
+    run_case(np.random.default_rng(3), chunks, heads=9, kv_heads=3, head_dim=64, page_size=16,
+             pool_dtype=jnp.bfloat16, bf16_tiles=False)
 
 
 def test_head_dim_not_a_multiple_of_16():
