@@ -16,13 +16,15 @@ import subprocess
 import tempfile
 
 HERE = pathlib.Path(__file__).parent
-SOURCES = [HERE / "paged_attention.cc", HERE / "quantized_matmul.cc"]
+SOURCES = [HERE / "paged_attention.cc", HERE / "quantized_matmul.cc", HERE / "rms_norm.cc"]
 HEADERS = sorted(HERE.glob("*.h"))
 TARGETS = {  # XLA custom-call name -> exported handler symbol
     "jvllm_paged_attention": "JvllmPagedAttention",
     "jvllm_paged_attention_write": "JvllmPagedAttentionWrite",
     "jvllm_quantized_matmul": "JvllmQuantizedMatmul",
     "jvllm_gated_matmul": "JvllmGatedMatmul",
+    "jvllm_rms_norm": "JvllmRmsNorm",
+    "jvllm_add_rms_norm": "JvllmAddRmsNorm",
 }
 FLAGS = ["-std=c++17", "-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared"]
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.params import normal_param, value_or_none
-from models.quantized import check_quantized, quantized_dot, quantized_gated_dot
+from models.quantized import check_quantized, native_kernel_available, quantized_dot, quantized_gated_dot
 
 
 # Up to this many token rows, a kernel stored [out, in] is applied as (kernel @ x^T)^T, which XLA CPU runs faster
@@ -87,13 +87,33 @@ def rms_normalized(x: jax.Array, eps: float) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
+    """On XLA CPU with the native kernels, float32 norms run as one pass per row (cpu_kernels.rms_norm), and
+    `add_and_norm` folds the residual add in: XLA makes three passes of them (add, reduction, scaling)."""
+
     def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
+    def _native(self, *xs: jax.Array) -> bool:
+        return (jax.default_backend() == "cpu" and self.weight.dtype == jnp.float32
+                and all(x.dtype == jnp.float32 for x in xs) and native_kernel_available())
+
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self._native(x):
+            from cpu_kernels.rms_norm import rms_norm
+
+            return rms_norm(x, self.weight[...], self.eps)
         normed = rms_normalized(x, self.eps)
         return self.weight[...] * normed.astype(x.dtype)  # transformers' order; f32 when the weight is bf16
+
+    def add_and_norm(self, x: jax.Array, delta: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(x + delta, its norm)."""
+        if self._native(x, delta) and x.shape == delta.shape:
+            from cpu_kernels.rms_norm import add_rms_norm
+
+            return add_rms_norm(x, delta, self.weight[...], self.eps)
+        total = x + delta
+        return total, self(total)
 
 
 class GemmaRMSNorm(nnx.Module):

@@ -70,8 +70,7 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, cos, sin, pages, md, attention):
         attn_out, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, pages, md, attention)
-        x = x + attn_out
-        h = self.post_attention_layernorm(x)
+        x, h = self.post_attention_layernorm.add_and_norm(x, attn_out)
         mlp_out = self.mlp(h, attention_mesh(attention)) if isinstance(self.mlp, SparseMoE) else self.mlp(h)
         return x + mlp_out.astype(x.dtype), new_kv
 
