@@ -11,7 +11,6 @@
 #include <cstring>
 #include <vector>
 
-
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define JVLLM_BF16_PREFILL 1
