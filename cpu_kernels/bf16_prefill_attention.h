@@ -11,6 +11,9 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16_attention.h"
+#include "transpose.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define JVLLM_BF16_PREFILL 1
@@ -64,10 +67,6 @@ struct PrefillScratch {
   }
 };
 
-inline __m512 PairDots(__m512 acc, __m512i a, __m512i b) {
-  return _mm512_dpbf16_ps(acc, reinterpret_cast<const __m512bh&>(a), reinterpret_cast<const __m512bh&>(b));
-}
-
 inline __m512i BroadcastPair(const void* p) {  // the 32 bits at p (two bf16 values) in every lane
   int32_t bits;
   std::memcpy(&bits, p, sizeof(bits));
@@ -115,35 +114,6 @@ inline __m512i InterleaveBf16(__m512 a, __m512 b, __m512i order) {
   return _mm512_permutexvar_epi16(order, reinterpret_cast<const __m512i&>(both));
 }
 
-// dst[i * dst_stride + j] = src[j * src_stride + i] for i, j < 16: a 16 x 16 transpose of 32-bit values.
-inline void Transpose16(const void* src, int64_t src_stride, void* dst, int64_t dst_stride) {
-  const auto* in = static_cast<const uint32_t*>(src);
-  auto* out = static_cast<uint32_t*>(dst);
-  __m512i r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(in + i * src_stride);
-  for (int i = 0; i < 16; i += 2) {  // pairs of rows interleaved by 32 bits, then by 64 bits
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  // r[4q + k] holds, per 128-bit lane l, column 4l + k' of rows 4q..4q+3 (k' = 0, 1, 2, 3 for k = 0, 1, 2, 3):
-  // gather the four lanes of each column from the four row quads
-  for (int k = 0; k < 4; ++k) {
-    const __m512i a = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88), b = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xdd);
-    const __m512i c = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88), d = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xdd);
-    t[k] = _mm512_shuffle_i32x4(a, c, 0x88);       // lanes 0 of quads 0-3: column k
-    t[8 + k] = _mm512_shuffle_i32x4(a, c, 0xdd);   // lanes 2: column 8 + k
-    t[4 + k] = _mm512_shuffle_i32x4(b, d, 0x88);   // lanes 1: column 4 + k
-    t[12 + k] = _mm512_shuffle_i32x4(b, d, 0xdd);  // lanes 3: column 12 + k
-  }
-  for (int i = 0; i < 16; ++i) _mm512_storeu_si512(out + i * dst_stride, t[i]);
-}
-
 // head.query_pairs from queries [rows, hd] (scaled floats); rows rows..rows_p - 1 become zeros. rounded: scratch of
 // [rows_p, hd] bf16.
 inline void PackQueries(const float* queries, int64_t rows, int64_t rows_p, int64_t hd, const PrefillHead& head,
@@ -183,7 +153,7 @@ inline void KeyScores(const uint16_t* const* keys, const uint32_t* query_pairs, 
     for (int c = 0; c < R; ++c) q[c] = _mm512_loadu_si512(query_pairs + d * rows_p + (c0 + c) * kTileRows);
     for (int t = 0; t < 4; ++t) {
       const __m512i k = BroadcastPair(keys[t] + 2 * d);
-      for (int c = 0; c < R; ++c) acc[t][c] = PairDots(acc[t][c], k, q[c]);
+      for (int c = 0; c < R; ++c) acc[t][c] = DotPairs(acc[t][c], k, q[c]);
     }
   }
   for (int t = 0; t < 4; ++t)
@@ -207,7 +177,7 @@ inline void AddValuePairs(const uint32_t* prob_pairs, const uint32_t* value_pair
     for (int c = 0; c < R; ++c) p[c] = _mm512_loadu_si512(prob_pairs + jp * rows_p + (c0 + c) * kTileRows);
     for (int t = 0; t < 4; ++t) {
       const __m512i v = _mm512_set1_epi32(static_cast<int32_t>(value_pairs[jp * hd + d0 + t]));
-      for (int c = 0; c < R; ++c) acc[t][c] = PairDots(acc[t][c], v, p[c]);
+      for (int c = 0; c < R; ++c) acc[t][c] = DotPairs(acc[t][c], v, p[c]);
     }
   }
   for (int t = 0; t < 4; ++t)

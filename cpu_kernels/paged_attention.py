@@ -16,6 +16,7 @@ def bf16_prefill_tiles() -> bool:
     to bfloat16, sums in float32."""
     return bool(load().JvllmBf16PrefillTiles())
 
+
 def paged_attention(
     q: jax.Array,  # [T, H, hd]
     k: jax.Array,  # [T, KVH, hd] this step's keys (not in the pages yet)
