@@ -24,6 +24,9 @@
 #include "attention_vectors.h"
 #include "bf16_attention.h"
 #include "bf16_prefill_attention.h"
+#ifndef HINT
+#define HINT 1
+#endif
 #include "few_row_attention.h"
 #include "run_items.h"
 #include "transpose.h"
@@ -39,6 +42,7 @@ constexpr int kBlockQueries = 32;  // queries per work item: each block of keys 
 constexpr int kDirectRows = 4;     // up to this many score rows, key rows are multiplied as stored (no transpose)
 constexpr int kDirectQueries = 8;  // ... and for up to this many queries (a decode row verifying draft tokens)
 constexpr int kStripKeys = 16;     // direct path: keys of every head per strip, so token rows are read in order
+constexpr int kPrefetchKeys = 64;  // direct path: how far ahead of the work (in key positions) rows are asked for
 constexpr float kMasked = -1e30f;  // finite: exp() of it underflows to 0 without NaNs
 
 struct Shapes {
@@ -65,9 +69,13 @@ struct Scratch {
   // bf16 pages with bf16 dot products: queries [rows, head_dim] and probabilities [rows, kBlockKeys] split into a
   // bf16 high part and the bf16 rest
   std::vector<uint16_t> queries_hi, queries_lo, probs_hi, probs_lo;
-  std::vector<char> key_copy, value_copy;    // [kBlockKeys, heads, head_dim] the direct path's paged rows, copied
+  // the direct path's prefetch cursor: the next key position whose paged rows are asked for, in work item
+  // (sequence s, heads from h0, queries from first): the item being attended, or the one its thread runs next
+  struct Cursor {
+    int64_t s = -1, h0 = 0, first = 0, pos = 0;
+  } cursor;
 
-  void Reserve(int64_t rows, int64_t head_dim, size_t row_bytes) {
+  void Reserve(int64_t rows, int64_t head_dim) {
     auto grow = [](std::vector<float>& v, size_t n) { if (v.size() < n) v.resize(n); };
     grow(queries, rows * head_dim);
     grow(keys_t, head_dim * kBlockKeys);
@@ -79,10 +87,6 @@ struct Scratch {
     grow(values, kBlockKeys * head_dim);
     grow(zeros, head_dim);
     if (value_rows.size() < kBlockKeys) value_rows.resize(kBlockKeys);
-    if (key_copy.size() < row_bytes * kBlockKeys) {
-      key_copy.resize(row_bytes * kBlockKeys);
-      value_copy.resize(row_bytes * kBlockKeys);
-    }
     if constexpr (kBf16Attention) {
       auto grow16 = [](std::vector<uint16_t>& v, size_t n) { if (v.size() < n) v.resize(n); };
       grow16(queries_hi, rows * head_dim);
@@ -114,18 +118,78 @@ class Attention {
 
   int64_t num_items() const { return item_start_.back(); }
 
-  void Run(int64_t item) const {
-    const int64_t s = std::upper_bound(item_start_.begin(), item_start_.end(), item) - item_start_.begin() - 1;
-    const int64_t local = item - item_start_[s];
-    const int64_t split = local % head_splits_;
-    const int64_t first = (local / head_splits_) * kBlockQueries;
-    const int64_t count = std::min<int64_t>(kBlockQueries, q_lens_[s] - first);
-    const int64_t h0 = split * heads_per_item_;
-    Attend(s, h0, std::min<int64_t>(sh_.kv_heads, h0 + heads_per_item_), first, count);
+  // Runs work item `item`; the paged keys and values of item `ahead` (the next this thread runs, -1: none) are
+  // prefetched during its last block.
+  void Run(int64_t item, int64_t ahead) const {
+    const Place place = Locate(item);
+    Attend(place.s, place.h0, place.h1, place.first, place.count, ahead >= 0 ? Locate(ahead) : Place{});
   }
 
  private:
   static constexpr int64_t kMinItems = 8;
+
+  // What a work item attends: queries [first, first + count) of sequence s, KV heads [h0, h1).
+  struct Place {
+    int64_t s = -1, h0 = 0, h1 = 0, first = 0, count = 0;
+  };
+
+  Place Locate(int64_t item) const {
+    const int64_t s = std::upper_bound(item_start_.begin(), item_start_.end(), item) - item_start_.begin() - 1;
+    const int64_t local = item - item_start_[s];
+    const int64_t first = (local / head_splits_) * kBlockQueries;
+    const int64_t h0 = (local % head_splits_) * heads_per_item_;
+    return {s, h0, std::min<int64_t>(sh_.kv_heads, h0 + heads_per_item_), first,
+            std::min<int64_t>(kBlockQueries, q_lens_[s] - first)};
+  }
+
+  // The first key position item `place` attends (its sliding window's start).
+  int64_t LowestKey(const Place& place) const {
+    const int64_t first_pos = kv_lens_[place.s] - q_lens_[place.s] + place.first;
+    return opt_.sliding_window > 0 ? std::max<int64_t>(0, first_pos - opt_.sliding_window + 1) : 0;
+  }
+
+  // The direct path's prefetching: asks for the paged key and value rows of item `place` (whose keys end at `end`)
+  // up to position `until`, at most `budget` positions in this call (a steady trickle: bursts stall on the memory
+  // system's queue). Past `end`, the distance goes on into the first keys of item `ahead`; the cursor in scratch
+  // remembers where it is, so `ahead` starts with its first keys already asked for.
+  void PrefetchUntil(Scratch& scratch, const Place& place, int64_t end, const Place& ahead, int64_t until,
+                     int64_t budget) const {
+    Scratch::Cursor& cursor = scratch.cursor;
+    const auto at = [&cursor](const Place& p) { return CursorIn(cursor, p); };
+    int64_t pos = cursor.pos;  // a local: the thread_local cursor's fields would be re-addressed every row
+    if (at(place)) {
+      const int64_t cached = kv_lens_[place.s] - q_lens_[place.s], stop = std::min({until, end, cached});
+      for (; pos < stop && budget > 0; ++pos, --budget) PrefetchRow(place, pos, cached);
+      if (until <= end || ahead.s < 0 || pos < std::min(end, cached)) {
+        cursor.pos = pos;
+        return;
+      }
+      cursor = {ahead.s, ahead.h0, ahead.first, LowestKey(ahead)};
+      pos = cursor.pos;
+    }
+    if (ahead.s >= 0 && at(ahead)) {
+      const int64_t cached = kv_lens_[ahead.s] - q_lens_[ahead.s];
+      const int64_t stop = std::min(LowestKey(ahead) + until - end, cached);
+      for (; pos < stop && budget > 0; ++pos, --budget) PrefetchRow(ahead, pos, cached);
+    }
+    cursor.pos = pos;
+  }
+
+  static bool CursorIn(const Scratch::Cursor& cursor, const Place& place) {
+    return cursor.s == place.s && cursor.h0 == place.h0 && cursor.first == place.first;
+  }
+
+  // Asks for the paged key and value rows of item `place`'s heads at position `pos`.
+  void PrefetchRow(const Place& place, int64_t pos, int64_t cached) const {
+    const int64_t bytes = (place.h1 - place.h0) * sh_.head_dim * static_cast<int64_t>(sizeof(PoolT));
+    const float* own;
+    const char* k = reinterpret_cast<const char*>(Row(k_pages_, k_, place.s, place.h0, pos, cached, &own));
+    const char* v = reinterpret_cast<const char*>(Row(v_pages_, v_, place.s, place.h0, pos, cached, &own));
+    for (int64_t line = 0; line < bytes; line += 64) {
+      PrefetchLine(k + line);
+      PrefetchLine(v + line);
+    }
+  }
 
   int64_t QueryBlocks(int64_t s) const {
     return (std::max<int32_t>(q_lens_[s], 0) + kBlockQueries - 1) / kBlockQueries;
@@ -155,16 +219,16 @@ class Attention {
       const char* kr = reinterpret_cast<const char*>(Row(k_pages_, k_, s, h0, pos, cached, &own));
       const char* vr = reinterpret_cast<const char*>(Row(v_pages_, v_, s, h0, pos, cached, &own));
       for (int64_t line = 0; line < bytes; line += 64) {
-        __builtin_prefetch(kr + line);
-        __builtin_prefetch(vr + line);
+        PrefetchLine(kr + line);
+        PrefetchLine(vr + line);
       }
     }
   }
 
-  void Attend(int64_t s, int64_t h0, int64_t h1, int64_t first, int64_t count) const {
+  void Attend(int64_t s, int64_t h0, int64_t h1, int64_t first, int64_t count, const Place& ahead) const {
     thread_local Scratch scratch;
     const int64_t hd = sh_.head_dim, group = sh_.group, rows = count * group, heads = h1 - h0;
-    scratch.Reserve(heads * rows, hd, heads * hd * sizeof(PoolT));
+    scratch.Reserve(heads * rows, hd);
     float* scores = scratch.scores.data();
 
     const int64_t cached = kv_lens_[s] - q_lens_[s];
@@ -187,6 +251,10 @@ class Attention {
     int64_t lowest = 0;
     if (opt_.sliding_window > 0) lowest = std::max<int64_t>(0, first_pos - opt_.sliding_window + 1);
     const bool direct = rows <= kDirectRows || count <= kDirectQueries;
+    const Place here{s, h0, h1, first, count};
+    if (direct && !CursorIn(scratch.cursor, here)) {
+      scratch.cursor = {s, h0, first, lowest};  // nothing asked for yet: the thread's first item
+    }
 #if JVLLM_BF16_PREFILL
     if constexpr (std::is_same_v<PoolT, uint16_t>) {
       // bf16 pages on a CPU with bf16 dot products: prefill blocks of queries in transposed tiles
@@ -204,8 +272,17 @@ class Attention {
     if (!direct) Prefetch(s, h0, h1, cached, lowest, kBlockKeys);
     for (int64_t key0 = lowest; key0 <= last_pos; key0 += kBlockKeys) {
       const int64_t nkeys = std::min<int64_t>(kBlockKeys, last_pos + 1 - key0);
-      if (direct) {  // few rows (decode): key and value rows copied per block, then a strip of positions at a time
-        DirectScores(scratch, s, h0, h1, cached, key0, nkeys, rows, scratch.queries.data(), bf16_dots, scores);
+      if (direct) {  // few rows (decode): key and value rows read in place, a strip of positions at a time
+        // The rows kPrefetchKeys positions ahead of the work (on into the thread's next item) are asked for as it
+        // goes, after each head's strip: a loop of loads alone, or loads interleaved with arithmetic, leave the
+        // memory system idle much of the time (docs/design.md, "Decode attention: prefetching ahead of the work").
+        int64_t before = 0;
+        const auto prefetch = [&](int64_t done) {  // done: of the block's two passes over its nkeys keys
+          PrefetchUntil(scratch, here, last_pos + 1, ahead, key0 + done / 2 + kPrefetchKeys, done - before + 1);
+          before = done;
+        };
+        DirectScores(scratch, s, h0, h1, cached, key0, nkeys, rows, scratch.queries.data(), bf16_dots, scores,
+                     prefetch);
         for (int64_t h = 0; h < heads; ++h) Mask(first_pos, group, key0, nkeys, rows, scores + h * rows * kBlockKeys);
         Softmax(heads * rows, scores, scratch.row_max.data(), scratch.denom.data(), scratch.rescale.data());
         if (bf16_dots) {
@@ -213,7 +290,7 @@ class Attention {
         }
         DirectValues(scratch, s, h0, h1, cached, key0, nkeys, rows, scores,
                      bf16_dots ? scratch.probs_hi.data() : nullptr, scratch.probs_lo.data(), scratch.rescale.data(),
-                     scratch.acc.data());
+                     scratch.acc.data(), prefetch);
         continue;
       }
       Prefetch(s, h0, h1, cached, key0 + kBlockKeys, std::min<int64_t>(kBlockKeys, last_pos + 1 - key0 - kBlockKeys));
@@ -268,46 +345,31 @@ class Attention {
   }
 #endif
 
-  // Pointers to the rows of keys (or values) key0 .. key0 + nkeys - 1 for KV heads [h0, h1): the cached ones copied
-  // from the pages, the rest (from index `paged` on) this step's own.
+  // Pointers to the rows of keys (or values) key0 .. key0 + nkeys - 1 for KV heads [h0, h1): the cached ones in the
+  // pages, the rest (from index `paged` on) this step's own.
   struct BlockRows {
     const PoolT* pages[kBlockKeys];
     const float* own[kBlockKeys];
     int64_t paged;
   };
 
-  // Fills `rows`, copying the paged rows into `copy` ([nkeys, h1 - h0, head_dim]) first: a loop of copies alone
-  // streams the scattered pages from memory at close to the machine's bandwidth, where loads interleaved with the
-  // arithmetic do not (docs/design.md, "Where a CPU step's time goes on an AVX-512 machine"). With `ahead`, each
-  // copied row also prefetches the same heads' row of key ahead_key0 + j from that pool (the block's values while
-  // its keys are copied, the next block's keys while its values are), so the next gather finds them in cache.
-  void GatherRows(const PoolT* pages, const float* own, int64_t s, int64_t h0, int64_t h1, int64_t cached,
-                  int64_t key0, int64_t nkeys, char* copy, BlockRows* rows, const PoolT* ahead = nullptr,
-                  int64_t ahead_key0 = 0) const {
-    const int64_t elems = (h1 - h0) * sh_.head_dim;
+  // Fills `rows` with pointers into the pages (the prefetch cursor has asked for them ahead) and into this step's own.
+  void PointRows(const PoolT* pages, const float* own, int64_t s, int64_t h0, int64_t cached, int64_t key0,
+                 int64_t nkeys, BlockRows* rows) const {
     rows->paged = std::clamp<int64_t>(cached - key0, 0, nkeys);
     for (int64_t j = 0; j < nkeys; ++j) rows->pages[j] = Row(pages, own, s, h0, key0 + j, cached, &rows->own[j]);
-    const int64_t row_bytes = elems * static_cast<int64_t>(sizeof(PoolT));
-    for (int64_t j = 0; j < rows->paged; ++j) {  // a loop of copies alone: as many loads in flight as the core allows
-      PoolT* dst = reinterpret_cast<PoolT*>(copy) + j * elems;
-      CopyBytes(rows->pages[j], dst, row_bytes);
-      rows->pages[j] = dst;
-      if (ahead != nullptr && ahead_key0 + j < cached) {
-        const float* own_row;  // unused: only paged positions are prefetched
-        const char* next = reinterpret_cast<const char*>(Row(ahead, own, s, h0, ahead_key0 + j, cached, &own_row));
-        for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(next + line);
-      }
-    }
   }
 
   // Every head of [h0, h1): scores[h, r, j] = q_{h,r} . key_{key0 + j, h} (scaled, soft-capped), for j < nkeys. Keys
   // are read once for the head's rows (few_row_attention.h); with `bf16_dots`, the paged ones against the queries'
-  // two bf16 parts in scratch (bf16_attention.h).
+  // two bf16 parts in scratch (bf16_attention.h). prefetch(done) is called after each head's strip, `done` of the
+  // block's 2 x nkeys key passes behind it (this pass: the first nkeys).
+  template <typename AskAhead>
   void DirectScores(Scratch& scratch, int64_t s, int64_t h0, int64_t h1, int64_t cached, int64_t key0, int64_t nkeys,
-                    int64_t rows, const float* queries, bool bf16_dots, float* scores) const {
+                    int64_t rows, const float* queries, bool bf16_dots, float* scores, const AskAhead& prefetch) const {
     const int64_t hd = sh_.head_dim, heads = h1 - h0;
     BlockRows keys;
-    GatherRows(k_pages_, k_, s, h0, h1, cached, key0, nkeys, scratch.key_copy.data(), &keys, v_pages_, key0);
+    PointRows(k_pages_, k_, s, h0, cached, key0, nkeys, &keys);
     for (int64_t j0 = 0; j0 < nkeys; j0 += kStripKeys) {
       const int64_t j1 = std::min<int64_t>(nkeys, j0 + kStripKeys), paged = std::clamp(keys.paged, j0, j1);
       for (int64_t h = 0; h < heads; ++h) {
@@ -325,6 +387,7 @@ class Attention {
           FewRowDots(rows, qh, hd, keys.pages, h * hd, j0, paged, sh, kBlockKeys);
         }
         FewRowDots(rows, qh, hd, keys.own, h * hd, paged, j1, sh, kBlockKeys);
+        prefetch(j0 + (j1 - j0) * (h + 1) / heads);
       }
     }
     for (int64_t r = 0; r < heads * rows; ++r) {
@@ -337,15 +400,15 @@ class Attention {
   }
 
   // acc[h, r] = acc[h, r] * rescale[h, r] + sum_j probs[h, r, j] * value_{key0 + j, h} for every head of [h0, h1),
-  // values as rows (paged ones copied first); paged values times the probabilities' two bf16 parts where `probs_hi`
-  // is given.
+  // values as rows (paged ones in place); paged values times the probabilities' two bf16 parts where `probs_hi`
+  // is given. prefetch(done) as in DirectScores (this pass: the second nkeys).
+  template <typename AskAhead>
   void DirectValues(Scratch& scratch, int64_t s, int64_t h0, int64_t h1, int64_t cached, int64_t key0, int64_t nkeys,
                     int64_t rows, const float* probs, const uint16_t* probs_hi, const uint16_t* probs_lo,
-                    const float* rescale, float* acc) const {
+                    const float* rescale, float* acc, const AskAhead& prefetch) const {
     const int64_t hd = sh_.head_dim;
     BlockRows values;
-    GatherRows(v_pages_, v_, s, h0, h1, cached, key0, nkeys, scratch.value_copy.data(), &values, k_pages_,
-               key0 + kBlockKeys);
+    PointRows(v_pages_, v_, s, h0, cached, key0, nkeys, &values);
     Rescale(acc, rescale, (h1 - h0) * rows, hd);
     for (int64_t j0 = 0; j0 < nkeys; j0 += kStripKeys) {
       const int64_t j1 = std::min<int64_t>(nkeys, j0 + kStripKeys), paged = std::clamp(values.paged, j0, j1);
@@ -363,6 +426,7 @@ class Attention {
           FewRowValues(rows, ph, kBlockKeys, values.pages, h * hd, j0, paged, ah, hd);
         }
         FewRowValues(rows, ph, kBlockKeys, values.own, h * hd, paged, j1, ah, hd);
+        prefetch(nkeys + j0 + (j1 - j0) * (h + 1) / (h1 - h0));
       }
     }
   }
