@@ -24,9 +24,6 @@
 #include "attention_vectors.h"
 #include "bf16_attention.h"
 #include "bf16_prefill_attention.h"
-#ifndef HINT
-#define HINT 1
-#endif
 #include "few_row_attention.h"
 #include "run_items.h"
 #include "transpose.h"
@@ -118,8 +115,8 @@ class Attention {
 
   int64_t num_items() const { return item_start_.back(); }
 
-  // Runs work item `item`; the paged keys and values of item `ahead` (the next this thread runs, -1: none) are
-  // prefetched during its last block.
+  // Runs work item `item`; decode rows also ask for the first paged keys and values of item `ahead` (the next this
+  // thread runs, -1: none) as they near their end.
   void Run(int64_t item, int64_t ahead) const {
     const Place place = Locate(item);
     Attend(place.s, place.h0, place.h1, place.first, place.count, ahead >= 0 ? Locate(ahead) : Place{});
