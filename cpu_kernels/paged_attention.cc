@@ -115,11 +115,11 @@ class Attention {
 
   int64_t num_items() const { return item_start_.back(); }
 
-  // Runs work item `item`; decode rows also ask for the first paged keys and values of item `ahead` (the next this
+  // Runs work item `item`; decode rows also ask for the first paged keys and values of item `next` (the next this
   // thread runs, -1: none) as they near their end.
-  void Run(int64_t item, int64_t ahead) const {
+  void RunWithNext(int64_t item, int64_t next) const {
     const Place place = Locate(item);
-    Attend(place.s, place.h0, place.h1, place.first, place.count, ahead >= 0 ? Locate(ahead) : Place{});
+    Attend(place.s, place.h0, place.h1, place.first, place.count, next >= 0 ? Locate(next) : Place{});
   }
 
  private:

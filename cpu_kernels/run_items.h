@@ -106,16 +106,16 @@ class HelperPool {
   void* ctx_ = nullptr;
 };
 
-// Whether Work has Run(item, ahead): it is told the item its thread runs next (-1: none), to prefetch for it.
+// Whether Work has RunWithNext(item, next): it is told the item its thread runs next (-1: none), to prefetch for it.
 template <typename Work, typename = void>
-struct RunsAhead : std::false_type {};
+struct RunsWithNext : std::false_type {};
 template <typename Work>
-struct RunsAhead<Work, std::void_t<decltype(std::declval<const Work&>().Run(int64_t{}, int64_t{}))>>
+struct RunsWithNext<Work, std::void_t<decltype(std::declval<const Work&>().RunWithNext(int64_t{}, int64_t{}))>>
     : std::true_type {};
 
 // Runs work.Run(item) for every item in [0, work.num_items()) on the caller and up to `max_helpers` helper threads,
-// which take items from one counter; returns when all are done. A Work with Run(item, ahead) is called that way
-// instead: each thread claims its next item before it runs the current one.
+// which take items from one counter; returns when all are done. A Work with RunWithNext(item, next) is called that
+// way instead: each thread claims its next item before it runs the current one.
 template <typename Work>
 void RunItems(const Work& work, int64_t max_helpers = INT64_MAX) {
   const int64_t total = work.num_items();
@@ -127,11 +127,11 @@ void RunItems(const Work& work, int64_t max_helpers = INT64_MAX) {
   } job{&work, total};
   auto drain = [](void* ctx) {
     Job* j = static_cast<Job*>(ctx);
-    if constexpr (RunsAhead<Work>::value) {
+    if constexpr (RunsWithNext<Work>::value) {
       for (int64_t item = j->next.fetch_add(1, std::memory_order_relaxed); item < j->total;) {
-        const int64_t ahead = j->next.fetch_add(1, std::memory_order_relaxed);
-        j->work->Run(item, ahead < j->total ? ahead : -1);
-        item = ahead;
+        const int64_t next = j->next.fetch_add(1, std::memory_order_relaxed);
+        j->work->RunWithNext(item, next < j->total ? next : -1);
+        item = next;
       }
     } else {
       for (int64_t item; (item = j->next.fetch_add(1, std::memory_order_relaxed)) < j->total;) j->work->Run(item);
