@@ -84,8 +84,8 @@ inline float SoftCap(float x, float cap) {
   return cap * std::copysign(tanh_abs, x);
 }
 
-// Asks the memory system for the cache line holding p. Inline assembly on x86: GCC dropped __builtin_prefetch calls
-// on the bf16 pages' rows from the compiled kernel.
+// Asks the memory system for the cache line holding p. Inline assembly on x86, which the compiler keeps: GCC removes
+// __builtin_prefetch calls from some of the paged attention's loops (those over the bf16 pages).
 inline void PrefetchLine(const void* p) {
 #if defined(__x86_64__)
   asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));

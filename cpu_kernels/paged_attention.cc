@@ -118,8 +118,7 @@ class Attention {
   // Runs work item `item`; decode rows also ask for the first paged keys and values of item `next` (the next this
   // thread runs, -1: none) as they near their end.
   void RunWithNext(int64_t item, int64_t next) const {
-    const Place place = Locate(item);
-    Attend(place.s, place.h0, place.h1, place.first, place.count, next >= 0 ? Locate(next) : Place{});
+    Attend(Locate(item), next >= 0 ? Locate(next) : Place{});
   }
 
  private:
@@ -147,27 +146,27 @@ class Attention {
 
   // The direct path's prefetching: asks for the paged key and value rows of item `place` (whose keys end at `end`)
   // up to position `until`, at most `budget` positions in this call (a steady trickle: bursts stall on the memory
-  // system's queue). Past `end`, the distance goes on into the first keys of item `ahead`; the cursor in scratch
-  // remembers where it is, so `ahead` starts with its first keys already asked for.
-  void PrefetchUntil(Scratch& scratch, const Place& place, int64_t end, const Place& ahead, int64_t until,
+  // system's queue). Past `end`, the distance goes on into the first keys of item `next`; the cursor in scratch
+  // remembers where it is, so `next` starts with its first keys already asked for.
+  void PrefetchUntil(Scratch& scratch, const Place& place, int64_t end, const Place& next, int64_t until,
                      int64_t budget) const {
     Scratch::Cursor& cursor = scratch.cursor;
     const auto at = [&cursor](const Place& p) { return CursorIn(cursor, p); };
     int64_t pos = cursor.pos;  // a local: the thread_local cursor's fields would be re-addressed every row
     if (at(place)) {
       const int64_t cached = kv_lens_[place.s] - q_lens_[place.s], stop = std::min({until, end, cached});
-      for (; pos < stop && budget > 0; ++pos, --budget) PrefetchRow(place, pos, cached);
-      if (until <= end || ahead.s < 0 || pos < std::min(end, cached)) {
+      for (; pos < stop && budget > 0; ++pos, --budget) PrefetchRow(place.s, place.h0, place.h1, pos, cached);
+      if (until <= end || next.s < 0 || pos < std::min(end, cached)) {
         cursor.pos = pos;
         return;
       }
-      cursor = {ahead.s, ahead.h0, ahead.first, LowestKey(ahead)};
+      cursor = {next.s, next.h0, next.first, LowestKey(next)};
       pos = cursor.pos;
     }
-    if (ahead.s >= 0 && at(ahead)) {
-      const int64_t cached = kv_lens_[ahead.s] - q_lens_[ahead.s];
-      const int64_t stop = std::min(LowestKey(ahead) + until - end, cached);
-      for (; pos < stop && budget > 0; ++pos, --budget) PrefetchRow(ahead, pos, cached);
+    if (next.s >= 0 && at(next)) {
+      const int64_t cached = kv_lens_[next.s] - q_lens_[next.s];
+      const int64_t stop = std::min(LowestKey(next) + until - end, cached);
+      for (; pos < stop && budget > 0; ++pos, --budget) PrefetchRow(next.s, next.h0, next.h1, pos, cached);
     }
     cursor.pos = pos;
   }
@@ -176,12 +175,12 @@ class Attention {
     return cursor.s == place.s && cursor.h0 == place.h0 && cursor.first == place.first;
   }
 
-  // Asks for the paged key and value rows of item `place`'s heads at position `pos`.
-  void PrefetchRow(const Place& place, int64_t pos, int64_t cached) const {
-    const int64_t bytes = (place.h1 - place.h0) * sh_.head_dim * static_cast<int64_t>(sizeof(PoolT));
+  // Asks for the paged key and value rows of heads [h0, h1) of sequence s at position `pos` (< cached).
+  void PrefetchRow(int64_t s, int64_t h0, int64_t h1, int64_t pos, int64_t cached) const {
+    const int64_t bytes = (h1 - h0) * sh_.head_dim * static_cast<int64_t>(sizeof(PoolT));
     const float* own;
-    const char* k = reinterpret_cast<const char*>(Row(k_pages_, k_, place.s, place.h0, pos, cached, &own));
-    const char* v = reinterpret_cast<const char*>(Row(v_pages_, v_, place.s, place.h0, pos, cached, &own));
+    const char* k = reinterpret_cast<const char*>(Row(k_pages_, k_, s, h0, pos, cached, &own));
+    const char* v = reinterpret_cast<const char*>(Row(v_pages_, v_, s, h0, pos, cached, &own));
     for (int64_t line = 0; line < bytes; line += 64) {
       PrefetchLine(k + line);
       PrefetchLine(v + line);
@@ -210,20 +209,13 @@ class Attention {
 
   // Asks the memory system for the paged keys and values of heads [h0, h1) at positions [key0, key0 + nkeys).
   void Prefetch(int64_t s, int64_t h0, int64_t h1, int64_t cached, int64_t key0, int64_t nkeys) const {
-    const int64_t bytes = (h1 - h0) * sh_.head_dim * static_cast<int64_t>(sizeof(PoolT));
-    for (int64_t pos = key0; pos < std::min(key0 + nkeys, cached); ++pos) {
-      const float* own;
-      const char* kr = reinterpret_cast<const char*>(Row(k_pages_, k_, s, h0, pos, cached, &own));
-      const char* vr = reinterpret_cast<const char*>(Row(v_pages_, v_, s, h0, pos, cached, &own));
-      for (int64_t line = 0; line < bytes; line += 64) {
-        PrefetchLine(kr + line);
-        PrefetchLine(vr + line);
-      }
-    }
+    for (int64_t pos = key0; pos < std::min(key0 + nkeys, cached); ++pos) PrefetchRow(s, h0, h1, pos, cached);
   }
 
-  void Attend(int64_t s, int64_t h0, int64_t h1, int64_t first, int64_t count, const Place& ahead) const {
+  // Attention of work item `here`; `next` is the item this thread runs after it (s < 0: none).
+  void Attend(const Place& here, const Place& next) const {
     thread_local Scratch scratch;
+    const int64_t s = here.s, h0 = here.h0, h1 = here.h1, first = here.first, count = here.count;
     const int64_t hd = sh_.head_dim, group = sh_.group, rows = count * group, heads = h1 - h0;
     scratch.Reserve(heads * rows, hd);
     float* scores = scratch.scores.data();
@@ -245,10 +237,8 @@ class Attention {
     std::fill(scratch.denom.begin(), scratch.denom.begin() + heads * rows, 0.0f);
 
     const int64_t first_pos = cached + first, last_pos = cached + first + count - 1;
-    int64_t lowest = 0;
-    if (opt_.sliding_window > 0) lowest = std::max<int64_t>(0, first_pos - opt_.sliding_window + 1);
+    const int64_t lowest = LowestKey(here);
     const bool direct = rows <= kDirectRows || count <= kDirectQueries;
-    const Place here{s, h0, h1, first, count};
     if (direct && !CursorIn(scratch.cursor, here)) {
       scratch.cursor = {s, h0, first, lowest};  // nothing asked for yet: the thread's first item
     }
@@ -275,7 +265,7 @@ class Attention {
         // memory system idle much of the time (docs/design.md, "Decode attention: prefetching ahead of the work").
         int64_t before = 0;
         const auto prefetch = [&](int64_t done) {  // done: of the block's two passes over its nkeys keys
-          PrefetchUntil(scratch, here, last_pos + 1, ahead, key0 + done / 2 + kPrefetchKeys, done - before + 1);
+          PrefetchUntil(scratch, here, last_pos + 1, next, key0 + done / 2 + kPrefetchKeys, done - before + 1);
           before = done;
         };
         DirectScores(scratch, s, h0, h1, cached, key0, nkeys, rows, scratch.queries.data(), bf16_dots, scores,
