@@ -11,7 +11,7 @@ from jvllm.spec_decode.config import SpeculativeConfig
 from jvllm.spec_decode.ngram import propose_ngram
 from jvllm.spec_decode.suffix import OutputCache, propose_suffix
 
-MAX_BACKOFF_STEPS = 16  # a request whose drafts keep failing speculates at least once every this many steps
+MAX_BACKOFF_TOKENS = 16  # a request whose drafts keep failing speculates at least once every this many tokens
 # A verification step costs about 2.3 one-row decode steps on the 2-core CPU (SmolLM2 Q4_1, 6 rows: the products
 # of 2-8 rows run compute-bound, docs/design.md): a request keeps speculating while its recent verification steps
 # accepted at least this many drafts on average.
@@ -62,7 +62,9 @@ class _RequestSpeculation:
     tokens: np.ndarray
     length: int = 0
     misses: int = 0  # verification steps in a row below MIN_MEAN_ACCEPTED (moving mean)
-    wait: int = 0  # steps left before it proposes again
+    # back-off: the request proposes again once it holds this many tokens. A token count, not a count of propose
+    # calls, because async scheduling's look-ahead steps advance a request without asking the drafter.
+    resume_at: int = 0
     mean_accepted: float = float("inf")  # moving mean of the drafts its verification steps accepted
 
     def sync(self, request: Request) -> int:
@@ -105,8 +107,7 @@ class Drafter:
         if limit < 1 or request.mm_items:
             return None
         state = self._state(request)
-        if state.wait > 0:
-            state.wait -= 1
+        if request.num_tokens < state.resume_at:
             return None
         num_tokens = state.sync(request)
         drafts = self._proposal(state.tokens, num_tokens, limit)
@@ -117,7 +118,7 @@ class Drafter:
     def has_proposal(self, request: Request) -> bool:
         """Whether `request` would draft now (async scheduling dispatches ahead only when no request would)."""
         state = self._state(request)
-        if state.wait > 0 or request.mm_items:
+        if request.num_tokens < state.resume_at or request.mm_items:
             return False
         num_tokens = state.sync(request)
         return bool(self._proposal(state.tokens, num_tokens, 1))
@@ -148,7 +149,7 @@ class Drafter:
 
     def record(self, request: Request, drafted: int, accepted: int) -> None:
         """After a verification step of `drafted` drafts, `accepted` of them kept: counters and back-off (a request
-        whose recent drafts are mostly rejected waits 1, 2, 4, ... up to MAX_BACKOFF_STEPS steps between proposals,
+        whose recent drafts are mostly rejected waits 1, 2, 4, ... up to MAX_BACKOFF_TOKENS tokens between proposals,
         and its next good step resets the wait)."""
         self.stats.record(drafted, accepted)
         request.num_draft_tokens += drafted
@@ -159,7 +160,7 @@ class Drafter:
             state.misses = 0
         else:
             state.misses += 1
-            state.wait = min(2 ** (state.misses - 1), MAX_BACKOFF_STEPS)
+            state.resume_at = request.num_tokens + min(2 ** (state.misses - 1), MAX_BACKOFF_TOKENS)
 
     def finish(self, request: Request) -> None:
         """Forget the request; its output joins the suffix cache."""

@@ -195,4 +195,7 @@ def test_failing_drafts_back_off(model):
                     use_tqdm=False)
     stats = engine.drafter.stats
     assert stats.num_accepted_tokens == 0
-    assert 0 < stats.num_drafts < 20  # backs off to one try in 16 steps
+    # it backs off to one try in 16 tokens, and keeps trying: waits of 1, 2, 4, 8, 16, 16 tokens between tries fit
+    # in 60 tokens, also while async scheduling runs look-ahead steps that never ask the drafter
+    assert engine.async_scheduling
+    assert 6 <= stats.num_drafts <= 8
