@@ -26,14 +26,21 @@
 namespace jvllm {
 
 // Sub-block s of a weight block as 32 bfloat16 weights (rounded from float32 w = d * code + c).
+// 4-bit codes: the 16 values a block can hold are computed (one FMA, one rounding) and each weight is looked up
+// by its code (`vpermw`), which leaves the floating-point pipes to the products; same values as converting each
+// weight, since both round fma(code, d, c).
 template <typename Fmt>
 inline __m512bh WeightsBf16(const uint8_t* b, int s, float d, float c) {
   if constexpr (std::is_same_v<Fmt, Q4_0> || std::is_same_v<Fmt, Q4_1>) {
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + Fmt::kBytes - 16)));
-    const __m512 low = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));  // weights 0-15
-    const __m512 high = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));                    // weights 16-31
-    const __m512 vd = _mm512_set1_ps(d), vc = _mm512_set1_ps(c);
-    return _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(high, vd, vc), _mm512_fmadd_ps(low, vd, vc));
+    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m256bh values = _mm512_cvtneps_pbh(_mm512_fmadd_ps(codes, _mm512_set1_ps(d), _mm512_set1_ps(c)));
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + Fmt::kBytes - 16));
+    const __m128i nibble = _mm_set1_epi8(15);
+    const __m256i index8 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble),  // weights 16-31
+                                            _mm_and_si128(bytes, nibble));                     // weights 0-15
+    const __m512i table = _mm512_castsi256_si512(reinterpret_cast<const __m256i&>(values));
+    const __m512i weights = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(index8), table);
+    return reinterpret_cast<const __m512bh&>(weights);
   } else if constexpr (std::is_same_v<Fmt, Q8_0>) {
     const __m512 vd = _mm512_set1_ps(d);
     const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2))));
