@@ -103,11 +103,22 @@ class Attention {
       : sh_(sh), opt_(opt), q_(q), k_(k), v_(v), k_pages_(k_pages), v_pages_(v_pages),
         query_start_(query_start), q_lens_(q_lens), kv_lens_(kv_lens), page_tables_(page_tables), out_(out) {
     if (sh.page_size > 0 && (sh.page_size & (sh.page_size - 1)) == 0) page_shift_ = __builtin_ctzll(sh.page_size);
-    int64_t blocks = 0;
-    for (int64_t s = 0; s < sh.seqs; ++s) blocks += QueryBlocks(s);
+    int64_t blocks = 0, most_queries = 0;
+    for (int64_t s = 0; s < sh.seqs; ++s) {
+      blocks += QueryBlocks(s);
+      most_queries = std::max<int64_t>(most_queries, q_lens_[s]);
+    }
     // An item reads every KV head of its keys (whole token rows of the pages); with few query blocks (a lone
     // decode row) the heads are split over items instead, so that every thread has work.
     head_splits_ = blocks >= kMinItems ? 1 : sh.kv_heads;
+    // A lone sequence verifying draft tokens (a few queries) would give one item per head, as many as a lone
+    // decode row (3 heads on 2 threads: one thread idle a third of the time); its queries go in two halves
+    // instead, each item reading its head's keys for its half.
+    if (blocks < kMinItems && most_queries > 1 && most_queries <= kDirectQueries) {
+      block_queries_ = (most_queries + 1) / 2;
+      blocks = 0;
+      for (int64_t s = 0; s < sh.seqs; ++s) blocks += QueryBlocks(s);
+    }
     heads_per_item_ = (sh.kv_heads + head_splits_ - 1) / head_splits_;
     item_start_.resize(sh.seqs + 1, 0);
     for (int64_t s = 0; s < sh.seqs; ++s) item_start_[s + 1] = item_start_[s] + QueryBlocks(s) * head_splits_;
@@ -132,10 +143,10 @@ class Attention {
   Place Locate(int64_t item) const {
     const int64_t s = std::upper_bound(item_start_.begin(), item_start_.end(), item) - item_start_.begin() - 1;
     const int64_t local = item - item_start_[s];
-    const int64_t first = (local / head_splits_) * kBlockQueries;
+    const int64_t first = (local / head_splits_) * block_queries_;
     const int64_t h0 = (local % head_splits_) * heads_per_item_;
     return {s, h0, std::min<int64_t>(sh_.kv_heads, h0 + heads_per_item_), first,
-            std::min<int64_t>(kBlockQueries, q_lens_[s] - first)};
+            std::min<int64_t>(block_queries_, q_lens_[s] - first)};
   }
 
   // The first key position item `place` attends (its sliding window's start).
@@ -188,7 +199,7 @@ class Attention {
   }
 
   int64_t QueryBlocks(int64_t s) const {
-    return (std::max<int32_t>(q_lens_[s], 0) + kBlockQueries - 1) / kBlockQueries;
+    return (std::max<int32_t>(q_lens_[s], 0) + block_queries_ - 1) / block_queries_;
   }
 
   // Key `pos` of sequence s for KV head `head`: from the pages below the cached length, else this step's own.
@@ -555,6 +566,7 @@ class Attention {
   const int32_t *query_start_, *q_lens_, *kv_lens_, *page_tables_;
   float* out_;
   int64_t head_splits_ = 1, heads_per_item_ = 1;
+  int64_t block_queries_ = kBlockQueries;  // queries per work item
   int64_t page_shift_ = -1;  // log2(page_size) when it is a power of two
   std::vector<int64_t> item_start_;  // [seqs + 1] first work item of each sequence
 };

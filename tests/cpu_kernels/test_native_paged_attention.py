@@ -185,6 +185,15 @@ def test_verification_rows(pool_dtype):
     run_case(rng, chunks, heads=9, kv_heads=3, head_dim=64, page_size=16, pool_dtype=pool_dtype)
 
 
+@pytest.mark.parametrize("chunk", [(150, 6), (37, 3), (64, 8), (5, 2)])
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+def test_a_lone_verification_row(chunk, pool_dtype):
+    """One sequence verifying drafts alone (single-stream speculative decoding): its queries are split over work
+    items in two halves."""
+    run_case(np.random.default_rng(9), [chunk], heads=9, kv_heads=3, head_dim=64, page_size=16,
+             pool_dtype=pool_dtype)
+
+
 @pytest.mark.parametrize("window", [1, 7, 16, 50])
 @pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
 def test_sliding_window(window, pool_dtype):
