@@ -17,7 +17,7 @@ class SpeculativeConfig:
 
     ngram: the tokens that followed the latest earlier occurrence of the sequence's last n tokens (n from
     prompt_lookup_max down to prompt_lookup_min) in its prompt and output. suffix: the most frequent continuation of
-    the longest suffix (up to suffix_decoding_max_tree_depth tokens) found in the sequence and in the outputs of
+    the longest suffix (3 to suffix_decoding_max_tree_depth tokens) found in the sequence and in the outputs of
     earlier requests; at most max_spec_factor x the match length tokens, stopping where the continuation's
     estimated probability drops below suffix_decoding_min_token_prob."""
 

@@ -49,7 +49,12 @@ def test_suffix_searches_the_sequence_itself_and_the_cache_forgets_old_outputs()
     tokens, n = _tokens([3, 4, 5])
     assert propose_suffix(tokens, n, cache, limit=4, max_depth=24, max_spec_factor=4.0, min_token_prob=0.1) == []
     tokens, n = _tokens([4, 5, 6, 0, 4, 5])
-    assert propose_suffix(tokens, n, cache, limit=4, max_depth=24, max_spec_factor=1.0, min_token_prob=0.1) == [6, 0]
+    assert propose_suffix(tokens, n, cache, limit=4, max_depth=24, max_spec_factor=1.0, min_token_prob=0.1,
+                          min_match=2) == [6, 0]
+    # by default a match needs 3 tokens
+    assert propose_suffix(tokens, n, cache, limit=4, max_depth=24, max_spec_factor=1.0, min_token_prob=0.1) == []
+    tokens, n = _tokens([4, 5, 6, 0, 9, 4, 5, 6])
+    assert propose_suffix(tokens, n, cache, limit=4, max_depth=24, max_spec_factor=1.0, min_token_prob=0.1) == [0, 9, 4]
 
 
 def test_config_parses_vllm_spellings_and_refuses_the_rest():
