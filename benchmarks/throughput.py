@@ -182,10 +182,9 @@ def run_batch(engine, baseline: TransformersBaseline | None, prompts: list[list[
 
 def hf_folder_for(model: str | None) -> str:
     """transformers reads the same weights: an HF folder as is, a GGUF through jvllm's converted cache."""
-    from jvllm.model_loader.loader import _gguf_as_hf_folder, resolve_model_path
+    from jvllm.model_loader.loader import transformers_folder
 
-    path, _ = resolve_model_path(model)
-    return str(_gguf_as_hf_folder(path)) if path.endswith(".gguf") else path
+    return transformers_folder(model)
 
 
 def main(argv: list[str] | None = None) -> int:

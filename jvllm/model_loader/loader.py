@@ -129,6 +129,14 @@ def _gguf_as_hf_folder(gguf_path: str, tokenizer_required: bool = True, weights:
     return folder
 
 
+def transformers_folder(model: str | None = None) -> str:
+    """A folder transformers' `from_pretrained` loads with the same weights as jvllm: a Hugging Face folder as is;
+    for a GGUF file (the default model) the converted folder in jvllm's cache, its weights dequantized to float32
+    on first use (the engine itself serves GGUF weights from their blocks and writes no such copy)."""
+    path, _ = resolve_model_path(model)
+    return str(_gguf_as_hf_folder(path)) if path.endswith(".gguf") else path
+
+
 def _convert_gguf_metadata(gguf_path: str, folder: Path, tokenizer_required: bool) -> None:
     from jvllm.model_loader.gguf import gguf_tokenizer, open_gguf, read_gguf_config
 
