@@ -13,7 +13,6 @@ import json
 import shutil
 from pathlib import Path
 
-from benchmarks.throughput import hf_folder_for
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -63,7 +62,9 @@ def _write(folder: Path, config: dict, tokenizer_source: Path | None) -> Path:
 def write_folders(root: Path) -> list[Path]:
     """-> the folders written: root/smollm2-shape, root/llama8b-shape and root/tiny-<family> for each family (the
     tiny ones without a tokenizer, which would take 3.5 MB each: they use smollm2-shape's)."""
-    source = Path(hf_folder_for(None))
+    from jvllm.model_loader.loader import transformers_folder
+
+    source = Path(transformers_folder(None))
     smol_config = json.loads((source / "config.json").read_text())
     folders = [_write(root / "smollm2-shape", smol_config, source),
                _write(root / "llama8b-shape", LLAMA3_8B_SHAPE, source)]

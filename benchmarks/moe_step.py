@@ -19,7 +19,6 @@ from pathlib import Path
 
 from benchmarks.common import command_line, machine_info, write_json
 from benchmarks.gpu_models import TOKENIZER_FILES
-from benchmarks.throughput import hf_folder_for
 
 
 def model_folders(root: Path, args: argparse.Namespace) -> dict[str, Path]:
@@ -34,7 +33,9 @@ def model_folders(root: Path, args: argparse.Namespace) -> dict[str, Path]:
         "dense": {**shape, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
                   "intermediate_size": args.expert_width * args.top_k},
     }
-    source = Path(hf_folder_for(None))
+    from jvllm.model_loader.loader import transformers_folder
+
+    source = Path(transformers_folder(None))
     folders = {}
     for name, config in configs.items():
         folder = root / name

@@ -180,13 +180,6 @@ def run_batch(engine, baseline: TransformersBaseline | None, prompts: list[list[
     return result
 
 
-def hf_folder_for(model: str | None) -> str:
-    """transformers reads the same weights: an HF folder as is, a GGUF through jvllm's converted cache."""
-    from jvllm.model_loader.loader import transformers_folder
-
-    return transformers_folder(model)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: embedded SmolLM2-135M-Instruct")
@@ -252,8 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"engine start (precompile of {results['step_shapes']} step shapes included): "
           f"{results['engine_start_seconds']:.1f} s", flush=True)
+    from jvllm.model_loader.loader import transformers_folder
+
     baseline = None if args.no_baseline else TransformersBaseline(
-        hf_folder_for(args.model), random_prompts(1, 8, cfg.vocab_size, 0), args.output_len, args.threads)
+        transformers_folder(args.model), random_prompts(1, 8, cfg.vocab_size, 0), args.output_len, args.threads)
     if "chat" in scenarios:
         chat = results["chat"] = traffic.chat_vs_transformers(engine, baseline, args.num_prompts, args.output_len,
                                                               args.repeats)

@@ -14,8 +14,8 @@ from jvllm.spec_decode.ngram import match_lengths
 
 SEPARATOR = -1  # between cached outputs: never equal to a token, so no match or continuation crosses it
 # The shortest match that is continued. A match of one token proposed one draft, accepted 29% of the time in
-# single-stream chats of the embedded model, while a verification step costs ~1.4 one-token steps; from 3 tokens
-# on, the three settings' outputs were 5-9% faster (docs/design.md, speculative decoding).
+# single-stream chats of the embedded model, while a verification step costs ~1.4 one-token steps; needing 3
+# tokens made every prompt kind of the benchmark 5-9% faster (docs/design.md, speculative decoding).
 MIN_MATCH = 3
 
 
