@@ -9,6 +9,7 @@ other prompts' outputs).
 
     python -m benchmarks.spec_decode --json benchmarks/results/spec_decode_cpu.json
     python -m benchmarks.spec_decode --crossover 1,2,4,8,16   # batch sizes where speculation stops paying
+    python -m benchmarks.spec_decode --draft-model SmolLM2-135M-Instruct   # also a draft model (3 drafts)
 """
 from __future__ import annotations
 
@@ -108,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--crossover", default=None, metavar="SIZES",
                         help="instead: batches of these sizes (e.g. 1,2,4,8,16) with and without ngram speculation")
+    parser.add_argument("--draft-model", default=None, metavar="MODEL",
+                        help="also measure method draft_model with this draft (3 drafts a step)")
     args = parser.parse_args(argv)
     if args.crossover:
         table = crossover(args.max_tokens, [int(size) for size in args.crossover.split(",")])
@@ -117,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from jvllm import LLM
 
-    engines = {name: LLM(speculative_config=config) for name, config in SETTINGS.items()}
+    settings = dict(SETTINGS)
+    if args.draft_model:
+        settings["draft_model"] = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": 3}
+    engines = {name: LLM(speculative_config=config) for name, config in settings.items()}
     kinds = prompts()
     for engine in engines.values():
         for warm, _ in kinds.values():
@@ -136,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                 seconds[kind, name] += wall
                 same[kind, name] += ids == reference
     results = {"command": command_line("benchmarks.spec_decode", argv), "machine": machine_info(),
-               "settings": SETTINGS, "max_tokens": args.max_tokens, "kinds": {}}
+               "settings": settings, "max_tokens": args.max_tokens, "kinds": {}}
     print(f"{'prompts':18s} " + " ".join(f"{name:>16s}" for name in engines))
     for kind in kinds:
         row = {name: tokens[kind, name] / seconds[kind, name] for name in engines}

@@ -120,6 +120,8 @@ class Scheduler:
         index = 0
         speculates = self.drafter is not None and self.drafter.speculates(len(self.running))
         drafted = 0  # draft tokens scheduled: each takes a sampler row of the step's max_num_seqs
+        if speculates:  # a draft model drafts for every decoding request at once
+            self.drafter.prepare([r for r in self.running if r.num_tokens - r.num_computed_tokens == 1])
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             wanted = min(request.num_tokens - request.num_computed_tokens, budget)

@@ -153,8 +153,10 @@ class EngineArgs:
                                           "host, so host work overlaps the device's (one device only; default on)")
     speculative_config: dict[str, Any] | None = option(
         None, 'speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4}\' (drafts from '
-              'the prompt and output: prompt_lookup_min/max tokens must match) or \'{"method": "suffix"}\' (drafts '
-              'from the longest matching suffix in this and earlier outputs). Greedy and seeded outputs are those '
+              'the prompt and output: prompt_lookup_min/max tokens must match), \'{"method": "suffix"}\' (drafts '
+              'from the longest matching suffix in this and earlier outputs) or \'{"method": "draft_model", "model": '
+              'PATH, "num_speculative_tokens": 3}\' (a smaller model of the same tokenizer drafts greedily, in an '
+              'engine of its own). Greedy and seeded outputs are those '
               'without it; only batches of at most max_batch_size (default 4) requests speculate', parse=json_object,
         metavar="JSON")
     precompile: bool = option(True, "compile every step shape before serving (default on; loaded from the cache "

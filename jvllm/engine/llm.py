@@ -41,6 +41,7 @@ from jvllm.core.scheduler import ScheduledChunk, Scheduler, check_priority
 from jvllm.structured.grammar import GrammarCompiler
 from jvllm.spec_decode.config import SpeculativeConfig
 from jvllm.spec_decode.drafter import Drafter
+from jvllm.engine.draft_model import DraftModelRunner
 
 logger = logging.getLogger("jvllm")
 ENGINE_KEYWORDS = frozenset(field.name for field in dataclasses.fields(EngineArgs)) - {"model"}
@@ -109,7 +110,10 @@ class Engine(MultiHostRoles, FrontEndViews):
             args.encoder_cache_tokens, allowed_media_domains=args.allowed_media_domains, max_image_pixels=args.max_image_pixels)
         image_tokens = 0 if self.model.vision is None else self.model.vision.max_image_tokens
         speculative = SpeculativeConfig.parse(args.speculative_config)
-        self.drafter = None if speculative is None or self.model.is_encoder else Drafter(speculative)
+        self.draft_model = None
+        if speculative is not None and speculative.method == "draft_model" and not self.model.is_encoder:
+            self.draft_model = DraftModelRunner.start(args, cfg, self.tokenizer, speculative, hosts.multi_host)
+        self.drafter = None if speculative is None or self.model.is_encoder else Drafter(speculative, self.draft_model)
         self.scheduler = Scheduler(self.pages, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    enable_prefix_caching=args.enable_prefix_caching, encoder_cache=self.encoder_cache,
                                    max_num_encoder_tokens=max(cfg.max_num_batched_tokens, image_tokens),
@@ -170,6 +174,8 @@ class Engine(MultiHostRoles, FrontEndViews):
             if self.embedder is not None:
                 self.embedder.precompile(progress)
         logger.info("precompiled %d step shapes in %.1fs", len(shapes), time.perf_counter() - started)
+        if self.draft_model is not None:
+            self.draft_model.precompile(max_step_tokens=max_step_tokens, max_rows=max_rows)
 
     def _decode_token(self, token_id: int) -> str:
         """One token's text, as logprob entries show it (cached: the same ids recur constantly)."""

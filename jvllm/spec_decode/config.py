@@ -1,11 +1,12 @@
-"""SpeculativeConfig: vLLM's `speculative_config` dictionary (methods "ngram" and "suffix"), checked once at start."""
+"""SpeculativeConfig: vLLM's `speculative_config` dictionary (methods "ngram", "suffix" and "draft_model"), checked
+once at start."""
 from __future__ import annotations
 
 import dataclasses
 import json
 from typing import Any
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model")
 # The engine speculates only while at most this many requests run: past it a CPU step is compute-bound and
 # verifying drafts costs more than it saves (docs/design.md, speculative decoding).
 DEFAULT_MAX_BATCH = 4
@@ -19,7 +20,8 @@ class SpeculativeConfig:
     prompt_lookup_max down to prompt_lookup_min) in its prompt and output. suffix: the most frequent continuation of
     the longest suffix (3 to suffix_decoding_max_tree_depth tokens) found in the sequence and in the outputs of
     earlier requests; at most max_spec_factor x the match length tokens, stopping where the continuation's
-    estimated probability drops below suffix_decoding_min_token_prob."""
+    estimated probability drops below suffix_decoding_min_token_prob. draft_model: the greedy continuation of the
+    sequence by `model`, a smaller model with the target's vocabulary, run by an engine of its own."""
 
     method: str
     num_speculative_tokens: int
@@ -30,11 +32,12 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     max_batch_size: int = DEFAULT_MAX_BATCH  # speculate only while at most this many requests run
+    model: str | None = None  # draft_model: its folder, .gguf file or known name
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            hint = (" (a draft model is not supported yet)" if self.method in ("draft_model", "eagle", "eagle3",
-                                                                               "medusa", "mtp") else "")
+            hint = (" (draft heads are not supported yet; a draft model is method 'draft_model')"
+                    if self.method in ("eagle", "eagle3", "medusa", "mtp") else "")
             raise ValueError(f"speculative_config method must be one of {', '.join(METHODS)}, got "
                              f"{self.method!r}{hint}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
@@ -45,6 +48,10 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) is larger than "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config needs a 'model' for method draft_model, and takes one only then")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"speculative_config model must be a model name or path, got {self.model!r}")
         if not 0 < self.suffix_decoding_max_spec_factor:
             raise ValueError("speculative_config suffix_decoding_max_spec_factor must be positive")
         if not 0 <= self.suffix_decoding_min_token_prob <= 1:
@@ -68,12 +75,12 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         if "method" not in value:
-            raise ValueError("speculative_config needs a 'method' (ngram or suffix)")
+            raise ValueError(f"speculative_config needs a 'method' ({', '.join(METHODS)})")
         fields = dict(value)
         if fields["method"] == "suffix":
             fields.setdefault("num_speculative_tokens", 16)
         if "num_speculative_tokens" not in fields:
-            raise ValueError("speculative_config needs num_speculative_tokens for the ngram method")
+            raise ValueError(f"speculative_config needs num_speculative_tokens for the {fields['method']} method")
         low, high = fields.get("prompt_lookup_min"), fields.get("prompt_lookup_max")
         if low is None and high is not None:
             fields["prompt_lookup_min"] = min(high, 2)

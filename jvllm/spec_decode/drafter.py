@@ -3,6 +3,7 @@ was accepted (counters per engine and per request)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 import numpy as np
 
@@ -55,6 +56,14 @@ class SpecDecodeStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
+class DraftModel(Protocol):
+    """A smaller model of the same vocabulary that continues sequences greedily (jvllm.engine.draft_model)."""
+
+    def continuations(self, sequences: list[list[int]], limits: list[int]) -> list[list[int]]:
+        """Up to limits[i] greedy next tokens of each sequence, in one batched run."""
+        ...
+
+
 @dataclasses.dataclass
 class _RequestSpeculation:
     """One request's token buffer (its prompt and output as int32, grown as tokens come) and back-off state."""
@@ -82,11 +91,15 @@ class _RequestSpeculation:
 class Drafter:
     """Proposes each decoding request's draft tokens for the scheduler, and learns from what the step accepted."""
 
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, draft_model: DraftModel | None = None):
+        if (config.method == "draft_model") != (draft_model is not None):
+            raise ValueError("a Drafter needs a draft model for method draft_model, and takes one only then")
         self.config = config
         self.stats = SpecDecodeStats()
         self.cache = OutputCache(config.suffix_decoding_max_cached_requests)
+        self.draft_model = draft_model
         self._requests: dict[str, _RequestSpeculation] = {}
+        self._prepared: dict[str, list[int]] = {}  # draft_model: this step's continuations by request id
 
     def speculates(self, num_running: int) -> bool:
         """Whether a batch of `num_running` requests speculates at all (small batches only: see the config)."""
@@ -99,29 +112,55 @@ class Drafter:
                 np.zeros(max(64, 2 * request.num_tokens), np.int32))
         return state
 
+    def _room(self, request: Request) -> int:
+        """Draft tokens `request` may take: num_speculative_tokens, within its output limit (the last token is never
+        a draft); 0 when it backs off or cannot use drafts (images)."""
+        if request.mm_items or request.num_tokens < self._state(request).resume_at:
+            return 0
+        room = request.max_output_tokens - len(request.output_token_ids) - 1
+        return max(0, min(self.config.num_speculative_tokens, room))
+
+    def prepare(self, requests: list[Request]) -> None:
+        """Before the scheduler asks for this step's drafts: a draft model continues every one of `requests` that may
+        speculate, in one batched run. (The other methods look their drafts up per request, in `propose`.)"""
+        self._prepared.clear()
+        if self.draft_model is None:
+            return
+        wanted = [(request, room) for request in requests if (room := self._room(request)) > 0]
+        if not wanted:
+            return
+        sequences = []
+        for request, _ in wanted:
+            state = self._state(request)
+            sequences.append(state.tokens[:state.sync(request)].tolist())
+        continuations = self.draft_model.continuations(sequences, [room for _, room in wanted])
+        for (request, _), drafts in zip(wanted, continuations):
+            self._prepared[request.request_id] = drafts
+
     def propose(self, request: Request, limit: int) -> DraftTokens | None:
         """Up to `limit` (and num_speculative_tokens) draft tokens for `request`, whose tokens are all computed but
         its last; None when it backs off, has nothing to propose, or cannot use drafts (images)."""
-        room = request.max_output_tokens - len(request.output_token_ids) - 1  # the last token is never a draft
-        limit = min(limit, self.config.num_speculative_tokens, room)
-        if limit < 1 or request.mm_items:
+        limit = min(limit, self._room(request))
+        if limit < 1:
             return None
-        state = self._state(request)
-        if request.num_tokens < state.resume_at:
-            return None
-        num_tokens = state.sync(request)
-        drafts = self._proposal(state.tokens, num_tokens, limit)
+        if self.draft_model is not None:
+            drafts = self._prepared.pop(request.request_id, [])[:limit]
+        else:
+            state = self._state(request)
+            drafts = self._proposal(state.tokens, state.sync(request), limit)
         if drafts and request.grammar is not None:
             return self._grammar_prefix(request, drafts)
         return DraftTokens(tuple(drafts)) if drafts else None
 
     def has_proposal(self, request: Request) -> bool:
-        """Whether `request` would draft now (async scheduling dispatches ahead only when no request would)."""
-        state = self._state(request)
-        if request.num_tokens < state.resume_at or request.mm_items:
+        """Whether `request` would draft now (async scheduling dispatches ahead only when no request would). A draft
+        model always has a continuation: it is asked unless the request backs off."""
+        if self._room(request) < 1:
             return False
-        num_tokens = state.sync(request)
-        return bool(self._proposal(state.tokens, num_tokens, 1))
+        if self.draft_model is not None:
+            return True
+        state = self._state(request)
+        return bool(self._proposal(state.tokens, state.sync(request), 1))
 
     def _proposal(self, tokens: np.ndarray, num_tokens: int, limit: int) -> list[int]:
         config = self.config

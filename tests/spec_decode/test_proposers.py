@@ -62,6 +62,8 @@ def test_config_parses_vllm_spellings_and_refuses_the_rest():
     assert (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (3, 2, 4)
     assert SpeculativeConfig.parse({"method": "suffix"}).num_speculative_tokens == 16
     assert SpeculativeConfig.parse(None) is None
+    draft = SpeculativeConfig.parse({"method": "draft_model", "model": "small", "num_speculative_tokens": 3})
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "small", 3)
     for bad, words in (({"method": "eagle", "num_speculative_tokens": 2}, "not supported yet"),
                        ({"num_speculative_tokens": 2}, "needs a 'method'"),
                        ({"method": "ngram"}, "needs num_speculative_tokens"),
@@ -69,6 +71,9 @@ def test_config_parses_vllm_spellings_and_refuses_the_rest():
                        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 6,
                          "prompt_lookup_max": 3}, "larger than"),
                        ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, "unknown key"),
+                       ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a 'model'"),
+                       ({"method": "draft_model", "model": "small"}, "needs num_speculative_tokens"),
+                       ({"method": "ngram", "num_speculative_tokens": 2, "model": "small"}, "takes one only then"),
                        ("not json", "JSON object")):
         with pytest.raises(ValueError, match=words):
             SpeculativeConfig.parse(bad)

@@ -65,8 +65,11 @@ def _summary(outputs) -> list:
 @pytest.mark.parametrize("spec", [
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "max_batch_size": ALWAYS},
     {"method": "suffix", "num_speculative_tokens": 6, "max_batch_size": ALWAYS},
-], ids=["ngram", "suffix"])
+    {"method": "draft_model", "num_speculative_tokens": 3, "max_batch_size": ALWAYS},
+], ids=["ngram", "suffix", "draft_model"])
 def test_outputs_equal_those_without_speculation(model, plain, spec):
+    if spec["method"] == "draft_model":
+        spec = {**spec, "model": model}  # the target itself drafts: its drafts are nearly always accepted
     # a small pool: long requests preempt each other, and drafts need pages too
     engine = Engine(model, kv_cache_memory_bytes=1 << 18, speculative_config=spec, **ENGINE)
     for seed in (1, 2):
