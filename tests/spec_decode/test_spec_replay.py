@@ -1,0 +1,32 @@
+"""The offline replay of speculative decoding (benchmarks.spec_replay): every output token is emitted by exactly one
+step, copied outputs verify drafts and cost fewer steps, and outputs that copy nothing cost what they cost without."""
+from __future__ import annotations
+
+from benchmarks.spec_replay import StepCosts, replay_request
+from jvllm.spec_decode.config import SpeculativeConfig
+from jvllm.spec_decode.drafter import Drafter
+
+COSTS = StepCosts(prefill_per_token=0.0)
+
+
+def _drafter() -> Drafter:
+    return Drafter(SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4}))
+
+
+def test_a_copied_output_verifies_drafts_and_every_token_is_emitted_once():
+    prompt = list(range(100, 160))
+    output = list(range(120, 160)) + [7]
+    drafter = _drafter()
+    got = replay_request(drafter, "r", prompt, output, COSTS)
+    stats = drafter.stats
+    assert got.verify == stats.num_drafts > 0
+    assert 1 + got.look_ahead + got.fresh + got.verify + stats.num_accepted_tokens == len(output)
+    assert got.decode_cost < 0.5 * (len(output) - 1)  # without drafts: one look-ahead step a token
+
+
+def test_an_output_that_copies_nothing_runs_look_ahead_steps():
+    prompt = list(range(100, 160))
+    output = list(range(1000, 1040))
+    got = replay_request(_drafter(), "r", prompt, output, COSTS)
+    assert (got.verify, got.fresh, got.look_ahead) == (0, 0, len(output) - 1)
+    assert got.cost == len(output) - 1
