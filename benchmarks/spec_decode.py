@@ -10,6 +10,7 @@ other prompts' outputs).
     python -m benchmarks.spec_decode --json benchmarks/results/spec_decode_cpu.json
     python -m benchmarks.spec_decode --crossover 1,2,4,8,16   # batch sizes where speculation stops paying
     python -m benchmarks.spec_decode --draft-model SmolLM2-135M-Instruct   # also a draft model (3 drafts)
+    python -m benchmarks.spec_decode --batch-invariant   # greedy outputs token for token those without
 """
 from __future__ import annotations
 
@@ -109,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--crossover", default=None, metavar="SIZES",
                         help="instead: batches of these sizes (e.g. 1,2,4,8,16) with and without ngram speculation")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="every engine with batch_invariant=True (greedy outputs then the same with and without)")
     parser.add_argument("--draft-model", default=None, metavar="MODEL",
                         help="also measure method draft_model with this draft (3 drafts a step)")
     args = parser.parse_args(argv)
@@ -123,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = dict(SETTINGS)
     if args.draft_model:
         settings["draft_model"] = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": 3}
-    engines = {name: LLM(speculative_config=config) for name, config in settings.items()}
+    engines = {name: LLM(speculative_config=config, batch_invariant=args.batch_invariant)
+               for name, config in settings.items()}
     kinds = prompts()
     for engine in engines.values():
         for warm, _ in kinds.values():

@@ -65,7 +65,7 @@ inline void Bf16DotKeys(const uint16_t* q_hi, const uint16_t* q_lo, int64_t hd, 
                           _mm512_loadu_si512(q_lo + r * hd + c), key);
       }
     }
-    for (int r = 0; r < R; ++r) scores[r * stride + j] = Sum(acc[r]);
+    for (int r = 0; r < R; ++r) scores[r * stride + j] = SumAsEach4(acc[r]);
   }
 }
 

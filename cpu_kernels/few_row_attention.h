@@ -36,6 +36,16 @@ inline void SumEach4(const VF (&x)[4], float* out) {
 #endif
 }
 
+// The sum of x's lanes in SumEach4's order: a key's score is then the same whether it fell in a group of four keys
+// or in the remainder, so a query's scores do not depend on how many keys its block holds (a decode row and the same
+// query in a verification step with draft tokens after it give the same bits).
+inline float SumAsEach4(VF x) {
+  const VF four[4] = {x, VF{}, VF{}, VF{}};
+  float out[4];
+  SumEach4(four, out);
+  return out[0];
+}
+
 // scores[r * stride + j] = queries[r] . keys[j][offset : offset + hd], rows r < R, keys j in [begin, end). Four keys
 // at a time: R x 4 sums, R query vectors and one key vector in registers (16 on AVX2 for R = 3).
 template <int R, typename T>
@@ -61,7 +71,7 @@ inline void DotKeys(const float* queries, int64_t hd, const T* const* keys, int6
       const VF key = LoadV(keys[j] + offset + c);
       for (int r = 0; r < R; ++r) acc[r] += LoadV(queries + r * hd + c) * key;
     }
-    for (int r = 0; r < R; ++r) scores[r * stride + j] = Sum(acc[r]);
+    for (int r = 0; r < R; ++r) scores[r * stride + j] = SumAsEach4(acc[r]);
   }
 }
 

@@ -51,6 +51,9 @@ struct Options {
   int64_t sliding_window;  // 0: none
   float soft_cap;          // 0: none
   bool bf16_tiles;         // prefill blocks over bf16 pages may round queries and probabilities to bf16
+  // The step's own K/V are in the pages already (the write variant): the few-query loops read them there, so a query
+  // sees every key as the pages hold it, whether its step ran it alone or with draft tokens after it.
+  bool own_in_pages;
 };
 
 // Per-thread scratch space, sized on first use.
@@ -347,6 +350,15 @@ class Attention {
     int64_t paged;
   };
 
+  // Keys of sequence s below this position are read from the pages by the few-query loops: all of them where the
+  // step's own K/V are in the pages, unless its first own token's page is the reserved page 0, where padding goes (a
+  // run that stores nothing, such as a logits probe, lists only page 0): then the cached ones.
+  int64_t PagedBelow(int64_t s, int64_t cached) const {
+    if (!opt_.own_in_pages || kv_lens_[s] <= cached) return cached;
+    const int64_t index = page_shift_ >= 0 ? cached >> page_shift_ : cached / sh_.page_size;
+    return page_tables_[s * sh_.pages_per_seq + index] != 0 ? kv_lens_[s] : cached;
+  }
+
   // Fills `rows` with pointers into the pages (the prefetch cursor has asked for them ahead) and into this step's own.
   void PointRows(const PoolT* pages, const float* own, int64_t s, int64_t h0, int64_t cached, int64_t key0,
                  int64_t nkeys, BlockRows* rows) const {
@@ -363,7 +375,7 @@ class Attention {
                     int64_t rows, const float* queries, bool bf16_dots, float* scores, const AskAhead& prefetch) const {
     const int64_t hd = sh_.head_dim, heads = h1 - h0;
     BlockRows keys;
-    PointRows(k_pages_, k_, s, h0, cached, key0, nkeys, &keys);
+    PointRows(k_pages_, k_, s, h0, PagedBelow(s, cached), key0, nkeys, &keys);
     for (int64_t j0 = 0; j0 < nkeys; j0 += kStripKeys) {
       const int64_t j1 = std::min<int64_t>(nkeys, j0 + kStripKeys), paged = std::clamp(keys.paged, j0, j1);
       for (int64_t h = 0; h < heads; ++h) {
@@ -402,7 +414,7 @@ class Attention {
                     const float* rescale, float* acc, const AskAhead& prefetch) const {
     const int64_t hd = sh_.head_dim;
     BlockRows values;
-    PointRows(v_pages_, v_, s, h0, cached, key0, nkeys, &values);
+    PointRows(v_pages_, v_, s, h0, PagedBelow(s, cached), key0, nkeys, &values);
     Rescale(acc, rescale, (h1 - h0) * rows, hd);
     for (int64_t j0 = 0; j0 < nkeys; j0 += kStripKeys) {
       const int64_t j1 = std::min<int64_t>(nkeys, j0 + kStripKeys), paged = std::clamp(values.paged, j0, j1);
@@ -572,7 +584,7 @@ ffi::Error Attend(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<
                   ffi::Span<const int64_t> pd, ffi::DataType type, const void* k_pages, const void* v_pages,
                   ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
                   ffi::Buffer<ffi::S32> page_tables, float* dst, float scale, int64_t sliding_window,
-                  float soft_cap, int64_t bf16_tiles) {
+                  float soft_cap, int64_t bf16_tiles, bool own_in_pages) {
   const auto qd = q.dimensions();
   const auto td = page_tables.dimensions();
   if (qd.size() != 3 || pd.size() != 4 || td.size() != 2) {
@@ -583,7 +595,7 @@ ffi::Error Attend(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<
     return ffi::Error::InvalidArgument(
         "paged_attention: heads a multiple of KV heads, one head_dim (a multiple of 16) for q and pages");
   }
-  Options opt{scale, sliding_window, soft_cap, bf16_tiles != 0};
+  Options opt{scale, sliding_window, soft_cap, bf16_tiles != 0, own_in_pages};
   // Tokens past the last sequence's are padding: their rows are zero.
   int64_t used = 0;
   for (int64_t s = 0; s < sh.seqs; ++s) {
@@ -618,7 +630,7 @@ ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                               float soft_cap, int64_t bf16_tiles) {
   return Attend(q, k, v, k_pages.dimensions(), k_pages.element_type(), k_pages.untyped_data(),
                 v_pages.untyped_data(), query_start, q_lens, kv_lens, page_tables, out->typed_data(), scale,
-                sliding_window, soft_cap, bf16_tiles);
+                sliding_window, soft_cap, bf16_tiles, false);
 }
 
 // Copies row t of `rows` [T, row bytes] to pool row slots[t] (pool [N * page, row bytes]); slots outside the pool
@@ -658,7 +670,7 @@ ffi::Error PagedAttentionWriteImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32
   WriteRows(k_store, slot_mapping.typed_data(), k_out);
   WriteRows(v_store, slot_mapping.typed_data(), v_out);
   return Attend(q, k, v, pd, k_pages.element_type(), k_out->untyped_data(), v_out->untyped_data(), query_start,
-                q_lens, kv_lens, page_tables, out->typed_data(), scale, sliding_window, soft_cap, bf16_tiles);
+                q_lens, kv_lens, page_tables, out->typed_data(), scale, sliding_window, soft_cap, bf16_tiles, true);
 }
 
 }  // namespace

@@ -30,28 +30,29 @@ def bf16_max_rows() -> int:
 
 def quantized_matmul(x: jax.Array, weight: jax.Array, fmt: str, int16_max_rows: int = 0,
                      int16_tile_min_rows: int = 0, live_rows: jax.Array | None = None,
-                     bf16_max_rows: int = 0) -> jax.Array:
+                     bf16_max_rows: int = 0, bf16_min_rows: int = 2) -> jax.Array:
     """x [M, K] float, weight [N, K / block weights * block bytes] uint8 (GGUF blocks, one row per output) -> x @ W^T
     [M, N] float32. `live_rows` ([] int32, default M): only the first rows of x are multiplied, the other rows of
-    the result are 0 (a step's padding). From 2 to `bf16_max_rows` live rows (builds with AVX-512 BF16), x and each
-    weight block are rounded to bfloat16 and summed in float32. Up to `int16_max_rows` live rows, and from
+    the result are 0 (a step's padding). From `bf16_min_rows` (1 or 2) to `bf16_max_rows` live rows (builds with
+    AVX-512 BF16), x and each weight block are rounded to bfloat16 and summed in float32, each row's bits the same
+    whatever rows come with it. Up to `int16_max_rows` live rows, and from
     `int16_tile_min_rows` if that is not 0, x is quantized to int16 blocks and multiplied with integer dot products
     (AVX2 builds; within ~3e-5 of the float32 products); other row counts multiply float32 weights dequantized in
     registers or in tiles."""
     return _call("jvllm_quantized_matmul", x, (weight,), fmt, live_rows, int16_max_rows=int16_max_rows,
-                 int16_tile_min_rows=int16_tile_min_rows, bf16_max_rows=bf16_max_rows)
+                 int16_tile_min_rows=int16_tile_min_rows, bf16_max_rows=bf16_max_rows, bf16_min_rows=bf16_min_rows)
 
 
 def gated_matmul(x: jax.Array, gate: jax.Array, up: jax.Array, fmt: str, int16_max_rows: int = 0,
                  int16_tile_min_rows: int = 0, live_rows: jax.Array | None = None,
-                 bf16_max_rows: int = 0) -> jax.Array:
+                 bf16_max_rows: int = 0, bf16_min_rows: int = 2) -> jax.Array:
     """silu(x @ G^T) * (x @ U^T) [M, N] float32 for an MLP's gate and up weights G, U [N, row bytes] in format
     `fmt`: the products of `quantized_matmul` (same row paths and numerics), and past the bfloat16 row limit made
     in one pass that writes only the activations."""
     if gate.shape != up.shape:
         raise ValueError(f"gated_matmul: gate {gate.shape} and up {up.shape} weights differ")
     return _call("jvllm_gated_matmul", x, (gate, up), fmt, live_rows, int16_max_rows=int16_max_rows,
-                 int16_tile_min_rows=int16_tile_min_rows, bf16_max_rows=bf16_max_rows)
+                 int16_tile_min_rows=int16_tile_min_rows, bf16_max_rows=bf16_max_rows, bf16_min_rows=bf16_min_rows)
 
 
 def _call(target: str, x: jax.Array, weights: tuple[jax.Array, ...], fmt: str, live_rows: jax.Array | None,

@@ -2,8 +2,9 @@
 // row n = whole blocks of one format), and the gated product act(x . G^T) * (x . U^T) of an MLP's gate and up
 // projections, for the XLA FFI handlers of quantized_matmul.cc.
 //
-// The weights stay in the file's blocks. Which rows of x meet them how (Path): on CPUs with AVX-512 BF16, 2 to the
-// caller's bf16_max_rows rows (at most 8) in bfloat16 (x and each weight block rounded to it, float32 sums); few
+// The weights stay in the file's blocks. Which rows of x meet them how (Path): on CPUs with AVX-512 BF16, the caller's
+// bf16_min_rows (1 or 2) to bf16_max_rows rows (at most 8) in bfloat16 (x and each weight block rounded to it, float32
+// sums; a row's bits do not depend on how many rows come with it); few
 // rows (up to the caller's int16_max_rows) with x quantized to int16 blocks and each weight block unpacked in
 // registers (int16_dots.h);
 // from int16_tile_min_rows with x so quantized against 16-bit code tiles (int16_tiles.h); the rows between through
@@ -47,6 +48,7 @@ struct Shapes {
 // The caller's row-count limits of the paths (quantized_matmul.py: what suits this machine's build).
 struct RowPaths {
   int64_t int16_max_rows, int16_tile_min_rows, bf16_max_rows;
+  int64_t bf16_min_rows;  // 1: a lone row in bfloat16 too (the same bits as among 2-8 rows), 2: a lone row in int16
 };
 
 // Up to kDirectRows rows of x: each weight block is dequantized in registers and used at once; from 2, the paths of
@@ -127,6 +129,7 @@ class Matmul {
     }
     if (path_ == Path::kBf16Rows) {
       switch (sh_.m) {
+        case 1: Bf16Range<1>(n0, n1); break;
         case 2: Bf16Range<2>(n0, n1); break;
         case 3: Bf16Range<3>(n0, n1); break;
         case 4: Bf16Range<4>(n0, n1); break;
@@ -299,7 +302,7 @@ class Matmul {
 template <typename Fmt>
 void RunProduct(Shapes sh, const float* x, const uint8_t* w, float* y, const RowPaths& paths) {
 #if defined(__AVX512BF16__)
-  if (sh.m >= 2 && paths.bf16_max_rows > 0) {  // the caller takes bfloat16 products: rows, or tiles past kBf16MaxRows
+  if (paths.bf16_max_rows > 0 && sh.m >= paths.bf16_min_rows) {  // bfloat16 products: rows, tiles past kBf16MaxRows
     thread_local Bf16Rows xb;
     xb.Convert(x, sh.m, sh.k);
     const bool rows = sh.m <= std::min(paths.bf16_max_rows, kBf16MaxRows);
@@ -356,7 +359,7 @@ template <typename Fmt>
 void RunGatedProduct(Shapes sh, const float* x, const uint8_t* gate, const uint8_t* up, float* y,
                      const RowPaths& paths) {
 #if defined(__AVX512BF16__)
-  if (sh.m >= 2 && paths.bf16_max_rows > 0 && sh.m > std::min(paths.bf16_max_rows, kBf16MaxRows)) {
+  if (paths.bf16_max_rows > 0 && sh.m > std::min(paths.bf16_max_rows, kBf16MaxRows)) {
     thread_local Bf16Rows xb;
     xb.Convert(x, sh.m, sh.k);
     Matmul<Fmt> work(Path::kBf16Tiles, sh, x, gate, y, nullptr, nullptr, &xb, up);

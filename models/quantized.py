@@ -121,28 +121,40 @@ def native_kernel_available() -> bool:
 
 # How a product's live token rows (models.live_rows: padding rows are skipped) meet the blocks depends on their
 # count, at limits the kernel build picks for its machine (cpu_kernels.quantized_matmul.row_path_limits and
-# bf16_max_rows): on CPUs with AVX-512 BF16, 2+ rows in bfloat16 (like a float model's batched bf16 weights: rows
-# to 8, bf16 weight tiles beyond) unless bf16_products(False) is in effect; otherwise few rows multiply with
+# bf16_max_rows): on CPUs with AVX-512 BF16, 2+ rows (1+ with bf16_products(True, single_rows=True)) in bfloat16
+# (like a float model's batched bf16 weights: rows to 8, bf16 weight tiles beyond) unless bf16_products(False) is in
+# effect; otherwise few rows multiply with
 # activations quantized to int16 blocks, each weight block unpacked once per activation row, and more rows unpack
 # the weights once into 16-bit code tiles for all rows (AVX2 builds: float32 tiles in between).
-_BF16_PRODUCTS: contextvars.ContextVar[bool] = contextvars.ContextVar("bf16_products", default=True)
+# the fewest rows a product with GGUF blocks takes in bfloat16 (0: none)
+_BF16_MIN_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("bf16_min_rows", default=2)
 
 
 @contextlib.contextmanager
-def bf16_products(enabled: bool) -> Iterator[None]:
+def bf16_products(enabled: bool, single_rows: bool = False) -> Iterator[None]:
     """Within: whether products of 2+ rows with GGUF blocks, and the native prefill attention over bfloat16 pages, may
     round their activations to bfloat16 where the CPU has bf16 dot products (jvllm.worker.step_functions sets it
-    around a step's layers and head from the engine's batched_weight_dtype)."""
-    token = _BF16_PRODUCTS.set(enabled)
+    around a step's layers and head from the engine's batched_weight_dtype); with `single_rows`, lone rows too, so
+    that a row's bits do not depend on the rows with it (speculative decoding: a verification step's rows give the
+    decode steps' tokens)."""
+    token = _BF16_MIN_ROWS.set(0 if not enabled else 1 if single_rows else 2)
     try:
         yield
     finally:
-        _BF16_PRODUCTS.reset(token)
+        _BF16_MIN_ROWS.reset(token)
 
 
 def bf16_products_enabled() -> bool:
     """Whether bf16_products(True) (the default) is in effect here."""
-    return _BF16_PRODUCTS.get()
+    return _BF16_MIN_ROWS.get() > 0
+
+
+def _bf16_rows() -> dict[str, int]:
+    """The bf16 row limits of the kernels' products here."""
+    from cpu_kernels.quantized_matmul import bf16_max_rows
+
+    return dict(bf16_max_rows=bf16_max_rows() if bf16_products_enabled() else 0,
+                bf16_min_rows=_BF16_MIN_ROWS.get() or 2)
 
 
 def quantized_dot(x: jax.Array, raw: jax.Array, fmt: str, scale: jax.Array | None = None) -> jax.Array:
@@ -151,10 +163,9 @@ def quantized_dot(x: jax.Array, raw: jax.Array, fmt: str, scale: jax.Array | Non
     if fmt in CHANNEL_FORMATS:
         return channel_dot(x, raw, scale)
     if jax.default_backend() == "cpu" and native_kernel_available():
-        from cpu_kernels.quantized_matmul import bf16_max_rows, quantized_matmul, row_path_limits
+        from cpu_kernels.quantized_matmul import quantized_matmul, row_path_limits
 
-        return quantized_matmul(x, raw, fmt, *row_path_limits(), live_rows_of(x.shape[0]),
-                                bf16_max_rows=bf16_max_rows() if bf16_products_enabled() else 0)
+        return quantized_matmul(x, raw, fmt, *row_path_limits(), live_rows_of(x.shape[0]), **_bf16_rows())
     w = dequantize(raw, fmt, x.shape[-1])  # [N, K]
     return jnp.einsum("tk,nk->tn", x.astype(jnp.float32), w, preferred_element_type=jnp.float32)
 
@@ -166,10 +177,9 @@ def quantized_gated_dot(x: jax.Array, gate: jax.Array, up: jax.Array, fmt: str) 
     caller makes the two products apart."""
     if fmt in CHANNEL_FORMATS or jax.default_backend() != "cpu" or not native_kernel_available():
         return None
-    from cpu_kernels.quantized_matmul import bf16_max_rows, gated_matmul, row_path_limits
+    from cpu_kernels.quantized_matmul import gated_matmul, row_path_limits
 
-    return gated_matmul(x, gate, up, fmt, *row_path_limits(), live_rows_of(x.shape[0]),
-                        bf16_max_rows=bf16_max_rows() if bf16_products_enabled() else 0)
+    return gated_matmul(x, gate, up, fmt, *row_path_limits(), live_rows_of(x.shape[0]), **_bf16_rows())
 
 
 def dequantized_rows(raw: jax.Array, ids: jax.Array, fmt: str, k: int, scale: jax.Array | None = None) -> jax.Array:

@@ -120,6 +120,7 @@ class Scheduler:
         index = 0
         speculates = self.drafter is not None and self.drafter.speculates(len(self.running))
         drafted = 0  # draft tokens scheduled: each takes a sampler row of the step's max_num_seqs
+        draft_rows = min(self.max_num_seqs, (self.drafter.max_step_rows if speculates else None) or self.max_num_seqs)
         if speculates:  # a draft model drafts for every decoding request at once
             self.drafter.prepare([r for r in self.running if r.num_tokens - r.num_computed_tokens == 1])
         while index < len(self.running) and budget > 0:
@@ -127,7 +128,7 @@ class Scheduler:
             wanted = min(request.num_tokens - request.num_computed_tokens, budget)
             draft = None
             if speculates and request.num_tokens - request.num_computed_tokens == 1:
-                draft = self.drafter.propose(request, min(budget - 1, self.max_num_seqs - len(self.running) - drafted))
+                draft = self.drafter.propose(request, min(budget - 1, draft_rows - len(self.running) - drafted))
                 wanted += 0 if draft is None else len(draft.token_ids)
             count = self._encoder_room(request, wanted, encoder)
             if count == 0 < wanted:  # its next image waits for encoder rows or budget

@@ -40,7 +40,7 @@ from jvllm.sampling_params import SamplingParams, StructuredOutputsParams
 from jvllm.core.scheduler import ScheduledChunk, Scheduler, check_priority
 from jvllm.structured.grammar import GrammarCompiler
 from jvllm.spec_decode.config import SpeculativeConfig
-from jvllm.spec_decode.drafter import Drafter
+from jvllm.spec_decode.drafter import INVARIANT_STEP_ROWS, Drafter
 from jvllm.engine.draft_model import DraftModelRunner
 
 logger = logging.getLogger("jvllm")
@@ -113,7 +113,8 @@ class Engine(MultiHostRoles, FrontEndViews):
         self.draft_model = None
         if speculative is not None and speculative.method == "draft_model" and not self.model.is_encoder:
             self.draft_model = DraftModelRunner.start(args, cfg, self.tokenizer, speculative, hosts.multi_host)
-        self.drafter = None if speculative is None or self.model.is_encoder else Drafter(speculative, self.draft_model)
+        self.drafter = None if speculative is None or self.model.is_encoder else Drafter(
+            speculative, self.draft_model, max_step_rows=INVARIANT_STEP_ROWS if args.batch_invariant else None)
         self.scheduler = Scheduler(self.pages, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    enable_prefix_caching=args.enable_prefix_caching, encoder_cache=self.encoder_cache,
                                    max_num_encoder_tokens=max(cfg.max_num_batched_tokens, image_tokens),
@@ -125,6 +126,7 @@ class Engine(MultiHostRoles, FrontEndViews):
             self.model, num_pages=cfg.num_pages, page_size=cfg.page_size, max_model_len=cfg.max_model_len,
             shapes=shapes, attention_backend=backend, batched_weight_dtype=batched_dtype, channel=self.channel,
             bf16_block_products=bf16_block_products(args.batched_weight_dtype),
+            bf16_single_rows=args.batch_invariant,
             encoder_buffer=encoder_buffer_layout(self.encoder_cache), kv_cache_dtype=kv_dtype)
         if self.channel is not None and self.channel.is_leader:
             atexit.register(self.shutdown)  # followers must not wait forever for the next step

@@ -17,6 +17,9 @@ MAX_BACKOFF_TOKENS = 16  # a request whose drafts keep failing speculates at lea
 # of 2-8 rows run compute-bound, docs/design.md): a request keeps speculating while its recent verification steps
 # accepted at least this many drafts on average.
 MIN_MEAN_ACCEPTED = 1.5
+# With batch_invariant, a step that verifies drafts holds at most this many token rows: the native CPU kernels take up
+# to 8 rows row by row (bf16 row products, few-query attention), so each row gives the bits of a one-token step.
+INVARIANT_STEP_ROWS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,13 +94,17 @@ class _RequestSpeculation:
 class Drafter:
     """Proposes each decoding request's draft tokens for the scheduler, and learns from what the step accepted."""
 
-    def __init__(self, config: SpeculativeConfig, draft_model: DraftModel | None = None):
+    def __init__(self, config: SpeculativeConfig, draft_model: DraftModel | None = None,
+                 max_step_rows: int | None = None):
+        """`max_step_rows`: the most token rows (decoding rows and drafts) a step that verifies drafts may hold (None:
+        the step's sequence limit)."""
         if (config.method == "draft_model") != (draft_model is not None):
             raise ValueError("a Drafter needs a draft model for method draft_model, and takes one only then")
         self.config = config
         self.stats = SpecDecodeStats()
         self.cache = OutputCache(config.suffix_decoding_max_cached_requests)
         self.draft_model = draft_model
+        self.max_step_rows = max_step_rows
         self._requests: dict[str, _RequestSpeculation] = {}
         self._prepared: dict[str, list[int]] = {}  # draft_model: this step's continuations by request id
 

@@ -101,9 +101,9 @@ def test_int16_activation_paths_stay_within_their_precision(path, fmt, m, n, k):
     np.testing.assert_array_less(np.abs(got - want), bound + 1e-6 * np.abs(x) @ np.abs(w).T + 1e-30)
 
 
-@pytest.mark.parametrize("fmt, m, n, k", cases([2, 3, 5, 8, 9, 13, 40, 130], [2, 8, 9, 40]))
+@pytest.mark.parametrize("fmt, m, n, k", cases([1, 2, 3, 5, 8, 9, 13, 40, 130], [1, 2, 8, 9, 40]))
 def test_bf16_rows_stay_within_bfloat16_precision(fmt, m, n, k):
-    """2+ rows in bfloat16 (builds with AVX-512 BF16: the row path to 8 rows, tiles beyond, over partial tile pairs,
+    """Rows in bfloat16 from one (builds with AVX-512 BF16: the row path to 8 rows, tiles beyond, over partial tile pairs,
     several depth slices and row blocks; elsewhere the int16 or float paths, within their tighter bounds): x and the
     dequantized weights rounded to 8 bits of mantissa, products summed in float32, so each output is within ~2^-8 of
     sum |x| |w| (two roundings of 2^-9 each)."""
@@ -111,7 +111,7 @@ def test_bf16_rows_stay_within_bfloat16_precision(fmt, m, n, k):
     x = np.random.default_rng(k + m).standard_normal((m, k)).astype(np.float32)
     w = dequantize_blocks(raw, fmt).astype(np.float64)
     want = x.astype(np.float64) @ w.T
-    product = jax.jit(lambda a, b, c: quantized_matmul(a, b, fmt, live_rows=c, bf16_max_rows=8))
+    product = jax.jit(lambda a, b, c: quantized_matmul(a, b, fmt, live_rows=c, bf16_max_rows=8, bf16_min_rows=1))
     got = np.asarray(product(np.concatenate([x, x[:1]]), raw, np.int32(m)))  # one padding row, not multiplied
     np.testing.assert_array_less(np.abs(got[:m] - want), 2.0 ** -8 * np.abs(x) @ np.abs(w).T + 1e-30)
     assert not got[m:].any()
@@ -206,3 +206,21 @@ def test_the_build_picks_row_path_limits_that_leave_no_row_count_out():
     any rows between go through the float tiles, so the two are ordered."""
     max_rows, tile_min_rows = row_path_limits()
     assert 0 < max_rows < tile_min_rows
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q4_0", "q8_0", "q4_k", "q6_k"])
+def test_a_row_gives_the_same_bits_alone_as_among_up_to_8_rows(fmt):
+    """With the row paths of an engine that speculates (bfloat16 from one row on AVX-512 BF16 builds), a row's product
+    does not depend on how many rows come with it: a one-token decode step and the same token among draft tokens in
+    a verification step compute the same bits."""
+    n, k = (33, 576) if fmt not in K_QUANTS else (33, 768)
+    raw = random_blocks(fmt, n, k, seed=5)
+    x = np.random.default_rng(6).standard_normal((8, k)).astype(np.float32)
+    options = dict(zip(("int16_max_rows", "int16_tile_min_rows"), row_path_limits()), bf16_max_rows=bf16_max_rows(),
+                   bf16_min_rows=1)
+    product = jax.jit(lambda a, b, c: quantized_matmul(a, b, fmt, live_rows=c, **options))
+    alone = [np.asarray(product(x[i:i + 1], raw, np.int32(1)))[0] for i in range(8)]
+    for rows in range(2, 9):
+        together = np.asarray(product(x, raw, np.int32(rows)))
+        for i in range(rows):
+            np.testing.assert_array_equal(together[i], alone[i], err_msg=f"row {i} of {rows}")
