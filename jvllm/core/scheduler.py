@@ -120,7 +120,9 @@ class Scheduler:
         index = 0
         speculates = self.drafter is not None and self.drafter.speculates(len(self.running))
         drafted = 0  # draft tokens scheduled: each takes a sampler row of the step's max_num_seqs
-        draft_rows = min(self.max_num_seqs, (self.drafter.max_step_rows if speculates else None) or self.max_num_seqs)
+        draft_rows = self.max_num_seqs  # the rows (decoding rows and drafts) the step's drafts may bring it to
+        if speculates and self.drafter.max_step_rows is not None:  # batch_invariant: within the row-by-row kernels
+            draft_rows = min(draft_rows, self.drafter.max_step_rows)
         if speculates:  # a draft model drafts for every decoding request at once
             self.drafter.prepare([r for r in self.running if r.num_tokens - r.num_computed_tokens == 1])
         while index < len(self.running) and budget > 0:
