@@ -8,8 +8,10 @@ drafter had a proposal from the tokens known at that time; a verification step i
 step, so the step after it is scheduled once its tokens are known and either verifies new drafts or runs without
 (a "fresh" step: its host work is not hidden). Costs are in one-token look-ahead steps; the defaults were measured
 in the engine on the 2-core Zen 5 VM (2026-11-29, SmolLM2 Q4_1 at a few hundred tokens of context): a fresh step
-1.05, a verification step of k drafts 1.26 + 0.165 k, prefill 0.077 per prompt token. The replay reproduced the
-benchmark's measured ratios there to within its run-to-run spread.
+1.05, a verification step of k drafts 1.26 + 0.165 k, prefill 0.077 per prompt token. On that VM the replay
+reproduced the benchmark's measured ratios to within their run-to-run spread; on a faster day of the same VM it
+was within 0.2 (low on three kinds of prompts of four): give the costs of the machine at hand (--verify-base ...)
+when absolute ratios matter, rather than comparisons of policies.
 
     python -m benchmarks.spec_replay --outputs /tmp/spec_outputs.json
     python -m benchmarks.spec_replay --outputs /tmp/spec_outputs.json --setting '{"method": "ngram", "num_speculative_tokens": 3}'
