@@ -117,7 +117,9 @@ class Attention {
     // A lone sequence verifying draft tokens (a few queries) would give one item per head, as many as a lone
     // decode row (3 heads on 2 threads: one thread idle a third of the time); its queries go in two halves
     // instead, each item reading its head's keys for its half.
-    if (blocks < kMinItems && most_queries > 1 && most_queries <= kDirectQueries) block_queries_ = (most_queries + 1) / 2;
+    if (blocks < kMinItems && most_queries > 1 && most_queries <= kDirectQueries) {
+      block_queries_ = (most_queries + 1) / 2;
+    }
     heads_per_item_ = (sh.kv_heads + head_splits_ - 1) / head_splits_;
     item_start_.resize(sh.seqs + 1, 0);
     for (int64_t s = 0; s < sh.seqs; ++s) item_start_[s + 1] = item_start_[s] + QueryBlocks(s) * head_splits_;

@@ -17,10 +17,11 @@ logger = logging.getLogger("jvllm")
 class DraftModelRunner:
     """Greedy continuations of token sequences by the draft model (jvllm.spec_decode.drafter.DraftModel).
 
-    Each call is one `generate` of the draft engine: a sequence's pages computed by an earlier call (its prompt and
-    the drafts it accepted, page by page) come from the draft engine's prefix cache, so a call computes the
-    sequence's tail since its last full page, then one token a step. The draft engine has its own KV pool and its
-    own closed set of step shapes (at most max_batch_size sequences a step), compiled at start."""
+    Each call is one `generate` of the draft engine: a sequence's full pages computed by an earlier call come from
+    the draft engine's prefix cache, so a call computes the sequence from its first page not found there (its last,
+    partial page, or the page where the earlier call's drafts part from the accepted tokens), then one token a step.
+    The draft engine has its own KV pool and its own closed set of step shapes (at most max_batch_size sequences a
+    step), compiled at start."""
 
     def __init__(self, engine: Any, num_speculative_tokens: int):
         self.engine = engine
