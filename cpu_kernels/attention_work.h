@@ -1,0 +1,338 @@
+// The attention of a paged attention call's work items (paged_attention.cc holds the XLA FFI handlers): per item,
+// blocks of kBlockKeys keys scored, masked and softmaxed online, then their values summed. Few query rows (decode
+// rows, a row verifying draft tokens) multiply key and value rows as stored (few_row_attention.h, with bf16 dot
+// products over bf16 pages: bf16_attention.h); prefill blocks transpose each block of keys once for all their
+// queries, or over bf16 pages take bf16 tiles (bf16_prefill_attention.h).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "attention_blocks.h"
+#include "attention_vectors.h"
+#include "bf16_attention.h"
+#include "bf16_prefill_attention.h"
+#include "few_row_attention.h"
+#include "page_view.h"
+#include "transpose.h"
+
+namespace jvllm {
+
+constexpr int kDirectScoreRows = 4;  // up to this many score rows, key rows are multiplied as stored (no transpose)
+constexpr int kStripKeys = 16;       // direct path: keys of every head per strip, so token rows are read in order
+constexpr int kPrefetchKeys = 64;    // direct path: how far ahead of the work (in key positions) rows are asked for
+
+// Per-thread scratch space, sized on first use.
+struct AttentionScratch {
+  std::vector<float> queries;  // [rows, head_dim], scaled
+  std::vector<float> keys_t;   // [head_dim, kBlockKeys]
+  std::vector<float> scores;   // [rows, kBlockKeys]
+  std::vector<float> acc;      // [rows, head_dim]
+  std::vector<float> row_max, denom, rescale;
+  std::vector<float> values;   // [kBlockKeys, head_dim] (bfloat16 pools: converted)
+  std::vector<const float*> value_rows;  // [kBlockKeys] rows of values (or of keys, to transpose)
+  std::vector<float> zeros;              // [head_dim] of 0, the rows past a block's keys
+  // bf16 pages with bf16 dot products: queries [rows, head_dim] and probabilities [rows, kBlockKeys] split into a
+  // bf16 high part and the bf16 rest
+  std::vector<uint16_t> queries_hi, queries_lo, probs_hi, probs_lo;
+  PrefetchCursor cursor;  // the direct path's (page_view.h)
+
+  void Reserve(int64_t rows, int64_t head_dim) {
+    auto grow = [](std::vector<float>& v, size_t n) { if (v.size() < n) v.resize(n); };
+    grow(queries, rows * head_dim);
+    grow(keys_t, head_dim * kBlockKeys);
+    grow(scores, rows * kBlockKeys);
+    grow(acc, rows * head_dim);
+    grow(row_max, rows);
+    grow(denom, rows);
+    grow(rescale, rows);
+    grow(values, kBlockKeys * head_dim);
+    grow(zeros, head_dim);
+    if (value_rows.size() < kBlockKeys) value_rows.resize(kBlockKeys);
+    if constexpr (kBf16Attention) {
+      auto grow16 = [](std::vector<uint16_t>& v, size_t n) { if (v.size() < n) v.resize(n); };
+      grow16(queries_hi, rows * head_dim);
+      grow16(queries_lo, rows * head_dim);
+      grow16(probs_hi, rows * kBlockKeys);
+      grow16(probs_lo, rows * kBlockKeys);
+    }
+  }
+};
+
+// The attention of a call's work items (PageView: its arguments and items), run by RunItems.
+template <typename PoolT>
+class Attention : public PageView<PoolT> {
+  using View = PageView<PoolT>;
+  using typename View::BlockRows;
+  using View::sh_, View::opt_, View::q_, View::k_, View::v_, View::k_pages_, View::v_pages_, View::query_start_,
+      View::kv_lens_, View::q_lens_, View::out_;
+  using View::Locate, View::LowestKey, View::PrefetchUntil, View::Prefetch, View::Row, View::PagedBelow,
+      View::PointRows;
+
+ public:
+  using View::View;
+
+  // Runs work item `item`; decode rows also ask for the first paged keys and values of item `next` (the next this
+  // thread runs, -1: none) as they near their end.
+  void RunWithNext(int64_t item, int64_t next) const {
+    Attend(Locate(item), next >= 0 ? Locate(next) : AttentionItem{});
+  }
+
+ private:
+  // Attention of work item `here`; `next` is the item this thread runs after it (s < 0: none).
+  void Attend(const AttentionItem& here, const AttentionItem& next) const {
+    thread_local AttentionScratch scratch;
+    const int64_t s = here.s, h0 = here.h0, h1 = here.h1, first = here.first, count = here.count;
+    const int64_t hd = sh_.head_dim, group = sh_.group, rows = count * group, heads = h1 - h0;
+    scratch.Reserve(heads * rows, hd);
+    float* scores = scratch.scores.data();
+
+    const int64_t cached = kv_lens_[s] - q_lens_[s];
+    const int64_t start = query_start_[s] + first;  // flat token of the block's first query
+    for (int64_t h = h0; h < h1; ++h) {
+      float* queries = scratch.queries.data() + (h - h0) * rows * hd;
+      for (int64_t i = 0; i < count; ++i) {
+        for (int64_t g = 0; g < group; ++g) {
+          const float* src = q_ + ((start + i) * sh_.heads + h * group + g) * hd;
+          float* dst = queries + (i * group + g) * hd;
+          for (int64_t d = 0; d < hd; ++d) dst[d] = src[d] * opt_.scale;
+        }
+      }
+    }
+    std::fill(scratch.acc.begin(), scratch.acc.begin() + heads * rows * hd, 0.0f);
+    std::fill(scratch.row_max.begin(), scratch.row_max.begin() + heads * rows, kMasked);
+    std::fill(scratch.denom.begin(), scratch.denom.begin() + heads * rows, 0.0f);
+
+    const int64_t first_pos = cached + first, last_pos = cached + first + count - 1;
+    const int64_t lowest = LowestKey(here);
+    const bool direct = rows <= kDirectScoreRows || count <= kDirectQueries;
+    if (direct && !scratch.cursor.In(here)) {
+      scratch.cursor = {s, h0, first, lowest};  // nothing asked for yet: the thread's first item
+    }
+#if JVLLM_BF16_PREFILL
+    if constexpr (std::is_same_v<PoolT, uint16_t>) {
+      // bf16 pages on a CPU with bf16 dot products: prefill blocks of queries in transposed tiles
+      if (opt_.bf16_tiles && !direct && hd % kBf16Chunk == 0 && opt_.soft_cap == 0.0f) {
+        AttendInTiles(scratch, s, h0, h1, count, cached, start, first_pos, lowest);
+        return;
+      }
+    }
+#endif
+    // bf16 pages on a CPU with bf16 dot products: the direct loops multiply bf16 pairs (bf16_attention.h)
+    const bool bf16_dots = std::is_same_v<PoolT, uint16_t> && kBf16Attention && direct && hd % kBf16Chunk == 0;
+    if (bf16_dots) {
+      SplitToBf16(scratch.queries.data(), heads * rows * hd, scratch.queries_hi.data(), scratch.queries_lo.data());
+    }
+    if (!direct) Prefetch(s, h0, h1, cached, lowest, kBlockKeys);
+    for (int64_t key0 = lowest; key0 <= last_pos; key0 += kBlockKeys) {
+      const int64_t nkeys = std::min<int64_t>(kBlockKeys, last_pos + 1 - key0);
+      if (direct) {  // few rows (decode): key and value rows read in place, a strip of positions at a time
+        // The rows kPrefetchKeys positions ahead of the work (on into the thread's next item) are asked for as it
+        // goes, after each head's strip: a loop of loads alone, or loads interleaved with arithmetic, leave the
+        // memory system idle much of the time (docs/design.md, "Decode attention: prefetching ahead of the work").
+        int64_t before = 0;
+        const auto prefetch = [&](int64_t done) {  // done: of the block's two passes over its nkeys keys
+          PrefetchUntil(scratch.cursor, here, last_pos + 1, next, key0 + done / 2 + kPrefetchKeys, done - before + 1);
+          before = done;
+        };
+        DirectScores(scratch, s, h0, h1, cached, key0, nkeys, rows, scratch.queries.data(), bf16_dots, scores,
+                     prefetch);
+        for (int64_t h = 0; h < heads; ++h) {
+          Mask(first_pos, group, key0, nkeys, rows, opt_.sliding_window, scores + h * rows * kBlockKeys);
+        }
+        Softmax(heads * rows, scores, scratch.row_max.data(), scratch.denom.data(), scratch.rescale.data());
+        if (bf16_dots) {
+          SplitToBf16(scores, heads * rows * kBlockKeys, scratch.probs_hi.data(), scratch.probs_lo.data());
+        }
+        DirectValues(scratch, s, h0, h1, cached, key0, nkeys, rows, scores,
+                     bf16_dots ? scratch.probs_hi.data() : nullptr, scratch.probs_lo.data(), scratch.rescale.data(),
+                     scratch.acc.data(), prefetch);
+        continue;
+      }
+      Prefetch(s, h0, h1, cached, key0 + kBlockKeys, std::min<int64_t>(kBlockKeys, last_pos + 1 - key0 - kBlockKeys));
+      for (int64_t h = h0; h < h1; ++h) {  // one head at a time: keys transposed, rows x keys by broadcasts
+        const int64_t off = (h - h0) * rows;
+        Scores(scratch, s, h, cached, key0, nkeys, rows, scratch.queries.data() + off * hd, scores);
+        Mask(first_pos, group, key0, nkeys, rows, opt_.sliding_window, scores);
+        Softmax(rows, scores, scratch.row_max.data() + off, scratch.denom.data() + off, scratch.rescale.data());
+        Values(scratch, s, h, cached, key0, nkeys, rows, scores, scratch.rescale.data(), scratch.acc.data() + off * hd);
+      }
+    }
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t off = (h - h0) * rows;
+      for (int64_t i = 0; i < count; ++i) {
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t r = off + i * group + g;
+          const float inv = 1.0f / scratch.denom[r];
+          float* dst = out_ + ((start + i) * sh_.heads + h * group + g) * hd;
+          const float* a = scratch.acc.data() + r * hd;
+          for (int64_t d = 0; d < hd; ++d) dst[d] = a[d] * inv;
+        }
+      }
+    }
+  }
+
+  // Attend for a block of prefill queries over bf16 pages (bf16_prefill_attention.h): heads [h0, h1), `count`
+  // queries from flat token `start` at positions first_pos.., their scaled queries in scratch.queries.
+#if JVLLM_BF16_PREFILL
+  void AttendInTiles(AttentionScratch& scratch, int64_t s, int64_t h0, int64_t h1, int64_t count, int64_t cached,
+                     int64_t start, int64_t first_pos, int64_t lowest) const {
+    if constexpr (std::is_same_v<PoolT, uint16_t>) {
+      const int64_t hd = sh_.head_dim, group = sh_.group;
+      const PrefillQueries block{scratch.queries.data(), h1 - h0, count * group, group, hd, first_pos, lowest,
+                                 opt_.sliding_window};
+      Prefetch(s, h0, h1, cached, lowest, kBlockKeys);
+      AttendPrefillQueries(
+          block, kBlockKeys,
+          [&](int64_t h, int64_t pos, uint16_t* k_buf, uint16_t* v_buf, const uint16_t** key, const uint16_t** value) {
+            const float *own_k, *own_v;
+            *key = Row(k_pages_, k_, s, h0 + h, pos, cached, &own_k);
+            *value = Row(v_pages_, v_, s, h0 + h, pos, cached, &own_v);
+            if (own_k != nullptr) {  // this step's own rows: rounded as the pages store them
+              RoundToBf16(own_k, hd, k_buf);
+              RoundToBf16(own_v, hd, v_buf);
+              *key = k_buf;
+              *value = v_buf;
+            }
+          },
+          [&](int64_t key0, int64_t nkeys) { Prefetch(s, h0, h1, cached, key0, nkeys); },
+          [&](int64_t h, int64_t r) { return out_ + ((start + r / group) * sh_.heads + (h0 + h) * group + r % group) * hd; });
+    }
+  }
+#endif
+
+  // Every head of [h0, h1): scores[h, r, j] = q_{h,r} . key_{key0 + j, h} (scaled, soft-capped), for j < nkeys. Keys
+  // are read once for the head's rows (few_row_attention.h); with `bf16_dots`, the paged ones against the queries'
+  // two bf16 parts in scratch (bf16_attention.h). prefetch(done) is called after each head's strip, `done` of the
+  // block's 2 x nkeys key passes behind it (this pass: the first nkeys).
+  template <typename AskAhead>
+  void DirectScores(AttentionScratch& scratch, int64_t s, int64_t h0, int64_t h1, int64_t cached, int64_t key0,
+                    int64_t nkeys, int64_t rows, const float* queries, bool bf16_dots, float* scores,
+                    const AskAhead& prefetch) const {
+    const int64_t hd = sh_.head_dim, heads = h1 - h0;
+    BlockRows keys;
+    PointRows(k_pages_, k_, s, h0, PagedBelow(s, cached), key0, nkeys, &keys);
+    for (int64_t j0 = 0; j0 < nkeys; j0 += kStripKeys) {
+      const int64_t j1 = std::min<int64_t>(nkeys, j0 + kStripKeys), paged = std::clamp(keys.paged, j0, j1);
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* qh = queries + h * rows * hd;
+        float* sh = scores + h * rows * kBlockKeys;
+        if constexpr (std::is_same_v<PoolT, uint16_t>) {
+          if (bf16_dots) {
+            const int64_t at = h * rows * hd;
+            Bf16FewRowDots(rows, scratch.queries_hi.data() + at, scratch.queries_lo.data() + at, hd, keys.pages,
+                           h * hd, j0, paged, sh, kBlockKeys);
+          } else {
+            FewRowDots(rows, qh, hd, keys.pages, h * hd, j0, paged, sh, kBlockKeys);
+          }
+        } else {
+          FewRowDots(rows, qh, hd, keys.pages, h * hd, j0, paged, sh, kBlockKeys);
+        }
+        FewRowDots(rows, qh, hd, keys.own, h * hd, paged, j1, sh, kBlockKeys);
+        prefetch(j0 + (j1 - j0) * (h + 1) / heads);
+      }
+    }
+    for (int64_t r = 0; r < heads * rows; ++r) {
+      float* sr = scores + r * kBlockKeys;
+      for (int64_t j = nkeys; j < kBlockKeys; ++j) sr[j] = 0.0f;
+      if (opt_.soft_cap > 0.0f) {
+        for (int64_t j = 0; j < kBlockKeys; ++j) sr[j] = SoftCap(sr[j], opt_.soft_cap);
+      }
+    }
+  }
+
+  // acc[h, r] = acc[h, r] * rescale[h, r] + sum_j probs[h, r, j] * value_{key0 + j, h} for every head of [h0, h1),
+  // values as rows (paged ones in place); paged values times the probabilities' two bf16 parts where `probs_hi`
+  // is given. prefetch(done) as in DirectScores (this pass: the second nkeys).
+  template <typename AskAhead>
+  void DirectValues(AttentionScratch& scratch, int64_t s, int64_t h0, int64_t h1, int64_t cached, int64_t key0,
+                    int64_t nkeys, int64_t rows, const float* probs, const uint16_t* probs_hi, const uint16_t* probs_lo,
+                    const float* rescale, float* acc, const AskAhead& prefetch) const {
+    const int64_t hd = sh_.head_dim;
+    BlockRows values;
+    PointRows(v_pages_, v_, s, h0, PagedBelow(s, cached), key0, nkeys, &values);
+    Rescale(acc, rescale, (h1 - h0) * rows, hd);
+    for (int64_t j0 = 0; j0 < nkeys; j0 += kStripKeys) {
+      const int64_t j1 = std::min<int64_t>(nkeys, j0 + kStripKeys), paged = std::clamp(values.paged, j0, j1);
+      for (int64_t h = 0; h < h1 - h0; ++h) {
+        const float* ph = probs + h * rows * kBlockKeys;
+        float* ah = acc + h * rows * hd;
+        if constexpr (std::is_same_v<PoolT, uint16_t>) {
+          if (probs_hi != nullptr) {
+            const int64_t at = h * rows * kBlockKeys;
+            Bf16FewRowValues(rows, probs_hi + at, probs_lo + at, kBlockKeys, values.pages, h * hd, j0, paged, ah, hd);
+          } else {
+            FewRowValues(rows, ph, kBlockKeys, values.pages, h * hd, j0, paged, ah, hd);
+          }
+        } else {
+          FewRowValues(rows, ph, kBlockKeys, values.pages, h * hd, j0, paged, ah, hd);
+        }
+        FewRowValues(rows, ph, kBlockKeys, values.own, h * hd, paged, j1, ah, hd);
+        prefetch(nkeys + j0 + (j1 - j0) * (h + 1) / (h1 - h0));
+      }
+    }
+  }
+
+  // One head: scores[r, j] = q_r . key_{key0 + j} (scaled, soft-capped), for j < nkeys. The keys are transposed
+  // once into [hd, kBlockKeys] (8 x 8 at a time), then 6 rows x 2 vectors of keys per pass.
+  void Scores(AttentionScratch& scratch, int64_t s, int64_t head, int64_t cached, int64_t key0, int64_t nkeys,
+              int64_t rows, const float* queries, float* scores) const {
+    const int64_t hd = sh_.head_dim;
+    float* kt = scratch.keys_t.data();
+    const float** krows = scratch.value_rows.data();  // the block's key rows as float32 (past nkeys: zeros)
+    for (int64_t j = 0; j < kBlockKeys; ++j) {
+      const float* own = scratch.zeros.data();
+      const PoolT* paged = j < nkeys ? Row(k_pages_, k_, s, head, key0 + j, cached, &own) : nullptr;
+      if (paged == nullptr) {
+        krows[j] = own;
+      } else if constexpr (std::is_same_v<PoolT, float>) {
+        krows[j] = paged;
+      } else {
+        float* dst = scratch.values.data() + j * hd;
+        for (int64_t c = 0; c < hd / kLanes; ++c) StoreV(dst + c * kLanes, LoadV(paged + c * kLanes));
+        krows[j] = dst;
+      }
+    }
+    for (int64_t j = 0; j < kBlockKeys; j += 8) {
+      for (int64_t d = 0; d < hd; d += 8) {
+        Transpose8([&](int i) { return krows[j + i] + d; }, kt + d * kBlockKeys + j, kBlockKeys);
+      }
+    }
+    int64_t r = 0;
+    for (; r + 6 <= rows; r += 6) ScoreRows<6>(queries + r * hd, kt, hd, scores + r * kBlockKeys);
+    for (; r + 3 <= rows; r += 3) ScoreRows<3>(queries + r * hd, kt, hd, scores + r * kBlockKeys);
+    for (; r < rows; ++r) ScoreRows<1>(queries + r * hd, kt, hd, scores + r * kBlockKeys);
+    if (opt_.soft_cap > 0.0f) {
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sr = scores + r * kBlockKeys;
+        for (int64_t j = 0; j < kBlockKeys; ++j) sr[j] = SoftCap(sr[j], opt_.soft_cap);
+      }
+    }
+  }
+
+  // One head: acc[r] = acc[r] * rescale[r] + probs[r] @ values of keys [key0, key0 + nkeys).
+  void Values(AttentionScratch& scratch, int64_t s, int64_t head, int64_t cached, int64_t key0, int64_t nkeys,
+              int64_t rows, const float* probs, const float* rescale, float* acc) const {
+    const int64_t hd = sh_.head_dim;
+    const float** vrows = scratch.value_rows.data();
+    for (int64_t j = 0; j < nkeys; ++j) {
+      const float* own;
+      const PoolT* paged = Row(v_pages_, v_, s, head, key0 + j, cached, &own);
+      if (own != nullptr) {
+        vrows[j] = own;
+      } else if constexpr (std::is_same_v<PoolT, float>) {
+        vrows[j] = paged;
+      } else {
+        float* dst = scratch.values.data() + j * hd;
+        for (int64_t c = 0; c < hd / kLanes; ++c) StoreV(dst + c * kLanes, LoadV(paged + c * kLanes));
+        vrows[j] = dst;
+      }
+    }
+    Rescale(acc, rescale, rows, hd);
+    FewRowValues(rows, probs, kBlockKeys, vrows, 0, 0, nkeys, acc, hd);
+  }
+};
+
+}  // namespace jvllm
