@@ -11,6 +11,7 @@ other prompts' outputs).
     python -m benchmarks.spec_decode --crossover 1,2,4,8,16   # batch sizes where speculation stops paying
     python -m benchmarks.spec_decode --draft-model SmolLM2-135M-Instruct   # also a draft model (3 drafts)
     python -m benchmarks.spec_decode --batch-invariant   # greedy outputs token for token those without
+    python -m benchmarks.spec_decode --workloads 3   # 32 chats and 256 requests: ngram against off, 3 rounds
 """
 from __future__ import annotations
 
@@ -104,6 +105,45 @@ def crossover(max_tokens: int, batch_sizes: list[int]) -> dict:
     return table
 
 
+def many_requests(rounds: int) -> dict:
+    """Batches too large to speculate but at their tail, in one process: ngram (5 drafts) against no speculation,
+    alternating which goes first each round, on 32 uneven chat prompts x 64 tokens and on 256 requests of fixed
+    (64 in, 64 out) and varied (log-normal, same totals) lengths, as benchmarks.throughput builds them.
+    -> {workload: {"off": [tok/s per round], "ngram": [...], "ratio": sum ngram / sum off}}."""
+    from jvllm import LLM, SamplingParams
+    from benchmarks import workloads
+
+    engines = {"off": LLM(), "ngram": LLM(speculative_config=SETTINGS["ngram"])}
+    vocab = engines["off"].model.config.vocab_size
+    loads = {"32 chats": workloads.chat(engines["off"].get_tokenizer(), 32, 64, seed=0),
+             "256 fixed": workloads.fixed(256, 64, 64, vocab, seed=100),
+             "256 varied": workloads.varied(256, 64 * 256, 64 * 256, vocab, seed=200)}
+
+    def tokens_per_second(engine, load) -> float:
+        inputs = [{"prompt_token_ids": prompt} for prompt in load.prompts]
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in load.output_lens]
+        engine.reset_prefix_cache()
+        started = time.perf_counter()
+        engine.generate(inputs, params, use_tqdm=False)
+        return load.output_tokens / (time.perf_counter() - started)
+
+    for load in loads.values():  # warm-up: every step shape the workloads need
+        for engine in engines.values():
+            tokens_per_second(engine, load)
+    table = {name: {"off": [], "ngram": []} for name in loads}
+    for round_index in range(rounds):
+        order = list(engines) if round_index % 2 == 0 else list(reversed(engines))
+        for name, load in loads.items():
+            for setting in order:
+                table[name][setting].append(tokens_per_second(engines[setting], load))
+            print(f"round {round_index + 1} {name:10s} off {table[name]['off'][-1]:6.1f} tok/s, "
+                  f"ngram {table[name]['ngram'][-1]:6.1f}", flush=True)
+    for name, row in table.items():
+        row["ratio"] = sum(row["ngram"]) / sum(row["off"])
+        print(f"{name:10s} ngram / off {row['ratio']:.3f}")
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -114,7 +154,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="every engine with batch_invariant=True (greedy outputs then the same with and without)")
     parser.add_argument("--draft-model", default=None, metavar="MODEL",
                         help="also measure method draft_model with this draft (3 drafts a step)")
+    parser.add_argument("--workloads", type=int, default=None, metavar="ROUNDS",
+                        help="instead: 32 chats and 256 requests, ngram against off in one process, ROUNDS rounds")
     args = parser.parse_args(argv)
+    if args.workloads:
+        table = many_requests(args.workloads)
+        write_json(args.json, {"command": command_line("benchmarks.spec_decode", argv), "machine": machine_info(),
+                               "workloads": table})
+        return 0
     if args.crossover:
         table = crossover(args.max_tokens, [int(size) for size in args.crossover.split(",")])
         write_json(args.json, {"command": command_line("benchmarks.spec_decode", argv), "machine": machine_info(),
