@@ -57,6 +57,17 @@ def test_suffix_searches_the_sequence_itself_and_the_cache_forgets_old_outputs()
     assert propose_suffix(tokens, n, cache, limit=4, max_depth=24, max_spec_factor=1.0, min_token_prob=0.1) == [0, 9, 4]
 
 
+def test_suffix_continues_a_short_match_only_when_its_continuation_is_near_certain():
+    tokens, n = _tokens([5, 7])  # "7" alone matches: shorter than MIN_MATCH
+    cache = OutputCache(max_requests=8)
+    cache.add([1, 7, 8, 9])
+    assert propose_suffix(tokens, n, cache, limit=4, max_depth=24, max_spec_factor=1.0, min_token_prob=0.1) == []
+    cache.add([2, 7, 8, 9])  # two occurrences, both followed by 8 9: drafted up to the end of the outputs
+    assert propose_suffix(tokens, n, cache, limit=4, max_depth=24, max_spec_factor=1.0, min_token_prob=0.1) == [8, 9]
+    cache.add([3, 7, 6])  # 8 now follows two of three: not near-certain
+    assert propose_suffix(tokens, n, cache, limit=4, max_depth=24, max_spec_factor=1.0, min_token_prob=0.1) == []
+
+
 def test_config_parses_vllm_spellings_and_refuses_the_rest():
     config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
     assert (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (3, 2, 4)
