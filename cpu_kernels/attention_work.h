@@ -285,15 +285,7 @@ class Attention : public PageView<PoolT> {
     for (int64_t j = 0; j < kBlockKeys; ++j) {
       const float* own = scratch.zeros.data();
       const PoolT* paged = j < nkeys ? Row(k_pages_, k_, s, head, key0 + j, cached, &own) : nullptr;
-      if (paged == nullptr) {
-        krows[j] = own;
-      } else if constexpr (std::is_same_v<PoolT, float>) {
-        krows[j] = paged;
-      } else {
-        float* dst = scratch.values.data() + j * hd;
-        for (int64_t c = 0; c < hd / kLanes; ++c) StoreV(dst + c * kLanes, LoadV(paged + c * kLanes));
-        krows[j] = dst;
-      }
+      krows[j] = AsFloat(paged, own, scratch.values.data() + j * hd, hd);
     }
     for (int64_t j = 0; j < kBlockKeys; j += 8) {
       for (int64_t d = 0; d < hd; d += 8) {
@@ -320,18 +312,22 @@ class Attention : public PageView<PoolT> {
     for (int64_t j = 0; j < nkeys; ++j) {
       const float* own;
       const PoolT* paged = Row(v_pages_, v_, s, head, key0 + j, cached, &own);
-      if (own != nullptr) {
-        vrows[j] = own;
-      } else if constexpr (std::is_same_v<PoolT, float>) {
-        vrows[j] = paged;
-      } else {
-        float* dst = scratch.values.data() + j * hd;
-        for (int64_t c = 0; c < hd / kLanes; ++c) StoreV(dst + c * kLanes, LoadV(paged + c * kLanes));
-        vrows[j] = dst;
-      }
+      vrows[j] = AsFloat(paged, own, scratch.values.data() + j * hd, hd);
     }
     Rescale(acc, rescale, rows, hd);
     FewRowValues(rows, probs, kBlockKeys, vrows, 0, 0, nkeys, acc, hd);
+  }
+
+  // A key or value row [hd] as float32: `own` where the row is not in the pages (paged is null), the page's row in
+  // place for float32 pools, else converted into `buffer`.
+  static const float* AsFloat(const PoolT* paged, const float* own, float* buffer, int64_t hd) {
+    if (paged == nullptr) return own;
+    if constexpr (std::is_same_v<PoolT, float>) {
+      return paged;
+    } else {
+      for (int64_t c = 0; c < hd / kLanes; ++c) StoreV(buffer + c * kLanes, LoadV(paged + c * kLanes));
+      return buffer;
+    }
   }
 };
 

@@ -21,8 +21,8 @@ class SpeculativeConfig:
     the longest suffix (3 to suffix_decoding_max_tree_depth tokens) found in the sequence and in the outputs of
     earlier requests; at most max_spec_factor x the match length tokens, stopping where the continuation's
     estimated probability drops below suffix_decoding_min_token_prob (a shorter suffix: while its continuation is
-    near-certain, jvllm.spec_decode.suffix). draft_model: the greedy continuation of the
-    sequence by `model`, a smaller model with the target's vocabulary, run by an engine of its own."""
+    near-certain, jvllm.spec_decode.suffix). draft_model: the greedy continuation of the sequence by `model`, a
+    smaller model with the target's vocabulary, run by an engine of its own."""
 
     method: str
     num_speculative_tokens: int
