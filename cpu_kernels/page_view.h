@@ -13,8 +13,9 @@
 namespace jvllm {
 
 constexpr int kBlockQueries = 32;  // queries per work item: each block of keys is transposed once for them all
-constexpr int kDirectQueries = 8;  // blocks of up to this many queries (a decode row verifying draft tokens) and
-                                   // of few score rows read key rows as stored (paged_attention.cc)
+// Blocks of up to this many queries (a decode row verifying draft tokens) read key rows as stored, without a
+// transpose (attention_work.h); a lone sequence's such queries go in two halves (PageView's constructor).
+constexpr int kDirectQueries = 8;
 
 struct AttentionShapes {
   int64_t tokens, heads, kv_heads, head_dim, group, page_size, pages_per_seq, seqs;

@@ -123,10 +123,9 @@ def native_kernel_available() -> bool:
 # count, at limits the kernel build picks for its machine (cpu_kernels.quantized_matmul.row_path_limits and
 # bf16_max_rows): on CPUs with AVX-512 BF16, 2+ rows (1+ with bf16_products(True, single_rows=True)) in bfloat16
 # (like a float model's batched bf16 weights: rows to 8, bf16 weight tiles beyond) unless bf16_products(False) is in
-# effect; otherwise few rows multiply with
-# activations quantized to int16 blocks, each weight block unpacked once per activation row, and more rows unpack
-# the weights once into 16-bit code tiles for all rows (AVX2 builds: float32 tiles in between).
-# the fewest rows a product with GGUF blocks takes in bfloat16 (0: none)
+# effect; otherwise few rows multiply with activations quantized to int16 blocks, each weight block unpacked once per
+# activation row, and more rows unpack the weights once into 16-bit code tiles for all rows (AVX2 builds: float32
+# tiles in between). _BF16_MIN_ROWS: the fewest rows a product with GGUF blocks takes in bfloat16 here (0: none).
 _BF16_MIN_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("bf16_min_rows", default=2)
 
 
