@@ -10,6 +10,11 @@ METHODS = ("ngram", "suffix", "draft_model")
 # The engine speculates only while at most this many requests run: past it a CPU step is compute-bound and
 # verifying drafts costs more than it saves (docs/design.md, speculative decoding).
 DEFAULT_MAX_BATCH = 4
+# Suffix decoding's defaults: matches of up to 32 tokens (vLLM: 24) continued by up to 31 drafts, so that one
+# request's verification step fills the 32-token step bucket; long copies are then accepted in fewer steps
+# (docs/design.md, speculative decoding, has the measurements).
+SUFFIX_MAX_TREE_DEPTH = 32
+SUFFIX_NUM_SPECULATIVE_TOKENS = 31
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +33,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 2
-    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_tree_depth: int = SUFFIX_MAX_TREE_DEPTH
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
@@ -79,7 +84,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config needs a 'method' ({', '.join(METHODS)})")
         fields = dict(value)
         if fields["method"] == "suffix":
-            fields.setdefault("num_speculative_tokens", 16)
+            fields.setdefault("num_speculative_tokens", SUFFIX_NUM_SPECULATIVE_TOKENS)
         if "num_speculative_tokens" not in fields:
             raise ValueError(f"speculative_config needs num_speculative_tokens for the {fields['method']} method")
         low, high = fields.get("prompt_lookup_min"), fields.get("prompt_lookup_max")

@@ -71,7 +71,8 @@ def test_suffix_continues_a_short_match_only_when_its_continuation_is_near_certa
 def test_config_parses_vllm_spellings_and_refuses_the_rest():
     config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
     assert (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (3, 2, 4)
-    assert SpeculativeConfig.parse({"method": "suffix"}).num_speculative_tokens == 16
+    suffix = SpeculativeConfig.parse({"method": "suffix"})
+    assert (suffix.num_speculative_tokens, suffix.suffix_decoding_max_tree_depth) == (31, 32)
     assert SpeculativeConfig.parse(None) is None
     draft = SpeculativeConfig.parse({"method": "draft_model", "model": "small", "num_speculative_tokens": 3})
     assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "small", 3)
