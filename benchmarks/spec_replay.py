@@ -11,10 +11,15 @@ in the engine on the 2-core Zen 5 VM (2026-11-29, SmolLM2 Q4_1 at a few hundred 
 1.05, a verification step of k drafts 1.26 + 0.165 k, prefill 0.077 per prompt token. On that VM the replay
 reproduced the benchmark's measured ratios to within their run-to-run spread; on a faster day of the same VM it
 was within 0.2 (low on three kinds of prompts of four): give the costs of the machine at hand (--verify-base ...)
-when absolute ratios matter, rather than comparisons of policies.
+when absolute ratios matter, rather than comparisons of policies. A verification step's cost is not linear in its
+rows past 8 (the kernels switch from row loops to tiles, and steps come in 16-, 32-, ... token buckets):
+--row-costs gives it by token rows instead (1 known token + the drafts; interpolated between the rows given), e.g.
+as replays of captured steps measured it on that VM, against a one-token step (the same measurement for both):
 
     python -m benchmarks.spec_replay --outputs /tmp/spec_outputs.json
     python -m benchmarks.spec_replay --outputs /tmp/spec_outputs.json --setting '{"method": "ngram", "num_speculative_tokens": 3}'
+    python -m benchmarks.spec_replay --outputs /tmp/spec_outputs.json \
+        --row-costs 2:1.22,4:1.44,6:1.70,8:1.92,9:2.49,12:2.82,16:2.97,20:3.47,28:4.27,32:4.68
 """
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ import dataclasses
 import json
 import pathlib
 import sys
+
+import numpy as np
 
 from benchmarks.spec_decode import SETTINGS, prompts
 
@@ -35,9 +42,25 @@ class StepCosts:
     verify_base: float = 1.26
     verify_per_draft: float = 0.165
     prefill_per_token: float = 0.077
+    # (token rows, cost) in increasing rows: a verification step's cost by its rows instead of base + per draft
+    row_costs: tuple[tuple[int, float], ...] = ()
 
     def verify(self, num_drafts: int) -> float:
-        return self.verify_base + self.verify_per_draft * num_drafts
+        if not self.row_costs:
+            return self.verify_base + self.verify_per_draft * num_drafts
+        rows = [(1, 1.0), *self.row_costs]
+        return float(np.interp(num_drafts + 1, [r for r, _ in rows], [c for _, c in rows]))
+
+
+def parse_row_costs(text: str) -> tuple[tuple[int, float], ...]:
+    """'2:1.22,4:1.44,...' -> ((2, 1.22), (4, 1.44), ...), rows increasing from 2."""
+    try:
+        pairs = tuple((int(rows), float(cost)) for rows, cost in (item.split(":") for item in text.split(",")))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"row costs are ROWS:COST pairs separated by commas, got {text!r}") from None
+    if not pairs or pairs[0][0] < 2 or any(b[0] <= a[0] for a, b in zip(pairs, pairs[1:])):
+        raise argparse.ArgumentTypeError(f"row costs need increasing rows from 2, got {text!r}")
+    return pairs
 
 
 @dataclasses.dataclass
@@ -136,7 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--setting", action="append", default=None, metavar="JSON",
                         help="a speculative_config to replay (repeatable; default: the benchmark's ngram and suffix)")
     for field in dataclasses.fields(StepCosts):
-        parser.add_argument("--" + field.name.replace("_", "-"), type=float, default=field.default)
+        if field.name != "row_costs":
+            parser.add_argument("--" + field.name.replace("_", "-"), type=float, default=field.default)
+    parser.add_argument("--row-costs", type=parse_row_costs, default=(), metavar="ROWS:COST,...",
+                        help="a verification step's cost by token rows (replaces --verify-base/--verify-per-draft)")
     args = parser.parse_args(argv)
     path = pathlib.Path(args.outputs)
     recorded = json.loads(path.read_text()) if path.exists() else record(path, args.max_tokens)

@@ -1,8 +1,13 @@
 """The offline replay of speculative decoding (benchmarks.spec_replay): every output token is emitted by exactly one
-step, copied outputs verify drafts and cost fewer steps, and outputs that copy nothing cost what they cost without."""
+step, copied outputs verify drafts and cost fewer steps, outputs that copy nothing cost what they cost without, and
+verification steps cost what the table of costs by token rows says when one is given."""
 from __future__ import annotations
 
-from benchmarks.spec_replay import StepCosts, replay_request
+import argparse
+
+import pytest
+
+from benchmarks.spec_replay import StepCosts, parse_row_costs, replay_request
 from jvllm.spec_decode.config import SpeculativeConfig
 from jvllm.spec_decode.drafter import Drafter
 
@@ -30,3 +35,15 @@ def test_an_output_that_copies_nothing_runs_look_ahead_steps():
     got = replay_request(_drafter(), "r", prompt, output, COSTS)
     assert (got.verify, got.fresh, got.look_ahead) == (0, 0, len(output) - 1)
     assert got.cost == len(output) - 1
+
+
+def test_row_costs_replace_the_linear_model_between_the_rows_given():
+    costs = StepCosts(row_costs=parse_row_costs("2:1.2,8:2.0,9:2.6,32:4.6"))
+    assert costs.verify(0) == 1.0  # a lone token row: one step
+    assert costs.verify(1) == 1.2
+    assert abs(costs.verify(4) - 1.6) < 1e-9  # 5 rows: halfway between 2 and 8
+    assert costs.verify(8) == 2.6 and costs.verify(31) == 4.6
+    assert StepCosts().verify(5) == StepCosts().verify_base + 5 * StepCosts().verify_per_draft
+    for bad in ("1:1.0", "4:1.5,3:1.2", "2-1.2", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_row_costs(bad)
