@@ -138,8 +138,8 @@ class Drafter:
             return
         sequences = []
         for request, _ in wanted:
-            state = self._state(request)
-            sequences.append(state.tokens[:state.sync(request)].tolist())
+            tokens, total = self._synced(request)
+            sequences.append(tokens[:total].tolist())
         continuations = self.draft_model.continuations(sequences, [room for _, room in wanted])
         for (request, _), drafts in zip(wanted, continuations):
             self._prepared[request.request_id] = drafts
@@ -153,8 +153,7 @@ class Drafter:
         if self.draft_model is not None:
             drafts = self._prepared.pop(request.request_id, [])[:limit]
         else:
-            state = self._state(request)
-            drafts = self._proposal(state.tokens, state.sync(request), limit)
+            drafts = self._proposal(*self._synced(request), limit)
         if drafts and request.grammar is not None:
             return self._grammar_prefix(request, drafts)
         return DraftTokens(tuple(drafts)) if drafts else None
@@ -166,8 +165,13 @@ class Drafter:
             return False
         if self.draft_model is not None:
             return True
+        return bool(self._proposal(*self._synced(request), 1))
+
+    def _synced(self, request: Request) -> tuple[np.ndarray, int]:
+        """The request's token buffer brought up to date (grown, if it had to be, into a new array) and its length."""
         state = self._state(request)
-        return bool(self._proposal(state.tokens, state.sync(request), 1))
+        total = state.sync(request)
+        return state.tokens, total
 
     def _proposal(self, tokens: np.ndarray, num_tokens: int, limit: int) -> list[int]:
         config = self.config

@@ -1,10 +1,14 @@
-"""The draft proposers and the config, no model: n-gram lookup, suffix matching, the output cache, parsing."""
+"""The draft proposers and the config, no model: n-gram lookup, suffix matching, the output cache, parsing, and the
+drafter's token buffer."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from jvllm import SamplingParams
+from jvllm.core.request import Request
 from jvllm.spec_decode.config import SpeculativeConfig
+from jvllm.spec_decode.drafter import Drafter
 from jvllm.spec_decode.ngram import propose_ngram
 from jvllm.spec_decode.suffix import OutputCache, propose_suffix
 
@@ -89,3 +93,29 @@ def test_config_parses_vllm_spellings_and_refuses_the_rest():
                        ("not json", "JSON object")):
         with pytest.raises(ValueError, match=words):
             SpeculativeConfig.parse(bad)
+
+
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 8},
+                                  {"method": "suffix", "suffix_decoding_max_tree_depth": 8}], ids=["ngram", "suffix"])
+def test_the_drafter_proposes_from_every_token_when_its_buffer_grows(spec):
+    """A request that gains more tokens than its buffer held (a verification step accepting many drafts) is proposed
+    for from all of them, also on the call that grows the buffer (a buffer replaced mid-call once dropped the new
+    tokens, and with a long jump the matched context came out empty)."""
+    config = SpeculativeConfig.parse(spec)
+    drafter = Drafter(config)
+    pattern = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    request = Request("r", None, [1, 2, 3], SamplingParams(temperature=0, max_tokens=400), 0, 1 << 30)
+    request.output_token_ids.append(11)
+    drafter.propose(request, 8)  # the request's buffer: 64 tokens
+    request.output_token_ids += pattern[1:] + pattern * 5  # 63 tokens
+    drafter.propose(request, 8)
+    request.output_token_ids += pattern * 5 + [11, 12]  # 115 tokens: the buffer grows by more than a match's depth
+    known = np.asarray(request.prompt_token_ids + request.output_token_ids, np.int32)
+    if config.method == "ngram":
+        expected = propose_ngram(known, len(known), config.prompt_lookup_min, config.prompt_lookup_max, 8)
+    else:
+        expected = propose_suffix(known, len(known), OutputCache(1), 8, config.suffix_decoding_max_tree_depth,
+                                  config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob)
+    assert expected == [13, 14, 15, 16, 17, 18, 19, 20]
+    assert drafter.propose(request, 8).token_ids == tuple(expected)
+    assert drafter.has_proposal(request)
