@@ -110,8 +110,8 @@ def many_requests(rounds: int) -> dict:
     alternating which goes first each round, on 32 uneven chat prompts x 64 tokens and on 256 requests of fixed
     (64 in, 64 out) and varied (log-normal, same totals) lengths, as benchmarks.throughput builds them.
     -> {workload: {"off": [tok/s per round], "ngram": [...], "ratio": sum ngram / sum off}}."""
-    from jvllm import LLM, SamplingParams
-    from benchmarks import workloads
+    from jvllm import LLM
+    from benchmarks import traffic, workloads
 
     engines = {"off": LLM(), "ngram": LLM(speculative_config=SETTINGS["ngram"])}
     vocab = engines["off"].model.config.vocab_size
@@ -120,12 +120,8 @@ def many_requests(rounds: int) -> dict:
              "256 varied": workloads.varied(256, 64 * 256, 64 * 256, vocab, seed=200)}
 
     def tokens_per_second(engine, load) -> float:
-        inputs = [{"prompt_token_ids": prompt} for prompt in load.prompts]
-        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in load.output_lens]
-        engine.reset_prefix_cache()
-        started = time.perf_counter()
-        engine.generate(inputs, params, use_tqdm=False)
-        return load.output_tokens / (time.perf_counter() - started)
+        engine.reset_prefix_cache()  # every round computes the same prompts in full
+        return load.output_tokens / traffic.jvllm_pass(engine, load)
 
     for load in loads.values():  # warm-up: every step shape the workloads need
         for engine in engines.values():

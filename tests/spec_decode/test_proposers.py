@@ -99,8 +99,8 @@ def test_config_parses_vllm_spellings_and_refuses_the_rest():
                                   {"method": "suffix", "suffix_decoding_max_tree_depth": 8}], ids=["ngram", "suffix"])
 def test_the_drafter_proposes_from_every_token_when_its_buffer_grows(spec):
     """A request that gains more tokens than its buffer held (a verification step accepting many drafts) is proposed
-    for from all of them, also on the call that grows the buffer (a buffer replaced mid-call once dropped the new
-    tokens, and with a long jump the matched context came out empty)."""
+    for from all of them, also on the call that grows the buffer: the proposers must see the grown buffer (the old
+    one lacks the new tokens, and past a long jump the suffix's matched context would be empty)."""
     config = SpeculativeConfig.parse(spec)
     drafter = Drafter(config)
     pattern = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
