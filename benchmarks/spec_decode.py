@@ -16,60 +16,27 @@ other prompts' outputs).
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import sys
 import time
 
 from benchmarks.common import command_line, machine_info, write_json
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 SETTINGS = {
     "off": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 5},
     "suffix": {"method": "suffix"},
 }
-
-
-def _source(path: str, start: int, lines: int) -> str:
-    return "".join((ROOT / path).read_text().splitlines(keepends=True)[start:start + lines])
-
-
-def _paragraph(path: str, index: int) -> str:
-    """A paragraph of prose from the design notes (the project's own text, so the benchmark needs no data)."""
-    paragraphs = [p for p in (ROOT / path).read_text().split("\n\n") if len(p) > 400 and not p.startswith(("|", "```"))]
-    return paragraphs[index % len(paragraphs)]
+PROMPTS = pathlib.Path(__file__).with_name("spec_decode_prompts.json")
 
 
 def prompts() -> dict[str, list[list[str]]]:
-    """Per kind, [warm-up prompts, measured prompts] (user messages)."""
-    def edit(path: str, start: int) -> str:
-        return ("Add a docstring to the first function below and return the whole code unchanged otherwise.\n\n"
-                + _source(path, start, 30))
-
-    def quote(index: int) -> str:
-        return ("Summarize the text below in three sentences, quoting its most important sentence word for word.\n\n"
-                + _paragraph("docs/design.md", index))
-
-    def extract(name: str, city: str, age: int, job: str) -> str:
-        return (f"Extract the person's name, city, age and job from this note as JSON with keys name, city, age, "
-                f"job.\n\nNote: I met {name} last week in {city}. {name} is {age} years old and works as a {job}; "
-                f"{name} moved to {city} three years ago and has lived in the old town of {city} since.")
-
-    from benchmarks.workloads import ASKS, TOPICS
-
-    chat = [ASKS[i % len(ASKS)].format(t=TOPICS[i], u=TOPICS[-1 - i]) for i in range(8)]
-    return {
-        "code edit": [[edit("jvllm/core/kv_pages.py", 20)],
-                      [edit("jvllm/core/scheduler.py", 100), edit("jvllm/core/request.py", 50),
-                       edit("jvllm/engine/output_processor.py", 24), edit("jvllm/core/lookahead.py", 20),
-                       edit("jvllm/engine/detokenizer.py", 30), edit("jvllm/sample/logprobs.py", 20)]],
-        "quote summary": [[quote(0)], [quote(i) for i in (3, 7, 11, 15, 19, 23)]],
-        "json extraction": [[extract("Ana Ruiz", "Porto", 34, "baker")],
-                            [extract("Tom Becker", "Leipzig", 51, "pilot"), extract("Mei Lin", "Taipei", 27, "nurse"),
-                             extract("Omar Haddad", "Tunis", 45, "teacher"), extract("Ines Costa", "Braga", 38, "judge"),
-                             extract("Raj Patel", "Pune", 29, "chemist"), extract("Lena Voss", "Graz", 62, "farmer")]],
-        "free-form chat": [chat[:1], chat[1:7]],
-    }
+    """Per kind, [warm-up prompts, measured prompts] (user messages), from PROMPTS: code edits of 30 lines of the
+    project's source, summaries of design-note paragraphs, notes to extract as JSON, chat questions. The texts were
+    taken from the project's files at commit c51e86a and kept, so that edits of those files leave the benchmark's
+    prompts as they are (before, each run quoted the files as they stood)."""
+    return json.loads(PROMPTS.read_text())
 
 
 def run_one(engine, message: str, max_tokens: int) -> tuple[list[int], float]:
