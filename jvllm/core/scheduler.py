@@ -120,17 +120,20 @@ class Scheduler:
         index = 0
         speculates = self.drafter is not None and self.drafter.speculates(len(self.running))
         drafted = 0  # draft tokens scheduled: each takes a sampler row of the step's max_num_seqs
-        draft_rows = self.max_num_seqs  # the rows (decoding rows and drafts) the step's drafts may bring it to
-        if speculates and self.drafter.max_step_rows is not None:  # batch_invariant: within the row-by-row kernels
-            draft_rows = min(draft_rows, self.drafter.max_step_rows)
+        # the rows (decoding rows and drafts) the step's drafts may bring it to, shared out among decoding requests
+        draft_rows = min(self.max_num_seqs, self.drafter.max_step_rows) if speculates else 0
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1] if speculates else []
         if speculates:  # a draft model drafts for every decoding request at once
-            self.drafter.prepare([r for r in self.running if r.num_tokens - r.num_computed_tokens == 1])
+            self.drafter.prepare(decoding)
+        undrafted = len(decoding)  # decoding requests not yet offered drafts
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             wanted = min(request.num_tokens - request.num_computed_tokens, budget)
             draft = None
             if speculates and request.num_tokens - request.num_computed_tokens == 1:
-                draft = self.drafter.propose(request, min(budget - 1, draft_rows - len(self.running) - drafted))
+                share = (draft_rows - len(self.running) - drafted) // undrafted  # what earlier ones left over
+                undrafted -= 1
+                draft = self.drafter.propose(request, min(budget - 1, share))
                 wanted += 0 if draft is None else len(draft.token_ids)
             count = self._encoder_room(request, wanted, encoder)
             if count == 0 < wanted:  # its next image waits for encoder rows or budget

@@ -20,6 +20,11 @@ MIN_MEAN_ACCEPTED = 1.5
 # With batch_invariant, a step that verifies drafts holds at most this many token rows: the native CPU kernels take up
 # to 8 rows row by row (bf16 row products, few-query attention), so each row gives the bits of a one-token step.
 INVARIANT_STEP_ROWS = 8
+# Otherwise a step that verifies drafts holds at most this many token rows (one request's full verification if that
+# is more), shared evenly by the requests decoding together: on the 2-core CPU a step's cost grows with its rows (32
+# rows ~4.7 one-row steps), and a 128-row step of four requests' long drafts mostly verifies rejected ones
+# (docs/design.md, speculative decoding).
+SHARED_STEP_ROWS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,14 +102,14 @@ class Drafter:
     def __init__(self, config: SpeculativeConfig, draft_model: DraftModel | None = None,
                  max_step_rows: int | None = None):
         """`max_step_rows`: the most token rows (decoding rows and drafts) a step that verifies drafts may hold (None:
-        the step's sequence limit)."""
+        SHARED_STEP_ROWS, or num_speculative_tokens + 1 if more)."""
         if (config.method == "draft_model") != (draft_model is not None):
             raise ValueError("a Drafter needs a draft model for method draft_model, and takes one only then")
         self.config = config
         self.stats = SpecDecodeStats()
         self.cache = OutputCache(config.suffix_decoding_max_cached_requests)
         self.draft_model = draft_model
-        self.max_step_rows = max_step_rows
+        self.max_step_rows = max_step_rows or max(SHARED_STEP_ROWS, config.num_speculative_tokens + 1)
         self._requests: dict[str, _RequestSpeculation] = {}
         self._prepared: dict[str, list[int]] = {}  # draft_model: this step's continuations by request id
 

@@ -10,6 +10,7 @@ import pytest
 
 from jvllm import Engine, SamplingParams
 from jvllm.sampling_params import StructuredOutputsParams
+from jvllm.spec_decode.drafter import SHARED_STEP_ROWS
 
 ENGINE = dict(dtype="float32", max_num_seqs=32, max_model_len=256, precompile=False)
 ALWAYS = 64  # max_batch_size in the tests: every batch speculates
@@ -58,6 +59,23 @@ def _run(engine: Engine, jobs) -> list:
     return engine.generate(prompts, [params for _, params in jobs], use_tqdm=False)
 
 
+def _oracle(jobs, expected: list, changed: float):
+    """A proposer that drafts each request's true continuation (`expected`: the outputs of `jobs` without
+    speculation), as far as its limit, with a fraction `changed` of the drafts changed."""
+    truth = [(prompt, out.outputs[0].token_ids) for (prompt, _), out in zip(jobs, expected)]
+    rng = random.Random(0)
+
+    def propose(tokens: np.ndarray, num_tokens: int, limit: int) -> list[int]:
+        known = tokens[:num_tokens].tolist()
+        for prompt, output in truth:
+            if known[:len(prompt)] == prompt and known[len(prompt):] == output[:num_tokens - len(prompt)]:
+                drafts = output[num_tokens - len(prompt):][:limit]
+                return [token if rng.random() > changed else token + 1 for token in drafts]
+        return []
+
+    return propose
+
+
 def _summary(outputs) -> list:
     return [[(o.token_ids, o.finish_reason, o.stop_reason) for o in out.outputs] for out in outputs]
 
@@ -96,28 +114,18 @@ def test_long_drafts_rejected_anywhere_keep_the_outputs(model, plain, spec, chan
     """An oracle drafter proposes each request's true continuation (from the engine without speculation) with
     a fraction `changed` of its tokens changed, so drafts are accepted up to any position (at least up to
     `longest`), and preemptions happen (a small pool)."""
-    engine = Engine(model, kv_cache_memory_bytes=3 << 16, speculative_config={**spec, "max_batch_size": ALWAYS},
-                    **ENGINE)
+    # every request its full drafts at once: steps of up to 11 x 32 token rows
+    engine = Engine(model, kv_cache_memory_bytes=3 << 15, speculative_config={**spec, "max_batch_size": ALWAYS},
+                    **{**ENGINE, "max_num_seqs": 512})
+    engine.drafter.max_step_rows = 512
     jobs = _workload(plain, 4)
     expected = _run(plain, jobs)
-    truth = [(prompt, out.outputs[0].token_ids) for (prompt, _), out in zip(jobs, expected)]
-    rng = random.Random(0)
-
-    def oracle(tokens: np.ndarray, num_tokens: int, limit: int) -> list[int]:
-        known = tokens[:num_tokens].tolist()
-        for prompt, output in truth:
-            if known[:len(prompt)] == prompt and known[len(prompt):] == output[:num_tokens - len(prompt)]:
-                drafts = output[num_tokens - len(prompt):][:limit]
-                return [token if rng.random() > changed else token + 1 for token in drafts]
-        return []
-
-    engine.drafter._proposal = oracle
+    engine.drafter._proposal = _oracle(jobs, expected, changed)
     got = _run(engine, jobs)
     assert _summary(got) == _summary(expected)
     stats = engine.drafter.stats
     assert stats.num_drafts > 10 and stats.num_accepted_tokens > 100
-    assert all(count > 0 for count in stats.accepted_per_position)  # accepted up to every position
-    assert len(stats.accepted_per_position) >= longest
+    assert stats.accepted_per_position[longest - 1] > 0  # accepted up to `longest` (so at every position before)
     assert stats.num_accepted_tokens < stats.num_draft_tokens
     assert engine.scheduler.num_preemptions > 0
     engine.pages.check_integrity()
@@ -128,6 +136,34 @@ def test_long_drafts_rejected_anywhere_keep_the_outputs(model, plain, spec, chan
     assert (published.spec_decode_num_drafts, published.spec_decode_num_accepted_tokens) == (
         stats.num_drafts, stats.num_accepted_tokens)
     assert metrics.num_draft_tokens >= metrics.num_accepted_tokens
+
+
+def test_requests_verifying_together_share_one_step_of_rows(model, plain):
+    """With the default step limit (SHARED_STEP_ROWS), decoding requests that all could draft 31 tokens share a
+    step's rows evenly; a request decoding alone verifies all 31 drafts at once."""
+    engine = Engine(model, kv_cache_memory_bytes=1 << 18, speculative_config={"method": "suffix",
+                                                                          "max_batch_size": ALWAYS}, **ENGINE)
+    assert engine.drafter.max_step_rows == SHARED_STEP_ROWS == 32
+    rng = random.Random(3)
+    jobs = [([rng.randrange(5, 3000) for _ in range(8 + 3 * index)],
+             SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+            for index, max_tokens in enumerate((100, 40, 40, 40))]
+    expected = _run(plain, jobs)
+    engine.drafter._proposal = _oracle(jobs, expected, 0.0)
+    steps: list[list[int]] = []  # each verification step's draft counts, one per decoding request
+    schedule = engine.scheduler.schedule
+
+    def schedule_and_count_drafts():
+        chunks = schedule()
+        if any(chunk.draft is not None for chunk in chunks):
+            assert sum(chunk.num_tokens for chunk in chunks) <= SHARED_STEP_ROWS
+            steps.append([len(chunk.draft_ids) for chunk in chunks])
+        return chunks
+
+    engine.scheduler.schedule = schedule_and_count_drafts
+    assert _summary(_run(engine, jobs)) == _summary(expected)
+    assert [7, 7, 7, 7] in steps  # four requests: (32 - 4) // 4 drafts each
+    assert [31] in steps  # the longest alone, after the others finished
 
 
 def test_a_large_batch_does_not_speculate(model, plain):
