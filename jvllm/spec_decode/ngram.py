@@ -31,5 +31,8 @@ def propose_ngram(tokens: np.ndarray, num_tokens: int, min_n: int, max_n: int, l
     best = int(lengths.max())
     if best < min_n:
         return []
-    end = int(ends[np.flatnonzero(lengths == best)[-1]])
-    return known[end + 1:end + 1 + limit].tolist()
+    start = int(ends[np.flatnonzero(lengths == best)[-1]]) + 1
+    drafts = known[start:start + limit].tolist()
+    while len(drafts) < limit:  # a repeat near the end (a loop) goes on in the drafts themselves
+        drafts.append(drafts[start + len(drafts) - num_tokens])
+    return drafts

@@ -74,8 +74,12 @@ def _continuation(corpus: np.ndarray, candidates: np.ndarray, wanted: int, min_p
     of the chosen tokens' frequencies) is >= min_prob."""
     drafts: list[int] = []
     probability = 1.0
+    known = len(corpus)
+    # the sequence (at the corpus's end) continued by the drafts: an occurrence in the sequence's last tokens (a
+    # repeated line, a loop) goes on in what it drafts itself
+    corpus = np.concatenate([corpus, np.full(wanted, SEPARATOR, np.int32)])
     while len(drafts) < wanted:
-        candidates = candidates[candidates < len(corpus)]
+        candidates = candidates[candidates < known + len(drafts)]
         following = corpus[candidates]
         following = following[following != SEPARATOR]
         if len(following) < support:
@@ -86,6 +90,7 @@ def _continuation(corpus: np.ndarray, candidates: np.ndarray, wanted: int, min_p
         if probability < min_prob:
             break
         token = int(values[top])
+        corpus[known + len(drafts)] = token
         drafts.append(token)
         candidates = candidates[corpus[candidates] == token] + 1
     return drafts

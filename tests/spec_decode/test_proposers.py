@@ -25,7 +25,8 @@ def test_ngram_continues_the_latest_longest_match():
     assert propose_ngram(tokens, n, min_n=2, max_n=4, limit=3) == [5, 9, 2]
     # up to 3 tokens only: 2 3 4 ends at index 8 (latest), continuing 6 7 8
     assert propose_ngram(tokens, n, min_n=2, max_n=3, limit=3) == [6, 7, 8]
-    assert propose_ngram(tokens, n, min_n=2, max_n=3, limit=10) == [6, 7, 8, 1, 2, 3, 4]  # up to the known end
+    # past the known end, the repeat (period 7) goes on in the drafts themselves
+    assert propose_ngram(tokens, n, min_n=2, max_n=3, limit=10) == [6, 7, 8, 1, 2, 3, 4, 6, 7, 8]
 
 
 def test_ngram_needs_min_n_tokens_to_match():
@@ -59,6 +60,17 @@ def test_suffix_searches_the_sequence_itself_and_the_cache_forgets_old_outputs()
     assert propose_suffix(tokens, n, cache, limit=4, max_depth=24, max_spec_factor=1.0, min_token_prob=0.1) == []
     tokens, n = _tokens([4, 5, 6, 0, 9, 4, 5, 6])
     assert propose_suffix(tokens, n, cache, limit=4, max_depth=24, max_spec_factor=1.0, min_token_prob=0.1) == [0, 9, 4]
+
+
+def test_suffix_continues_a_repeat_in_the_sequence_past_its_last_token():
+    """A loop (the model repeating a line): the nearest occurrence's continuation runs into the sequence's end and
+    goes on in the drafts themselves, as far as the match allows."""
+    tokens, n = _tokens([1, 2, 3, 4, 9] * 4 + [1, 2])
+    cache = OutputCache(max_requests=8)
+    assert propose_suffix(tokens, n, cache, limit=12, max_depth=24, max_spec_factor=1.0,
+                          min_token_prob=0.1) == [3, 4, 9, 1, 2] * 2 + [3, 4]
+    assert propose_suffix(tokens, n, cache, limit=12, max_depth=6, max_spec_factor=1.0,
+                          min_token_prob=0.1) == [3, 4, 9, 1, 2, 3]  # a match of 6: 6 drafts
 
 
 def test_suffix_continues_a_short_match_only_when_its_continuation_is_near_certain():
