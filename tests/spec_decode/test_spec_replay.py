@@ -47,3 +47,14 @@ def test_row_costs_replace_the_linear_model_between_the_rows_given():
     for bad in ("1:1.0", "4:1.5,3:1.2", "2-1.2", ""):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_row_costs(bad)
+
+
+def test_the_benchmark_prompts_are_read_from_their_file():
+    from benchmarks.spec_decode import prompts
+
+    kinds = prompts()
+    assert list(kinds) == ["code edit", "quote summary", "json extraction", "free-form chat"]
+    for warm, measured in kinds.values():
+        assert len(warm) == 1 and len(measured) == 6
+        assert len(set(warm + measured)) == 7 and all(isinstance(text, str) and len(text) > 40 for text in warm + measured)
+    assert all(text.startswith("Add a docstring") for text in kinds["code edit"][1])
