@@ -12,6 +12,7 @@ other prompts' outputs).
     python -m benchmarks.spec_decode --draft-model SmolLM2-135M-Instruct   # also a draft model (3 drafts)
     python -m benchmarks.spec_decode --batch-invariant   # greedy outputs token for token those without
     python -m benchmarks.spec_decode --workloads 3   # 32 chats and 256 requests: ngram against off, 3 rounds
+    python -m benchmarks.spec_decode --workloads 3 --method suffix
 """
 from __future__ import annotations
 
@@ -72,15 +73,15 @@ def crossover(max_tokens: int, batch_sizes: list[int]) -> dict:
     return table
 
 
-def many_requests(rounds: int) -> dict:
-    """Batches too large to speculate but at their tail, in one process: ngram (5 drafts) against no speculation,
+def many_requests(rounds: int, method: str = "ngram") -> dict:
+    """Batches too large to speculate but at their tail, in one process: `method` (SETTINGS) against no speculation,
     alternating which goes first each round, on 32 uneven chat prompts x 64 tokens and on 256 requests of fixed
     (64 in, 64 out) and varied (log-normal, same totals) lengths, as benchmarks.throughput builds them.
-    -> {workload: {"off": [tok/s per round], "ngram": [...], "ratio": sum ngram / sum off}}."""
+    -> {workload: {"off": [tok/s per round], method: [...], "ratio": sum method / sum off}}."""
     from jvllm import LLM
     from benchmarks import traffic, workloads
 
-    engines = {"off": LLM(), "ngram": LLM(speculative_config=SETTINGS["ngram"])}
+    engines = {"off": LLM(), method: LLM(speculative_config=SETTINGS[method])}
     vocab = engines["off"].model.config.vocab_size
     loads = {"32 chats": workloads.chat(engines["off"].get_tokenizer(), 32, 64, seed=0),
              "256 fixed": workloads.fixed(256, 64, 64, vocab, seed=100),
@@ -93,17 +94,17 @@ def many_requests(rounds: int) -> dict:
     for load in loads.values():  # warm-up: every step shape the workloads need
         for engine in engines.values():
             tokens_per_second(engine, load)
-    table = {name: {"off": [], "ngram": []} for name in loads}
+    table = {name: {"off": [], method: []} for name in loads}
     for round_index in range(rounds):
         order = list(engines) if round_index % 2 == 0 else list(reversed(engines))
         for name, load in loads.items():
             for setting in order:
                 table[name][setting].append(tokens_per_second(engines[setting], load))
             print(f"round {round_index + 1} {name:10s} off {table[name]['off'][-1]:6.1f} tok/s, "
-                  f"ngram {table[name]['ngram'][-1]:6.1f}", flush=True)
+                  f"{method} {table[name][method][-1]:6.1f}", flush=True)
     for name, row in table.items():
-        row["ratio"] = sum(row["ngram"]) / sum(row["off"])
-        print(f"{name:10s} ngram / off {row['ratio']:.3f}")
+        row["ratio"] = sum(row[method]) / sum(row["off"])
+        print(f"{name:10s} {method} / off {row['ratio']:.3f}")
     return table
 
 
@@ -118,10 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-model", default=None, metavar="MODEL",
                         help="also measure method draft_model with this draft (3 drafts a step)")
     parser.add_argument("--workloads", type=int, default=None, metavar="ROUNDS",
-                        help="instead: 32 chats and 256 requests, ngram against off in one process, ROUNDS rounds")
+                        help="instead: 32 chats and 256 requests, --method against off in one process, ROUNDS rounds")
+    parser.add_argument("--method", choices=["ngram", "suffix"], default="ngram",
+                        help="the method --workloads measures (default ngram)")
     args = parser.parse_args(argv)
     if args.workloads:
-        table = many_requests(args.workloads)
+        table = many_requests(args.workloads, args.method)
         write_json(args.json, {"command": command_line("benchmarks.spec_decode", argv), "machine": machine_info(),
                                "workloads": table})
         return 0
