@@ -34,9 +34,9 @@ PROMPTS = pathlib.Path(__file__).with_name("spec_decode_prompts.json")
 
 def prompts() -> dict[str, list[list[str]]]:
     """Per kind, [warm-up prompts, measured prompts] (user messages), from PROMPTS: code edits of 30 lines of the
-    project's source, summaries of design-note paragraphs, notes to extract as JSON, chat questions. The texts were
-    taken from the project's files at commit c51e86a and kept, so that edits of those files leave the benchmark's
-    prompts as they are (before, each run quoted the files as they stood)."""
+    project's source, summaries of design-note paragraphs, notes to extract as JSON, chat questions. The texts are
+    those of the project's files at commit c51e86a, kept in the file so that edits of those files leave the
+    benchmark's prompts as they are."""
     return json.loads(PROMPTS.read_text())
 
 

@@ -54,30 +54,34 @@ def propose_suffix(tokens: np.ndarray, num_tokens: int, cache: OutputCache, limi
         return []
     context = tokens[max(0, num_tokens - max_depth):num_tokens]
     own = tokens[:num_tokens]
-    corpus = np.concatenate([cache.flat, np.full(1, SEPARATOR, np.int32), own]) if len(cache.outputs) else own
-    ends = np.flatnonzero(corpus[:-1] == context[-1])  # the sequence's own last token is not an occurrence
+    if len(cache.outputs):  # the cache, then the sequence, then room for the drafts (see _continuation)
+        corpus = np.concatenate([cache.flat, np.full(1, SEPARATOR, np.int32), own, np.full(limit, SEPARATOR, np.int32)])
+        known = len(corpus) - limit  # where the sequence ends
+    else:
+        corpus, known = own, num_tokens
+    ends = np.flatnonzero(corpus[:known - 1] == context[-1])  # the sequence's own last token is not an occurrence
     if not len(ends):
         return []
     lengths = match_lengths(corpus, ends, context, max_depth)
     best = int(lengths.max())
     candidates = ends[lengths == best] + 1  # where each occurrence's continuation starts
     if best >= min_match:
-        return _continuation(corpus, candidates, min(limit, max(1, math.floor(max_spec_factor * best))),
+        return _continuation(corpus, known, candidates, min(limit, max(1, math.floor(max_spec_factor * best))),
                              min_token_prob, support=1)
-    return _continuation(corpus, candidates, limit, SHORT_MATCH_MIN_PROB, SHORT_MATCH_SUPPORT)
+    return _continuation(corpus, known, candidates, limit, SHORT_MATCH_MIN_PROB, SHORT_MATCH_SUPPORT)
 
 
-def _continuation(corpus: np.ndarray, candidates: np.ndarray, wanted: int, min_prob: float,
+def _continuation(corpus: np.ndarray, known: int, candidates: np.ndarray, wanted: int, min_prob: float,
                   support: int) -> list[int]:
     """Up to `wanted` tokens continuing the occurrences whose next tokens start at `candidates`: the most frequent
     next token each time, while at least `support` (>= 1) occurrences go on and the path's probability (the product
-    of the chosen tokens' frequencies) is >= min_prob."""
+    of the chosen tokens' frequencies) is >= min_prob. The corpus's first `known` tokens end with the sequence; each
+    draft is written after them, so an occurrence in the sequence's last tokens (a repeated line, a loop) goes on in
+    what it drafts itself."""
     drafts: list[int] = []
     probability = 1.0
-    known = len(corpus)
-    # the sequence (at the corpus's end) continued by the drafts: an occurrence in the sequence's last tokens (a
-    # repeated line, a loop) goes on in what it drafts itself
-    corpus = np.concatenate([corpus, np.full(wanted, SEPARATOR, np.int32)])
+    if len(corpus) < known + wanted:  # no room for the drafts yet (the sequence alone: a view of its buffer)
+        corpus = np.concatenate([corpus[:known], np.full(wanted, SEPARATOR, np.int32)])
     while len(drafts) < wanted:
         candidates = candidates[candidates < known + len(drafts)]
         following = corpus[candidates]
