@@ -50,6 +50,11 @@ def json_object(text: str, example: str = '{"max_pixels": 802816}') -> dict:
     return value
 
 
+def json_speculative(text: str) -> dict:
+    """--speculative-config takes a JSON object, as vLLM's does."""
+    return json_object(text, '{"method": "ngram", "num_speculative_tokens": 4}')
+
+
 def json_limits(text: str) -> dict[str, int]:
     """--limit-mm-per-prompt takes a JSON object of modality -> count, e.g. '{"image": 4}', as vLLM's does."""
     value = json_object(text, '{"image": 4}')
@@ -162,7 +167,7 @@ class EngineArgs:
               'from the longest matching suffix in this and earlier outputs) or \'{"method": "draft_model", "model": '
               'PATH, "num_speculative_tokens": 3}\' (a smaller model of the same tokenizer drafts greedily, in an '
               'engine of its own). Greedy and seeded outputs are those '
-              'without it; only batches of at most max_batch_size (default 4) requests speculate', parse=json_object,
+              'without it; only batches of at most max_batch_size (default 4) requests speculate', parse=json_speculative,
         metavar="JSON")
     precompile: bool = option(True, "compile every step shape before serving (default on; loaded from the cache "
                                     "after the first start; `generate` compiles only the shapes its one prompt can "

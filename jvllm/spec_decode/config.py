@@ -41,11 +41,7 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: its folder, .gguf file or known name
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            hint = (" (draft heads are not supported yet; a draft model is method 'draft_model')"
-                    if self.method in ("eagle", "eagle3", "medusa", "mtp") else "")
-            raise ValueError(f"speculative_config method must be one of {', '.join(METHODS)}, got "
-                             f"{self.method!r}{hint}")
+        _check_method(self.method)
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
                      "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests", "max_batch_size"):
             value = getattr(self, name)
@@ -83,6 +79,7 @@ class SpeculativeConfig:
         if "method" not in value:
             raise ValueError(f"speculative_config needs a 'method' ({', '.join(METHODS)})")
         fields = dict(value)
+        _check_method(fields["method"])
         if fields["method"] == "suffix":
             fields.setdefault("num_speculative_tokens", SUFFIX_NUM_SPECULATIVE_TOKENS)
         if "num_speculative_tokens" not in fields:
@@ -93,3 +90,11 @@ class SpeculativeConfig:
         elif high is None and low is not None:
             fields["prompt_lookup_max"] = max(low, 5)
         return cls(**fields)
+
+
+def _check_method(method: Any) -> None:
+    """Raises ValueError naming the methods unless `method` is one of them."""
+    if method not in METHODS:
+        hint = (" (draft heads are not supported yet; a draft model is method 'draft_model')"
+                if method in ("eagle", "eagle3", "medusa", "mtp") else "")
+        raise ValueError(f"speculative_config method must be one of {', '.join(METHODS)}, got {method!r}{hint}")

@@ -32,13 +32,14 @@ def test_cors_flags_take_json_lists_of_strings(capsys):
     assert "JSON list" in capsys.readouterr().err
 
 
-def test_multimodal_flags_take_json_objects(capsys):
+def test_json_object_flags_take_json_objects(capsys):
     args = build_parser().parse_args(["serve", "--limit-mm-per-prompt", '{"image": 2}',
                                       "--mm-processor-kwargs", '{"max_pixels": 802816}'])
     kwargs = vars(EngineArgs.from_cli_args(args))
     assert kwargs["limit_mm_per_prompt"] == {"image": 2} and kwargs["mm_processor_kwargs"] == {"max_pixels": 802816}
     for flag, bad, reason in [("--limit-mm-per-prompt", '{"image": "2"}', "JSON object of integers"),
-                              ("--mm-processor-kwargs", "max_pixels=5", "expected a JSON object")]:
+                              ("--mm-processor-kwargs", "max_pixels=5", "expected a JSON object"),
+                              ("--speculative-config", "[4]", "like '{\"method\": \"ngram\"")]:
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", flag, bad])
         assert reason in capsys.readouterr().err

@@ -93,6 +93,7 @@ def test_config_parses_vllm_spellings_and_refuses_the_rest():
     draft = SpeculativeConfig.parse({"method": "draft_model", "model": "small", "num_speculative_tokens": 3})
     assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "small", 3)
     for bad, words in (({"method": "eagle", "num_speculative_tokens": 2}, "not supported yet"),
+                       ({"method": "nrgam"}, "must be one of ngram, suffix, draft_model, got 'nrgam'"),
                        ({"num_speculative_tokens": 2}, "needs a 'method'"),
                        ({"method": "ngram"}, "needs num_speculative_tokens"),
                        ({"method": "ngram", "num_speculative_tokens": 0}, "positive integer"),
