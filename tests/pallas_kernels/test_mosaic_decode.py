@@ -2,6 +2,7 @@
 compiled on a GPU; and its lowering for CUDA under an abstract H100 (one Mosaic GPU custom call)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -18,14 +19,30 @@ from pallas_kernels.cuda_lowering import lower_for_cuda  # noqa: E402
 from pallas_kernels.mosaic_decode import mosaic_decode_attention  # noqa: E402
 from pallas_kernels.reference import decode_attention_reference  # noqa: E402
 
+def _raises_on_race() -> bool:
+    """Whether this jax's interpret mode raises on a race itself (`on_race`, jax 0.12); jax 0.11 records them."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return "on_race" in {field.name for field in dataclasses.fields(plgpu.InterpretGPUParams)}
+
+
 def race_checked():
-    """Mosaic GPU's interpret mode with its happens-before race detector (raising on a race) off a GPU; compiled
-    on one."""
+    """Mosaic GPU's interpret mode with its happens-before race detector off a GPU; compiled on a GPU (None)."""
     if jax.default_backend() == "gpu":
         return None
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    return plgpu.InterpretGPUParams(detect_races=True, on_race="raise")
+    return plgpu.InterpretGPUParams(detect_races=True, **({"on_race": "raise"} if _raises_on_race() else {}))
+
+
+def assert_race_free() -> None:
+    """After a kernel interpreted with `race_checked()` has finished: on jax 0.11, its race detector's record holds
+    no race (jax 0.12 has raised already; a GPU run is compiled)."""
+    if jax.default_backend() == "gpu" or _raises_on_race():
+        return
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    assert not gpu_callbacks.get_races().races_found, "the race detector found a race (printed above)"
 
 
 TOLERANCE = {jnp.bfloat16: dict(rtol=2e-2, atol=2e-2), jnp.float16: dict(rtol=4e-3, atol=4e-3)}
@@ -50,6 +67,7 @@ def test_matches_reference_over_uneven_lengths(dtype, kv_heads, group, head_dim,
     out = mosaic_decode_attention(*args, scale=scale, pages_per_block=pages_per_block, interpret=race_checked())
     expected = decode_attention_reference(*args, scale=scale)
     got, want = np.asarray(out, np.float32), np.asarray(expected, np.float32)
+    assert_race_free()
     assert out.shape == q.shape and out.dtype == q.dtype and np.isfinite(got).all()
     np.testing.assert_array_equal(got[0], 0.0)  # a padding row attends to nothing
     np.testing.assert_allclose(got[1:], want[1:], **TOLERANCE[dtype])

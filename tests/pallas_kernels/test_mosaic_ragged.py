@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from pallas_inputs import make_pool, ragged_batch
 
-from test_mosaic_decode import race_checked
+from test_mosaic_decode import assert_race_free, race_checked
 
 from pallas_kernels.cuda_lowering import lower_for_cuda
 from pallas_kernels.mosaic_ragged import BLOCK_Q, mosaic_ragged_paged_attention
@@ -38,6 +38,7 @@ def run_mosaic_ragged(dtype, page_size: int, head_dim: int, group: int, q_lens: 
     reference_args = {k: kernel_args[k] for k in ("sliding_window", "soft_cap") if k in kernel_args}
     expected = np.asarray(ragged_attention_reference(*args, scale=scale, **reference_args), np.float32)
     got, real = np.asarray(out, np.float32), batch.real_tokens
+    assert_race_free()
     assert out.shape == batch.q.shape and out.dtype == batch.q.dtype and np.isfinite(got).all()
     np.testing.assert_allclose(got[:real], expected[:real], **TOLERANCE[dtype])
     np.testing.assert_array_equal(got[real:], 0.0)  # padding tokens get zeros
