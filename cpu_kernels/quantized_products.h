@@ -219,11 +219,11 @@ class Matmul {
 #endif
 
 #if defined(__AVX512BF16__)
-  // All X rows of x (bfloat16) against weight rows [n0, n1), two at a time.
+  // All X rows of x (bfloat16) against weight rows [n0, n1), two at a time; a lone row one at a time, as IntRows.
   template <int X>
   void Bf16Range(int64_t n0, int64_t n1) const {
     int64_t n = n0;
-    for (; n + 2 <= n1; n += 2) Bf16Dots<2, X>(n);
+    for (; X > 1 && n + 2 <= n1; n += 2) Bf16Dots<2, X>(n);
     for (; n < n1; ++n) Bf16Dots<1, X>(n);
   }
 
@@ -237,7 +237,7 @@ class Matmul {
     for (int64_t block = 0; block < blocks_per_row(); ++block) {
       for (int r = 0; r < R; ++r) {
         const uint8_t* src = Row(n + r) + block * Fmt::kBytes;
-        jvllm::PrefetchBlock<Fmt>(Row(n + R + r) + block * Fmt::kBytes);
+        jvllm::PrefetchBlock<Fmt>(Row(n + (R > 1 ? R : 4) + r) + block * Fmt::kBytes);
         float d[Fmt::kSubs], c[Fmt::kSubs];
         Fmt::Scales(src, d, c);
 #pragma GCC unroll 8

@@ -154,7 +154,7 @@ class EngineArgs:
         False, "each token row of a step of up to 8 rows computes the bits it would alone, as vLLM's "
                "VLLM_BATCH_INVARIANT: greedy outputs are then the same with and without speculative decoding and "
                "whatever else shares a step of up to 8 rows (GGUF blocks on CPUs with AVX-512 BF16: one-row products "
-               "in bfloat16 as 2-8 rows run, ~5-10%% slower than their int16 path)")
+               "in bfloat16 as 2-8 rows run: single-stream decode ~20%% slower than with their int16 path)")
     scheduling_policy: str = option("fcfs", "fcfs: requests run in arrival order; priority: by each request's "
                                             "`priority` (lower first, then arrival), preempting running requests of "
                                             "lower priority when a higher one waits without room",
