@@ -33,6 +33,9 @@
 namespace jvllm {
 
 constexpr int64_t kMinRowsPerItem = 16;  // output rows per work item, at least
+// How many weight rows ahead the row paths prefetch when they take R weight rows at a time: the next group's, or
+// for one row at a time (a lone row of x, see IntRows) the block 4 rows ahead.
+constexpr int64_t PrefetchAhead(int rows_at_a_time) { return rows_at_a_time > 1 ? rows_at_a_time : 4; }
 
 
 inline float Sum(V8 x) {
@@ -197,7 +200,7 @@ class Matmul {
     for (int64_t block = 0; block < blocks_per_row(); ++block) {
       for (int r = 0; r < R; ++r) {
         const uint8_t* w = Row(n + r) + block * Fmt::kBytes;
-        jvllm::PrefetchBlock<Fmt>(Row(n + (R > 1 ? R : 4) + r) + block * Fmt::kBytes);
+        jvllm::PrefetchBlock<Fmt>(Row(n + PrefetchAhead(R) + r) + block * Fmt::kBytes);
         float d[Fmt::kSubs], c[Fmt::kSubs];
         Fmt::Scales(w, d, c);
 #pragma GCC unroll 8
@@ -237,7 +240,7 @@ class Matmul {
     for (int64_t block = 0; block < blocks_per_row(); ++block) {
       for (int r = 0; r < R; ++r) {
         const uint8_t* src = Row(n + r) + block * Fmt::kBytes;
-        jvllm::PrefetchBlock<Fmt>(Row(n + (R > 1 ? R : 4) + r) + block * Fmt::kBytes);
+        jvllm::PrefetchBlock<Fmt>(Row(n + PrefetchAhead(R) + r) + block * Fmt::kBytes);
         float d[Fmt::kSubs], c[Fmt::kSubs];
         Fmt::Scales(src, d, c);
 #pragma GCC unroll 8
