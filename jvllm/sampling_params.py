@@ -98,6 +98,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: as many as leave room for one
+    detokenize: bool = True  # False: token ids only (text stays "")
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -160,6 +162,16 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
                              f"{type(self.structured_outputs).__name__}.")
+
+        if self.truncate_prompt_tokens is not None and (
+                not _is_int(self.truncate_prompt_tokens) or not (self.truncate_prompt_tokens == -1
+                                                                 or self.truncate_prompt_tokens >= 1)):
+            raise ValueError("truncate_prompt_tokens must be None, -1 (up to the model's limit) or an int >= 1, got "
+                             f"{self.truncate_prompt_tokens!r}.")
+        if not isinstance(self.detokenize, bool):
+            raise ValueError(f"detokenize must be a bool, got {self.detokenize!r}.")
+        if not self.detokenize and self.stop:
+            raise ValueError("stop strings need detokenize=True (they are matched in the text); use stop_token_ids.")
 
         if self.temperature < GREEDY_TEMPERATURE_EPS:
             # Greedy: argmax is unaffected by truncation filters, so reset them to

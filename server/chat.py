@@ -19,7 +19,7 @@ from server.protocol import ChatCompletionRequest, ChatMessage, TextPart, invali
 from server.responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
                               DeltaMessage, UsageInfo)
 from server.sampling import (check_fits, check_generates, check_logprobs, check_model, check_unsupported, sampling_params,
-                             warn_unknown_fields)
+                             truncated, warn_unknown_fields)
 from server.settings import REQUEST_TEMPLATE_TIMEOUT_S
 from server.state import ServerState
 from server.structured import structured_outputs
@@ -238,10 +238,15 @@ async def start_chat(body: ChatCompletionRequest, state: ServerState) -> tuple[C
     constraint = await structured_outputs(body, state, tools.constraint(bool(body.parallel_tool_calls)))
     text, ids, images = await chat_prompt(body, state, tools)
     wanted = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    kept = truncated(ids, body, wanted, state.engine.max_model_len)
+    if len(kept) < len(ids):
+        if images:
+            raise bad_request("truncate_prompt_tokens does not apply to prompts with images", "truncate_prompt_tokens")
+        text, ids = None, kept
     params = sampling_params(body, max_tokens=check_fits(len(ids), wanted, state.engine.max_model_len),
                              logprobs=num_top, prompt_logprobs=body.prompt_logprobs, structured_outputs=constraint)
     chat = ChatRun(body, state, model, len(ids), num_top, tools)
-    state.log_request(chat.id, "received", repr(text)[:2000], params)
+    state.log_request(chat.id, "received", repr(text if text is not None else ids)[:2000], params)
     prompt = {"prompt": text, "prompt_token_ids": ids}
     if images:
         prompt["multi_modal_data"] = {"image": images}

@@ -16,7 +16,7 @@ from server.logprobs import completion_logprobs
 from server.protocol import CompletionRequest
 from server.responses import CompletionChoice, CompletionLogProbs, CompletionResponse, UsageInfo
 from server.sampling import (check_fits, check_generates, check_logprobs, check_model, check_unsupported, sampling_params,
-                             warn_unknown_fields)
+                             truncated, warn_unknown_fields)
 from server.state import ServerState
 from server.structured import structured_outputs
 from server.streaming import DONE, merge, sse, sse_response, unless_disconnected
@@ -60,6 +60,9 @@ class _Job:
 
     def __init__(self, body: CompletionRequest, state: ServerState, model: str, prompts: list[Prompt]):
         self.body, self.state, self.model, self.prompts = body, state, model, prompts
+        # echo with max_tokens 0 (OpenAI's legacy API, vLLM, lm-eval's log-likelihoods): the prompt and its
+        # logprobs only; the engine runs one token, which is not shown
+        self.echo_only = echo_only(body)
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -82,10 +85,12 @@ class _Job:
 
     def usage(self, finals: dict[int, RequestOutput]) -> UsageInfo:
         prompt = sum(len(p.token_ids) for p in self.prompts)
-        completion = sum(len(o.token_ids) for r in finals.values() for o in r.outputs)
+        completion = 0 if self.echo_only else sum(len(o.token_ids) for r in finals.values() for o in r.outputs)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
     def choice(self, i: int, output: RequestOutput, out: CompletionOutput) -> CompletionChoice:
+        if self.echo_only:
+            out = _nothing_generated(out)
         text, logprobs = out.text, None
         if self.body.logprobs is not None and out.logprobs is not None:
             logprobs = self.logprobs(out.token_ids, out.logprobs, 0)
@@ -124,6 +129,8 @@ class _Job:
                 index = i * body.n + out.index
                 if index in ended:
                     continue
+                if self.echo_only:
+                    out = _nothing_generated(out)
                 done_text, start = sent_text.get(index, 0), sent_ids.get(index, 0)
                 prefix, logprobs = ("", None)
                 if body.echo and index not in sent_chars:
@@ -151,6 +158,18 @@ class _Job:
         if options and options.include_usage:
             yield self.chunk([], self.usage(latest))
         yield DONE
+
+
+def echo_only(body: CompletionRequest) -> bool:
+    """Whether the request asks for its prompt echoed and nothing generated."""
+    return body.echo and body.max_tokens == 0
+
+
+def _nothing_generated(out: CompletionOutput) -> CompletionOutput:
+    """`out` as an echo-only request shows it: no text or tokens, and "length" once its one token is made."""
+    finish_reason = "length" if out.finish_reason in ("stop", "length") else out.finish_reason
+    return dataclasses.replace(out, text="", token_ids=[], logprobs=None if out.logprobs is None else [],
+                               finish_reason=finish_reason, stop_reason=None)
 
 
 def _join(first: CompletionLogProbs | None, second: CompletionLogProbs | None) -> CompletionLogProbs | None:
@@ -187,7 +206,12 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     if body.echo and body.logprobs is not None:
         prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
     limit = state.engine.max_model_len
-    params = [sampling_params(body, max_tokens=check_fits(len(p.token_ids), body.max_tokens, limit),
+    max_tokens = 1 if echo_only(body) else body.max_tokens
+    for prompt in prompts:
+        kept = truncated(prompt.token_ids, body, max_tokens, limit)
+        if len(kept) < len(prompt.token_ids):
+            prompt.text, prompt.token_ids = None, kept
+    params = [sampling_params(body, max_tokens=check_fits(len(p.token_ids), max_tokens, limit),
                               logprobs=body.logprobs, prompt_logprobs=prompt_logprobs, structured_outputs=constraint)
               for p in prompts]
     job = _Job(body, state, model, prompts)

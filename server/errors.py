@@ -103,6 +103,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             param = param or item.get("ctx", {}).get("path")
             parts.append(str(item.get("msg")))
             continue
+        if item.get("type") == "json_invalid":  # loc holds the character position, not a field
+            error = item.get("ctx", {}).get("error")
+            parts.append(f"the request body is not valid JSON: {error or item.get('msg')} (at character {where})")
+            continue
         param = param or (where or None)
         if not where and item.get("type") in ("model_attributes_type", "dict_type"):
             parts.append("the request body must be a JSON object (send Content-Type: application/json)")

@@ -117,6 +117,8 @@ class SamplingFields(RequestBody):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     echo: bool = False
+    truncate_prompt_tokens: int | None = Field(None, description="keep the prompt's last k tokens; -1: as many as "
+                                                                 "leave room for max_tokens")
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     priority: int = Field(0, ge=SEED_MIN, le=SEED_MAX,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from jvllm.engine.prompts import keep_last
 from jvllm.sampling_params import SamplingParams, StructuredOutputsParams
 from server.errors import APIError, bad_request
 from server.limits import AdmissionLimits
@@ -51,6 +52,14 @@ def check_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: in
                           f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
                           "in the completion). Please reduce the length of the prompt or max_tokens.", "max_tokens")
     return max_tokens
+
+
+def truncated(token_ids: list[int], body: SamplingFields, max_tokens: int | None, max_model_len: int) -> list[int]:
+    """The prompt's ids as truncate_prompt_tokens keeps them (-1: as many as leave room for max_tokens)."""
+    k = body.truncate_prompt_tokens
+    if k is not None and k != -1 and k < 1:
+        raise bad_request(f"truncate_prompt_tokens must be -1 or an int >= 1, got {k}", "truncate_prompt_tokens")
+    return keep_last(token_ids, k, max(1, max_model_len - (max_tokens or 1)))
 
 
 def check_unsupported(body: SamplingFields, limits: AdmissionLimits) -> None:

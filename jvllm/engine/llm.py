@@ -202,7 +202,7 @@ class Engine(MultiHostRoles, FrontEndViews):
             raise ValueError(f"request id {request_id!r} is already in use")
         images = PromptImages(self.mm_processor, prompt, self.model.served_name)
         text, token_ids = tokenize_prompt(self.tokenizer, prompt, self.model.config.vocab_size,
-                                          self.config.max_model_len, images.expand)
+                                          self.config.max_model_len, images.expand, params.truncate_prompt_tokens)
         params.validate_for_vocab(self.model.config.vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > MAX_LOGPROBS:
@@ -219,7 +219,8 @@ class Engine(MultiHostRoles, FrontEndViews):
                               self.eos_token_ids, arrival_time, priority)
             request.group_id = request_id
             request.cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-            request.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params) if params.detokenize else None
+            request.detokenizer = detokenizer
             request.grammar = grammar if grammar is None or index == 0 else grammar.copy()
             request.mm_items = images.items
             self.scheduler.check_fits(request)

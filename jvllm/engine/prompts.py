@@ -9,10 +9,13 @@ PromptType = str | dict[str, Any]
 
 
 def tokenize_prompt(tokenizer: Any, prompt: PromptType, vocab_size: int, max_model_len: int,
-                    expand: Callable[[list[int]], list[int]] | None = None) -> tuple[str | None, list[int]]:
+                    expand: Callable[[list[int]], list[int]] | None = None,
+                    truncate_to: int | None = None) -> tuple[str | None, list[int]]:
     """-> (text if known, token ids); ValueError for a form it does not take, an empty prompt, ids outside the
     vocabulary, or a prompt that leaves no room for one generated token. `expand` rewrites the ids before the
-    checks (image placeholders to their token counts). A dict prompt may carry `multi_modal_data`."""
+    checks (image placeholders to their token counts). A dict prompt may carry `multi_modal_data`.
+    `truncate_to` (SamplingParams.truncate_prompt_tokens) keeps the last that many ids, -1 as many as leave room
+    for one generated token; a cut prompt's text is then that of the ids kept."""
     if isinstance(prompt, str):
         text, token_ids = prompt, tokenizer.encode(prompt)
     elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -23,7 +26,13 @@ def tokenize_prompt(tokenizer: Any, prompt: PromptType, vocab_size: int, max_mod
         raise ValueError("a prompt is a str, {'prompt': str} or {'prompt_token_ids': [int, ...]}; "
                          f"got {type(prompt).__name__}")
     if expand is not None:
-        token_ids = expand(list(token_ids))
+        expanded = expand(list(token_ids))
+        if truncate_to is not None and len(expanded) != len(token_ids):
+            raise ValueError("truncate_prompt_tokens does not apply to prompts with images")
+        token_ids = expanded
+    kept = keep_last(token_ids, truncate_to, max_model_len - 1)
+    if len(kept) < len(token_ids):
+        text, token_ids = tokenizer.decode(kept), kept
     if not token_ids:
         raise ValueError("the prompt is empty: it must contain at least one token")
     if any(not isinstance(t, int) or t < 0 or t >= vocab_size for t in token_ids):
@@ -32,6 +41,13 @@ def tokenize_prompt(tokenizer: Any, prompt: PromptType, vocab_size: int, max_mod
         raise ValueError(f"the prompt has {len(token_ids)} tokens but max_model_len is "
                          f"{max_model_len} (prompt plus at least one generated token must fit)")
     return text, token_ids
+
+
+def keep_last(token_ids: list[int], truncate_to: int | None, room: int) -> list[int]:
+    """The prompt's last `truncate_to` ids (SamplingParams.truncate_prompt_tokens; -1: the last `room`), or all of
+    them when they are fewer or truncate_to is None."""
+    keep = room if truncate_to == -1 else truncate_to
+    return list(token_ids) if keep is None or len(token_ids) <= keep else list(token_ids)[-keep:]
 
 
 def chat_prompts(tokenizer: Any, conversations: list[list[dict[str, Any]]], *, chat_template: str | None,

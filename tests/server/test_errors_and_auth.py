@@ -93,7 +93,9 @@ def test_invalid_fields_are_400_not_422(live_server, body, param):
 def test_malformed_json_is_400(live_server):
     reply = httpx.post(f"{live_server.v1}/chat/completions", content=b"{not json",
                        headers={**live_server.headers, "Content-Type": "application/json"})
-    _error(reply, 400)
+    error = _error(reply, 400)
+    assert error["message"].startswith("the request body is not valid JSON: ") and "(at character 1)" in error["message"]
+    assert error["param"] is None
 
 
 @pytest.mark.parametrize("body", [

@@ -170,6 +170,48 @@ def test_echo_with_logprobs_includes_the_prompt_tokens(client):
     assert "".join(lp.tokens) == result.choices[0].text
 
 
+def test_echo_with_max_tokens_0_gives_the_prompt_and_its_logprobs_only(client):
+    # OpenAI's legacy completions and vLLM: how evaluation harnesses score a text's log-likelihood
+    with_one = client.completions.create(model=MODEL, prompt="Score this text", echo=True, logprobs=1, max_tokens=1,
+                                         temperature=0)
+    result = client.completions.create(model=MODEL, prompt="Score this text", echo=True, logprobs=1, max_tokens=0)
+    choice, prompt_tokens = result.choices[0], result.usage.prompt_tokens
+    assert choice.text == "Score this text" and choice.finish_reason == "length"
+    assert result.usage.completion_tokens == 0 and result.usage.total_tokens == prompt_tokens
+    lp, expected = choice.logprobs, with_one.choices[0].logprobs
+    assert len(lp.tokens) == prompt_tokens and "".join(lp.tokens) == choice.text
+    assert lp.tokens == expected.tokens[:prompt_tokens]
+    assert lp.token_logprobs == expected.token_logprobs[:prompt_tokens]
+    assert lp.text_offset == expected.text_offset[:prompt_tokens]
+    streamed = list(client.completions.create(model=MODEL, prompt="Score this text", echo=True, logprobs=1,
+                                              max_tokens=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == choice.text
+    assert [t for c in streamed for t in c.choices[0].logprobs.tokens] == lp.tokens
+    assert streamed[-1].choices[0].finish_reason == "length"
+    with pytest.raises(Exception, match="max_tokens"):  # without echo, 0 tokens is no request
+        client.completions.create(model=MODEL, prompt="Score this text", max_tokens=0)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client, live_server):
+    import httpx
+    import openai
+
+    ids = httpx.post(f"{live_server.url}/tokenize", headers=live_server.headers,
+                     json={"prompt": "One two three four five six seven"}).json()["tokens"]
+    kept_text = httpx.post(f"{live_server.url}/detokenize", headers=live_server.headers,
+                           json={"tokens": ids[-3:]}).json()["prompt"]
+    cut = client.completions.create(model=MODEL, prompt="One two three four five six seven", echo=True,
+                                    extra_body={"truncate_prompt_tokens": 3}, **GREEDY)
+    from_ids = client.completions.create(model=MODEL, prompt=ids[-3:], **GREEDY)
+    assert cut.usage.prompt_tokens == 3
+    assert cut.choices[0].text == kept_text + from_ids.choices[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * 40}],
+                                          extra_body={"truncate_prompt_tokens": 5}, **GREEDY)
+    assert chat.usage.prompt_tokens == 5
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+        client.completions.create(model=MODEL, prompt="x", extra_body={"truncate_prompt_tokens": 0}, **GREEDY)
+
+
 def test_chat_logprobs_have_bytes_and_ranked_alternatives(client):
     messages = [{"role": "user", "content": "Logprobs in chat"}]
     reply = client.chat.completions.create(model=MODEL, messages=messages, logprobs=True, top_logprobs=2, **GREEDY)
