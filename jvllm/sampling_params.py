@@ -98,6 +98,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    bad_words: list[str] | None = None  # words never generated (each word's last token blocked where it would end it)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: as many as leave room for one
     detokenize: bool = True  # False: token ids only (text stays "")
 
@@ -168,6 +169,11 @@ class SamplingParams:
                                                                  or self.truncate_prompt_tokens >= 1)):
             raise ValueError("truncate_prompt_tokens must be None, -1 (up to the model's limit) or an int >= 1, got "
                              f"{self.truncate_prompt_tokens!r}.")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or not all(
+                    isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}.")
+            self.bad_words = list(self.bad_words)
         if not isinstance(self.detokenize, bool):
             raise ValueError(f"detokenize must be a bool, got {self.detokenize!r}.")
         if not self.detokenize and self.stop:

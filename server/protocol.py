@@ -113,6 +113,7 @@ class SamplingFields(RequestBody):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0

@@ -95,7 +95,7 @@ def sampling_params(body: SamplingFields, *, max_tokens: int, logprobs: int | No
             skip_special_tokens=body.skip_special_tokens,
             spaces_between_special_tokens=body.spaces_between_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output, logit_bias=body.logit_bias,
-            allowed_token_ids=body.allowed_token_ids, structured_outputs=structured_outputs)
+            allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words, structured_outputs=structured_outputs)
     except ValueError as error:  # SamplingParams' messages start with the field's name
         field = str(error).split(" ", 1)[0]
         raise bad_request(str(error), field if field in SamplingParams.__dataclass_fields__ else None) from None

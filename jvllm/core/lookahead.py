@@ -8,6 +8,7 @@ A request that the current step finishes (EOS, a stop string) computed one token
 Pure Python (no JAX), like the scheduler."""
 from __future__ import annotations
 
+from jvllm.core.bad_words import follows_output
 from jvllm.core.request import Request
 from jvllm.core.scheduler import ScheduledChunk, Scheduler
 
@@ -28,6 +29,9 @@ def plan_lookahead(scheduler: Scheduler, current: list[ScheduledChunk]) -> list[
     # left out of the look-ahead step would advance only every other step. (Grammars are fine: the look-ahead
     # step's sampler waits for them, see ModelRunner.finish_head.)
     if not all(chunk.samples and not chunk.request.params.uses_penalties for chunk in current):
+        return None
+    # Likewise bad words of two or more tokens: what they block next depends on the token still on the device.
+    if any(follows_output(chunk.request.bad_word_ids) for chunk in current):
         return None
     if any(chunk.draft is not None for chunk in current):  # how many drafts it keeps is known on the host only
         return None

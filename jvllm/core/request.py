@@ -5,6 +5,7 @@ import enum
 import time
 from typing import Any
 
+from jvllm.core.bad_words import BadWordIds
 from jvllm.sampling_params import SamplingParams
 
 
@@ -56,6 +57,7 @@ class Request:
         self.max_total_tokens = max_total_tokens  # prompt + output never exceeds this (max_model_len)
         self.eos_token_ids = eos_token_ids
         self.output_token_ids: list[int] = []
+        self.bad_word_ids: BadWordIds = ()  # params.bad_words as token sequences (core.bad_words)
         # summed only when logprobs are asked for, as in vLLM: otherwise None and no step computes them
         self.cumulative_logprob: float | None = None if params.logprobs is None else 0.0
         self.logprobs: list[dict] = []  # one {token_id: Logprob} per output token when params.logprobs is set

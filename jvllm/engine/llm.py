@@ -20,6 +20,7 @@ from jvllm.engine.start_up import attention_backend_for, engine_config_for, eos_
 from jvllm.engine.detokenizer import IncrementalDetokenizer
 from jvllm.pooling.embedder import embed_unsupported, generate_unsupported
 from jvllm.pooling.scoring import ScoreTexts, score
+from jvllm.core.bad_words import bad_word_ids
 from jvllm.core.kv_pages import PageManager
 from jvllm.core.lookahead import plan_lookahead, settle_lookahead
 from jvllm.worker.model_runner import ModelRunner
@@ -211,6 +212,7 @@ class Engine(MultiHostRoles, FrontEndViews):
         if params.structured_outputs is not None:
             tail = self.tokenizer.decode(token_ids[-PROMPT_TAIL_TOKENS:])
             grammar = self._grammars.new_state(params.structured_outputs, tail)
+        bad_words = bad_word_ids(self.tokenizer, params.bad_words)
         members = []
         for index in range(params.n):
             member_id = request_id if params.n == 1 else f"{request_id}#{index}"
@@ -218,6 +220,7 @@ class Engine(MultiHostRoles, FrontEndViews):
             request = Request(member_id, text, token_ids, params, seed, self.config.max_model_len,
                               self.eos_token_ids, arrival_time, priority)
             request.group_id = request_id
+            request.bad_word_ids = bad_words
             request.cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
             detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params) if params.detokenize else None
             request.detokenizer = detokenizer

@@ -8,6 +8,7 @@ from typing import Iterable
 
 import numpy as np
 
+from jvllm.core.bad_words import banned_next
 from jvllm.core.encoder_cache import EncoderCache, MultiModalItem
 from jvllm.core.scheduler import ScheduledChunk
 from jvllm.multimodal.positions import mrope_positions
@@ -40,6 +41,8 @@ def row_spec(chunk: ScheduledChunk, num_drafts: int = 0) -> RowSpec:
     blocked: list[int] = []
     if len(request.output_token_ids) + ahead < params.min_tokens:
         blocked = [*params.stop_token_ids, *([] if params.ignore_eos else request.eos_token_ids)]
+    if request.bad_word_ids:  # a look-ahead row has only one-token ones (core.lookahead)
+        blocked += banned_next(request.bad_word_ids, [*request.output_token_ids, *chunk.draft_ids[:num_drafts]])
     if request.grammar is None or not chunk.samples:
         grammar_bits = None
     elif chunk.lookahead:  # the grammar has not seen the token before this one yet: finish_head narrows it

@@ -137,6 +137,11 @@ def test_vllm_sampling_extras_are_accepted(client):
     only = client.completions.create(model=MODEL, prompt="Extras", max_tokens=3, temperature=1.0,
                                      extra_body=dict(allowed_token_ids=[314], ignore_eos=True))
     assert only.choices[0].text == " is" * 3
+    said = client.completions.create(model=MODEL, prompt="The capital of France is", **GREEDY).choices[0].text
+    word = said.split()[0].strip(".,")
+    avoided = client.completions.create(model=MODEL, prompt="The capital of France is", **GREEDY,
+                                        extra_body=dict(bad_words=[word])).choices[0].text
+    assert word in said and word not in avoided
 
 
 # ---- logprobs: these depend on the engine filling CompletionOutput.logprobs / prompt_logprobs ----------

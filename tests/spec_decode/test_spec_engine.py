@@ -50,8 +50,21 @@ def _workload(plain: Engine, seed: int) -> list[tuple[list[int], SamplingParams]
             options.update(temperature=1.0, top_k=20, seed=5)
         if index == 8:
             options.update(structured_outputs=StructuredOutputsParams(regex=r"(ab|cd){2,6}x"), ignore_eos=False)
+        if index == 9:  # words the request would say: the ban falls where drafts are verified
+            (free,) = plain.generate({"prompt_token_ids": prompt}, SamplingParams(**options), use_tqdm=False)
+            options.update(bad_words=plain.tokenizer.decode(free.outputs[0].token_ids[:6]).split()[1:3])
         jobs.append((prompt, SamplingParams(**options)))
     return jobs
+
+
+def test_the_workloads_bad_words_change_its_output(plain):
+    for seed in (1, 2):
+        prompt, params = _workload(plain, seed)[9]
+        assert params.bad_words
+        free = params.clone()
+        free.bad_words = None
+        banned, unbanned = _run(plain, [(prompt, params), (prompt, free)])
+        assert banned.outputs[0].token_ids != unbanned.outputs[0].token_ids
 
 
 def _run(engine: Engine, jobs) -> list:
