@@ -153,6 +153,31 @@ class EmbeddingRequestOutput:
 
 
 @dataclass
+class PoolingOutput:
+    """One prompt's pooled vector (vLLM's `PoolingOutput`; `data` is a NumPy array where vLLM's is a tensor)."""
+
+    data: Any
+
+    def __repr__(self) -> str:
+        return f"PoolingOutput(data=array of shape {tuple(self.data.shape)})"
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The result of LLM.encode for one prompt (vLLM's `PoolingRequestOutput`)."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+
+    def __repr__(self) -> str:
+        return (f"PoolingRequestOutput(request_id={self.request_id!r}, outputs={self.outputs!r}, "
+                f"prompt_token_ids={_short_list(self.prompt_token_ids)}, finished={self.finished})")
+
+
+@dataclass
 class ScoringOutput:
     """One pair's score (vLLM's `ScoringOutput`): a cross-encoder's classifier score, or the cosine similarity of
     the two texts' embeddings."""

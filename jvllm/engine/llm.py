@@ -18,8 +18,8 @@ from jvllm.config import EngineConfig, UsageContext
 from jvllm.engine.arg_utils import EngineArgs, keyword_help
 from jvllm.engine.start_up import attention_backend_for, engine_config_for, eos_token_ids, log_ready
 from jvllm.engine.detokenizer import IncrementalDetokenizer
-from jvllm.pooling.embedder import embed_unsupported, generate_unsupported
-from jvllm.pooling.scoring import ScoreTexts, score
+from jvllm.engine.pooling_calls import PoolingCalls
+from jvllm.pooling.embedder import generate_unsupported
 from jvllm.core.bad_words import bad_word_ids
 from jvllm.core.kv_pages import PageManager
 from jvllm.core.lookahead import plan_lookahead, settle_lookahead
@@ -30,7 +30,7 @@ from jvllm.worker.step_shapes import ShapeSet
 from jvllm.sample.logprobs import MAX_LOGPROBS
 from jvllm.parallel import distributed
 from jvllm.engine.output_processor import append_sampled, record_prompt_logprobs, request_output
-from jvllm.outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
+from jvllm.outputs import RequestOutput
 from jvllm.engine.progress import GenerateProgress, precompile_progress
 from jvllm.engine.front_end_views import FrontEndViews
 from jvllm.engine.multihost import MultiHostRoles
@@ -49,7 +49,7 @@ ENGINE_KEYWORDS = frozenset(field.name for field in dataclasses.fields(EngineArg
 PROMPT_TAIL_TOKENS = 16  # enough to see whether a chat template opened a <think> block at the end of a prompt
 
 
-class Engine(MultiHostRoles, FrontEndViews):
+class Engine(MultiHostRoles, FrontEndViews, PoolingCalls):
     """Offline inference engine. `Engine()` serves the embedded SmolLM2-135M-Instruct."""
 
     def __init__(self, model: str | None = None, **kwargs: Any):
@@ -399,26 +399,6 @@ class Engine(MultiHostRoles, FrontEndViews):
         prompts = conversation_prompts(self.tokenizer, conversations, image_token, self.media.load_image,
                                        chat_template=chat_template, add_generation_prompt=add_generation_prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-
-    def embed(self, prompts: PromptType | Sequence[PromptType], *, truncate: bool = True,
-              truncate_prompt_tokens: int | None = None, dimensions: int | None = None,
-              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
-        """Embed every prompt (str, {'prompt': str} or {'prompt_token_ids': [...]}); outputs in input order.
-
-        Too-long prompts keep their first max_model_len tokens (special tokens kept, as sentence-transformers
-        truncates), or raise ValueError with truncate=False. truncate_prompt_tokens=k keeps the last k tokens
-        (vLLM's meaning; -1 = max_model_len). dimensions= shortens Matryoshka models' outputs only."""
-        if self.embedder is None:
-            raise embed_unsupported(self.model.served_name)
-        return self.embedder.embed(prompts, truncate=truncate, truncate_prompt_tokens=truncate_prompt_tokens,
-                                   dimensions=dimensions, use_tqdm=use_tqdm)
-
-    def score(self, text_1: ScoreTexts, text_2: ScoreTexts, *, truncate: bool = True,
-              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[ScoringRequestOutput]:
-        """vLLM's LLM.score: pairs 1:1, 1:N or N:N (jvllm.pooling.scoring); a cross-encoder's score, else the cosine
-        similarity of the texts' embeddings. truncate / truncate_prompt_tokens as embed() (a pair: longest first)."""
-        return score(self.embedder, self.model.served_name, text_1, text_2, truncate=truncate,
-                     truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
 
 
 Engine.__init__.__doc__ = (Engine.__init__.__doc__ or "") + keyword_help()
