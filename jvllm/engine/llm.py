@@ -222,8 +222,8 @@ class Engine(MultiHostRoles, FrontEndViews, PoolingCalls):
             request.group_id = request_id
             request.bad_word_ids = bad_words
             request.cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-            detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params) if params.detokenize else None
-            request.detokenizer = detokenizer
+            request.detokenizer = (IncrementalDetokenizer(self.tokenizer, token_ids, params)
+                                   if params.detokenize else None)
             request.grammar = grammar if grammar is None or index == 0 else grammar.copy()
             request.mm_items = images.items
             self.scheduler.check_fits(request)

@@ -50,4 +50,3 @@ class PoolingCalls:
         similarity of the texts' embeddings. truncate / truncate_prompt_tokens as embed() (a pair: longest first)."""
         return score(self.embedder, self.model.served_name, text_1, text_2, truncate=truncate,
                      truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
-
