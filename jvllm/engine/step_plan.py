@@ -42,7 +42,9 @@ def row_spec(chunk: ScheduledChunk, num_drafts: int = 0) -> RowSpec:
     if len(request.output_token_ids) + ahead < params.min_tokens:
         blocked = [*params.stop_token_ids, *([] if params.ignore_eos else request.eos_token_ids)]
     if request.bad_word_ids:  # a look-ahead row has only one-token ones (core.lookahead)
-        blocked += banned_next(request.bad_word_ids, [*request.output_token_ids, *chunk.draft_ids[:num_drafts]])
+        depth = max(len(sequence) for sequence in request.bad_word_ids)  # the output tokens a ban can look at
+        recent = [*request.output_token_ids[-depth:], *chunk.draft_ids[:num_drafts]]
+        blocked += banned_next(request.bad_word_ids, recent)
     if request.grammar is None or not chunk.samples:
         grammar_bits = None
     elif chunk.lookahead:  # the grammar has not seen the token before this one yet: finish_head narrows it
