@@ -17,6 +17,7 @@ _EXPORTS = {
     "SamplingParams": "jvllm.sampling_params",
     "StructuredOutputsParams": "jvllm.sampling_params",
     "PoolingParams": "jvllm.pooling_params",
+    "BeamSearchParams": "jvllm.beam_search",
     "RequestOutput": "jvllm.outputs",
     "CompletionOutput": "jvllm.outputs",
     "EmbeddingRequestOutput": "jvllm.outputs",

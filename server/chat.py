@@ -18,6 +18,7 @@ from jvllm.multimodal.inputs import ProcessedImage
 from server.protocol import ChatCompletionRequest, ChatMessage, TextPart, invalid_text_path
 from server.responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
                               DeltaMessage, UsageInfo)
+from server.beam_search import beam_search_params, queue_generation
 from server.sampling import (check_fits, check_generates, check_logprobs, check_model, check_unsupported, sampling_params,
                              truncated, warn_unknown_fields)
 from server.settings import REQUEST_TEMPLATE_TIMEOUT_S
@@ -250,7 +251,8 @@ async def start_chat(body: ChatCompletionRequest, state: ServerState) -> tuple[C
     prompt = {"prompt": text, "prompt_token_ids": ids}
     if images:
         prompt["multi_modal_data"] = {"image": images}
-    stream = await state.engine.add_request(prompt, params, chat.id, arrival_time=arrival, priority=body.priority)
+    stream = await queue_generation(state, prompt, params, beam_search_params(body, params), chat.id,
+                                    arrival_time=arrival, priority=body.priority)
     return chat, stream
 
 

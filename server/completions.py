@@ -15,6 +15,7 @@ from server.errors import bad_request
 from server.logprobs import completion_logprobs
 from server.protocol import CompletionRequest
 from server.responses import CompletionChoice, CompletionLogProbs, CompletionResponse, UsageInfo
+from server.beam_search import beam_search_params, queue_generation
 from server.sampling import (check_fits, check_generates, check_logprobs, check_model, check_unsupported, sampling_params,
                              truncated, warn_unknown_fields)
 from server.state import ServerState
@@ -214,14 +215,15 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     params = [sampling_params(body, max_tokens=check_fits(len(p.token_ids), max_tokens, limit),
                               logprobs=body.logprobs, prompt_logprobs=prompt_logprobs, structured_outputs=constraint)
               for p in prompts]
+    beams = [beam_search_params(body, param) for param in params]
     job = _Job(body, state, model, prompts)
     streams: list[RequestStream] = []
     try:
-        for i, (prompt, param) in enumerate(zip(prompts, params)):
+        for i, (prompt, param, beam) in enumerate(zip(prompts, params, beams)):
             state.log_request(f"{job.id}-{i}", "received", repr(prompt.text or prompt.token_ids)[:2000], param)
-            streams.append(await state.engine.add_request({"prompt": prompt.text, "prompt_token_ids": prompt.token_ids},
-                                                          param, f"{job.id}-{i}", arrival_time=arrival,
-                                                          priority=body.priority))
+            streams.append(await queue_generation(state, {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids},
+                                                  param, beam, f"{job.id}-{i}", arrival_time=arrival,
+                                                  priority=body.priority))
     except BaseException:
         for stream in streams:
             stream.close()

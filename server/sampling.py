@@ -63,8 +63,6 @@ def truncated(token_ids: list[int], body: SamplingFields, max_tokens: int | None
 
 
 def check_unsupported(body: SamplingFields, limits: AdmissionLimits) -> None:
-    if body.use_beam_search:
-        raise bad_request("beam search is not supported", "use_beam_search")
     limits.check_n(body.n, body.best_of)
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request(f"best_of ({body.best_of}) other than n ({body.n}) is not supported", "best_of")

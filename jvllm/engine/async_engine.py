@@ -84,6 +84,10 @@ class AsyncEngine(AsyncPooling):
         return self.engine.config.max_model_len
 
     @property
+    def eos_token_ids(self) -> list[int]:
+        return self.engine.eos_token_ids
+
+    @property
     def config(self) -> EngineConfig:
         """The engine's limits (max_num_seqs, max_model_len, ...)."""
         return self.engine.config

@@ -19,6 +19,7 @@ from jvllm.engine.arg_utils import EngineArgs, keyword_help
 from jvllm.engine.start_up import attention_backend_for, engine_config_for, eos_token_ids, log_ready
 from jvllm.engine.detokenizer import IncrementalDetokenizer
 from jvllm.engine.pooling_calls import PoolingCalls
+from jvllm.engine.beam_calls import BeamSearchCalls
 from jvllm.pooling.embedder import generate_unsupported
 from jvllm.core.bad_words import bad_word_ids
 from jvllm.core.kv_pages import PageManager
@@ -49,7 +50,7 @@ ENGINE_KEYWORDS = frozenset(field.name for field in dataclasses.fields(EngineArg
 PROMPT_TAIL_TOKENS = 16  # enough to see whether a chat template opened a <think> block at the end of a prompt
 
 
-class Engine(MultiHostRoles, FrontEndViews, PoolingCalls):
+class Engine(MultiHostRoles, FrontEndViews, PoolingCalls, BeamSearchCalls):
     """Offline inference engine. `Engine()` serves the embedded SmolLM2-135M-Instruct."""
 
     def __init__(self, model: str | None = None, **kwargs: Any):
@@ -388,16 +389,22 @@ class Engine(MultiHostRoles, FrontEndViews, PoolingCalls):
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them, then generate. Message contents
         may be lists of content parts: text, and for vision-language models images (`image_url` with a data:,
-        file: or http(s): URL, or `image_pil` with a PIL image)."""
+        file: or http(s): URL, or `image_pil` with a PIL image). As in vLLM: `continue_final_message` goes on with
+        the last (assistant) message instead of starting a new turn; `tools` (OpenAI tool definitions) and
+        `chat_template_kwargs` (e.g. {"enable_thinking": False}) are passed to the template; the tool calls in the
+        output are text (the server parses them)."""
         if not messages:
             raise ValueError("chat() needs at least one message")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         image_token = None if self.model.vision is None else self.model.vision.image_token
         prompts = conversation_prompts(self.tokenizer, conversations, image_token, self.media.load_image,
-                                       chat_template=chat_template, add_generation_prompt=add_generation_prompt)
+                                       chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message, tools=tools,
+                                       chat_template_kwargs=chat_template_kwargs)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 

@@ -50,26 +50,51 @@ def keep_last(token_ids: list[int], truncate_to: int | None, room: int) -> list[
     return list(token_ids) if keep is None or len(token_ids) <= keep else list(token_ids)[-keep:]
 
 
+# Arguments chat() sets itself: chat_template_kwargs may not pass them to the template.
+RESERVED_TEMPLATE_ARGS = ("conversation", "messages", "tokenize", "chat_template", "add_generation_prompt",
+                          "continue_final_message", "tools")
+
+
+def template_arguments(add_generation_prompt: bool, continue_final_message: bool,
+                       tools: list[dict[str, Any]] | None,
+                       chat_template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The keyword arguments for apply_chat_template, checked as vLLM's LLM.chat checks them; ValueError for a
+    continuation with a generation prompt or a reserved name among chat_template_kwargs."""
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("continue_final_message=True continues the last (assistant) message, so it needs "
+                         "add_generation_prompt=False")
+    extra = dict(chat_template_kwargs or {})
+    reserved = sorted(set(extra) & set(RESERVED_TEMPLATE_ARGS))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: pass them as chat()'s own "
+                         "arguments")
+    if tools is not None:
+        extra["tools"] = tools
+    return {**extra, "add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
+
+
 def chat_prompts(tokenizer: Any, conversations: list[list[dict[str, Any]]], *, chat_template: str | None,
-                 add_generation_prompt: bool) -> list[dict[str, Any]]:
-    """Each conversation rendered by the chat template, as {'prompt', 'prompt_token_ids'}."""
+                 add_generation_prompt: bool, continue_final_message: bool = False,
+                 tools: list[dict[str, Any]] | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Each conversation rendered by the chat template, as {'prompt', 'prompt_token_ids'}. `tools` and
+    `chat_template_kwargs` (e.g. {"enable_thinking": False}) reach the template as variables."""
+    arguments = template_arguments(add_generation_prompt, continue_final_message, tools, chat_template_kwargs)
     prompts = []
     for conversation in conversations:
-        text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False, **arguments)
         ids = tokenizer.encode(text, add_special_tokens=False)  # the template already has BOS if needed
         prompts.append({"prompt": text, "prompt_token_ids": ids})
     return prompts
 
 
 def conversation_prompts(tokenizer: Any, conversations: list[list[dict[str, Any]]], image_token: str | None,
-                         load_image: Callable[[str], Any], *, chat_template: str | None,
-                         add_generation_prompt: bool) -> list[dict[str, Any]]:
+                         load_image: Callable[[str], Any], **template: Any) -> list[dict[str, Any]]:
     """Conversations whose messages may hold content parts -> prompts: the template's text and ids, plus the images
-    (in order) as multi_modal_data. `image_token` None (a text-only model) refuses image parts."""
+    (in order) as multi_modal_data. `image_token` None (a text-only model) refuses image parts. `template`: the
+    keyword arguments of chat_prompts."""
     split = [split_conversation(c, image_token, load_image) for c in conversations]
-    prompts = chat_prompts(tokenizer, [messages for messages, _ in split], chat_template=chat_template,
-                           add_generation_prompt=add_generation_prompt)
+    prompts = chat_prompts(tokenizer, [messages for messages, _ in split], **template)
     for prompt, (_, images) in zip(prompts, split):
         if images:
             prompt["multi_modal_data"] = {"image": images}

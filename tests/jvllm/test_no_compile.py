@@ -1,11 +1,12 @@
-"""After start-up nothing compiles: a random workload runs only the precompiled step shapes, on every backend."""
+"""After start-up nothing compiles: a random workload (and a beam search) runs only the precompiled step shapes, on
+every backend."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from jvllm import Engine, SamplingParams
+from jvllm import BeamSearchParams, Engine, SamplingParams
 from jvllm.sampling_params import StructuredOutputsParams
 from jvllm.worker.compile_watch import compile_watch
 
@@ -70,6 +71,8 @@ def test_a_random_workload_after_start_compiles_nothing(tiny_model_factory, back
     watch = compile_watch()
     before = watch.total
     happened = drive(engine, num_requests, seed=len(backend))
+    (beams,) = engine.beam_search("Beams too", BeamSearchParams(beam_width=3, max_tokens=4))  # top-6 logprobs
+    assert len(beams.sequences) == 3
     assert watch.total == before, f"{watch.total - before} executables compiled after start-up"
     assert happened["finished"] == num_requests
     assert happened["preemptions"] > 0 and chunked, happened  # the pool and the token budget were both tight
