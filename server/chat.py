@@ -244,8 +244,12 @@ async def start_chat(body: ChatCompletionRequest, state: ServerState) -> tuple[C
         if images:
             raise bad_request("truncate_prompt_tokens does not apply to prompts with images", "truncate_prompt_tokens")
         text, ids = None, kept
-    params = sampling_params(body, max_tokens=check_fits(len(ids), wanted, state.engine.max_model_len),
-                             logprobs=num_top, prompt_logprobs=body.prompt_logprobs, structured_outputs=constraint)
+    max_tokens = check_fits(len(ids), wanted, state.engine.max_model_len)
+    defaults = state.engine.default_sampling
+    if wanted is None and "max_tokens" in defaults:  # the model's max_new_tokens, within the room left
+        max_tokens = min(max_tokens, defaults["max_tokens"])
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=num_top, prompt_logprobs=body.prompt_logprobs,
+                             structured_outputs=constraint, defaults=defaults)
     chat = ChatRun(body, state, model, len(ids), num_top, tools)
     state.log_request(chat.id, "received", repr(text if text is not None else ids)[:2000], params)
     prompt = {"prompt": text, "prompt_token_ids": ids}

@@ -213,7 +213,8 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
         if len(kept) < len(prompt.token_ids):
             prompt.text, prompt.token_ids = None, kept
     params = [sampling_params(body, max_tokens=check_fits(len(p.token_ids), max_tokens, limit),
-                              logprobs=body.logprobs, prompt_logprobs=prompt_logprobs, structured_outputs=constraint)
+                              logprobs=body.logprobs, prompt_logprobs=prompt_logprobs, structured_outputs=constraint,
+                              defaults=state.engine.default_sampling)
               for p in prompts]
     beams = [beam_search_params(body, param) for param in params]
     job = _Job(body, state, model, prompts)

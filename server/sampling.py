@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jvllm.engine.prompts import keep_last
 from jvllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -77,17 +77,23 @@ def check_logprobs(count: int | None, settings: ServerSettings, param: str) -> N
 
 
 def sampling_params(body: SamplingFields, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
-                    structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
-    """OpenAI defaults for what the request leaves out; SamplingParams' ValueError becomes a 400."""
-    def given(value, default):
-        return default if value is None else value
+                    structured_outputs: StructuredOutputsParams | None = None,
+                    defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """What the request leaves out comes from `defaults` (the model's generation config, as vLLM's server takes
+    it), else OpenAI's defaults; SamplingParams' ValueError becomes a 400."""
+    defaults = defaults or {}
+
+    def given(value, name: str, default):
+        return defaults.get(name, default) if value is None else value
 
     try:
         return SamplingParams(
-            n=body.n, temperature=given(body.temperature, 1.0), top_p=given(body.top_p, 1.0),
-            top_k=given(body.top_k, 0), min_p=given(body.min_p, 0.0),
-            presence_penalty=given(body.presence_penalty, 0.0), frequency_penalty=given(body.frequency_penalty, 0.0),
-            repetition_penalty=given(body.repetition_penalty, 1.0), seed=body.seed, stop=body.stop,
+            n=body.n, temperature=given(body.temperature, "temperature", 1.0),
+            top_p=given(body.top_p, "top_p", 1.0), top_k=given(body.top_k, "top_k", 0),
+            min_p=given(body.min_p, "min_p", 0.0), presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=given(body.repetition_penalty, "repetition_penalty", 1.0), seed=body.seed,
+            stop=body.stop,
             stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, max_tokens=max_tokens,
             min_tokens=body.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=body.skip_special_tokens,

@@ -127,6 +127,13 @@ class EngineArgs:
     load_format: str = option("auto", "auto, safetensors, gguf or dummy (random weights)",
                               choices=["auto", "safetensors", "gguf", "dummy"])
     seed: int = option(0, "engine seed for unseeded requests", parse=int)
+    generation_config: str = option("auto", "default sampling parameters: auto (the model's generation_config.json: "
+                                            "its temperature, top_p, top_k, min_p, repetition_penalty and "
+                                            "max_new_tokens, as vLLM reads them), vllm (SamplingParams' own "
+                                            "defaults), or a folder holding a generation_config.json")
+    override_generation_config: dict[str, Any] | None = option(
+        None, 'values over the generation config\'s, e.g. \'{"temperature": 0.5}\' (its field names)',
+        parse=json_object, metavar="JSON")
     max_model_len: int | None = option(None, "context limit, prompt + output (default: the model's, as far as the "
                                              "KV pool holds)", parse=human_int)
     max_num_seqs: int | None = option(None, "sequences per step (default 256; 128 for `jvllm serve` on CPU, as "

@@ -88,6 +88,11 @@ class AsyncEngine(AsyncPooling):
         return self.engine.eos_token_ids
 
     @property
+    def default_sampling(self) -> dict[str, Any]:
+        """SamplingParams keywords from the model's generation config: the defaults of what a request leaves out."""
+        return self.engine.default_sampling
+
+    @property
     def config(self) -> EngineConfig:
         """The engine's limits (max_num_seqs, max_model_len, ...)."""
         return self.engine.config

@@ -6,11 +6,12 @@ from typing import Any, Sequence
 
 from jvllm.engine.status import EngineStats
 from jvllm.multimodal.inputs import ProcessedImage, text_only_error
+from jvllm.sampling_params import SamplingParams
 
 
 class FrontEndViews:
     """Mixed into Engine, which sets `scheduler`, `tokenizer`, `encoder_cache`, `pages`, `config`, `model`,
-    `mm_processor`, `media`, `embedder`."""
+    `mm_processor`, `media`, `embedder`, `default_sampling`."""
 
     scheduler: Any
     tokenizer: Any
@@ -21,6 +22,7 @@ class FrontEndViews:
     mm_processor: Any
     media: Any
     embedder: Any
+    default_sampling: dict[str, Any]  # SamplingParams keywords from the model's generation config
 
     def stats(self, num_steps: int = 0) -> EngineStats:
         """The scheduler's queues, the KV pool's use and the prefix cache's counts now (`num_steps`: the caller's)."""
@@ -46,6 +48,11 @@ class FrontEndViews:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation-config defaults (temperature, top_p, ...), as vLLM's; what
+        generate() and chat() run without sampling_params."""
+        return SamplingParams(**self.default_sampling)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

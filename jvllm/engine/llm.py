@@ -16,7 +16,8 @@ from jvllm.worker.compile_cache import enable_compilation_cache
 from jvllm.worker.compile_watch import during_start_up
 from jvllm.config import EngineConfig, UsageContext
 from jvllm.engine.arg_utils import EngineArgs, keyword_help
-from jvllm.engine.start_up import attention_backend_for, engine_config_for, eos_token_ids, log_ready
+from jvllm.engine.start_up import (attention_backend_for, engine_config_for, eos_token_ids, log_ready,
+                                   model_sampling_defaults)
 from jvllm.engine.detokenizer import IncrementalDetokenizer
 from jvllm.engine.pooling_calls import PoolingCalls
 from jvllm.engine.beam_calls import BeamSearchCalls
@@ -101,6 +102,7 @@ class Engine(MultiHostRoles, FrontEndViews, PoolingCalls, BeamSearchCalls):
                                 tensor_parallel_size=args.tensor_parallel_size,
                                 mm_processor_kwargs=args.mm_processor_kwargs, quantization=args.quantization)
         self.tokenizer = self.model.tokenizer
+        self.default_sampling = model_sampling_defaults(args, self.model.folder)
         backend = attention_backend_for(args.attention_backend, self.model)
         kv_dtype = kv_cache_dtype_for(args.kv_cache_dtype, args.dtype, self.model)
         self.config: EngineConfig = engine_config_for(self.model, args, kv_dtype, usage, hosts.multi_host)
@@ -346,7 +348,7 @@ class Engine(MultiHostRoles, FrontEndViews, PoolingCalls, BeamSearchCalls):
         if not prompt_list:
             raise ValueError("generate() needs at least one prompt")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompt_list)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):

@@ -9,7 +9,9 @@ import jax.numpy as jnp
 
 from jvllm.config import EngineConfig, UsageContext, build_engine_config
 from jvllm.engine.arg_utils import EngineArgs
+from jvllm.model_loader.generation_defaults import generation_defaults
 from jvllm.parallel import distributed
+from jvllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("jvllm")
 
@@ -57,3 +59,17 @@ def eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return tuple(sorted(ids))
+
+
+def model_sampling_defaults(args: EngineArgs, model_folder: Any) -> dict[str, Any]:
+    """The SamplingParams keywords the model's generation config sets (EngineArgs.generation_config), checked by
+    building SamplingParams from them, and logged as vLLM logs them."""
+    values = generation_defaults(args.generation_config, model_folder, args.override_generation_config)
+    if values:
+        try:
+            SamplingParams(**values)
+        except ValueError as error:
+            raise ValueError(f"the model's generation config gives invalid sampling defaults: {error}") from None
+        logger.info("default sampling parameters from the model's generation config: %s (generation_config='vllm' "
+                    "ignores it)", values)
+    return values
