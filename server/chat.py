@@ -19,8 +19,8 @@ from server.protocol import ChatCompletionRequest, ChatMessage, TextPart, invali
 from server.responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
                               DeltaMessage, UsageInfo)
 from server.beam_search import beam_search_params, queue_generation
-from server.sampling import (check_fits, check_generates, check_logprobs, check_model, check_unsupported, sampling_params,
-                             truncated, warn_unknown_fields)
+from server.sampling import (cached_details, check_fits, check_generates, check_logprobs, check_model,
+                             check_unsupported, sampling_params, truncated, warn_unknown_fields)
 from server.settings import REQUEST_TEMPLATE_TIMEOUT_S
 from server.state import ServerState
 from server.structured import structured_outputs
@@ -131,7 +131,8 @@ class ChatRun:
     def usage(self, output: RequestOutput | None) -> UsageInfo:
         completion = sum(len(o.token_ids) for o in output.outputs) if output else 0
         return UsageInfo(prompt_tokens=self.num_prompt, completion_tokens=completion,
-                         total_tokens=self.num_prompt + completion)
+                         total_tokens=self.num_prompt + completion,
+                         prompt_tokens_details=cached_details(self.state, [output] if output else []))
 
     def response(self, output: RequestOutput) -> ChatCompletionResponse:
         choices = []

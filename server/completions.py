@@ -16,8 +16,8 @@ from server.logprobs import completion_logprobs
 from server.protocol import CompletionRequest
 from server.responses import CompletionChoice, CompletionLogProbs, CompletionResponse, UsageInfo
 from server.beam_search import beam_search_params, queue_generation
-from server.sampling import (check_fits, check_generates, check_logprobs, check_model, check_unsupported, sampling_params,
-                             truncated, warn_unknown_fields)
+from server.sampling import (cached_details, check_fits, check_generates, check_logprobs, check_model,
+                             check_unsupported, sampling_params, truncated, warn_unknown_fields)
 from server.state import ServerState
 from server.structured import structured_outputs
 from server.streaming import DONE, merge, sse, sse_response, unless_disconnected
@@ -87,7 +87,8 @@ class _Job:
     def usage(self, finals: dict[int, RequestOutput]) -> UsageInfo:
         prompt = sum(len(p.token_ids) for p in self.prompts)
         completion = 0 if self.echo_only else sum(len(o.token_ids) for r in finals.values() for o in r.outputs)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                         prompt_tokens_details=cached_details(self.state, list(finals.values())))
 
     def choice(self, i: int, output: RequestOutput, out: CompletionOutput) -> CompletionChoice:
         if self.echo_only:

@@ -5,10 +5,12 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from jvllm.engine.prompts import keep_last
+from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import SamplingParams, StructuredOutputsParams
 from server.errors import APIError, bad_request
 from server.limits import AdmissionLimits
 from server.protocol import RequestBody, SamplingFields
+from server.responses import PromptTokensDetails
 from server.settings import ServerSettings
 
 if TYPE_CHECKING:
@@ -68,6 +70,13 @@ def check_unsupported(body: SamplingFields, limits: AdmissionLimits) -> None:
         raise bad_request(f"best_of ({body.best_of}) other than n ({body.n}) is not supported", "best_of")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
+def cached_details(state: ServerState, outputs: list[RequestOutput]) -> PromptTokensDetails | None:
+    """usage.prompt_tokens_details with --enable-prompt-tokens-details: the prompt tokens the prefix cache gave."""
+    if not state.settings.enable_prompt_tokens_details:
+        return None
+    return PromptTokensDetails(cached_tokens=sum(output.num_cached_tokens or 0 for output in outputs))
 
 
 def check_logprobs(count: int | None, settings: ServerSettings, param: str) -> None:

@@ -41,6 +41,9 @@ class ServerSettings:
     enable_log_requests: bool = option(False, "log prompts, parameters and outputs (off by default: they may be "
                                               "private)", group=SERVER_GROUP)
     disable_access_log: bool = option(False, "no per-request access log lines", group=SERVER_GROUP)
+    enable_prompt_tokens_details: bool = option(False, "report usage.prompt_tokens_details.cached_tokens (prompt "
+                                                       "tokens read from the prefix cache) on completions and chat, "
+                                                       "as vLLM's flag does", group=SERVER_GROUP)
     log_level: str = option("info", "server log level (default info)", choices=["debug", "info", "warning", "error"],
                             group=SERVER_GROUP)
     # admission limits (None: derived from the engine, see server.limits)
