@@ -66,10 +66,18 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
+_LARGEST_SCALE = 1e300
+
+
 def beam_score(beam: BeamSearchSequence, eos_token_ids: frozenset[int], length_penalty: float) -> float:
     """cum_logprob / length ** length_penalty, the length counting the prompt but not a final EOS."""
     length = len(beam.tokens) - (1 if beam.tokens and beam.tokens[-1] in eos_token_ids else 0)
-    return beam.cum_logprob / (max(length, 1) ** length_penalty)
+    try:
+        scale = max(length, 1) ** length_penalty
+    except OverflowError:
+        scale = _LARGEST_SCALE
+    # extreme penalties (|length_penalty| ~ 1e300) would overflow or divide by 0: the scale stays finite and > 0
+    return beam.cum_logprob / min(max(scale, 1 / _LARGEST_SCALE), _LARGEST_SCALE)
 
 
 class BeamSearch:

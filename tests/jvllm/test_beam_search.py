@@ -89,6 +89,13 @@ def test_bad_parameters_raise(kwargs, message):
         BeamSearchParams(**kwargs)
 
 
+def test_extreme_length_penalties_still_rank(default_engine):
+    for penalty in (1e308, -1e308):
+        (output,) = default_engine.beam_search("Hi", BeamSearchParams(beam_width=2, max_tokens=2,
+                                                                      length_penalty=penalty))
+        assert len(output.sequences) == 2
+
+
 def test_bad_calls_raise(default_engine):
     with pytest.raises(TypeError, match="BeamSearchParams"):
         default_engine.beam_search("Hi", SamplingParams(max_tokens=4))
