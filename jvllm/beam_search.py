@@ -1,8 +1,8 @@
 """Beam search as vLLM's `LLM.beam_search`: its parameters and outputs, and the search itself, one token a round.
 
 Each round every live beam is generated one token further as its own request (max_tokens=1, the 2 * beam_width
-most likely next tokens with their logprobs); prefix caching keeps the pages of what beams share, so a round costs
-about one decode step. Of each beam's candidates, those ending in EOS join the finished beams; of the rest, the
+most likely next tokens with their logprobs); prefix caching keeps the whole pages of what beams share, so a round
+recomputes only each beam's tokens past its last full page. Of each beam's candidates, those ending in EOS join the finished beams; of the rest, the
 beam_width best by cumulative logprob live on. At the end the beam_width best of finished and live beams are
 returned, scored as vLLM and transformers score them: cumulative logprob / length ** length_penalty, the length
 counting the prompt and not a final EOS."""
@@ -26,7 +26,7 @@ class BeamSearchParams:
     ignore_eos: bool = False
     temperature: float = 0.0
     length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
+    include_stop_str_in_output: bool = False  # vLLM's field, taken for its callers: beams stop at EOS only
 
     def __post_init__(self) -> None:
         if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= MAX_LOGPROBS // 2:
@@ -84,11 +84,11 @@ class BeamSearch:
     """One prompt's search: the live beams to extend each round and the finished ones."""
 
     def __init__(self, prompt_token_ids: list[int], params: BeamSearchParams, eos_token_ids: Iterable[int],
-                 rounds: int):
-        """`rounds`: tokens to generate at most (max_tokens, or fewer where the model's length ends first)."""
+                 max_model_len: int):
+        """A search of max_tokens rounds, or fewer where the model's length ends the beams first."""
         self.params = params
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.rounds_left = rounds
+        self.rounds_left = min(params.max_tokens, max_model_len - len(prompt_token_ids))
         self.live = [BeamSearchSequence(list(prompt_token_ids), [])]
         self.finished: list[BeamSearchSequence] = []
 

@@ -40,13 +40,12 @@ def start_beam_search(engine: _Engine, prompt_text: str | None, prompt_token_ids
     stream = RequestStream(request_id, prompt, loop, stop)
 
     async def run() -> None:
-        rounds = min(params.max_tokens, engine.max_model_len - len(prompt_token_ids))
-        search = BeamSearch(prompt_token_ids, params, engine.eos_token_ids, rounds)
+        search = BeamSearch(prompt_token_ids, params, engine.eos_token_ids, engine.max_model_len)
+        round_params = params.round_params()
         try:
             number = 0
             while not search.done:
-                search.advance(await _round(engine, search, params.round_params(), f"{request_id}-beam{number}",
-                                            priority))
+                search.advance(await _round(engine, search, round_params, f"{request_id}-beam{number}", priority))
                 number += 1
             best = search.best()
         except asyncio.CancelledError:

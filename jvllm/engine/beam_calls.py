@@ -36,8 +36,7 @@ class BeamSearchCalls:
             if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
                 raise ValueError("beam search does not take images")
             _, token_ids = tokenize_prompt(self.tokenizer, prompt, self.model.config.vocab_size, max_len)
-            searches.append(BeamSearch(token_ids, params, self.eos_token_ids,
-                                       rounds=min(params.max_tokens, max_len - len(token_ids))))
+            searches.append(BeamSearch(token_ids, params, self.eos_token_ids, max_len))
         round_params = params.round_params()
         with tqdm(total=params.max_tokens, desc="Beam search", unit="token", disable=not use_tqdm) as progress:
             while not all(search.done for search in searches):
