@@ -1,5 +1,6 @@
 """Prefix-cache keys: each full page's key chains its parent page's key with the page's token ids and the images
-its tokens hold (xxhash)."""
+its tokens hold (xxhash). A partial page (a tail) belongs to the key of the full pages before it and the cache
+salt, and is told apart by its token ids."""
 from __future__ import annotations
 
 import struct
@@ -26,6 +27,19 @@ def request_page_keys(request: Request, num_pages: int, page_size: int) -> list[
         tokens = [request.token_at(i) for i in range(start, start + page_size)]
         keys.append(chain_key(keys[-1] if keys else _ROOT, tokens, salt + _images_in(request, start, page_size)))
     return keys[:num_pages]
+
+
+def tail_owner(request: Request, full_pages: int, page_size: int) -> tuple[int, bytes]:
+    """Whom a partial page after the request's first `full_pages` full pages belongs to: the last full page's key
+    (which chains every token before it) and the cache salt."""
+    keys = request_page_keys(request, full_pages, page_size)
+    return (keys[-1] if keys else _ROOT, (request.cache_salt or "").encode())
+
+
+def has_images_in(request: Request, start: int, length: int) -> bool:
+    """Whether an image's placeholder tokens overlap tokens [start, start + length): such tails are not shared
+    (their token ids do not tell the images apart)."""
+    return any(item.offset < start + length and item.end > start for item in request.mm_items)
 
 
 def _images_in(request: Request, start: int, page_size: int) -> bytes:

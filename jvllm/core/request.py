@@ -81,6 +81,7 @@ class Request:
         self.cache_salt: str | None = None  # isolates this request's prefix-cache entries from others'
         self.page_keys: list[int] = []  # prefix-cache keys of its full pages, computed as needed
         self.num_registered_pages = 0  # leading pages already offered to the prefix cache
+        self.tail_copy: tuple[int, int] | None = None  # (cached tail page, its copy) to copy at its first chunk
         self.grammar: Any = None  # structured outputs: a jvllm.structured GrammarState fed every output token
         self.mm_items: list = []  # multimodal: jvllm.core.encoder_cache.MultiModalItem per image, by offset
         self.num_draft_tokens = 0  # speculative decoding: draft tokens verified for this request

@@ -8,8 +8,8 @@ from collections import deque
 from typing import Any, Literal
 
 from jvllm.core.encoder_cache import EncoderBudget, EncoderCache, MultiModalItem
-from jvllm.core.kv_pages import PageManager
-from jvllm.core.prefix_cache import request_page_keys
+from jvllm.core.kv_pages import OutOfPages, PageManager
+from jvllm.core.prefix_cache import has_images_in, request_page_keys, tail_owner
 from jvllm.core.request import Request, RequestStatus
 
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -40,6 +40,8 @@ class ScheduledChunk:
     num_tokens: int
     lookahead: bool = False
     draft: Any = None
+    # a request starting from a cached tail: (that page, the request's copy of it), copied before the step
+    page_copy: tuple[int, int] | None = None
     start: int = dataclasses.field(init=False)  # fixed at scheduling time, before commit() moves the request on
     samples: bool = dataclasses.field(init=False)  # reaches the last known token, so its logits are sampled
     # images whose encoder output this chunk needs and nobody has computed: encoded before the step runs
@@ -164,7 +166,7 @@ class Scheduler:
                 break  # strict queue order: later requests do not overtake the head of the queue
             if cached_pages is not None:
                 self.prefix_cache_queries += request.num_tokens
-                self.prefix_cache_hits += len(cached_pages) * self.pages.page_size
+                self.prefix_cache_hits += request.num_cached_tokens
             self.waiting.popleft()
             request.page_table += self.pages.allocate(needed)
             request.set_status(RequestStatus.RUNNING)
@@ -174,6 +176,7 @@ class Scheduler:
             else:
                 self.running.append(request)
             chunks.append(self._chunk(request, count, encoder))
+            chunks[-1].page_copy, request.tail_copy = request.tail_copy, None
             budget -= count
         return chunks
 
@@ -238,12 +241,53 @@ class Scheduler:
         request.page_table = list(cached)
         request.num_computed_tokens = request.num_cached_tokens = len(cached) * self.pages.page_size
         request.num_registered_pages = len(cached)
+        self._continue_from_tail(request)
         return cached
+
+    def _continue_from_tail(self, request: Request) -> None:
+        """After its cached full pages, a fresh request takes a copy of the cached tail that shares the most of its
+        next tokens (the last token is always computed); the copy is made on the device before its first step."""
+        page_size = self.pages.page_size
+        full = len(request.page_table)
+        start = full * page_size
+        room = min(page_size - 1, request.num_tokens - 1 - start)
+        if room <= 0 or has_images_in(request, start, page_size):
+            return
+        match = self.pages.tail_match(tail_owner(request, full, page_size),
+                                      [request.token_at(i) for i in range(start, start + room)])
+        if match is None:
+            return
+        source, shared = match
+        self.pages.hold(source)  # not evicted to make room for its own copy
+        try:
+            copy = self.pages.allocate(1)[0]
+        except OutOfPages:
+            return
+        finally:
+            self.pages.release([source])
+        request.page_table.append(copy)
+        request.num_computed_tokens += shared
+        request.num_cached_tokens += shared
+        request.tail_copy = (source, copy)
 
     def _undo_lookup(self, request: Request, cached_pages: list[int] | None) -> None:
         if cached_pages is not None:
-            self.pages.release(cached_pages)
+            self.pages.release(request.page_table)
             request.page_table, request.num_computed_tokens, request.num_registered_pages = [], 0, 0
+            request.num_cached_tokens, request.tail_copy = 0, None
+
+    def _keep_tail(self, request: Request) -> None:
+        """As a request leaves the pool, offer its partly filled last page to the prefix cache."""
+        page_size = self.pages.page_size
+        computed = min(request.num_computed_tokens, request.num_tokens)  # KV written for known tokens only
+        full, used = divmod(computed, page_size)
+        if not self.enable_prefix_caching or used == 0 or len(request.page_table) <= full:
+            return
+        start = full * page_size
+        if has_images_in(request, start, page_size):
+            return
+        self.pages.register_tail(request.page_table[full], tail_owner(request, full, page_size),
+                                 tuple(request.token_at(i) for i in range(start, computed)))
 
     def _register_full_pages(self, request: Request) -> None:
         """Offer the request's newly full, computed pages to the prefix cache."""
@@ -276,6 +320,7 @@ class Scheduler:
         """Drop the request's KV; it rejoins the queue (its front, or its place in priority order) and recomputes
         its tokens later."""
         self.running.remove(request)
+        self._keep_tail(request)
         self.pages.release(request.page_table)
         request.page_table = []
         request.num_computed_tokens = request.num_registered_pages = 0
@@ -321,6 +366,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self._keep_tail(request)
         self.pages.release(request.page_table)
         request.page_table = []
         if self.encoder_cache is not None:

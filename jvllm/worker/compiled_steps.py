@@ -27,12 +27,15 @@ class StepInputs(Protocol):
     step_weights: Any
     encoder: Any
     kv_cache: list
+    max_page_copies: int
     vocab_size: int
     history_width: int
 
     def host_batch(self, rows: list, shape: StepShape) -> Any: ...
 
     def device_inputs(self, call: StepCall) -> tuple: ...
+
+    def page_copy_inputs(self, pairs: np.ndarray) -> tuple: ...
 
 logger = logging.getLogger("jvllm")
 
@@ -101,6 +104,7 @@ class CompiledSteps:
         self._head_logits: dict[tuple[int, bool], Executable] = {}  # by (rows, batched weights)
         self._picks: dict[int, Executable] = {}  # by rows
         self._processors: dict[tuple[int, str], Executable] = {}  # by (rows, name)
+        self._page_copier: Executable | None = None
 
     def get(self, shape: StepShape) -> ShapeExecutables:
         """The shape's executables (compiled now if precompiling was skipped)."""
@@ -121,8 +125,18 @@ class CompiledSteps:
                     self._by_shape[shape] = self._compile(shape)
                 if progress is not None:
                     progress.update(1)
+            self.page_copier()
         logger.info("%d step shapes ready in %.1fs (%d executables)", len(shapes), time.perf_counter() - started,
                     self.count - before)
+
+    def page_copier(self) -> Executable:
+        """(pool, sources [C], targets [C]) -> the pool with those pages copied (compiled here on first use if
+        precompiling was skipped)."""
+        if self._page_copier is None:
+            inputs = self.runner.page_copy_inputs(np.zeros((2, self.runner.max_page_copies), np.int32))
+            with compile_watch().expected():
+                self._page_copier = self._compiled("copy pages", self.steps.copy_pages, self.runner.kv_cache, *inputs)
+        return self._page_copier
 
     def _examples(self, shape: StepShape, flags: SamplerFlags = SamplerFlags()) -> tuple:
         """Device inputs of an empty step of `shape`, laid out exactly as run_call passes them."""

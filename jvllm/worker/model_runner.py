@@ -20,6 +20,7 @@ from jvllm.worker.compile_watch import compile_watch
 from jvllm.worker.compiled_steps import CompiledSteps
 from jvllm.worker.encoder_runner import EncoderBufferLayout, encoder_runner
 from jvllm.worker.input_transfer import InputTransfer
+from jvllm.worker.page_copy import copy_list
 from jvllm.worker.step_functions import build_step_functions
 from jvllm.worker.step_call import EncoderCall, StepCall
 from jvllm.worker.step_plan import ChunkPlan
@@ -106,6 +107,7 @@ class ModelRunner:
         self.mrope = cfg.mrope_section is not None  # positions [3, T] (Qwen2-VL)
         self.kv_cache_dtype = jnp.dtype(loaded.dtype if kv_cache_dtype is None else kv_cache_dtype)
         self.kv_cache = self._new_pool(num_pages)
+        self.max_page_copies = shapes.max_num_seqs  # a step admits at most this many requests, each copies <= 1 page
         activations = jnp.dtype(loaded.dtype)
         self.encoder = None if loaded.vision is None else encoder_runner(loaded.vision, encoder_buffer, activations,
                                                                          self.mesh)
@@ -166,20 +168,32 @@ class ModelRunner:
         `source` sampled; if some are grammar-constrained, its sampler waits for finish_head. The images the plans
         ask to encode are encoded before the first group's step (its StepCall carries the encoder steps)."""
         encode = self._encoder_calls(plans)
+        copies = self._page_copies(plans)
         if source is not None:
             rows = {plan.request_id: row for row, plan in enumerate(source.plans)}
             return [self._dispatch_group(plans, "decode", source.out["token_ids"],
-                                         [rows[plan.request_id] for plan in plans], encode)]
+                                         [rows[plan.request_id] for plan in plans], encode, copies)]
         # Prompt logprobs are computed by prefill steps only (a one-token chunk of a prompt may want them).
         decodes = [p for p in plans if p.num_tokens == 1 and p.prompt_targets is None]
         prefills = [p for p in plans if p.num_tokens != 1 or p.prompt_targets is not None]
         if decodes and prefills and self.backend.mixes_decode_rows and self.shapes.mixed_is_cheaper(
                 len(decodes), sum(p.num_tokens for p in prefills)):
             # one ragged step: weights read once
-            return [self._dispatch_group(decodes + prefills, "prefill", encode=encode)]
+            return [self._dispatch_group(decodes + prefills, "prefill", encode=encode, copies=copies)]
         groups = [(group, kind) for group, kind in ((decodes, "decode"), (prefills, "prefill")) if group]
-        return [self._dispatch_group(group, kind, encode=encode if index == 0 else ())
+        return [self._dispatch_group(group, kind, encode=encode if index == 0 else (),
+                                     copies=copies if index == 0 else None)
                 for index, (group, kind) in enumerate(groups)]
+
+    def _page_copies(self, plans: list[ChunkPlan]) -> np.ndarray | None:
+        """The pages to copy before the step (chunks starting from a cached tail) as [2, max_page_copies] int32."""
+        copies = [plan.page_copy for plan in plans if plan.page_copy is not None]
+        return copy_list(copies, self.max_page_copies) if copies else None
+
+    def page_copy_inputs(self, pairs: np.ndarray) -> tuple:
+        """[2, C] int32 (source, target) pages -> the page copier's sources and targets on the device."""
+        inputs = (pairs[0], pairs[1])
+        return jax.device_put(inputs) if self.mesh is None else put_replicated(inputs, self.mesh)
 
     def _encoder_calls(self, plans: list[ChunkPlan]) -> tuple[EncoderCall, ...]:
         """The encoder steps of the images this step's chunks need first (the step reads their rows)."""
@@ -203,8 +217,9 @@ class ModelRunner:
             return self.shapes.decode(len(plans))
         return self.shapes.prefill(sum(p.num_tokens for p in plans))
 
-    def step_call(self, plans: list[ChunkPlan], kind: str, encode: tuple[EncoderCall, ...] = ()) -> StepCall:
-        """The host inputs of one group's step, after the encoder steps `encode`."""
+    def step_call(self, plans: list[ChunkPlan], kind: str, encode: tuple[EncoderCall, ...] = (),
+                  copies: np.ndarray | None = None) -> StepCall:
+        """The host inputs of one group's step, after the encoder steps `encode` and the page `copies`."""
         shape = self.shape_for(plans, kind)
         batch = self.host_batch([plan.row for plan in plans], shape)
         targets = np.full(shape.tokens, -1, np.int32)  # [T] next prompt token of each position, -1 elsewhere
@@ -221,7 +236,7 @@ class ModelRunner:
         sampling.token_index[:len(specs)] = sampler_token_index(plans)
         wants_targets = any(plan.prompt_targets is not None for plan in plans)
         return StepCall(shape, batch.input_ids, batch.positions, batch.metadata, sampling,
-                        targets if wants_targets else None, flags, batch.mm_rows, encode)
+                        targets if wants_targets else None, flags, batch.mm_rows, encode, copies)
 
     def host_batch(self, rows: list[ChunkRow], shape: StepShape) -> HostBatch:
         return build_batch(rows, shape, self.page_size, self.max_pages, self.backend.prefill_layout,
@@ -235,6 +250,8 @@ class ModelRunner:
         if self.channel is not None and self.channel.is_leader:
             self.channel.send(call)
         settle = jax.block_until_ready if self._one_at_a_time else (lambda value: value)
+        if call.page_copies is not None:
+            self.kv_cache = settle(self.compiled.page_copier()(self.kv_cache, *self.page_copy_inputs(call.page_copies)))
         for encoder_call in call.encode:
             self.encoder.run(encoder_call)
             settle(self.encoder.buffer)
@@ -278,10 +295,11 @@ class ModelRunner:
         return self._inputs.put(inputs) if self.mesh is None else put_replicated(inputs, self.mesh)
 
     def _dispatch_group(self, plans: list[ChunkPlan], kind: str, source_ids: jax.Array | None = None,
-                        source_rows: list[int] | None = None, encode: tuple[EncoderCall, ...] = ()) -> DispatchedGroup:
-        """source_ids [S'] int32 on the device, source_rows: the row of each chunk's input token in it; `encode`:
-        the encoder steps to run first."""
-        call = self.step_call(plans, kind, encode)
+                        source_rows: list[int] | None = None, encode: tuple[EncoderCall, ...] = (),
+                        copies: np.ndarray | None = None) -> DispatchedGroup:
+        """source_ids [S'] int32 on the device, source_rows: the row of each chunk's input token in it; `encode`
+        and `copies`: the encoder steps and page copies to run first."""
+        call = self.step_call(plans, kind, encode, copies)
         defer_head = False
         if source_ids is not None:
             rows = np.zeros(call.shape.seqs, np.int32)  # decode: token i is chunk i

@@ -37,6 +37,8 @@ class StepCall:
     flags: SamplerFlags = SamplerFlags()
     mm_rows: np.ndarray | None = None  # [T] int32 encoder-buffer row per token (-1: text); multimodal models only
     encode: tuple[EncoderCall, ...] = ()  # encoder steps run before this step, which reads the rows they fill
+    # [2, max_num_seqs] int32 (source, target) pages copied before the step (cached tails), padded with 0 -> 0
+    page_copies: np.ndarray | None = None
 
     @property
     def all_logits(self) -> bool:

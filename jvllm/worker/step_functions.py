@@ -21,6 +21,7 @@ from jvllm.sample.logprobs import MAX_LOGPROBS, LogprobStats, blocked_logprob_st
 from jvllm.sample.sampler import apply_penalties, apply_token_masks, sample_processed
 from jvllm.sample.tensors import SamplingTensors
 from jvllm.worker.model_parts import ModelParts
+from jvllm.worker.page_copy import page_copier
 from models.attention import AttentionMetadata
 from models.live_rows import live_rows
 from models.quantized import bf16_products
@@ -38,7 +39,8 @@ verified position of a chunk with draft tokens);
     prompt_stats(outer, x, prompt_targets [T]) -> logprob stats [T, K] of each next prompt token;
     logits(outer, x) -> [T, V] float32 at every position;
     store_kv(pool, per-layer results, md) -> the pool holding the step's K/V;
-    take_ids(source ids [max_num_seqs], rows [S]) -> input ids gathered on the device.
+    take_ids(source ids [max_num_seqs], rows [S]) -> input ids gathered on the device;
+    copy_pages(pool, sources [C], targets [C]) -> the pool with whole pages copied (jvllm.worker.page_copy).
     Per row count S alone, the head in three parts (each compiled once serves every pair of sampler flags):
     head_logits(outer, x_last [S, D], num_rows []) -> [S, V] float32 (rows past num_rows are 0);
     penalize(logits, penalty inputs) and mask_tokens(logits, mask inputs) -> [S, V] float32, the processors a
@@ -58,6 +60,7 @@ verified position of a chunk with draft tokens);
     logits: Any
     store_kv: StoreFn
     take_ids: Any
+    copy_pages: Any
 
 
 def _zero_stats(rows: int) -> LogprobStats:
@@ -148,7 +151,8 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
         prompt_stats=jit(prompt_stats, out_shardings=whole),
         logits=jit(logits, out_shardings=whole),
         store_kv=backend.store(mesh),
-        take_ids=jit(_take_ids, out_shardings=whole))
+        take_ids=jit(_take_ids, out_shardings=whole),
+        copy_pages=page_copier(mesh))
 
 
 def _take_ids(source_ids: jax.Array, rows: jax.Array) -> jax.Array:

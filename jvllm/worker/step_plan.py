@@ -44,6 +44,8 @@ class ChunkPlan:
     # the last known token and after each draft (verify_specs: the sampler rows after each draft, in order)
     draft_ids: tuple[int, ...] = ()
     verify_specs: tuple[RowSpec, ...] = ()
+    # a request starting from a cached partial page: (that page, the request's own copy), copied before the step
+    page_copy: tuple[int, int] | None = None
 
     @property
     def num_tokens(self) -> int:

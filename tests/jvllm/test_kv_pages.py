@@ -250,3 +250,67 @@ def test_duplicate_key_keeps_the_first_page_and_reset_forgets_everything():
     with pytest.raises(RuntimeError, match="registering free page"):
         pm.register(first[0], 6)
     pm.check_integrity()
+
+
+# ---- cached tails (partial last pages) ----------------------------------------------------------
+def test_a_released_tail_is_found_by_its_owner_and_longest_shared_prefix():
+    pm = PageManager(6, 4)
+    short, long_ = pm.allocate(1), pm.allocate(1)
+    pm.register_tail(short[0], (11, b""), (5, 6))
+    pm.register_tail(long_[0], (11, b""), (5, 6, 7))
+    pm.release(short + long_)
+    assert pm.num_free_pages == 5 and pm.num_cached_tails == 2
+    assert pm.tail_match((11, b""), [5, 6, 7]) == (long_[0], 3)
+    assert pm.tail_match((11, b""), [5, 6, 9]) in {(short[0], 2), (long_[0], 2)}
+    assert pm.tail_match((11, b""), [5, 8]) in {(short[0], 1), (long_[0], 1)}
+    assert pm.tail_match((11, b""), [9]) is None
+    assert pm.tail_match((12, b""), [5, 6, 7]) is None  # other full pages before it
+    assert pm.tail_match((11, b"salt"), [5, 6, 7]) is None  # another cache salt
+    pm.check_integrity()
+
+
+def test_tails_are_reused_after_unkeyed_pages_and_forgotten_when_evicted_or_reset():
+    pm = PageManager(4, 4)  # 3 usable pages
+    tail, plain = pm.allocate(1), pm.allocate(1)
+    pm.register_tail(tail[0], (0, b""), (1, 2, 3))
+    pm.release(tail + plain)
+    assert pm.allocate(1) == plain  # the cached tail survives
+    other = pm.allocate(1)
+    assert other != tail and pm.tail_match((0, b""), [1, 2, 3]) == (tail[0], 3)
+    evicting = pm.allocate(1)  # the last free page is the tail: evicted, forgotten
+    assert evicting == tail and pm.tail_match((0, b""), [1, 2, 3]) is None and pm.num_cached_tails == 0
+    pm.release(plain + other + evicting)
+    again = pm.allocate(1)
+    pm.register_tail(again[0], (0, b""), (4,))
+    pm.release(again)
+    pm.reset_prefix_cache()
+    assert pm.tail_match((0, b""), [4]) is None
+    pm.check_integrity()
+
+
+def test_a_tail_must_be_held_partial_and_not_a_full_cached_page():
+    pm = PageManager(4, 4)
+    page = pm.allocate(1)
+    pm.register(page[0], 99)
+    pm.register_tail(page[0], (0, b""), (1,))  # a full page's key wins: not also a tail
+    assert pm.num_cached_tails == 0
+    other = pm.allocate(1)
+    pm.register_tail(other[0], (0, b""), (1, 2, 3, 4))  # a whole page is no tail
+    pm.register_tail(other[0], (0, b""), ())
+    assert pm.num_cached_tails == 0
+    pm.release(page + other)
+    with pytest.raises(RuntimeError, match="registering free page"):
+        pm.register_tail(other[0], (0, b""), (1,))
+    pm.check_integrity()
+
+
+def test_an_owner_keeps_its_newest_tails_only():
+    pm = PageManager(PageManager.MAX_TAILS_PER_OWNER + 3, 4)
+    pages = pm.allocate(PageManager.MAX_TAILS_PER_OWNER + 1)
+    for token, page in enumerate(pages):
+        pm.register_tail(page, (7, b""), (token,))
+    assert pm.num_cached_tails == PageManager.MAX_TAILS_PER_OWNER
+    assert pm.tail_match((7, b""), [0]) is None  # the oldest was dropped
+    assert pm.tail_match((7, b""), [len(pages) - 1]) == (pages[-1], 1)
+    pm.release(pages)
+    pm.check_integrity()

@@ -82,6 +82,44 @@ def test_abort_then_rerun_and_reset(default_engine):
     default_engine.pages.check_integrity()
 
 
+def test_a_prompt_continuing_a_finished_request_starts_from_its_tail_and_outputs_do_not_change(
+        default_engine, uncached_engine):
+    """A conversation's next turn (or a beam's next round) holds the finished request's tokens: the KV of all of
+    them comes from the cache, the partial last page from a copy of the finished request's."""
+    prompt = _prompts(default_engine)[3]["prompt_token_ids"]
+    default_engine.reset_prefix_cache()
+    first = default_engine.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
+    computed = len(prompt) + len(first.outputs[0].token_ids) - 1  # the last sampled token has no KV yet
+    assert computed % default_engine.config.page_size, "the test needs a partial last page"
+    follow = {"prompt_token_ids": prompt + list(first.outputs[0].token_ids) + [13]}
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    got = default_engine.generate([follow], params, use_tqdm=False)[0]
+    want = uncached_engine.generate([follow], params, use_tqdm=False)[0]
+    assert got.num_cached_tokens == computed
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    for mine, theirs in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
+        assert mine.keys() == theirs.keys()
+        assert all(abs(mine[t].logprob - theirs[t].logprob) < 1e-4 for t in mine)
+    default_engine.pages.check_integrity()
+
+
+def test_beam_search_rounds_continue_from_tails_and_find_the_same_beams(default_engine, uncached_engine):
+    from jvllm import BeamSearchParams
+
+    prompts = [{"prompt_token_ids": p["prompt_token_ids"][:37]} for p in _prompts(default_engine)[:2]]
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    default_engine.reset_prefix_cache()
+    hits_before = default_engine.scheduler.prefix_cache_hits
+    got = default_engine.beam_search(prompts, params)
+    want = uncached_engine.beam_search(prompts, params)
+    assert [[b.tokens for b in o.sequences] for o in got] == [[b.tokens for b in o.sequences] for o in want]
+    for mine, theirs in zip(got, want):
+        assert all(abs(a.cum_logprob - b.cum_logprob) < 1e-3 for a, b in zip(mine.sequences, theirs.sequences))
+    # every round after the first finds each beam's tokens but its newest one cached
+    rounds_after_first = 2 * 3 * (params.max_tokens - 1)
+    assert default_engine.scheduler.prefix_cache_hits - hits_before >= rounds_after_first * 36
+
+
 def test_prompt_logprobs_requests_do_not_read_the_cache(default_engine):
     prompt = _prompts(default_engine)[0]
     default_engine.generate([prompt], GREEDY, use_tqdm=False)
