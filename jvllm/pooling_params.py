@@ -10,16 +10,16 @@ POOLING_TASKS = ("embed",)  # what LLM.encode computes (vLLM also names "classif
 @dataclass(kw_only=True)
 class PoolingParams:
     """truncate_prompt_tokens: keep each prompt's last k tokens (-1: max_model_len); dimensions: shorten a
-    Matryoshka model's embeddings; normalize: None or True (the model's own normalization; un-normalized
-    vectors are not offered)."""
+    Matryoshka model's embeddings; normalize: scale each embedding to unit length (True), return the pooled
+    vector as it is (False), or do what the model's pooling config says (None)."""
 
     truncate_prompt_tokens: int | None = None
     dimensions: int | None = None
     normalize: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.normalize not in (None, True):
-            raise ValueError("normalize=False is not supported: embeddings come as the model normalizes them")
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be True, False or None, got {self.normalize!r}")
         for name in ("truncate_prompt_tokens", "dimensions"):
             value: Any = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
@@ -27,7 +27,7 @@ class PoolingParams:
 
 
 def embed_options(params: PoolingParams | None, truncate_prompt_tokens: int | None,
-                  pooling_task: str | None) -> dict[str, int | None]:
+                  pooling_task: str | None) -> dict[str, Any]:
     """LLM.encode's arguments -> LLM.embed's keyword options; ValueError for a task it does not compute."""
     if pooling_task not in (None, *POOLING_TASKS):
         raise ValueError(f"pooling_task {pooling_task!r} is not supported; LLM.encode computes {POOLING_TASKS} "
@@ -36,4 +36,4 @@ def embed_options(params: PoolingParams | None, truncate_prompt_tokens: int | No
         raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
     params = params or PoolingParams()
     given = params.truncate_prompt_tokens if truncate_prompt_tokens is None else truncate_prompt_tokens
-    return {"truncate_prompt_tokens": given, "dimensions": params.dimensions}
+    return {"truncate_prompt_tokens": given, "dimensions": params.dimensions, "normalize": params.normalize}

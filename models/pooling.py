@@ -129,7 +129,3 @@ def pool(hidden: jax.Array, slots: jax.Array, positions: jax.Array, num_slots: i
         return total / jnp.sqrt(jnp.maximum(count, 1e-9))[:, None]
     return total
 
-
-def l2_normalize(x: jax.Array) -> jax.Array:
-    """[B, D] -> rows of unit length (a zero row stays zero, as torch's F.normalize with eps 1e-12)."""
-    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)

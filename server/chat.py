@@ -121,6 +121,7 @@ class ChatRun:
         self.created = int(time.time())
         last = body.messages[-1]
         self.echo = last.text() if body.echo and last.role == "assistant" else ""
+        self.always_report_cached = False  # the Responses and Messages APIs report cache reads in every usage
 
     def logprobs(self, out: CompletionOutput, start: int = 0) -> ChatLogprobs | None:
         if self.num_top is None or out.logprobs is None:
@@ -132,7 +133,8 @@ class ChatRun:
         completion = sum(len(o.token_ids) for o in output.outputs) if output else 0
         return UsageInfo(prompt_tokens=self.num_prompt, completion_tokens=completion,
                          total_tokens=self.num_prompt + completion,
-                         prompt_tokens_details=cached_details(self.state, [output] if output else []))
+                         prompt_tokens_details=cached_details(self.state, [output] if output else [],
+                                                              self.always_report_cached))
 
     def response(self, output: RequestOutput) -> ChatCompletionResponse:
         choices = []

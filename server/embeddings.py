@@ -69,7 +69,7 @@ async def create_embedding(body: EmbeddingRequest, request: Request, state: Serv
     state.log_request(request_id, "embeddings", f"{len(prompts)} inputs:", prompts)
     try:
         outputs = await engine.embed(prompts, truncate=False, truncate_prompt_tokens=body.truncate_prompt_tokens,
-                                     dimensions=body.dimensions)
+                                     dimensions=body.dimensions, normalize=body.normalize)
     except InputTooLongError as error:
         raise bad_request(
             f"This model's maximum context length is {error.limit} tokens. However, input {error.index} has "

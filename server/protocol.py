@@ -259,4 +259,6 @@ class EmbeddingRequest(RequestBody):
     truncate_prompt_tokens: int | None = Field(
         None, description="keep only the last k tokens of each input (-1: the model's limit); without it an "
                           "input over the limit is refused")
+    normalize: bool | None = Field(None, description="scale each embedding to unit length (true) or return the "
+                                                     "pooled vector as it is (false); default: as the model does")
     add_special_tokens: bool = True

@@ -39,6 +39,7 @@ async def create_response(body: ResponsesRequest, request: Request, state: Serve
     except APIError as error:  # chat's checks name chat's fields
         error.param = responses_param(error.param)
         raise
+    chat.always_report_cached = True
     shell = ResponseShell(body, chat.model)
 
     def remember(response: ResponseObject) -> None:

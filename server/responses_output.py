@@ -6,7 +6,7 @@ import uuid
 
 from server.protocol import ChatMessage, FunctionCall, ToolCall
 from server.responses import ChatMessageOut, UsageInfo
-from server.responses_api_protocol import (IncompleteDetails, OutputFunctionCall, OutputItem, OutputMessage, OutputText,
+from server.responses_api_protocol import (IncompleteDetails, InputTokensDetails, OutputFunctionCall, OutputItem, OutputMessage, OutputText,
                                            OutputReasoning, ReasoningText, ResponseObject, ResponsesRequest,
                                            ResponseUsage, TextConfig, TextFormat)
 
@@ -43,8 +43,9 @@ class ResponseShell:
 
 
 def _usage(usage: UsageInfo) -> ResponseUsage:
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details is not None else 0
     return ResponseUsage(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
-                         total_tokens=usage.total_tokens)
+                         total_tokens=usage.total_tokens, input_tokens_details=InputTokensDetails(cached_tokens=cached))
 
 
 def finish_items(items: list[OutputItem], cut: bool) -> list[OutputItem]:

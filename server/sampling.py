@@ -72,9 +72,11 @@ def check_unsupported(body: SamplingFields, limits: AdmissionLimits) -> None:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
 
-def cached_details(state: ServerState, outputs: list[RequestOutput]) -> PromptTokensDetails | None:
-    """usage.prompt_tokens_details with --enable-prompt-tokens-details: the prompt tokens the prefix cache gave."""
-    if not state.settings.enable_prompt_tokens_details:
+def cached_details(state: ServerState, outputs: list[RequestOutput],
+                   always: bool = False) -> PromptTokensDetails | None:
+    """usage.prompt_tokens_details with --enable-prompt-tokens-details (or `always`: APIs whose usage always
+    reports cache reads): the prompt tokens the prefix cache gave."""
+    if not (always or state.settings.enable_prompt_tokens_details):
         return None
     return PromptTokensDetails(cached_tokens=sum(output.num_cached_tokens or 0 for output in outputs))
 

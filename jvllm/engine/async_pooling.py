@@ -24,14 +24,14 @@ class AsyncPooling:
         raise NotImplementedError
 
     async def embed(self, prompts: PromptType | list[PromptType], *, truncate: bool = True,
-                    truncate_prompt_tokens: int | None = None,
-                    dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
+                    truncate_prompt_tokens: int | None = None, dimensions: int | None = None,
+                    normalize: bool | None = None) -> list[EmbeddingRequestOutput]:
         """`Engine.embed` for asyncio callers: concurrent calls share padded forwards on a worker thread."""
         self._check_alive()
         if self.engine.embedder is None:
             raise embed_unsupported(self.engine.model.served_name)
         return await self._batcher().embed(prompts, truncate=truncate, truncate_prompt_tokens=truncate_prompt_tokens,
-                                           dimensions=dimensions)
+                                           dimensions=dimensions, normalize=normalize)
 
     async def score(self, text_1: ScoreTexts, text_2: ScoreTexts, *, truncate: bool = True,
                     truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:

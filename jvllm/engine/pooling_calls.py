@@ -26,23 +26,28 @@ class PoolingCalls:
         Too-long prompts keep their first max_model_len tokens (special tokens kept, as sentence-transformers
         truncates), or raise ValueError with truncate=False. truncate_prompt_tokens=k keeps the last k tokens
         (vLLM's meaning; -1 = max_model_len). dimensions= shortens Matryoshka models' outputs only; both may come
-        in pooling_params instead, as vLLM's."""
+        in pooling_params instead, as vLLM's, with `normalize` (False: the pooled vectors as they are; None: as
+        the model's pooling config says)."""
         if self.embedder is None:
             raise embed_unsupported(self.model.served_name)
+        normalize = None
         if pooling_params is not None:
             options = embed_options(pooling_params, truncate_prompt_tokens, None)
             truncate_prompt_tokens, dimensions = options["truncate_prompt_tokens"], dimensions or options["dimensions"]
+            normalize = options["normalize"]
         return self.embedder.embed(prompts, truncate=truncate, truncate_prompt_tokens=truncate_prompt_tokens,
-                                   dimensions=dimensions, use_tqdm=use_tqdm)
+                                   dimensions=dimensions, normalize=normalize, use_tqdm=use_tqdm)
 
     def encode(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None, *,
                truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
                pooling_task: str | None = "embed") -> list[PoolingRequestOutput]:
         """vLLM's LLM.encode on an embedding model: embed() with each vector as a NumPy array (outputs.data)."""
         options = embed_options(pooling_params, truncate_prompt_tokens, pooling_task)
+        params = PoolingParams(truncate_prompt_tokens=options["truncate_prompt_tokens"],
+                               dimensions=options["dimensions"], normalize=options["normalize"])
         return [PoolingRequestOutput(out.request_id, PoolingOutput(np.asarray(out.outputs.embedding, np.float32)),
                                      out.prompt_token_ids, out.finished, out.prompt)
-                for out in self.embed(prompts, use_tqdm=use_tqdm, **options)]
+                for out in self.embed(prompts, use_tqdm=use_tqdm, pooling_params=params)]
 
     def score(self, text_1: ScoreTexts, text_2: ScoreTexts, *, truncate: bool = True,
               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[ScoringRequestOutput]:

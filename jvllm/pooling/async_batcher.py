@@ -37,6 +37,7 @@ class _EmbedWork:
     truncate: bool
     truncate_prompt_tokens: int | None
     dimensions: int | None
+    normalize: bool | None = None
     inputs: list[tuple[str | None, list[int]]] = dataclasses.field(default_factory=list)
 
     def prepare(self) -> tuple[list[list[int]], None]:
@@ -46,7 +47,7 @@ class _EmbedWork:
         return [ids for _, ids in self.inputs], None
 
     def finish(self, vectors: np.ndarray) -> list[EmbeddingRequestOutput]:
-        return self.embedder.outputs(self.inputs, vectors, self.dimensions)
+        return self.embedder.outputs(self.inputs, vectors, self.dimensions, self.normalize)
 
 
 @dataclasses.dataclass
@@ -70,11 +71,12 @@ class EmbeddingBatcher:
         self._thread.start()
 
     async def embed(self, prompts: PromptType | Sequence[PromptType], *, truncate: bool = True,
-                    truncate_prompt_tokens: int | None = None,
-                    dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
+                    truncate_prompt_tokens: int | None = None, dimensions: int | None = None,
+                    normalize: bool | None = None) -> list[EmbeddingRequestOutput]:
         """Embed like `Engine.embed` (outputs in input order); ValueError for a refused request."""
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        return await self.run(_EmbedWork(self.embedder, prompt_list, truncate, truncate_prompt_tokens, dimensions))
+        return await self.run(_EmbedWork(self.embedder, prompt_list, truncate, truncate_prompt_tokens, dimensions,
+                                         normalize))
 
     async def score(self, job: ScoreJob) -> list[ScoringRequestOutput]:
         """Score like `Engine.score` (outputs in pair order); ValueError for a refused request."""

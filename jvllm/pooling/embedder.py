@@ -246,7 +246,7 @@ class Embedder:
     # ---- API ----------------------------------------------------------------------------------
     def embed(self, prompts: PromptType | Sequence[PromptType], *, truncate: bool = True,
               truncate_prompt_tokens: int | None = None, dimensions: int | None = None,
-              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+              normalize: bool | None = None, use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         with self.lock:
             inputs = self.prepare(prompt_list, truncate=truncate, truncate_prompt_tokens=truncate_prompt_tokens,
@@ -257,7 +257,7 @@ class Embedder:
             finally:
                 if progress is not None:
                     progress.close()
-        return self.outputs(inputs, vectors, dimensions)
+        return self.outputs(inputs, vectors, dimensions, normalize)
 
     def prepare(self, prompts: Sequence[PromptType], *, truncate: bool = True,
                 truncate_prompt_tokens: int | None = None,
@@ -273,12 +273,13 @@ class Embedder:
             return self.tokenize(prompts, truncate=truncate, truncate_prompt_tokens=truncate_prompt_tokens)
 
     def outputs(self, inputs: Sequence[tuple[str | None, list[int]]], vectors: np.ndarray,
-                dimensions: int | None = None) -> list[EmbeddingRequestOutput]:
-        """vectors [N, D] of the prepared inputs -> outputs, shortened to `dimensions` (and renormalized)."""
+                dimensions: int | None = None, normalize: bool | None = None) -> list[EmbeddingRequestOutput]:
+        """Pooled vectors [N, D] of the prepared inputs -> outputs, shortened to `dimensions`, then scaled to unit
+        length when `normalize` says so (None: as the model's pooling config does)."""
         if dimensions is not None:
             vectors = vectors[:, :dimensions]
-            if self.pooling.normalize:
-                vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        if self.pooling.normalize if normalize is None else normalize:
+            vectors = unit_length(vectors)
         return [EmbeddingRequestOutput(f"embd-{next(self._counter)}", EmbeddingOutput(vector.tolist()), ids,
                                        True, text) for (text, ids), vector in zip(inputs, vectors)]
 
@@ -290,6 +291,11 @@ class Embedder:
                              "embeddings cannot be shortened with dimensions=")
         if not isinstance(dimensions, int) or not 1 <= dimensions <= self.hidden_size:
             raise ValueError(f"dimensions must be in [1, {self.hidden_size}], got {dimensions!r}")
+
+
+def unit_length(vectors: np.ndarray) -> np.ndarray:
+    """[N, D] -> rows scaled to unit length (a zero row stays zero, as torch's F.normalize with eps 1e-12)."""
+    return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
 
 
 def progress_bar(total: int, enabled: bool, desc: str = "Embedding prompts") -> Any:

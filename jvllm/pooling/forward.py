@@ -13,7 +13,7 @@ from flax import nnx
 
 from jvllm.attention import get_backend
 from models.attention import AttentionMetadata
-from models.pooling import PoolingConfig, l2_normalize, pool
+from models.pooling import PoolingConfig, pool
 
 # (flat weights, input_ids, positions, segments, token types [R, W] int32) -> embeddings [num_slots, D] float32.
 # segments holds 1 + the output slot of each token's sequence (0 = padding): see jvllm.pooling.batching.pack_arrays.
@@ -28,9 +28,9 @@ def _pooled(hidden: jax.Array, positions: jax.Array, segments: jax.Array, num_sl
 
 def _finish(hidden: jax.Array, positions: jax.Array, segments: jax.Array, num_slots: int,
             pooling: PoolingConfig) -> jax.Array:
-    """hidden [R, W, D] -> pooled (and normalized) [num_slots, D] float32."""
-    pooled = _pooled(hidden, positions, segments, num_slots, pooling.mode)
-    return l2_normalize(pooled) if pooling.normalize else pooled
+    """hidden [R, W, D] -> pooled [num_slots, D] float32 (normalized on the host, as each request asks:
+    Embedder.outputs)."""
+    return _pooled(hidden, positions, segments, num_slots, pooling.mode)
 
 
 def build_encoder_forward(graphdef: Any, treedef: Any, pooling: PoolingConfig, num_slots: int) -> EmbedFn:

@@ -35,11 +35,22 @@ def test_pooling_params_carry_truncation_as_the_keyword_does(engine):
     np.testing.assert_array_equal(by_params.outputs.data, np.asarray(by_keyword.outputs.embedding, np.float32))
 
 
+def test_normalize_false_gives_the_pooled_vectors_as_they_are(engine):
+    """all-MiniLM-L6-v2 mean-pools then normalizes; normalize=False stops before the normalization."""
+    unit = np.asarray([o.outputs.embedding for o in engine.embed(TEXTS, use_tqdm=False)])
+    raw = np.stack([o.outputs.data for o in engine.encode(TEXTS, PoolingParams(normalize=False), use_tqdm=False)])
+    norms = np.linalg.norm(raw, axis=1)
+    assert np.all(np.abs(norms - 1.0) > 0.1)
+    np.testing.assert_allclose(raw / norms[:, None], unit, atol=1e-6, rtol=0)
+    (asked,) = engine.embed(TEXTS[0], pooling_params=PoolingParams(normalize=True), use_tqdm=False)
+    np.testing.assert_allclose(asked.outputs.embedding, unit[0], atol=1e-6, rtol=0)
+
+
 def test_unsupported_tasks_and_options_are_value_errors(engine, default_engine):
     with pytest.raises(ValueError, match="pooling_task 'classify'"):
         engine.encode(TEXTS, pooling_task="classify", use_tqdm=False)
-    with pytest.raises(ValueError, match="normalize=False"):
-        PoolingParams(normalize=False)
+    with pytest.raises(ValueError, match="normalize must be True, False or None"):
+        PoolingParams(normalize="no")
     with pytest.raises(ValueError, match="pooling_params must be a PoolingParams"):
         engine.encode(TEXTS, {"dimensions": 8}, use_tqdm=False)
     with pytest.raises(ValueError, match="generative model"):

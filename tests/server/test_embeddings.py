@@ -70,6 +70,20 @@ def test_openai_client_base64_matches_float(client, expected):
     np.testing.assert_allclose(default.data[0].embedding, expected[0], atol=1e-5)
 
 
+def test_normalize_false_returns_the_pooled_vectors_as_offline(client, offline, expected):
+    from jvllm import PoolingParams
+
+    picked = [0, 2, 5]
+    texts = [TEXTS[i] for i in picked]
+    raw = client.embeddings.create(model=MODEL, input=texts, encoding_format="float", extra_body={"normalize": False})
+    got = np.array([d.embedding for d in raw.data])
+    want = np.stack([o.outputs.data for o in offline.encode(texts, PoolingParams(normalize=False), use_tqdm=False)])
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    norms = np.linalg.norm(got, axis=1)
+    assert np.all(np.abs(norms - 1.0) > 0.1)
+    np.testing.assert_allclose(got / norms[:, None], expected[picked], atol=1e-5)
+
+
 def test_token_id_inputs_equal_their_text(client, offline, expected):
     ids = [offline.get_tokenizer()(t)["input_ids"] for t in TEXTS[:3]]
     single = client.embeddings.create(model=MODEL, input=ids[0], encoding_format="float")
@@ -112,6 +126,7 @@ def test_too_long_input_is_refused_unless_truncation_is_asked(embed_server, offl
     ({"input": [10 ** 9]}, "token ids must be"),
     ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
     ({"input": "hi", "truncate_prompt_tokens": 100000}, "truncate_prompt_tokens"),
+    ({"input": "hi", "normalize": "sometimes"}, "normalize"),
 ])
 def test_bad_embedding_requests_are_400(embed_server, body, message):
     error = _error(_post(embed_server, {"model": MODEL, **body}), 400)

@@ -29,6 +29,19 @@ def _twin(offline_engine, messages: list[dict], max_tokens: int):
                                use_tqdm=False)[0].outputs[0]
 
 
+def test_usage_reports_the_input_tokens_the_prefix_cache_gave(client):
+    """As OpenAI's: input_tokens_details.cached_tokens in every usage, streamed or not (no server flag needed)."""
+    question = "Spell the word 'cache' backwards, then name three animals that live in the sea."
+    first = client.responses.create(model=MODEL, input=question, temperature=0, max_output_tokens=4)
+    again = client.responses.create(model=MODEL, input=question, temperature=0, max_output_tokens=4)
+    assert again.usage.input_tokens == first.usage.input_tokens
+    # all but the prompt's last token, whose logits are computed again
+    assert again.usage.input_tokens_details.cached_tokens == again.usage.input_tokens - 1
+    streamed = _events(client, input=question, temperature=0, max_output_tokens=4)
+    done = streamed[-1].response.usage
+    assert done.input_tokens_details.cached_tokens == again.usage.input_tokens_details.cached_tokens
+
+
 def _events(client, **kwargs) -> list:
     events = list(client.responses.create(model=MODEL, stream=True, **kwargs))
     assert [event.sequence_number for event in events] == list(range(len(events)))
@@ -49,7 +62,8 @@ def test_text_equals_the_offline_greedy_twin_and_instructions_reach_the_prompt(c
     usage = plain.usage
     assert usage.output_tokens == len(expected.token_ids)
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
-    assert usage.input_tokens_details.cached_tokens == 0 and usage.output_tokens_details.reasoning_tokens == 0
+    assert 0 <= usage.input_tokens_details.cached_tokens < usage.input_tokens
+    assert usage.output_tokens_details.reasoning_tokens == 0
     assert plain.temperature == 0 and plain.max_output_tokens == 10 and plain.tools == []
 
     # longer than the template's own default system prompt, which the instructions replace
