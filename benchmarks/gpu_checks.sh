@@ -11,8 +11,8 @@
 # printed goes to $out/log.txt, the results to one JSON file per stage (the device tool brings back 8 files at most).
 # benchmarks/results/gpu_h100_2026-11-27/summary.md holds the first runs' figures and what each stage took.
 #
-# Here, once per session:  python -m benchmarks.gpu_models .gpu && echo /.gpu/ >> .git/info/exclude
-#   and the wheels the GPU image lacks (gguf, llguidance) in .whl, also listed in .git/info/exclude
+# Here, once per session:  python -m benchmarks.gpu_models .gpu
+#   and the wheels the GPU image lacks (gguf, llguidance) in .whl (both folders are in .gitignore)
 # Device call:             run(command="bash benchmarks/gpu_checks.sh", carry=[".gpu", ".whl"], timeout_s=540)
 set -uo pipefail
 out=${OUT:-benchmarks/results/gpu-run}
