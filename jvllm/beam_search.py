@@ -1,11 +1,11 @@
 """Beam search as vLLM's `LLM.beam_search`: its parameters and outputs, and the search itself, one token a round.
 
 Each round every live beam is generated one token further as its own request (max_tokens=1, the 2 * beam_width
-most likely next tokens with their logprobs); prefix caching keeps the whole pages of what beams share, so a round
-recomputes only each beam's tokens past its last full page. Of each beam's candidates, those ending in EOS join the finished beams; of the rest, the
-beam_width best by cumulative logprob live on. At the end the beam_width best of finished and live beams are
-returned, scored as vLLM and transformers score them: cumulative logprob / length ** length_penalty, the length
-counting the prompt and not a final EOS."""
+most likely next tokens with their logprobs); the prefix cache holds every earlier token of a beam (its partial last
+page as the parent beam's cached tail), so a round is one decode step. Of each beam's candidates, those ending in
+EOS join the finished beams; of the rest, the beam_width best by cumulative logprob live on. At the end the
+beam_width best of finished and live beams are returned, scored as vLLM and transformers score them: cumulative
+logprob / length ** length_penalty, the length counting the prompt and not a final EOS."""
 from __future__ import annotations
 
 import dataclasses

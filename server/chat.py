@@ -121,7 +121,7 @@ class ChatRun:
         self.created = int(time.time())
         last = body.messages[-1]
         self.echo = last.text() if body.echo and last.role == "assistant" else ""
-        self.always_report_cached = False  # the Responses and Messages APIs report cache reads in every usage
+        self.always_report_cached = False  # the Responses API reports cache reads in every usage
 
     def logprobs(self, out: CompletionOutput, start: int = 0) -> ChatLogprobs | None:
         if self.num_top is None or out.logprobs is None:

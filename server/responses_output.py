@@ -6,9 +6,9 @@ import uuid
 
 from server.protocol import ChatMessage, FunctionCall, ToolCall
 from server.responses import ChatMessageOut, UsageInfo
-from server.responses_api_protocol import (IncompleteDetails, InputTokensDetails, OutputFunctionCall, OutputItem, OutputMessage, OutputText,
-                                           OutputReasoning, ReasoningText, ResponseObject, ResponsesRequest,
-                                           ResponseUsage, TextConfig, TextFormat)
+from server.responses_api_protocol import (IncompleteDetails, InputTokensDetails, OutputFunctionCall, OutputItem,
+                                           OutputMessage, OutputText, OutputReasoning, ReasoningText, ResponseObject,
+                                           ResponsesRequest, ResponseUsage, TextConfig, TextFormat)
 
 
 def new_item_id(prefix: str) -> str:

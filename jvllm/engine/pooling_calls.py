@@ -42,12 +42,11 @@ class PoolingCalls:
                truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
                pooling_task: str | None = "embed") -> list[PoolingRequestOutput]:
         """vLLM's LLM.encode on an embedding model: embed() with each vector as a NumPy array (outputs.data)."""
-        options = embed_options(pooling_params, truncate_prompt_tokens, pooling_task)
-        params = PoolingParams(truncate_prompt_tokens=options["truncate_prompt_tokens"],
-                               dimensions=options["dimensions"], normalize=options["normalize"])
+        embed_options(pooling_params, truncate_prompt_tokens, pooling_task)  # refuses other tasks and bad params
+        outputs = self.embed(prompts, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                             pooling_params=pooling_params)
         return [PoolingRequestOutput(out.request_id, PoolingOutput(np.asarray(out.outputs.embedding, np.float32)),
-                                     out.prompt_token_ids, out.finished, out.prompt)
-                for out in self.embed(prompts, use_tqdm=use_tqdm, pooling_params=params)]
+                                     out.prompt_token_ids, out.finished, out.prompt) for out in outputs]
 
     def score(self, text_1: ScoreTexts, text_2: ScoreTexts, *, truncate: bool = True,
               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[ScoringRequestOutput]:
