@@ -33,9 +33,8 @@
 namespace jvllm {
 
 constexpr int64_t kMinRowsPerItem = 16;  // output rows per work item, at least
-// How many weight rows ahead the row paths prefetch when they take R weight rows at a time: the next group's, or
-// for one row at a time (a lone row of x, see IntRows) the block 4 rows ahead.
-constexpr int64_t PrefetchAhead(int rows_at_a_time) { return rows_at_a_time > 1 ? rows_at_a_time : 4; }
+// The row paths (IntRows, Bf16Dots) take one weight row at a time and prefetch the same block this many rows ahead.
+constexpr int64_t kPrefetchRowsAhead = 4;
 
 
 inline float Sum(V8 x) {
@@ -152,10 +151,10 @@ class Matmul {
     if (path_ == Path::kIntRows) {
       for (int64_t m = 0; m < sh_.m; m += 4) {
         switch (std::min<int64_t>(4, sh_.m - m)) {
-          case 1: IntRange<1, 1>(m, n0, n1); break;  // see IntRows
-          case 2: IntRange<2, 2>(m, n0, n1); break;
-          case 3: IntRange<2, 3>(m, n0, n1); break;
-          default: IntRange<2, 4>(m, n0, n1); break;
+          case 1: IntRange<1>(m, n0, n1); break;
+          case 2: IntRange<2>(m, n0, n1); break;
+          case 3: IntRange<3>(m, n0, n1); break;
+          default: IntRange<4>(m, n0, n1); break;
         }
       }
       return;
@@ -173,89 +172,76 @@ class Matmul {
   const uint8_t* Row(int64_t n) const { return w_ + n * blocks_per_row() * Fmt::kBytes; }
 
 #if defined(__AVX2__)
-  // Rows [m, m + X) of x (quantized) against weight rows [n0, n1), R weight rows at a time.
-  template <int R, int X>
+  // Rows [m, m + X) of x (quantized) against weight rows [n0, n1), one weight row at a time (see IntRows).
+  template <int X>
   void IntRange(int64_t m, int64_t n0, int64_t n1) const {
-    int64_t n = n0;
-    for (; n + R <= n1; n += R) IntRows<R, X>(m, n);
-    for (; n < n1; ++n) IntRows<1, X>(m, n);
+    for (int64_t n = n0; n < n1; ++n) IntRows<X>(m, n);
   }
 
-  // Rows [m, m + X) of x against weight rows [n, n + R): each weight block is unpacked once for the X rows, and
-  // the same block of the next R weight rows is fetched meanwhile. A lone row of x (single-stream decode, memory-
-  // bound) takes one weight row at a time (R = 1), fetching the block 4 rows ahead: the blocks are then read in
-  // address order, which streams at the cores' full bandwidth (the 49,152 x 576 Q8_0 output projection: ~30 GB/s,
-  // against ~17 GB/s for four rows interleaved).
-  template <int R, int X>
+  // Rows [m, m + X) of x against weight row n: each weight block is unpacked once for the X rows while the same
+  // block kPrefetchRowsAhead rows on is fetched. One weight row at a time reads the blocks in address order, which
+  // streams at the cores' full bandwidth: the 49,152 x 576 Q8_0 output projection ~30 GB/s for a lone row of x,
+  // against ~17 GB/s with four weight rows interleaved; decode steps of 2-4 sequences were 10-22% faster than
+  // with two weight rows interleaved (docs/design.md, "Row paths one weight row at a time").
+  template <int X>
   void IntRows(int64_t m, int64_t n) const {
     const int64_t k = sh_.k, blocks = sh_.blocks;
     const int16_t* xq = xq_->q.data() + m * k;
     const float* xd = xq_->d.data() + m * blocks;
     const float* xs = xq_->s.data() + m * blocks;
-    __m256 acc[R][X];
-    float offset[R][X] = {};
-    for (int r = 0; r < R; ++r) {
-      for (int i = 0; i < X; ++i) acc[r][i] = _mm256_setzero_ps();
-    }
+    __m256 acc[X];
+    float offset[X] = {};
+    for (int i = 0; i < X; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t block = 0; block < blocks_per_row(); ++block) {
-      for (int r = 0; r < R; ++r) {
-        const uint8_t* w = Row(n + r) + block * Fmt::kBytes;
-        jvllm::PrefetchBlock<Fmt>(Row(n + PrefetchAhead(R) + r) + block * Fmt::kBytes);
-        float d[Fmt::kSubs], c[Fmt::kSubs];
-        Fmt::Scales(w, d, c);
+      const uint8_t* w = Row(n) + block * Fmt::kBytes;
+      jvllm::PrefetchBlock<Fmt>(Row(n + kPrefetchRowsAhead) + block * Fmt::kBytes);
+      float d[Fmt::kSubs], c[Fmt::kSubs];
+      Fmt::Scales(w, d, c);
 #pragma GCC unroll 8
-        for (int s = 0; s < Fmt::kSubs; ++s) {
-          const int64_t b = block * Fmt::kSubs + s;
-          __m256i w0, w1;
-          Fmt::Codes16(w, s, w0, w1);
-          for (int i = 0; i < X; ++i) {
-            jvllm::Accumulate(w0, w1, xq + i * k + b * kBlock, d[s] * xd[i * blocks + b], acc[r][i]);
-            offset[r][i] += c[s] * xs[i * blocks + b];
-          }
+      for (int s = 0; s < Fmt::kSubs; ++s) {
+        const int64_t b = block * Fmt::kSubs + s;
+        __m256i w0, w1;
+        Fmt::Codes16(w, s, w0, w1);
+        for (int i = 0; i < X; ++i) {
+          jvllm::Accumulate(w0, w1, xq + i * k + b * kBlock, d[s] * xd[i * blocks + b], acc[i]);
+          offset[i] += c[s] * xs[i * blocks + b];
         }
       }
     }
-    for (int r = 0; r < R; ++r) {
-      for (int i = 0; i < X; ++i) y_[(m + i) * sh_.n + n + r] = jvllm::HorizontalSum(acc[r][i]) + offset[r][i];
-    }
+    for (int i = 0; i < X; ++i) y_[(m + i) * sh_.n + n] = jvllm::HorizontalSum(acc[i]) + offset[i];
   }
 #endif
 
 #if defined(__AVX512BF16__)
-  // All X rows of x (bfloat16) against weight rows [n0, n1), two at a time; a lone row one at a time, as IntRows.
+  // All X rows of x (bfloat16) against weight rows [n0, n1), one weight row at a time, as IntRows (steps of 2-8
+  // token rows 4-22% faster than with two weight rows interleaved).
   template <int X>
   void Bf16Range(int64_t n0, int64_t n1) const {
-    int64_t n = n0;
-    for (; X > 1 && n + 2 <= n1; n += 2) Bf16Dots<2, X>(n);
-    for (; n < n1; ++n) Bf16Dots<1, X>(n);
+    for (int64_t n = n0; n < n1; ++n) Bf16Dots<X>(n);
   }
 
-  template <int R, int X>
+  template <int X>
   void Bf16Dots(int64_t n) const {
     const int64_t k = sh_.k;
     const uint16_t* xb = xb_->bits.data();
-    __m512 acc[R][X];
-    for (int r = 0; r < R; ++r)
-      for (int i = 0; i < X; ++i) acc[r][i] = _mm512_setzero_ps();
+    __m512 acc[X];
+    for (int i = 0; i < X; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t block = 0; block < blocks_per_row(); ++block) {
-      for (int r = 0; r < R; ++r) {
-        const uint8_t* src = Row(n + r) + block * Fmt::kBytes;
-        jvllm::PrefetchBlock<Fmt>(Row(n + PrefetchAhead(R) + r) + block * Fmt::kBytes);
-        float d[Fmt::kSubs], c[Fmt::kSubs];
-        Fmt::Scales(src, d, c);
+      const uint8_t* src = Row(n) + block * Fmt::kBytes;
+      jvllm::PrefetchBlock<Fmt>(Row(n + kPrefetchRowsAhead) + block * Fmt::kBytes);
+      float d[Fmt::kSubs], c[Fmt::kSubs];
+      Fmt::Scales(src, d, c);
 #pragma GCC unroll 8
-        for (int s = 0; s < Fmt::kSubs; ++s) {
-          const __m512bh wb = WeightsBf16<Fmt>(src, s, d[s], c[s]);
-          const uint16_t* xs = xb + (block * Fmt::kSubs + s) * kBlock;
-          for (int i = 0; i < X; ++i) {
-            const __m512i xv = _mm512_loadu_si512(xs + i * k);
-            acc[r][i] = _mm512_dpbf16_ps(acc[r][i], wb, reinterpret_cast<const __m512bh&>(xv));
-          }
+      for (int s = 0; s < Fmt::kSubs; ++s) {
+        const __m512bh wb = WeightsBf16<Fmt>(src, s, d[s], c[s]);
+        const uint16_t* xs = xb + (block * Fmt::kSubs + s) * kBlock;
+        for (int i = 0; i < X; ++i) {
+          const __m512i xv = _mm512_loadu_si512(xs + i * k);
+          acc[i] = _mm512_dpbf16_ps(acc[i], wb, reinterpret_cast<const __m512bh&>(xv));
         }
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int i = 0; i < X; ++i) y_[i * sh_.n + n + r] = _mm512_reduce_add_ps(acc[r][i]);
+    for (int i = 0; i < X; ++i) y_[i * sh_.n + n] = _mm512_reduce_add_ps(acc[i]);
   }
 #endif
 
