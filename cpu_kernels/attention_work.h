@@ -1,5 +1,6 @@
 // The attention of a paged attention call's work items (paged_attention.cc holds the XLA FFI handlers): per item,
-// blocks of kBlockKeys keys scored, masked and softmaxed online, then their values summed. Few query rows (decode
+// blocks of kBlockKeys keys scored, masked and softmaxed online, then their values summed; an item that is one span
+// of a sequence's keys leaves its partial sums for MergeSpans. Few query rows (decode
 // rows, a row verifying draft tokens) multiply key and value rows as stored (few_row_attention.h, with bf16 dot
 // products over bf16 pages: bf16_attention.h); prefill blocks transpose each block of keys once for all their
 // queries, or over bf16 pages take bf16 tiles (bf16_prefill_attention.h).
@@ -67,7 +68,8 @@ class Attention : public PageView<PoolT> {
   using View = PageView<PoolT>;
   using typename View::BlockRows;
   using View::sh_, View::opt_, View::q_, View::k_, View::v_, View::k_pages_, View::v_pages_, View::query_start_,
-      View::kv_lens_, View::q_lens_, View::out_;
+      View::kv_lens_, View::q_lens_, View::out_, View::item_start_, View::group_start_, View::spans_,
+      View::partials_, View::partial_floats_;
   using View::Locate, View::LowestKey, View::PrefetchUntil, View::Prefetch, View::Row, View::PagedBelow,
       View::PointRows;
 
@@ -78,6 +80,39 @@ class Attention : public PageView<PoolT> {
   // thread runs, -1: none) as they near their end.
   void RunWithNext(int64_t item, int64_t next) const {
     Attend(Locate(item), next >= 0 ? Locate(next) : AttentionItem{});
+  }
+
+  // After every item ran: the outputs of span group `group` (View::num_span_groups) from its items' partial sums,
+  // in span order. A span the query sees nothing of (past its position, before its window) adds nothing, and the
+  // span holding the running max is taken at weight 1, so a query with one visible span gets the bits of an
+  // unspanned item.
+  void MergeSpans(int64_t group) const {
+    const int64_t s = std::upper_bound(group_start_.begin(), group_start_.end(), group) - group_start_.begin() - 1;
+    const int64_t spans = spans_[s], item0 = item_start_[s] + (group - group_start_[s]) * spans;
+    const AttentionItem place = Locate(item0);
+    const int64_t hd = sh_.head_dim, group_size = sh_.group, rows = place.count * group_size;
+    const int64_t heads = place.h1 - place.h0, start = query_start_[s] + place.first, n = heads * rows;
+    thread_local std::vector<float> acc;
+    if (acc.size() < static_cast<size_t>(hd)) acc.resize(hd);
+    for (int64_t r = 0; r < n; ++r) {
+      float best = kMasked;
+      for (int64_t i = 0; i < spans; ++i) best = std::max(best, partials_[(item0 + i) * partial_floats_ + r]);
+      float denom = 0.0f;
+      bool any = false;
+      for (int64_t i = 0; i < spans; ++i) {
+        const float* part = partials_ + (item0 + i) * partial_floats_;
+        if (part[n + r] == 0.0f) continue;  // nothing visible in this span
+        const float weight = part[r] == best ? 1.0f : VecExp(part[r] - best);
+        const float* sums = part + 2 * n + r * hd;
+        for (int64_t d = 0; d < hd; ++d) acc[d] = any ? acc[d] + sums[d] * weight : sums[d] * weight;
+        denom = any ? denom + part[n + r] * weight : part[n + r] * weight;
+        any = true;
+      }
+      const int64_t h = r / rows, i = (r % rows) / group_size, g = r % group_size;
+      float* dst = out_ + ((start + i) * sh_.heads + (place.h0 + h) * group_size + g) * hd;
+      const float inv = 1.0f / denom;
+      for (int64_t d = 0; d < hd; ++d) dst[d] = acc[d] * inv;
+    }
   }
 
  private:
@@ -109,8 +144,9 @@ class Attention : public PageView<PoolT> {
     const int64_t lowest = LowestKey(here);
     const bool direct = rows <= kDirectScoreRows || count <= kDirectQueries;
     if (direct && !scratch.cursor.In(here)) {
-      scratch.cursor = {s, h0, first, lowest};  // nothing asked for yet: the thread's first item
+      scratch.cursor = {s, h0, first, here.key_lo, lowest};  // nothing asked for yet: the thread's first item
     }
+    const int64_t key_end = std::min(last_pos + 1, here.key_hi);  // past the item's keys
 #if JVLLM_BF16_PREFILL
     if constexpr (std::is_same_v<PoolT, uint16_t>) {
       // bf16 pages on a CPU with bf16 dot products: prefill blocks of queries in transposed tiles
@@ -126,15 +162,15 @@ class Attention : public PageView<PoolT> {
       SplitToBf16(scratch.queries.data(), heads * rows * hd, scratch.queries_hi.data(), scratch.queries_lo.data());
     }
     if (!direct) Prefetch(s, h0, h1, cached, lowest, kBlockKeys);
-    for (int64_t key0 = lowest; key0 <= last_pos; key0 += kBlockKeys) {
-      const int64_t nkeys = std::min<int64_t>(kBlockKeys, last_pos + 1 - key0);
+    for (int64_t key0 = lowest; key0 < key_end; key0 += kBlockKeys) {
+      const int64_t nkeys = std::min<int64_t>(kBlockKeys, key_end - key0);
       if (direct) {  // few rows (decode): key and value rows read in place, a strip of positions at a time
         // The rows kPrefetchKeys positions ahead of the work (on into the thread's next item) are asked for as it
         // goes, after each head's strip: a loop of loads alone, or loads interleaved with arithmetic, leave the
         // memory system idle much of the time (docs/design.md, "Decode attention: prefetching ahead of the work").
         int64_t before = 0;
         const auto prefetch = [&](int64_t done) {  // done: of the block's two passes over its nkeys keys
-          PrefetchUntil(scratch.cursor, here, last_pos + 1, next, key0 + done / 2 + kPrefetchKeys, done - before + 1);
+          PrefetchUntil(scratch.cursor, here, key_end, next, key0 + done / 2 + kPrefetchKeys, done - before + 1);
           before = done;
         };
         DirectScores(scratch, s, h0, h1, cached, key0, nkeys, rows, scratch.queries.data(), bf16_dots, scores,
@@ -159,6 +195,14 @@ class Attention : public PageView<PoolT> {
         Softmax(rows, scores, scratch.row_max.data() + off, scratch.denom.data() + off, scratch.rescale.data());
         Values(scratch, s, h, cached, key0, nkeys, rows, scores, scratch.rescale.data(), scratch.acc.data() + off * hd);
       }
+    }
+    if (here.partial >= 0) {  // one span of several: its sums, for MergeSpans
+      const int64_t n = heads * rows;
+      float* part = partials_ + here.partial * partial_floats_;
+      std::copy(scratch.row_max.begin(), scratch.row_max.begin() + n, part);
+      std::copy(scratch.denom.begin(), scratch.denom.begin() + n, part + n);
+      std::copy(scratch.acc.begin(), scratch.acc.begin() + n * hd, part + 2 * n);
+      return;
     }
     for (int64_t h = h0; h < h1; ++h) {
       const int64_t off = (h - h0) * rows;
@@ -329,6 +373,14 @@ class Attention : public PageView<PoolT> {
       return buffer;
     }
   }
+};
+
+// Attention::MergeSpans as RunItems work: one item per span group.
+template <typename Work>
+struct SpanMerges {
+  const Work& attention;
+  int64_t num_items() const { return attention.num_span_groups(); }
+  void Run(int64_t group) const { attention.MergeSpans(group); }
 };
 
 }  // namespace jvllm

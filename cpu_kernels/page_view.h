@@ -1,6 +1,7 @@
 // What a paged attention call (paged_attention.cc) reads and how its work splits: the step's shapes and options,
 // where each key row of a sequence lives (its pages below the cached length, this step's own K/V above), how the
-// memory system is asked for rows ahead of the work, and the work items (sequence, KV heads, block of queries).
+// memory system is asked for rows ahead of the work, and the work items (sequence, KV heads, block of queries, span
+// of keys).
 #pragma once
 
 #include <algorithm>
@@ -16,6 +17,13 @@ constexpr int kBlockQueries = 32;  // queries per work item: each block of keys 
 // Blocks of up to this many queries (a decode row verifying draft tokens) read key rows as stored, without a
 // transpose (attention_work.h); a lone sequence's such queries go in two halves (PageView's constructor).
 constexpr int kDirectQueries = 8;
+// A sequence of that few queries (decode rows, rows verifying drafts) attends its keys in spans of this many
+// positions, one work item each (all its KV heads), whose partial softmax sums are merged after
+// (Attention::MergeSpans): a lone sequence's long context then keeps every thread busy reading whole token rows of
+// the pages in order, where items of one KV head each left threads idle (3 heads on 2 threads) and read every
+// third part of each row. Span edges are fixed positions, so a query's result does not depend on the queries
+// with it.
+constexpr int64_t kSpanKeys = 256;
 
 struct AttentionShapes {
   int64_t tokens, heads, kv_heads, head_dim, group, page_size, pages_per_seq, seqs;
@@ -31,17 +39,22 @@ struct AttentionOptions {
   bool own_in_pages;
 };
 
-// What a work item attends: queries [first, first + count) of sequence s, KV heads [h0, h1).
+// What a work item attends: queries [first, first + count) of sequence s, KV heads [h0, h1), keys from key_lo
+// (below: none) up to key_hi (exclusive; the queries' own positions bound them too). `partial` >= 0: one span of
+// several, whose sums go to the call's partial sums at that index (merged after) instead of the output.
 struct AttentionItem {
   int64_t s = -1, h0 = 0, h1 = 0, first = 0, count = 0;
+  int64_t key_lo = 0, key_hi = INT64_MAX, partial = -1;
 };
 
 // The direct path's prefetch cursor: the next key position whose paged rows are asked for, in work item (sequence
-// s, heads from h0, queries from first): the item being attended, or the one its thread runs next.
+// s, heads from h0, queries from first, keys from key_lo): the item being attended, or the one its thread runs next.
 struct PrefetchCursor {
-  int64_t s = -1, h0 = 0, first = 0, pos = 0;
+  int64_t s = -1, h0 = 0, first = 0, key_lo = 0, pos = 0;
 
-  bool In(const AttentionItem& item) const { return s == item.s && h0 == item.h0 && first == item.first; }
+  bool In(const AttentionItem& item) const {
+    return s == item.s && h0 == item.h0 && first == item.first && key_lo == item.key_lo;
+  }
 };
 
 // A call's arguments (pages of PoolT: float or bfloat16 bits) and its work items.
@@ -60,7 +73,8 @@ class PageView {
       most_queries = std::max<int64_t>(most_queries, q_lens_[s]);
     }
     // An item reads every KV head of its keys (whole token rows of the pages); with few query blocks (a lone
-    // decode row) the heads are split over items instead, so that every thread has work.
+    // decode row) the heads are split over items instead, so that every thread has work, unless its keys come in
+    // several spans (below).
     head_splits_ = blocks >= kMinItems ? 1 : sh.kv_heads;
     // A lone sequence verifying draft tokens (a few queries) would give one item per head, as many as a lone
     // decode row (3 heads on 2 threads: one thread idle a third of the time); its queries go in two halves
@@ -68,29 +82,61 @@ class PageView {
     if (blocks < kMinItems && most_queries > 1 && most_queries <= kDirectQueries) {
       block_queries_ = (most_queries + 1) / 2;
     }
-    heads_per_item_ = (sh.kv_heads + head_splits_ - 1) / head_splits_;
     item_start_.resize(sh.seqs + 1, 0);
-    for (int64_t s = 0; s < sh.seqs; ++s) item_start_[s + 1] = item_start_[s] + QueryBlocks(s) * head_splits_;
+    group_start_.resize(sh.seqs + 1, 0);
+    spans_.assign(sh.seqs, 1);
+    first_span_.assign(sh.seqs, 0);
+    splits_.assign(sh.seqs, head_splits_);
+    for (int64_t s = 0; s < sh.seqs; ++s) {
+      if (q_lens_[s] >= 1 && q_lens_[s] <= kDirectQueries) {
+        first_span_[s] = LowestKey({s, 0, 0, 0, 0}) / kSpanKeys;
+        spans_[s] = (kv_lens_[s] - 1) / kSpanKeys - first_span_[s] + 1;
+        // spans share the work out instead of heads: an item then reads whole token rows of the pages in order
+        if (spans_[s] > 1) splits_[s] = 1;
+      }
+      const int64_t groups = QueryBlocks(s) * splits_[s];  // items of s but for spans
+      item_start_[s + 1] = item_start_[s] + groups * spans_[s];
+      group_start_[s + 1] = group_start_[s] + (spans_[s] > 1 ? groups : 0);
+    }
+    // partial sums of each spanned item: [heads, rows] running max, [heads, rows] sum, [heads, rows, hd] weighted
+    // values; a decode row's spans hold up to kDirectQueries queries
+    const int64_t queries = std::min<int64_t>(block_queries_, kDirectQueries);
+    partial_floats_ = sh.kv_heads * queries * sh.group * (sh.head_dim + 2);
+    if (group_start_.back() > 0) {
+      thread_local std::vector<float> storage;  // reused by the calling thread's next calls
+      const auto size = static_cast<size_t>(num_items() * partial_floats_);
+      if (storage.size() < size) storage.resize(size);
+      partials_ = storage.data();
+    }
   }
 
   int64_t num_items() const { return item_start_.back(); }
+  // Groups of spanned items (sequence, block of queries, KV heads) whose partial sums MergeSpans combines.
+  int64_t num_span_groups() const { return group_start_.back(); }
 
  protected:
   static constexpr int64_t kMinItems = 8;
 
   AttentionItem Locate(int64_t item) const {
     const int64_t s = std::upper_bound(item_start_.begin(), item_start_.end(), item) - item_start_.begin() - 1;
-    const int64_t local = item - item_start_[s];
-    const int64_t first = (local / head_splits_) * block_queries_;
-    const int64_t h0 = (local % head_splits_) * heads_per_item_;
-    return {s, h0, std::min<int64_t>(sh_.kv_heads, h0 + heads_per_item_), first,
-            std::min<int64_t>(block_queries_, q_lens_[s] - first)};
+    const int64_t span = (item - item_start_[s]) % spans_[s], local = (item - item_start_[s]) / spans_[s];
+    const int64_t first = (local / splits_[s]) * block_queries_, heads = (sh_.kv_heads + splits_[s] - 1) / splits_[s];
+    const int64_t h0 = (local % splits_[s]) * heads;
+    AttentionItem place{s, h0, std::min<int64_t>(sh_.kv_heads, h0 + heads), first,
+                        std::min<int64_t>(block_queries_, q_lens_[s] - first)};
+    if (spans_[s] > 1) {
+      place.key_lo = (first_span_[s] + span) * kSpanKeys;
+      place.key_hi = place.key_lo + kSpanKeys;
+      place.partial = item;
+    }
+    return place;
   }
 
-  // The first key position item `place` attends (its sliding window's start).
+  // The first key position item `place` attends (its sliding window's start; or its span's).
   int64_t LowestKey(const AttentionItem& place) const {
     const int64_t first_pos = kv_lens_[place.s] - q_lens_[place.s] + place.first;
-    return opt_.sliding_window > 0 ? std::max<int64_t>(0, first_pos - opt_.sliding_window + 1) : 0;
+    const int64_t window = opt_.sliding_window > 0 ? std::max<int64_t>(0, first_pos - opt_.sliding_window + 1) : 0;
+    return std::max(window, place.key_lo);
   }
 
   // The direct path's prefetching: asks for the paged key and value rows of item `place` (whose keys end at `end`)
@@ -108,7 +154,7 @@ class PageView {
         cursor.pos = pos;
         return;
       }
-      cursor = {next.s, next.h0, next.first, LowestKey(next)};
+      cursor = {next.s, next.h0, next.first, next.key_lo, LowestKey(next)};
       pos = cursor.pos;
     }
     if (next.s >= 0 && at(next)) {
@@ -186,10 +232,15 @@ class PageView {
   const PoolT *k_pages_, *v_pages_;
   const int32_t *query_start_, *q_lens_, *kv_lens_, *page_tables_;
   float* out_;
-  int64_t head_splits_ = 1, heads_per_item_ = 1;
+  int64_t head_splits_ = 1;  // items a sequence's KV heads are shared over (but see splits_)
   int64_t block_queries_ = kBlockQueries;  // queries per work item
   int64_t page_shift_ = -1;  // log2(page_size) when it is a power of two
-  std::vector<int64_t> item_start_;  // [seqs + 1] first work item of each sequence
+  std::vector<int64_t> item_start_;   // [seqs + 1] first work item of each sequence
+  std::vector<int64_t> group_start_;  // [seqs + 1] first span group of each sequence (none where it has 1 span)
+  std::vector<int64_t> spans_, first_span_;  // [seqs] spans of keys per sequence, the index of its first
+  std::vector<int64_t> splits_;  // [seqs] items its KV heads are shared over (1 where it has several spans)
+  int64_t partial_floats_ = 0;  // floats of partial sums per item
+  float* partials_ = nullptr;   // [items, partial_floats_] where some sequence has several spans
 };
 
 }  // namespace jvllm

@@ -4,9 +4,9 @@
 // query_start[s] .. + q_lens[s] of this step, whose positions continue its cached context
 // (kv_lens[s] - q_lens[s] tokens, read from the KV pages). Keys past the cache are this step's own
 // k/v, read from its arguments (`jvllm_paged_attention_write` also stores them in the pages first, so the
-// pages it returns hold the step's K/V). Work items are (sequence, KV head, block of queries: page_view.h),
-// attended by attention_work.h; the caller and the kernels' helper threads (run_items.h) take items until none
-// are left.
+// pages it returns hold the step's K/V). Work items are (sequence, KV head, block of queries, span of keys:
+// page_view.h), attended by attention_work.h, whose spans are then merged; the caller and the kernels' helper
+// threads (run_items.h) take items until none are left.
 //
 // Pages are token-major [num_pages, page_size, kv_heads, head_dim], float32 or bfloat16 (stored as
 // its uint16 bits). q, k, v and the output are float32.
@@ -24,6 +24,20 @@ namespace ffi = xla::ffi;
 namespace {
 
 using namespace jvllm;
+
+constexpr int64_t kInlineSpanMerges = 8;  // span groups merged by the calling thread alone, at most
+
+// The merges of a call's spanned items: on this thread where they are few (a lone sequence's), else shared by the
+// helper threads too.
+template <typename Work>
+void MergeAllSpans(const Work& work) {
+  const int64_t groups = work.num_span_groups();
+  if (groups <= kInlineSpanMerges) {
+    for (int64_t group = 0; group < groups; ++group) work.MergeSpans(group);
+  } else {
+    jvllm::RunItems(SpanMerges<Work>{work});
+  }
+}
 
 // Attention over pages at k_pages / v_pages (float32 or bfloat16 bits, by `type`) into out.
 ffi::Error Attend(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
@@ -56,12 +70,14 @@ ffi::Error Attend(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<
                           query_start.typed_data(), q_lens.typed_data(), kv_lens.typed_data(),
                           page_tables.typed_data(), dst);
     jvllm::RunItems(work);
+    MergeAllSpans(work);
   } else if (type == ffi::DataType::U16 || type == ffi::DataType::BF16) {
     Attention<uint16_t> work(sh, opt, q.typed_data(), k.typed_data(), v.typed_data(),
                              static_cast<const uint16_t*>(k_pages), static_cast<const uint16_t*>(v_pages),
                              query_start.typed_data(), q_lens.typed_data(), kv_lens.typed_data(),
                              page_tables.typed_data(), dst);
     jvllm::RunItems(work);
+    MergeAllSpans(work);
   } else {
     return ffi::Error::InvalidArgument("paged_attention: pages must be float32 or bfloat16 (bits)");
   }

@@ -182,6 +182,24 @@ def test_decode_rows_per_kv_head(heads, kv_heads, head_dim):
     run_case(rng, chunks, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=16, pool_dtype=jnp.bfloat16)
 
 
+@pytest.mark.parametrize("contexts", [(2100,), (300, 1000), (255, 256, 257, 511, 512, 513, 1000, 2100)])
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_rows_over_key_spans(contexts, pool_dtype):
+    """Decode rows whose keys go past one span (page_view.h kSpanKeys): each span is a work item of its own and the
+    spans' sums are merged, for a lone row (its heads split over items too) and for rows together."""
+    rng = np.random.default_rng(len(contexts))
+    run_case(rng, [(c, 1) for c in contexts], heads=9, kv_heads=3, head_dim=64, page_size=16, pool_dtype=pool_dtype)
+
+
+@pytest.mark.parametrize("window", [100, 300, 700])
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+def test_sliding_window_over_key_spans(window, pool_dtype):
+    """Spanned decode and verification rows under a sliding window: spans before the window have nothing visible,
+    a window edge inside a span masks part of it."""
+    run_case(np.random.default_rng(window), [(900, 1), (600, 4), (260, 1), (1500, 8)], heads=8, kv_heads=4,
+             head_dim=64, page_size=16, sliding_window=window, pool_dtype=pool_dtype)
+
+
 @pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
 def test_verification_rows(pool_dtype):
     """2-8 tokens after a cached context, as a speculative verification step lays out a decode row and its drafts
@@ -191,7 +209,7 @@ def test_verification_rows(pool_dtype):
     run_case(rng, chunks, heads=9, kv_heads=3, head_dim=64, page_size=16, pool_dtype=pool_dtype)
 
 
-@pytest.mark.parametrize("chunk", [(150, 6), (37, 3), (64, 8), (5, 2)])
+@pytest.mark.parametrize("chunk", [(150, 6), (37, 3), (64, 8), (5, 2), (254, 4), (700, 6)])
 @pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
 def test_a_lone_verification_row(chunk, pool_dtype):
     """One sequence verifying drafts alone (single-stream speculative decoding): its queries are split over work
@@ -200,7 +218,9 @@ def test_a_lone_verification_row(chunk, pool_dtype):
              pool_dtype=pool_dtype)
 
 
-@pytest.mark.parametrize("cached, drafts", [(150, 5), (37, 2), (64, 7), (5, 3), (126, 1)])
+# 253 + 6 and 511 + 2 cross a span edge (page_view.h kSpanKeys) among the queries; 700 has three spans
+@pytest.mark.parametrize("cached, drafts", [(150, 5), (37, 2), (64, 7), (5, 3), (126, 1), (253, 5), (511, 1),
+                                            (700, 7)])
 @pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
 def test_a_verification_row_gives_the_bits_of_the_decode_row(cached, drafts, pool_dtype):
     """A sequence's last token and its draft tokens attended in one step (the writing variant, as the engine runs it)
