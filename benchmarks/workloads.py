@@ -1,4 +1,5 @@
-"""Prompt sets of the benchmarks: fixed-length random ids, a long-tailed varied mix, and uneven chat prompts."""
+"""Prompt sets of the benchmarks: fixed-length random ids, a long-tailed varied mix, uneven chat prompts, and long
+documents to summarize."""
 from __future__ import annotations
 
 import dataclasses
@@ -76,3 +77,17 @@ def chat(tokenizer, num: int, output_len: int, seed: int) -> Workload:
                for m in chat_messages(num, seed)]
     prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
     return Workload(prompts, [output_len] * num)
+
+
+def long_document(chars: int, seed: int) -> str:
+    """About `chars` characters of notes (sentences drawn from the topics and asks above, from the first one on
+    different for each seed), then a request to summarize them: a long single-stream prompt as plain text."""
+    rng = np.random.default_rng(seed)
+    parts: list[str] = []
+    length = 0
+    while length < chars:
+        t, u = rng.choice(TOPICS, size=2, replace=False)
+        sentence = f"Note {len(parts) + 1} ({seed}): " + ASKS[int(rng.integers(len(ASKS)))].format(t=t, u=u)
+        parts.append(sentence)
+        length += len(sentence) + 1
+    return "\n".join(parts) + "\n\nSummarize the notes above in one paragraph."
