@@ -1,9 +1,9 @@
 // The attention of a paged attention call's work items (paged_attention.cc holds the XLA FFI handlers): per item,
 // blocks of kBlockKeys keys scored, masked and softmaxed online, then their values summed; an item that is one span
-// of a sequence's keys leaves its partial sums for MergeSpans. Few query rows (decode
-// rows, a row verifying draft tokens) multiply key and value rows as stored (few_row_attention.h, with bf16 dot
-// products over bf16 pages: bf16_attention.h); prefill blocks transpose each block of keys once for all their
-// queries, or over bf16 pages take bf16 tiles (bf16_prefill_attention.h).
+// of a sequence's keys leaves its partial sums for MergeSpans. Few query rows (decode rows, a row verifying draft
+// tokens) multiply key and value rows as stored (few_row_attention.h, with bf16 dot products over bf16 pages:
+// bf16_attention.h); prefill blocks transpose each block of keys once for all their queries, or over bf16 pages
+// take bf16 tiles (bf16_prefill_attention.h).
 #pragma once
 
 #include <algorithm>
@@ -111,7 +111,7 @@ class Attention : public PageView<PoolT> {
       const int64_t h = r / rows, i = (r % rows) / group_size, g = r % group_size;
       float* dst = out_ + ((start + i) * sh_.heads + (place.h0 + h) * group_size + g) * hd;
       const float inv = 1.0f / denom;
-      for (int64_t d = 0; d < hd; ++d) dst[d] = acc[d] * inv;
+      for (int64_t d = 0; d < hd; ++d) dst[d] = any ? acc[d] * inv : 0.0f;  // a query sees its own key at least
     }
   }
 
