@@ -68,7 +68,9 @@ def check_output(sched: Scheduler, out: StepOutput, budget_before_unfinished: bo
         if chunk.page_copy is not None:  # started from a cached tail: its copy is the request's own page
             source, target = chunk.page_copy
             assert request.page_table[chunk.start // sched.pages.page_size] == target
-            assert source not in request.page_table and source != target
+            # The source may be handed out again in the same step, even as this request's next page (a small pool):
+            # allocation forgets the tail, and the step's page copies run before it writes any KV.
+            assert source != target
     for victim in out.preempted:
         assert victim not in requests, "a preempted request still has a chunk"
         assert victim.status is S.WAITING
