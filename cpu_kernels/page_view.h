@@ -20,8 +20,8 @@ constexpr int kDirectQueries = 8;
 // A sequence of that few queries (decode rows, rows verifying drafts) attends its keys in spans of this many
 // positions, one work item each (all its KV heads), whose partial softmax sums are merged after
 // (Attention::MergeSpans): a lone sequence's long context then keeps every thread busy reading whole token rows of
-// the pages in order, where items of one KV head each left threads idle (3 heads on 2 threads) and read every
-// third part of each row. Span edges are fixed positions, so a query's result does not depend on the queries
+// the pages in order (one item per KV head would leave a thread idle with 3 heads on 2 threads, and read every
+// third part of each row). Span edges are fixed positions, so a query's result does not depend on the queries
 // with it.
 constexpr int64_t kSpanKeys = 256;
 

@@ -181,8 +181,8 @@ class Matmul {
   // Rows [m, m + X) of x against weight row n: each weight block is unpacked once for the X rows while the same
   // block kPrefetchRowsAhead rows on is fetched. One weight row at a time reads the blocks in address order, which
   // streams at the cores' full bandwidth: the 49,152 x 576 Q8_0 output projection ~30 GB/s for a lone row of x,
-  // against ~17 GB/s with four weight rows interleaved; decode steps of 2-4 sequences were 10-22% faster than
-  // with two weight rows interleaved (docs/design.md, "Row paths one weight row at a time").
+  // against ~17 GB/s with four weight rows interleaved; with 2-4 rows of x, decode steps 10-22% faster than with
+  // two weight rows interleaved (docs/design.md, "Row paths one weight row at a time").
   template <int X>
   void IntRows(int64_t m, int64_t n) const {
     const int64_t k = sh_.k, blocks = sh_.blocks;
