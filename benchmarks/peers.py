@@ -183,9 +183,10 @@ def compare(args: argparse.Namespace, scenario: str, model: str) -> dict:
         long = ["--n-ctx", "8192", "--first-is-warmup"] if scenario == "long" else []
         commands["llama.cpp"] = ([args.llama_python, str(HERE / "peer_llama_cpp.py"), "--model", model,
                                   "--threads", str(args.threads), *long, *common], {})
-    if args.vllm_python and scenario != "long":
+    if args.vllm_python:
+        long = ["--max-model-len", "8192"] if scenario == "long" else []
         commands["vLLM"] = ([args.vllm_python, str(HERE / "peer_vllm.py"), "--model", float_folder(model),
-                             "--scenario", scenario, "--dtype", args.vllm_dtype, *common],
+                             "--scenario", scenario, "--dtype", args.vllm_dtype, *long, *common],
                             {"LD_PRELOAD": args.vllm_preload})
     rounds: dict[str, list[dict]] = {name: [] for name in commands}
     for round_index in range(args.rounds):
