@@ -62,6 +62,7 @@ class AsyncEngine(AsyncPooling):
         self._streams: dict[str, RequestStream] = {}  # owned by the callers' event loops
         self._loops: dict[str, asyncio.AbstractEventLoop] = {}  # owned by the engine thread
         self._commands = CommandQueue()
+        engine.arrivals = self._commands.has_adds
         self._failures = 0
         self._init_pooling()
         self._thread = threading.Thread(target=self._run, name="jvllm-engine", daemon=True)
@@ -241,6 +242,8 @@ class AsyncEngine(AsyncPooling):
 
     def _exit(self) -> None:
         """Refuse what was queued after the last look at the command list; nothing will apply it now."""
+        if self.engine.arrivals == self._commands.has_adds:
+            self.engine.arrivals = None  # the Engine may outlive this wrapper
         for command in self._commands.close():
             if isinstance(command, Add):
                 if command.future.set_running_or_notify_cancel():

@@ -50,6 +50,11 @@ class CommandQueue:
             self._commands.append(command)
             self._cv.notify()
 
+    def has_adds(self) -> bool:
+        """(Any thread.) Whether a request is queued that the engine thread has not taken yet."""
+        with self._cv:
+            return any(isinstance(command, Add) for command in self._commands)
+
     def stop(self) -> None:
         with self._cv:
             self.stopping = True

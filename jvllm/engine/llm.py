@@ -8,7 +8,7 @@ import logging
 import os
 import random
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from jvllm.heap import release_freed_memory, reuse_freed_memory
 from jvllm.logging_setup import configure_default_logging
@@ -139,6 +139,8 @@ class Engine(MultiHostRoles, FrontEndViews, PoolingCalls, BeamSearchCalls):
                                        else batched_dtype)
         self.async_scheduling = bool(args.async_scheduling and self.runner is not None and self.runner.can_look_ahead)
         self._ahead: StepInFlight | None = None  # the look-ahead step in flight, if any
+        # Set by a front end whose callers add requests between steps (AsyncEngine): whether one is queued now.
+        self.arrivals: Callable[[], bool] | None = None
         self._rng = random.Random(args.seed)
         self._counter = itertools.count()
         self._request_groups: dict[str, list[Request]] = {}
@@ -296,7 +298,19 @@ class Engine(MultiHostRoles, FrontEndViews, PoolingCalls, BeamSearchCalls):
                 self.drafter.has_proposal(chunk.request) for chunk in alive):
             return None  # the next step verifies drafts: it is scheduled once this step's tokens are known
         chunks = plan_lookahead(self.scheduler, alive)
-        return None if chunks is None else StepInFlight.dispatch(self.runner, chunks, self.encoder_cache, current)
+        if chunks is None:
+            return None
+        arrivals = self.arrivals
+        return StepInFlight.dispatch(self.runner, chunks, self.encoder_cache, current,
+                                     gate=None if arrivals is None else lambda: self._no_arrival(current, arrivals))
+
+    def _no_arrival(self, current: StepInFlight, arrivals: Callable[[], bool]) -> bool:
+        """Whether to start the prepared look-ahead step: not if a request was queued while `current` ran. That
+        request starts in the next step instead, rather than after a whole decode step (its time to first token),
+        so wait for the device's step first; the look-ahead step still runs while the host reads `current`. (The
+        pages reserved for the look-ahead tokens serve the same tokens in the next step.)"""
+        self.runner.wait_for(current.groups[0])
+        return not arrivals()
 
     def _settle_ahead(self) -> None:
         """Commit the look-ahead rows whose request goes on (the others' results are skipped when collected);

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -101,10 +101,12 @@ class StepInFlight:
 
     @classmethod
     def dispatch(cls, runner: ModelRunner, chunks: list[ScheduledChunk], encoder_cache: EncoderCache | None,
-                 source: StepInFlight | None = None) -> StepInFlight:
-        """Plan `chunks` and start their device steps (look-ahead chunks of `source`'s requests when given)."""
+                 source: StepInFlight | None = None, gate: Callable[[], bool] | None = None) -> StepInFlight | None:
+        """Plan `chunks` and start their device steps (look-ahead chunks of `source`'s requests when given);
+        None if `gate` (asked once the look-ahead step is prepared, before it starts) says no."""
         plans = plan_chunks(chunks, encoder_cache, runner.mrope)
-        return cls(chunks, runner.dispatch(plans, source=None if source is None else source.groups[0]))
+        groups = runner.dispatch(plans, source=None if source is None else source.groups[0], gate=gate)
+        return None if groups is None else cls(chunks, groups)
 
     @functools.cached_property
     def step_order(self) -> list[ScheduledChunk]:

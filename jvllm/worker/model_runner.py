@@ -160,19 +160,23 @@ class ModelRunner:
             self.encoder.precompile(progress)
 
     # ---- steps ----------------------------------------------------------------------------------------
-    def dispatch(self, plans: list[ChunkPlan], source: DispatchedGroup | None = None) -> list[DispatchedGroup]:
+    def dispatch(self, plans: list[ChunkPlan], source: DispatchedGroup | None = None,
+                 gate: Callable[[], bool] | None = None) -> list[DispatchedGroup] | None:
         """Start the device steps of `plans` without waiting for them: one-token chunks in a decode step, the
         others in a prefill step, or all in one prefill step where the backend attends decode rows inside ragged
         steps and that is cheaper (ShapeSet.mixed_is_cheaper). With `source` (the previous step, one group), `plans`
         are look-ahead chunks of its requests: one decode step, each input token taken on the device from the id
-        `source` sampled; if some are grammar-constrained, its sampler waits for finish_head. The images the plans
-        ask to encode are encoded before the first group's step (its StepCall carries the encoder steps)."""
+        `source` sampled; if some are grammar-constrained, its sampler waits for finish_head. Such a step, once its
+        inputs are ready, starts only if `gate` (when given) says so; otherwise nothing starts and this returns
+        None. The images the plans ask to encode are encoded before the first group's step (its StepCall carries
+        the encoder steps)."""
         encode = self._encoder_calls(plans)
         copies = self._page_copies(plans)
         if source is not None:
             rows = {plan.request_id: row for row, plan in enumerate(source.plans)}
-            return [self._dispatch_group(plans, "decode", source.out["token_ids"],
-                                         [rows[plan.request_id] for plan in plans], encode, copies)]
+            group = self._dispatch_group(plans, "decode", source.out["token_ids"],
+                                         [rows[plan.request_id] for plan in plans], encode, copies, gate)
+            return None if group is None else [group]
         # Prompt logprobs are computed by prefill steps only (a one-token chunk of a prompt may want them).
         decodes = [p for p in plans if p.num_tokens == 1 and p.prompt_targets is None]
         prefills = [p for p in plans if p.num_tokens != 1 or p.prompt_targets is not None]
@@ -296,9 +300,10 @@ class ModelRunner:
 
     def _dispatch_group(self, plans: list[ChunkPlan], kind: str, source_ids: jax.Array | None = None,
                         source_rows: list[int] | None = None, encode: tuple[EncoderCall, ...] = (),
-                        copies: np.ndarray | None = None) -> DispatchedGroup:
+                        copies: np.ndarray | None = None,
+                        gate: Callable[[], bool] | None = None) -> DispatchedGroup | None:
         """source_ids [S'] int32 on the device, source_rows: the row of each chunk's input token in it; `encode`
-        and `copies`: the encoder steps and page copies to run first."""
+        and `copies`: the encoder steps and page copies to run first; `gate`: see `dispatch`."""
         call = self.step_call(plans, kind, encode, copies)
         defer_head = False
         if source_ids is not None:
@@ -306,10 +311,18 @@ class ModelRunner:
             rows[:len(source_rows)] = source_rows
             call.input_ids = self.compiled.get(call.shape).take_ids(source_ids, rows)
             defer_head = any(plan.constrained for plan in plans)
+        if gate is not None and not gate():
+            return None
         out = self.run_call(call, defer_head)
         if defer_head:
             return DispatchedGroup(plans, call, None, pending=out)
         return DispatchedGroup(plans, call, out)
+
+    @staticmethod
+    def wait_for(group: DispatchedGroup) -> None:
+        """Block until the device has sampled `group`'s ids (returns at once for a deferred head, not yet run)."""
+        if group.out is not None:
+            jax.block_until_ready(group.out["token_ids"])
 
     def _group_results(self, group: DispatchedGroup) -> dict[str, StepResult]:
         plans, out = group.plans, group.out

@@ -272,6 +272,26 @@ def _record_first_steps(engine, monkeypatch) -> list[tuple[float, int]]:
     return starts
 
 
+def test_the_engine_asks_the_wrapper_for_queued_requests_until_it_closes(engine):
+    """The Engine's arrival check (see Engine._no_arrival) is the wrapper's command queue: true while an add waits
+    to be applied, not for an abort; the wrapper takes it back when it closes."""
+    from jvllm.engine.commands import Abort, Add
+
+    wrapper = AsyncEngine(engine)
+    try:
+        queue = wrapper._commands
+        assert engine.arrivals == queue.has_adds and not queue.has_adds()
+        with queue._cv:  # as a caller's submit leaves it, without waking the engine thread to apply it
+            queue._commands.append(Abort("nobody"))
+            assert not queue.has_adds()
+            queue._commands.append(Add("r", "hi", GREEDY, 0.0, None, None))
+            assert queue.has_adds()
+            queue._commands.clear()
+    finally:
+        wrapper.close()
+    assert engine.arrivals is None
+
+
 def test_a_burst_of_arrivals_into_an_idle_engine_shares_its_first_step(engine, monkeypatch):
     starts = _record_first_steps(engine, monkeypatch)
     wrapper = AsyncEngine(engine, burst_gap_s=0.05, max_burst_wait_s=2.0)  # roomy: CI machines stall

@@ -1,5 +1,6 @@
-"""Async scheduling on the real model: the same outputs as synchronous steps, look-ahead steps really run,
-aborts and early stops while a look-ahead step is in flight leave no pages behind."""
+"""Async scheduling on the real model: the same outputs as synchronous steps, look-ahead steps really run (and
+give way to a request queued meanwhile), aborts and early stops while a look-ahead step is in flight leave no pages
+behind."""
 from __future__ import annotations
 
 import contextlib
@@ -21,10 +22,11 @@ def _mode(engine, async_scheduling: bool):
     dispatch = engine.runner.dispatch
     lookaheads = []
 
-    def counting(chunks, source=None):
-        if source is not None:
+    def counting(chunks, source=None, gate=None):
+        groups = dispatch(chunks, source, gate)
+        if source is not None and groups is not None:  # None: its gate held it back
             lookaheads.append(len(chunks))
-        return dispatch(chunks, source)
+        return groups
 
     engine.async_scheduling = async_scheduling
     engine.runner.dispatch = counting
@@ -75,6 +77,34 @@ def test_async_and_synchronous_steps_give_the_same_outputs(default_engine):
     assert sync_lookaheads == []
     assert len(lookaheads) > 20, "most decode steps should have been dispatched ahead"
     assert expected[1][0][2] == "stop" and len(expected[1][0][0]) < 30  # stopped early (a stop string or EOS)
+    _assert_no_leak(engine)
+
+
+def test_a_queued_arrival_holds_back_the_lookahead_step_with_the_same_outputs(default_engine):
+    """A front end's arrival check (AsyncEngine's) is asked once the device has run the current step: when it says
+    a request is queued, the prepared look-ahead step does not start (the next step is scheduled with the
+    newcomer); the pages reserved for its tokens serve them in that next step. Same outputs, no page left behind."""
+    engine = default_engine
+    checks: list[bool] = []
+
+    def arrivals() -> bool:  # every other check finds a request queued
+        checks.append(len(checks) % 2 == 0)
+        return checks[-1]
+
+    params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=20, stop=["."]),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=28, ignore_eos=True)]
+    with _mode(engine, False):
+        expected = _summary(engine.generate(PROMPTS[:3], params, use_tqdm=False))
+    engine.arrivals = arrivals
+    try:
+        with _mode(engine, True) as lookaheads:
+            got = _summary(engine.generate(PROMPTS[:3], params, use_tqdm=False))
+    finally:
+        engine.arrivals = None
+    assert got == expected
+    assert len(checks) > 20
+    assert len(lookaheads) == checks.count(False), "a look-ahead step starts exactly when no arrival was found"
     _assert_no_leak(engine)
 
 
