@@ -148,6 +148,14 @@ class ModelRunner:
         """Async scheduling feeds a step from the previous step's device ids: one device, one host."""
         return self.mesh is None and self.channel is None
 
+    @property
+    def dispatch_keeps_up(self) -> bool:
+        """Whether the host dispatches a step's pieces faster than the device runs them, so that a step started
+        only once the previous one has ended leaves the device idle for no more than its first piece: on a CPU,
+        yes (a layer runs for longer than its dispatch); a GPU runs a small step's layers faster than the host
+        dispatches them, so there the next step must be queued while the current one runs."""
+        return jax.devices()[0].platform == "cpu"
+
     def step_shapes(self) -> list[StepShape]:
         """The model's step shapes, then the vision encoder's (multimodal models)."""
         return self.shapes.shapes() + ([] if self.encoder is None else self.encoder.step_shapes())
