@@ -93,7 +93,8 @@ class ModelRunner:
         # XLA:CPU runs each device's share of a collective on a small shared thread pool: two independent
         # sharded executions in flight (a step's layer and the next group's embedding) can fill it with
         # waiting participants and deadlock. Virtual CPU meshes therefore run one executable at a time.
-        self._one_at_a_time = self.mesh is not None and jax.devices()[0].platform == "cpu"
+        self._on_cpu = jax.devices()[0].platform == "cpu"
+        self._one_at_a_time = self.mesh is not None and self._on_cpu
         self.channel = channel
         self._inputs = InputTransfer()
         self.backend = get_backend(attention_backend).for_model(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
@@ -154,7 +155,7 @@ class ModelRunner:
         only once the previous one has ended leaves the device idle for no more than its first piece: on a CPU,
         yes (a layer runs for longer than its dispatch); a GPU runs a small step's layers faster than the host
         dispatches them, so there the next step must be queued while the current one runs."""
-        return jax.devices()[0].platform == "cpu"
+        return self._on_cpu
 
     def step_shapes(self) -> list[StepShape]:
         """The model's step shapes, then the vision encoder's (multimodal models)."""
