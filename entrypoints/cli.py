@@ -8,6 +8,7 @@ import os
 import sys
 import time
 
+from jvllm.collector import own_process
 from jvllm.engine.arg_utils import EngineArgs, MULTIHOST_FIELDS, add_dataclass_flags, dataclass_from_flags, human_int
 from entrypoints.bench import add_bench_parser, run_bench
 from server.settings import ServerSettings
@@ -176,5 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def console_main() -> int:
+    """The `jvllm` command: the process is jvllm's, so the heap an engine builds at start-up is frozen out of the
+    garbage collector's walks (jvllm.collector)."""
+    own_process()
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())

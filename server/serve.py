@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
+from jvllm.collector import freeze_start_up_heap
 from jvllm.engine.async_engine import AsyncEngine
 
 if TYPE_CHECKING:
@@ -82,6 +83,7 @@ def run_server(engine_args: EngineArgs, settings: ServerSettings) -> int:
     settings.chat_template = load_chat_template(settings.chat_template)
     app = build_app(async_engine, settings)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    freeze_start_up_heap()  # no ~0.4 s full collections stalling the streams (jvllm.collector)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             access_log=not settings.disable_access_log, server_header=False)
     server = DrainingServer(config, async_engine, settings.shutdown_timeout)

@@ -10,6 +10,7 @@ import random
 import time
 from typing import Any, Callable, Iterable, Sequence
 
+from jvllm.collector import collector_paused
 from jvllm.heap import release_freed_memory, reuse_freed_memory
 from jvllm.logging_setup import configure_default_logging
 from jvllm.worker.compile_cache import enable_compilation_cache
@@ -82,6 +83,7 @@ class Engine(MultiHostRoles, FrontEndViews, PoolingCalls, BeamSearchCalls):
         return engine
 
     @during_start_up
+    @collector_paused()
     def _start(self, args: EngineArgs, usage: UsageContext) -> None:
         """Load the model, size the KV pool, build the scheduler and the runner, and precompile."""
         self.args = args
