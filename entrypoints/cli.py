@@ -177,12 +177,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def console_main() -> int:
-    """The `jvllm` command: the process is jvllm's, so the heap an engine builds at start-up is frozen out of the
-    garbage collector's walks (jvllm.collector)."""
-    own_process()
-    return main()
-
-
 if __name__ == "__main__":
-    sys.exit(console_main())
+    own_process()  # as the `jvllm` command (entrypoints.command), less the imports already done
+    sys.exit(main())

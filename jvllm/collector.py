@@ -15,10 +15,10 @@ _freeze_after_start_up = False
 
 
 def own_process() -> None:
-    """Declares the process jvllm's own (the `jvllm` command): an engine that starts in it freezes the heap it built
-    (`gc.freeze`), so that later collections, the one at exit included, walk only what came after. Not for a
-    library caller's process: a frozen object is never collected, even once it is unreachable garbage (an engine
-    the caller dropped, caught in a cycle, would keep its KV pool)."""
+    """Declares the process jvllm's own (the `jvllm` command, `entrypoints.command`): an engine that starts in it
+    freezes the heap it built (`gc.freeze`), so that later collections, the one at exit included, walk only what
+    came after. Not for a library caller's process: a frozen object is never collected, even once it is unreachable
+    garbage (an engine the caller dropped, caught in a cycle, would keep its KV pool)."""
     global _freeze_after_start_up
     _freeze_after_start_up = True
 

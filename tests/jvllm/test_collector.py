@@ -62,16 +62,16 @@ def test_a_library_engine_starts_without_automatic_collections_and_freezes_nothi
 
 
 def test_the_jvllm_command_freezes_the_heap_its_engine_built(tiny_llama):
-    """`jvllm` runs `console_main`, which declares the process jvllm's; its engine's start-up heap is then out of
-    the collector's walks (the frozen count is read at exit)."""
+    """`jvllm` runs `entrypoints.command.run`, which freezes what its imports built and declares the process
+    jvllm's; its engine's start-up heap is then out of the collector's walks too (counts read at exit)."""
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["jvllm"] == "entrypoints.cli:console_main"
+    assert scripts["jvllm"] == "entrypoints.command:run"
     code = ("import atexit, gc, sys\n"
             "atexit.register(lambda: print('frozen', gc.get_freeze_count(), 'enabled', gc.isenabled()))\n"
-            "from entrypoints.cli import console_main\n"
+            "from entrypoints.command import run\n"
             f"sys.argv = ['jvllm', 'generate', 'Hi', '--model', {tiny_llama!r}, '--max-tokens', '2', "
             "'--kv-cache-memory-bytes', '16M', '--max-model-len', '256', '--dtype', 'float32']\n"
-            "sys.exit(console_main())\n")
+            "sys.exit(run())\n")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     frozen, enabled = run.stdout.split("frozen ")[-1].split()[0::2]
