@@ -81,3 +81,29 @@ def test_generate_reports_a_bad_model_path_without_a_traceback(capsys):
     assert main(["generate", "hi", "--model", "/nonexistent/model"]) == 2
     err = capsys.readouterr().err
     assert "not found" in err and "Traceback" not in err
+
+
+def test_a_second_generate_loads_every_compiled_piece_from_the_persistent_cache(tiny_model_factory, tmp_path):
+    """However quickly a piece compiles, the first start stores it and the next loads it (a compile at every start
+    is what a short minimum compile time for the cache costs)."""
+    code = ("import collections, sys\n"
+            "import jax\n"
+            "events = collections.Counter()\n"
+            "jax.monitoring.register_event_listener(lambda event, **_: events.update([event]))\n"
+            "from entrypoints.command import run\n"
+            f"sys.argv = ['jvllm', 'generate', 'Hi', '--model', {str(tiny_model_factory('llama'))!r}, "
+            "'--max-tokens', '2', '--kv-cache-memory-bytes', '16M', '--max-model-len', '256', '--dtype', 'float32']\n"
+            "code = run()\n"
+            "print('requests', events['/jax/compilation_cache/compile_requests_use_cache'], "
+            "'hits', events['/jax/compilation_cache/cache_hits'])\n"
+            "sys.exit(code)\n")
+    env = {**os.environ, "JVLLM_CACHE_DIR": str(tmp_path)}
+    counts = []
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        requests, hits = (int(word) for word in run.stdout.split("requests ")[-1].split()[0::2])
+        counts.append((requests, hits))
+    (first_requests, first_hits), (second_requests, second_hits) = counts
+    assert first_requests > 0 and first_hits == 0  # a fresh cache: everything compiled, and stored
+    assert second_requests == first_requests and second_hits == second_requests
