@@ -1,4 +1,5 @@
-// Matrix products with GGUF-quantized weights for XLA CPU, as XLA FFI custom calls (quantized_products.h):
+// Matrix products with GGUF-quantized weights for XLA CPU, as XLA FFI custom calls (quantized_products.h; each
+// format's products are compiled apart: format_products.h):
 //   jvllm_quantized_matmul:  y[M, N] = x[M, K] . W[N, K]^T
 //   jvllm_gated_matmul:      y[M, N] = silu(x . G^T) * (x . U^T)   (an MLP's gate and up projections)
 // x and y float32, the weights as their GGUF blocks (row n = whole blocks of one format).
@@ -12,7 +13,7 @@
 #include <string>
 
 #include "block_formats.h"
-#include "quantized_products.h"
+#include "format_products.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

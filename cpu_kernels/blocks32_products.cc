@@ -1,0 +1,12 @@
+// The products of the 32-weight block formats (Q8_0, Q4_0, Q4_1): compiled apart from the K-quants' so that the
+// kernels' build runs both at once (format_products.h).
+
+#include "format_products.h"
+
+namespace jvllm {
+
+JVLLM_FORMAT_PRODUCTS(, Q8_0)
+JVLLM_FORMAT_PRODUCTS(, Q4_0)
+JVLLM_FORMAT_PRODUCTS(, Q4_1)
+
+}  // namespace jvllm

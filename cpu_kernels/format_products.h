@@ -1,0 +1,27 @@
+// The products of each block format are compiled in translation units of their own (blocks32_products.cc: Q8_0,
+// Q4_0, Q4_1; kquant_products.cc: Q4_K, Q5_K, Q6_K), which the kernels' build runs side by side: instantiating
+// every format's paths is most of the build (on the 2-core VM ~25 s for three formats, ~55 s for all six in one
+// unit). A unit that calls them includes this header, which declares them instead of instantiating them again.
+#pragma once
+
+#include <cstdint>
+
+#include "block_formats.h"
+#include "quantized_products.h"
+
+// `prefix` empty: the explicit instantiations (in the units above); `extern`: their declarations.
+#define JVLLM_FORMAT_PRODUCTS(prefix, Fmt)                                                             \
+  prefix template void RunProduct<Fmt>(Shapes, const float*, const uint8_t*, float*, const RowPaths&); \
+  prefix template void RunGatedProduct<Fmt>(Shapes, const float*, const uint8_t*, const uint8_t*, float*, \
+                                            const RowPaths&);
+
+namespace jvllm {
+
+JVLLM_FORMAT_PRODUCTS(extern, Q8_0)
+JVLLM_FORMAT_PRODUCTS(extern, Q4_0)
+JVLLM_FORMAT_PRODUCTS(extern, Q4_1)
+JVLLM_FORMAT_PRODUCTS(extern, Q4_K)
+JVLLM_FORMAT_PRODUCTS(extern, Q5_K)
+JVLLM_FORMAT_PRODUCTS(extern, Q6_K)
+
+}  // namespace jvllm
