@@ -71,8 +71,8 @@ def _library_path(compiler: str) -> pathlib.Path:
 
 
 def _build(compiler: str, target: pathlib.Path) -> None:
-    """Compiles the sources side by side (the block formats' products, split in two units, take most of the time:
-    one compiler run over everything took ~60 s on 2 cores), then links them."""
+    """Compiles the sources side by side, each in its own compiler process (the block formats' products, in two
+    units, take most of the time), then links them."""
     import jax.ffi
 
     target.parent.mkdir(parents=True, exist_ok=True)

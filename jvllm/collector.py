@@ -3,8 +3,8 @@ owns (its command line, a server), the start-up heap moved out of its reach for 
 
 A full collection walks every tracked object. After start-up a process holds ~600k of them (jax, transformers,
 the model, the traced and compiled steps) and only ~100 of them are cyclic garbage, yet each full collection
-takes ~0.35-0.5 s with the GIL held: during `jvllm generate`, eight of them while it started and one at exit
-cost ~1.6 s of ~6.5 s; while serving, one came about every 30 s and stalled every step and stream in flight."""
+takes ~0.35-0.5 s with the GIL held: left alone, `jvllm generate` meets eight of them while it starts and one at
+exit (~1.6 s of ~6.5 s), and a busy server one about every 30 s, stalling every step and stream in flight."""
 from __future__ import annotations
 
 import contextlib

@@ -24,8 +24,8 @@ def enable_compilation_cache() -> str:
     directory = str(cache_root() / "xla")
     if not _enabled and not _disabled:
         jax.config.update("jax_compilation_cache_dir", directory)
-        # Every piece, however quickly it compiles: the engine's many small pieces (~40 ms each) add up, and a
-        # cache load is cheaper (with JAX's default of 1 s, or 0.2 s, each start compiled them all again).
+        # Every piece, however quickly it compiles: the engine has many small pieces (~40 ms each), and loading
+        # one is cheaper than compiling it again at every start.
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
         _enabled = True
