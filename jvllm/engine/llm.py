@@ -302,7 +302,7 @@ class Engine(MultiHostRoles, FrontEndViews, PoolingCalls, BeamSearchCalls):
         chunks = plan_lookahead(self.scheduler, alive)
         if chunks is None:
             return None
-        arrivals = self.arrivals if self.arrivals is not None and self.runner.dispatch_keeps_up else None
+        arrivals = self.arrivals if self.runner.dispatch_keeps_up else None
         return StepInFlight.dispatch(self.runner, chunks, self.encoder_cache, current,
                                      gate=None if arrivals is None else lambda: self._no_arrival(current, arrivals))
 
