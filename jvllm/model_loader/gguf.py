@@ -188,7 +188,7 @@ def load_gguf_tensors(source: str | GGUFHeader) -> dict[str, np.ndarray]:
     header = open_gguf(source)
     architecture = architecture_for(header)
     out: dict[str, np.ndarray] = {}
-    for tensor in header.reader.tensors:
+    for tensor in header.tensors.values():
         if tensor.name in DERIVED_TENSORS:
             continue
         name = hf_name(tensor.name, architecture)

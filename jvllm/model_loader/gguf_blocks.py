@@ -47,7 +47,7 @@ def read_gguf_weights(header: GGUFHeader) -> GGUFWeights:
     architecture = architecture_for(header)
     floats: dict[str, np.ndarray] = {}
     blocks: dict[str, tuple[np.ndarray, str]] = {}
-    for tensor in header.reader.tensors:
+    for tensor in header.tensors.values():
         if tensor.name in DERIVED_TENSORS:
             continue
         name = hf_name(tensor.name, architecture)

@@ -314,15 +314,15 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
 
 
 def _load_gguf_blocks(path: str, config: Any, model_cls: Any, jdtype: Any, partial: LoadedModel) -> LoadedModel:
-    from jvllm.model_loader.gguf import open_gguf
     from jvllm.model_loader.gguf_blocks import load_gguf_weights, read_gguf_weights
+    from jvllm.model_loader.gguf_index import indexed_gguf
 
     if not hasattr(model_cls, "set_quantized_embedding"):
         raise ValueError(f"{config.architecture} does not run on GGUF blocks; leave quantization unset")
     module = abstract_module(model_cls, config, jdtype)
     started = time.perf_counter()
-    header = open_gguf(path)
-    logger.info("read the GGUF header (%d tensors) in %.1fs", len(header.tensors), time.perf_counter() - started)
+    header = indexed_gguf(path, _converted_folder(path) / "gguf_index.json")  # the folder holds its config
+    logger.info("read the GGUF header (%d tensors) in %.2fs", len(header.tensors), time.perf_counter() - started)
     weights = read_gguf_weights(header)
     kept = load_gguf_weights(module, weights, jdtype)
     logger.info("kept %d tensors in their GGUF blocks (%.1f MB)", kept, weights.block_bytes / 1e6)
