@@ -42,7 +42,7 @@ class IndexedHeader(GGUFHeader):
         self._omitted = set(index["omitted"])
         self._parsed: GGUFHeader | None = None
         mapped = np.memmap(path, mode="r").view(np.ndarray)  # the view keeps the map alive
-        self.tensors = {}
+        self.tensors: dict[str, IndexedTensor] = {}  # type: ignore[assignment]
         for name, type_id, dims, dtype, shape, offset in index["tensors"]:
             dtype = np.dtype(dtype)
             count = int(np.prod(shape, dtype=np.int64))
