@@ -1,6 +1,6 @@
 """Python's cyclic garbage collector around the engine: paused while an engine starts; then, in a process jvllm
 owns (its command line, a server), the start-up heap moved out of its reach for good, and in a library caller's,
-moved to the oldest generation before the first request.
+collected once so that it is old before the first request.
 
 A full collection walks every tracked object. After start-up a process holds ~600k of them (jax, transformers,
 the model, the traced and compiled steps) and only ~100 of them are cyclic garbage, yet each full collection
@@ -28,7 +28,7 @@ def own_process() -> None:
 def collector_paused() -> Iterator[None]:
     """No automatic collection inside (usable as a decorator): start-up builds a large, long-lived heap with
     almost no cycles, and collecting while it grows only walks it again and again. On the way out, in a process
-    jvllm owns, the heap is frozen; in a library caller's, it is made old (`settle_heap`)."""
+    jvllm owns, the heap is frozen; in a library caller's, it is collected once (`settle_heap`)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -43,18 +43,17 @@ def collector_paused() -> Iterator[None]:
 
 
 def settle_heap() -> None:
-    """Move every tracked object into the oldest generation without walking it (`gc.freeze` then `gc.unfreeze`,
-    each O(1)); collectable there as any old object. Skipped when the caller froze objects of its own, which
-    `gc.unfreeze` would release.
+    """One full collection now, so that the start-up heap is the old generation's, counted as long-lived.
 
-    Left young, the start-up heap would be walked by the first collections after start-up, inside the caller's
-    first batch or burst of requests: a middle-generation one (~0.3 s), which promotes it, and then the full one
-    that the promotion brings due (~0.4 s: Python runs a full collection once the objects promoted since the last
-    one exceed a quarter of those it found alive then). Moved this way it is never counted as promoted, and a
-    full collection (one per engine start, were it collected instead) comes only as the caller's own work adds up."""
-    if gc.get_freeze_count() == 0:
-        gc.freeze()
-        gc.unfreeze()
+    Left young, the heap would be walked by the first collections after start-up: a middle-generation one
+    (~0.3 s) and then a full one (~0.4 s), since Python runs a full collection once the objects promoted since
+    the last one exceed a quarter of those it found alive then, and no full collection has counted the heap yet.
+    They would come due inside the caller's first batch or burst of requests. Collected here, the heap sets that
+    quarter at ~150k objects, and later full collections are rare. (Moving the heap to the oldest generation
+    unwalked, with `gc.freeze()` and `gc.unfreeze()`, would spare the ~0.4 s but never count it: full collections
+    would then come so seldom that engines a caller dropped, caught in cycles, kept their memory.) The collection
+    also frees what engines dropped earlier left."""
+    gc.collect()
 
 
 def freeze_start_up_heap() -> None:

@@ -36,7 +36,7 @@ def test_the_collector_is_paused_inside_and_restored_after_even_on_error():
         gc.enable()
 
 
-def test_a_library_engine_starts_without_collections_leaves_its_heap_old_and_freezes_nothing(tiny_llama):
+def test_a_library_engine_starts_with_one_full_collection_leaves_its_heap_old_and_freezes_nothing(tiny_llama):
     from jvllm import LLM
 
     collections: list[int] = []
@@ -55,12 +55,28 @@ def test_a_library_engine_starts_without_collections_leaves_its_heap_old_and_fre
     finally:
         gc.callbacks.remove(on_collection)
     assert engine.generate("Hi", use_tqdm=False)[0].outputs[0].token_ids  # the engine works
-    # Without the pause, tracing and compiling trigger hundreds; with it, none, and the start-up heap leaves in
-    # the oldest generation: the first collections of the caller's requests walk only what those requests made.
-    assert collections == []
+    # Without the pause, tracing and compiling trigger hundreds; with it, only the one full collection on the way
+    # out, which leaves the start-up heap in the oldest generation: the first collections of the caller's
+    # requests walk only what those requests made.
+    assert collections == [2]
     assert young < old / 20, (young, old)
     assert gc.isenabled()
     assert gc.get_freeze_count() == frozen_before  # a dropped engine must stay collectable
+
+
+def test_a_library_engine_start_frees_an_engine_the_caller_dropped_in_a_cycle(tiny_llama):
+    import weakref
+
+    from jvllm import LLM
+
+    settings = dict(dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=256, max_num_seqs=4,
+                    max_num_batched_tokens=64, precompile=False)
+    dropped = LLM(tiny_llama, **settings)
+    dropped.itself = dropped  # a cycle: only the cyclic collector can free it (and its KV pool)
+    gone = weakref.ref(dropped)
+    del dropped
+    LLM(tiny_llama, **settings)
+    assert gone() is None
 
 
 def test_the_jvllm_command_freezes_the_heap_its_engine_built(tiny_llama):
