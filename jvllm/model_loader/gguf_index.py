@@ -21,6 +21,7 @@ INDEX_VERSION = 1
 # Array fields longer than this (the vocabulary, its merges, scores and types) stay out of the index; asking an
 # indexed header for one parses the file then.
 MAX_INDEXED_ITEMS = 256
+INDEX_FILE = "gguf_index.json"  # in the converted folder, beside the config and tokenizer
 
 
 class IndexedTensor(NamedTuple):
@@ -82,9 +83,19 @@ def header_index(header: GGUFHeader, path: str) -> dict[str, Any]:
             "tensors": tensors}
 
 
+def write_index(header: GGUFHeader, path: str, index_file: Path) -> None:
+    """`header`'s index into `index_file`, atomically; a folder that cannot be written only costs a parse later."""
+    try:
+        partial = index_file.with_name(f"{index_file.name}.tmp{os.getpid()}")
+        partial.write_text(json.dumps(header_index(header, path)))
+        os.replace(partial, index_file)
+    except OSError as error:
+        logger.info("could not write the GGUF index %s (%s)", index_file, error)
+
+
 def indexed_gguf(path: str, index_file: Path) -> GGUFHeader:
     """The file's header: from `index_file` when it holds this file's index, else parsed (and the index written
-    there for the next start; a folder that cannot be written only costs the parse next time)."""
+    there for the next start)."""
     try:
         index = json.loads(index_file.read_text())
         if index.get("version") == INDEX_VERSION and index.get("size") == os.path.getsize(path):
@@ -94,10 +105,5 @@ def indexed_gguf(path: str, index_file: Path) -> GGUFHeader:
     except (OSError, ValueError, KeyError, TypeError) as error:  # unreadable or from another version: rebuilt
         logger.info("rebuilding the GGUF index %s (%s)", index_file, error)
     header = open_gguf(path)
-    try:
-        partial = index_file.with_name(f"{index_file.name}.tmp{os.getpid()}")
-        partial.write_text(json.dumps(header_index(header, path)))
-        os.replace(partial, index_file)
-    except OSError as error:
-        logger.info("could not write the GGUF index %s (%s)", index_file, error)
+    write_index(header, path, index_file)
     return header

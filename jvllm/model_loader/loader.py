@@ -139,6 +139,7 @@ def transformers_folder(model: str | None = None) -> str:
 
 def _convert_gguf_metadata(gguf_path: str, folder: Path, tokenizer_required: bool) -> None:
     from jvllm.model_loader.gguf import gguf_tokenizer, open_gguf, read_gguf_config
+    from jvllm.model_loader.gguf_index import INDEX_FILE, write_index
 
     header = open_gguf(gguf_path)
     config = read_gguf_config(header)  # an unsupported architecture fails here, before any work
@@ -152,6 +153,7 @@ def _convert_gguf_metadata(gguf_path: str, folder: Path, tokenizer_required: boo
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    write_index(header, gguf_path, tmp / INDEX_FILE)  # loading the blocks then parses nothing
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if folder.exists():  # another process finished the same conversion first
@@ -315,13 +317,13 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
 
 def _load_gguf_blocks(path: str, config: Any, model_cls: Any, jdtype: Any, partial: LoadedModel) -> LoadedModel:
     from jvllm.model_loader.gguf_blocks import load_gguf_weights, read_gguf_weights
-    from jvllm.model_loader.gguf_index import indexed_gguf
+    from jvllm.model_loader.gguf_index import INDEX_FILE, indexed_gguf
 
     if not hasattr(model_cls, "set_quantized_embedding"):
         raise ValueError(f"{config.architecture} does not run on GGUF blocks; leave quantization unset")
     module = abstract_module(model_cls, config, jdtype)
     started = time.perf_counter()
-    header = indexed_gguf(path, _converted_folder(path) / "gguf_index.json")  # the folder holds its config
+    header = indexed_gguf(path, _converted_folder(path) / INDEX_FILE)
     logger.info("read the GGUF header (%d tensors) in %.2fs", len(header.tensors), time.perf_counter() - started)
     weights = read_gguf_weights(header)
     kept = load_gguf_weights(module, weights, jdtype)
