@@ -136,12 +136,9 @@ class Bf16Tiles {
             const int64_t cols = up_ != nullptr ? kTileCols : t + 2 <= num_tiles ? 2 * kTileCols : kTileCols;
             const Slice slice{tiles.data() + t * tile_values, p0, p1, n,
                               static_cast<int>(std::min<int64_t>(cols, c1 - n))};
-            int64_t m = m0;
-            for (; m + kRowGroup <= m1; m += kRowGroup) GroupTimesSlice<kRowGroup>(slice, m);
-            if (m < m1) {
-              WithRowCount<kRowGroup - 1>(static_cast<int>(m1 - m),
-                                           [&](auto rows) { GroupTimesSlice<decltype(rows)::value>(slice, m); });
-            }
+            ForRowGroups<kRowGroup>(m0, m1, [&](auto rows, int64_t m) {
+              GroupTimesSlice<decltype(rows)::value>(slice, m);
+            });
           }
         }
       }

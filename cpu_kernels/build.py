@@ -8,12 +8,16 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import pathlib
 import platform
 import shutil
 import subprocess
 import tempfile
+import time
+
+logger = logging.getLogger("jvllm.cpu_kernels")
 
 HERE = pathlib.Path(__file__).parent
 SOURCES = [HERE / name for name in ("blocks32_products.cc", "kquant_products.cc", "paged_attention.cc",
@@ -103,16 +107,24 @@ def _check(command: list[str], returncode: int, stderr: str) -> None:
         raise KernelsUnavailable(f"building the CPU kernels failed:\n{' '.join(command)}\n{stderr[-4000:]}")
 
 
+def built_library(compiler: str) -> pathlib.Path:
+    """The shared library for this machine, built first (and logged: it takes a while) if the cache lacks it."""
+    path = _library_path(compiler)
+    if not path.exists():
+        logger.info("building the native CPU kernels for this CPU into %s (first start only: ~30 s on 2 cores)",
+                    path.parent)
+        started = time.perf_counter()
+        _build(compiler, path)
+        logger.info("native CPU kernels built in %.1fs", time.perf_counter() - started)
+    return path
+
+
 @functools.lru_cache(maxsize=1)
 def load() -> ctypes.CDLL:
     """The kernels' shared library, built if needed, with its custom calls registered for XLA CPU."""
     import jax.ffi
 
-    compiler = _compiler()
-    path = _library_path(compiler)
-    if not path.exists():
-        _build(compiler, path)
-    library = ctypes.CDLL(str(path))
+    library = ctypes.CDLL(str(built_library(_compiler())))
     for name, symbol in TARGETS.items():
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
     return library

@@ -48,6 +48,15 @@ inline void WithRowCount(int rows, F&& f) {
   }
 }
 
+// group(std::integral_constant<int, R>{}, m) over rows [m0, m1) of x in groups of R = kGroup rows, the last, smaller
+// group with its own R (the tiled sweeps' row groups against one slice of weight tiles).
+template <int kGroup, typename G>
+inline void ForRowGroups(int64_t m0, int64_t m1, G&& group) {
+  int64_t m = m0;
+  for (; m + kGroup <= m1; m += kGroup) group(std::integral_constant<int, kGroup>{}, m);
+  if (m < m1) WithRowCount<kGroup - 1>(static_cast<int>(m1 - m), [&](auto rows) { group(rows, m); });
+}
+
 // kTileRows weight rows at a time are dequantized into a float tile reused by every panel of kPanelRows
 // rows of x (6 x 16: 12 accumulators, two x vectors and a broadcast weight fill AVX2's 16 registers).
 constexpr int kTileRows = 6;

@@ -68,12 +68,9 @@ class Int16Tiles {
                               scales.data() + (t * 2 * subs_ + s0) * kTileCols,
                               scales.data() + ((t * 2 + 1) * subs_ + s0) * kTileCols, s0, subs, n,
                               static_cast<int>(std::min<int64_t>(kTileCols, c1 - n))};
-            int64_t m = m0;
-            for (; m + kRowGroup <= m1; m += kRowGroup) GroupTimesSlice<kRowGroup>(slice, m);
-            if (m < m1) {
-              WithRowCount<kRowGroup - 1>(static_cast<int>(m1 - m),
-                                           [&](auto rows) { GroupTimesSlice<decltype(rows)::value>(slice, m); });
-            }
+            ForRowGroups<kRowGroup>(m0, m1, [&](auto rows, int64_t m) {
+              GroupTimesSlice<decltype(rows)::value>(slice, m);
+            });
           }
         }
       }

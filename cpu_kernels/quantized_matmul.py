@@ -28,9 +28,16 @@ def bf16_max_rows() -> int:
     return int(load().JvllmBf16MaxRows())
 
 
+@functools.lru_cache(maxsize=1)
+def int8_tile_min_rows() -> int:
+    """From how many live rows this machine's kernel build multiplies 4-bit blocks with 8-bit activations (AVX-512
+    VNNI builds; 0: never)."""
+    return int(load().JvllmInt8TileMinRows())
+
+
 def quantized_matmul(x: jax.Array, weight: jax.Array, fmt: str, int16_max_rows: int = 0,
                      int16_tile_min_rows: int = 0, live_rows: jax.Array | None = None,
-                     bf16_max_rows: int = 0, bf16_min_rows: int = 2) -> jax.Array:
+                     bf16_max_rows: int = 0, bf16_min_rows: int = 2, int8_tile_min_rows: int = 0) -> jax.Array:
     """x [M, K] float, weight [N, K / block weights * block bytes] uint8 (GGUF blocks, one row per output) -> x @ W^T
     [M, N] float32. `live_rows` ([] int32, default M): only the first rows of x are multiplied, the other rows of
     the result are 0 (a step's padding). From `bf16_min_rows` (1 or 2) to `bf16_max_rows` live rows (builds with
@@ -38,21 +45,25 @@ def quantized_matmul(x: jax.Array, weight: jax.Array, fmt: str, int16_max_rows: 
     whatever rows come with it. Up to `int16_max_rows` live rows, and from
     `int16_tile_min_rows` if that is not 0, x is quantized to int16 blocks and multiplied with integer dot products
     (AVX2 builds; within ~3e-5 of the float32 products); other row counts multiply float32 weights dequantized in
-    registers or in tiles."""
+    registers or in tiles. From `int8_tile_min_rows` live rows if that is not 0 (AVX-512 VNNI builds, Q4_0 and Q4_1),
+    x is quantized to int8 per block of 32 and multiplied with 8-bit dot products: each output within half a step
+    of x's block scale (max |x| / 254) times the block's sum |d q|."""
     return _call("jvllm_quantized_matmul", x, (weight,), fmt, live_rows, int16_max_rows=int16_max_rows,
-                 int16_tile_min_rows=int16_tile_min_rows, bf16_max_rows=bf16_max_rows, bf16_min_rows=bf16_min_rows)
+                 int16_tile_min_rows=int16_tile_min_rows, bf16_max_rows=bf16_max_rows, bf16_min_rows=bf16_min_rows,
+                 int8_tile_min_rows=int8_tile_min_rows)
 
 
 def gated_matmul(x: jax.Array, gate: jax.Array, up: jax.Array, fmt: str, int16_max_rows: int = 0,
                  int16_tile_min_rows: int = 0, live_rows: jax.Array | None = None,
-                 bf16_max_rows: int = 0, bf16_min_rows: int = 2) -> jax.Array:
+                 bf16_max_rows: int = 0, bf16_min_rows: int = 2, int8_tile_min_rows: int = 0) -> jax.Array:
     """silu(x @ G^T) * (x @ U^T) [M, N] float32 for an MLP's gate and up weights G, U [N, row bytes] in format
     `fmt`: the products of `quantized_matmul` (same row paths and numerics), and past the bfloat16 row limit made
     in one pass that writes only the activations."""
     if gate.shape != up.shape:
         raise ValueError(f"gated_matmul: gate {gate.shape} and up {up.shape} weights differ")
     return _call("jvllm_gated_matmul", x, (gate, up), fmt, live_rows, int16_max_rows=int16_max_rows,
-                 int16_tile_min_rows=int16_tile_min_rows, bf16_max_rows=bf16_max_rows, bf16_min_rows=bf16_min_rows)
+                 int16_tile_min_rows=int16_tile_min_rows, bf16_max_rows=bf16_max_rows, bf16_min_rows=bf16_min_rows,
+                 int8_tile_min_rows=int8_tile_min_rows)
 
 
 def _call(target: str, x: jax.Array, weights: tuple[jax.Array, ...], fmt: str, live_rows: jax.Array | None,

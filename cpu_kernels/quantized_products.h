@@ -10,7 +10,8 @@
 // from int16_tile_min_rows with x so quantized against 16-bit code tiles (int16_tiles.h); the rows between through
 // float32 weight tiles (float_tiles.h), a lone row without int16 through blocks dequantized in registers. The float
 // paths give the float32 product with the dequantized weights up to summation order, the int16 ones within ~3e-5 of
-// it. Work items are ranges of output rows, shared by the caller and the kernels' helper threads.
+// it. From int8_tile_min_rows (CPUs with AVX-512 VNNI, 4-bit blocks) x is quantized to int8 blocks against 8-bit
+// code tiles (int8_tiles.h). Work items are ranges of output rows, shared by the caller and the kernels' helper threads.
 //
 // The block formats are described in block_formats.h.
 #pragma once
@@ -27,6 +28,7 @@
 #include "int16_dots.h"
 #include "bf16_tiles.h"
 #include "int16_tiles.h"
+#include "int8_tiles.h"
 #include "run_items.h"
 #include "vector_exp.h"
 
@@ -51,6 +53,7 @@ struct Shapes {
 struct RowPaths {
   int64_t int16_max_rows, int16_tile_min_rows, bf16_max_rows;
   int64_t bf16_min_rows;  // 1: a lone row in bfloat16 too (the same bits as among 2-8 rows), 2: a lone row in int16
+  int64_t int8_tile_min_rows;  // from this many rows, 8-bit products where the build and format have them (0: never)
 };
 
 // Up to kDirectRows rows of x: each weight block is dequantized in registers and used at once; from 2, the paths of
@@ -73,20 +76,6 @@ constexpr int64_t kBf16MaxRows = 8;
 constexpr int64_t kBf16MaxRows = 0;
 struct Bf16Rows {};
 #endif
-
-// Units of work per item such that the threads' shares are as even as whole units allow: 1 to 4 items per thread,
-// the most items among the most even splits (a thread that starts late still finds work). 18 units on 2 threads:
-// 6 items of 3, where 4 items of 5 would leave one thread 10 units and the other 8.
-inline int64_t BalancedUnits(int64_t units, int64_t threads) {
-  int64_t best = units, best_share = INT64_MAX;
-  for (int64_t per_thread = 1; per_thread <= 4; ++per_thread) {
-    const int64_t size = (units + threads * per_thread - 1) / (threads * per_thread);
-    const int64_t items = (units + size - 1) / size;
-    const int64_t share = size * ((items + threads - 1) / threads);  // the busiest thread's units, at most
-    if (share <= best_share) best = size, best_share = share;
-  }
-  return best;
-}
 
 template <typename Fmt>
 class Matmul {
@@ -293,6 +282,10 @@ class Matmul {
 
 template <typename Fmt>
 void RunProduct(Shapes sh, const float* x, const uint8_t* w, float* y, const RowPaths& paths) {
+  if (TakesInt8Tiles<Fmt>(sh.m, paths.int8_tile_min_rows)) {
+    RunInt8Product<Fmt>(sh.m, sh.k, sh.n, x, w, y);
+    return;
+  }
 #if defined(__AVX512BF16__)
   if (paths.bf16_max_rows > 0 && sh.m >= paths.bf16_min_rows) {  // bfloat16 products: rows, tiles past kBf16MaxRows
     thread_local Bf16Rows xb;
@@ -350,6 +343,10 @@ struct SiluTimes {
 template <typename Fmt>
 void RunGatedProduct(Shapes sh, const float* x, const uint8_t* gate, const uint8_t* up, float* y,
                      const RowPaths& paths) {
+  if (TakesInt8Tiles<Fmt>(sh.m, paths.int8_tile_min_rows)) {
+    RunInt8Product<Fmt>(sh.m, sh.k, sh.n, x, gate, y, up);
+    return;
+  }
 #if defined(__AVX512BF16__)
   if (paths.bf16_max_rows > 0 && sh.m > std::min(paths.bf16_max_rows, kBf16MaxRows)) {
     thread_local Bf16Rows xb;

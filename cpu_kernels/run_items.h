@@ -106,6 +106,20 @@ class HelperPool {
   void* ctx_ = nullptr;
 };
 
+// Units of work per item such that the threads' shares are as even as whole units allow: 1 to 4 items per thread,
+// the most items among the most even splits (a thread that starts late still finds work). 18 units on 2 threads:
+// 6 items of 3, where 4 items of 5 would leave one thread 10 units and the other 8.
+inline int64_t BalancedUnits(int64_t units, int64_t threads) {
+  int64_t best = units, best_share = INT64_MAX;
+  for (int64_t per_thread = 1; per_thread <= 4; ++per_thread) {
+    const int64_t size = (units + threads * per_thread - 1) / (threads * per_thread);
+    const int64_t items = (units + size - 1) / size;
+    const int64_t share = size * ((items + threads - 1) / threads);  // the busiest thread's units, at most
+    if (share <= best_share) best = size, best_share = share;
+  }
+  return best;
+}
+
 // Whether Work has RunWithNext(item, next): it is told the item its thread runs next (-1: none), to prefetch for it.
 template <typename Work, typename = void>
 struct RunsWithNext : std::false_type {};

@@ -125,21 +125,27 @@ def native_kernel_available() -> bool:
 # (like a float model's batched bf16 weights: rows to 8, bf16 weight tiles beyond) unless bf16_products(False) is in
 # effect; otherwise few rows multiply with activations quantized to int16 blocks, each weight block unpacked once per
 # activation row, and more rows unpack the weights once into 16-bit code tiles for all rows (AVX2 builds: float32
-# tiles in between). _BF16_MIN_ROWS: the fewest rows a product with GGUF blocks takes in bfloat16 here (0: none).
+# tiles in between). Prefill-sized products with 4-bit blocks (Q4_0, Q4_1) take 8-bit activations instead of
+# bfloat16 where the build has AVX-512 VNNI, as llama.cpp multiplies them, unless bf16_products(.., int8_tiles=False).
+# _BF16_MIN_ROWS: the fewest rows a product with GGUF blocks takes in bfloat16 here (0: none); _INT8_TILES: whether
+# the 8-bit tiles may be taken.
 _BF16_MIN_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("bf16_min_rows", default=2)
+_INT8_TILES: contextvars.ContextVar[bool] = contextvars.ContextVar("int8_tiles", default=True)
 
 
 @contextlib.contextmanager
-def bf16_products(enabled: bool, single_rows: bool = False) -> Iterator[None]:
+def bf16_products(enabled: bool, single_rows: bool = False, int8_tiles: bool = True) -> Iterator[None]:
     """Within: whether products of 2+ rows with GGUF blocks, and the native prefill attention over bfloat16 pages, may
     round their activations to bfloat16 where the CPU has bf16 dot products (jvllm.worker.step_functions sets it
     around a step's layers and head from the engine's batched_weight_dtype); with `single_rows`, lone rows too, so
     that a row's bits do not depend on the rows with it (speculative decoding: a verification step's rows give the
-    decode steps' tokens)."""
+    decode steps' tokens); with `int8_tiles` (and `enabled`), prefill-sized products with 4-bit blocks in 8 bits."""
     token = _BF16_MIN_ROWS.set(0 if not enabled else 1 if single_rows else 2)
+    int8_token = _INT8_TILES.set(int8_tiles)
     try:
         yield
     finally:
+        _INT8_TILES.reset(int8_token)
         _BF16_MIN_ROWS.reset(token)
 
 
@@ -149,11 +155,13 @@ def bf16_products_enabled() -> bool:
 
 
 def _bf16_rows() -> dict[str, int]:
-    """The bf16 row limits of the kernels' products here."""
-    from cpu_kernels.quantized_matmul import bf16_max_rows
+    """The reduced-precision row limits of the kernels' products here: bfloat16 rows and tiles, and 8-bit tiles for
+    prefill-sized products with 4-bit blocks where the build has them (under bf16_products(True, int8_tiles=True))."""
+    from cpu_kernels.quantized_matmul import bf16_max_rows, int8_tile_min_rows
 
-    return dict(bf16_max_rows=bf16_max_rows() if bf16_products_enabled() else 0,
-                bf16_min_rows=_BF16_MIN_ROWS.get() or 2)
+    enabled = bf16_products_enabled()
+    return dict(bf16_max_rows=bf16_max_rows() if enabled else 0, bf16_min_rows=_BF16_MIN_ROWS.get() or 2,
+                int8_tile_min_rows=int8_tile_min_rows() if enabled and _INT8_TILES.get() else 0)
 
 
 def quantized_dot(x: jax.Array, raw: jax.Array, fmt: str, scale: jax.Array | None = None) -> jax.Array:

@@ -28,7 +28,7 @@ from jvllm.core.kv_pages import PageManager
 from jvllm.core.lookahead import plan_lookahead, settle_lookahead
 from jvllm.worker.model_runner import ModelRunner
 from jvllm.engine.step_plan import StepInFlight, encoder_buffer_layout
-from jvllm.worker.weights import batched_weights_for, bf16_block_products
+from jvllm.worker.weights import batched_weights_for, bf16_block_products, int8_block_products
 from jvllm.worker.step_shapes import ShapeSet
 from jvllm.sample.logprobs import MAX_LOGPROBS
 from jvllm.parallel import distributed
@@ -132,6 +132,7 @@ class Engine(MultiHostRoles, FrontEndViews, PoolingCalls, BeamSearchCalls):
             self.model, num_pages=cfg.num_pages, page_size=cfg.page_size, max_model_len=cfg.max_model_len,
             shapes=shapes, attention_backend=backend, batched_weight_dtype=batched_dtype, channel=self.channel,
             bf16_block_products=bf16_block_products(args.batched_weight_dtype),
+            int8_block_products=int8_block_products(args.batched_weight_dtype),
             bf16_single_rows=args.batch_invariant,
             encoder_buffer=encoder_buffer_layout(self.encoder_cache), kv_cache_dtype=kv_dtype)
         if self.channel is not None and self.channel.is_leader:

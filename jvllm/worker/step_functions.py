@@ -71,13 +71,14 @@ def _zero_stats(rows: int) -> LogprobStats:
 def build_step_functions(parts: ModelParts, backend: AttentionBackend, activation_dtype: Any, max_num_seqs: int,
                          mesh: Mesh | None = None, vocab_size: int | None = None,
                          multimodal: bool = False, bf16_block_products: bool = True,
-                         bf16_single_rows: bool = False) -> StepFunctions:
+                         bf16_single_rows: bool = False, int8_block_products: bool = True) -> StepFunctions:
     """With a mesh (tensor parallelism) the weights and the pool arrive sharded: attention and the pool write
     run per shard, the embedding lookup is vocab-parallel, activations between the pieces are replicated,
     and logits are replicated (and stripped of any vocab padding past `vocab_size`) before sampling.
     `multimodal`: the embedding takes image features from the encoder buffer (replicated on a mesh).
     `bf16_block_products`: products of 2+ rows with GGUF blocks may run in bfloat16 (models.quantized);
-    `bf16_single_rows`: lone rows too (speculative decoding: verification rows then give a decode step's bits)."""
+    `bf16_single_rows`: lone rows too (speculative decoding: verification rows then give a decode step's bits);
+    `int8_block_products`: prefill-sized products with 4-bit blocks may take 8-bit activations instead."""
     attention = backend.layer_attention(mesh)
     embed_lookup = None if mesh is None else ops.vocab_parallel_lookup(mesh)
     gather = (lambda x: x) if mesh is None else ops.replicate(mesh)
@@ -107,7 +108,7 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
 
     def layer(weights: list[jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array, pages: tuple,
               md: AttentionMetadata, *, group: int = 0):
-        with live_rows(jnp.sum(md.q_lens), x.shape[0]), bf16_products(bf16_block_products, bf16_single_rows):
+        with live_rows(jnp.sum(md.q_lens), x.shape[0]), bf16_products(bf16_block_products, bf16_single_rows, int8_block_products):
             # padding tokens: no products on CPU's quantized weights
             return parts.layer(weights, group)(x, cos, sin, pages, md, attention)
 
@@ -117,7 +118,7 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
     def head_logits(outer: list[jax.Array], x_last: jax.Array, num_rows: jax.Array) -> jax.Array:
         model = parts.outer(outer)
         # padding rows' logits: 0
-        with live_rows(num_rows, x_last.shape[0]), bf16_products(bf16_block_products, bf16_single_rows):
+        with live_rows(num_rows, x_last.shape[0]), bf16_products(bf16_block_products, bf16_single_rows, int8_block_products):
             return logits_of(model)(model.finish(x_last))  # [S, V] float32
 
     def pick(logits: jax.Array, processed: jax.Array, sampling: SamplingTensors) -> dict[str, Any]:
@@ -130,12 +131,12 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
     def prompt_stats(outer: list[jax.Array], x: jax.Array, prompt_targets: jax.Array) -> LogprobStats:
         """prompt_targets [T] int32: the next prompt token after each row (-1: none)."""
         model = parts.outer(outer)
-        with bf16_products(bf16_block_products, bf16_single_rows):
+        with bf16_products(bf16_block_products, bf16_single_rows, int8_block_products):
             return gather(blocked_logprob_stats(model.finish(x), prompt_targets, MAX_LOGPROBS, logits_of(model)))
 
     def logits(outer: list[jax.Array], x: jax.Array) -> jax.Array:
         model = parts.outer(outer)
-        with bf16_products(bf16_block_products, bf16_single_rows):
+        with bf16_products(bf16_block_products, bf16_single_rows, int8_block_products):
             return logits_of(model)(model.finish(x))
 
     layer_out = None if mesh is None else (whole, backend.layer_result_sharding(mesh))

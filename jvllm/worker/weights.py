@@ -23,9 +23,12 @@ def batched_weights_for(requested: Any, dtype: Any, loaded: Any) -> Any:
 
     `requested` is the engine's `batched_weight_dtype`: None or "none" (no copy), a dtype, or "auto": bfloat16 for a
     generative model in float32 on CPU when its `dtype` was "auto" itself (YNNPACK's bf16 dots run batched steps
-    ~1.6x faster than float32 ones), unless the float32 weights already take a quarter of the host's memory."""
+    ~1.6x faster than float32 ones), unless the float32 weights already take a quarter of the host's memory. "int8"
+    is "auto" here (it concerns the products with GGUF blocks: int8_block_products)."""
     from jvllm.model_loader.loader import resolve_dtype
 
+    if requested == "int8":
+        requested = "auto"
     if requested is None or requested == "none":
         return None
     if requested != "auto":
@@ -44,6 +47,13 @@ def bf16_block_products(requested: Any) -> bool:
     """Whether GGUF blocks may multiply 2+ rows in bfloat16 (CPUs with AVX-512 BF16: models.quantized), given the
     engine's `batched_weight_dtype`: yes unless it asks for no batched copy ("none") or for float32."""
     return requested not in (None, "none", "float32")
+
+
+def int8_block_products(requested: Any) -> bool:
+    """Whether prefill-sized products with 4-bit GGUF blocks take 8-bit activations (CPUs with AVX-512 VNNI:
+    models.quantized), given the engine's `batched_weight_dtype`: only when it is "int8" (llama.cpp's numerics:
+    faster prefill, greedy outputs further from float32's than bfloat16's; docs/design.md, GGUF blocks)."""
+    return requested == "int8"
 
 
 def _host_memory_bytes() -> int:

@@ -3,6 +3,7 @@ compiler's message."""
 from __future__ import annotations
 
 import ctypes
+import logging
 import pathlib
 
 import pytest
@@ -34,3 +35,19 @@ def test_a_failed_compile_names_the_command_and_the_compilers_message(tmp_path, 
     with pytest.raises(build.KernelsUnavailable, match=r"(?s)building the CPU kernels failed:.*broken\.cc.*error"):
         build._build(build._compiler(), target)
     assert not target.exists()  # nothing half-built is left where load() looks
+
+
+def test_a_build_says_what_it_does_and_how_long_it_took(tmp_path, monkeypatch, caplog):
+    """The first start compiles for ~30 s: it logs that it builds, where, and its time; a built library is reused
+    without a word."""
+    monkeypatch.setattr(build, "SOURCES", [_write(tmp_path, "one.cc", 'extern "C" int JvllmOne() { return 1; }\n')])
+    monkeypatch.setenv("JVLLM_CACHE_DIR", str(tmp_path / "cache"))
+    with caplog.at_level(logging.INFO, logger="jvllm.cpu_kernels"):
+        path = build.built_library(build._compiler())
+        built = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        assert build.built_library(build._compiler()) == path
+    assert ctypes.CDLL(str(path)).JvllmOne() == 1
+    assert "building the native CPU kernels" in built[0] and str(tmp_path / "cache") in built[0]
+    assert built[1].startswith("native CPU kernels built in ")
+    assert not caplog.records

@@ -65,6 +65,25 @@ def test_gated_product_keeps_the_products_of_the_plain_kernel(m):
     np.testing.assert_allclose(got, silu(g) * u, rtol=1e-5, atol=1e-6 * np.abs(silu(g) * u).max())
 
 
+@pytest.mark.parametrize("fmt, m, n, k", [("q4_1", 7, 17, 64), ("q4_1", 130, 48, 576), ("q4_0", 64, 33, 2048)])
+def test_gated_product_with_int8_tiles(fmt, m, n, k):
+    """The one-pass gated product on 8-bit tiles (builds with AVX-512 VNNI): within the 8-bit products' bound
+    (tests/cpu_kernels/test_quantized_matmul.py) carried through silu(g) * u, and the same as the plain kernel's two
+    8-bit products combined."""
+    from tests.cpu_kernels.test_quantized_matmul import int8_error_bound
+
+    x, gate, up, want, _ = gated_case(fmt, m, n, k, seed=m + n)
+    limits = dict(bf16_max_rows=bf16_max_rows(), int8_tile_min_rows=1)
+    got = np.asarray(gated_matmul(jnp.asarray(x), jnp.asarray(gate), jnp.asarray(up), fmt, **limits))
+    g_w, u_w = (dequantize_blocks(raw, fmt).astype(np.float64) for raw in (gate, up))
+    g, u = x.astype(np.float64) @ g_w.T, x.astype(np.float64) @ u_w.T
+    g_err, u_err = int8_error_bound(x, gate, fmt), int8_error_bound(x, up, fmt)
+    np.testing.assert_array_less(np.abs(got - want), 1.1 * g_err * (np.abs(u) + u_err) + np.abs(g) * u_err + 1e-30)
+    plain_g, plain_u = (np.asarray(quantized_matmul(jnp.asarray(x), jnp.asarray(w), fmt, **limits), np.float64)
+                        for w in (gate, up))
+    np.testing.assert_allclose(got, silu(plain_g) * plain_u, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
 def test_gate_and_up_of_different_shapes_are_refused():
     with pytest.raises(ValueError, match="differ"):
         gated_matmul(jnp.zeros((2, 32)), jnp.zeros((4, 20), jnp.uint8), jnp.zeros((5, 20), jnp.uint8), "q4_1")

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpu_kernels.quantized_matmul import bf16_max_rows, quantized_matmul, row_path_limits
+from cpu_kernels.quantized_matmul import bf16_max_rows, int8_tile_min_rows, quantized_matmul, row_path_limits
 from jvllm.model_loader.gguf_blocks import dequantize_blocks
 from models.quantized import FORMATS, dequantize, dequantized_rows, quantize_reference, quantized_dot
 from models.quantized import random_blocks as random_codes
@@ -118,6 +118,56 @@ def test_bf16_rows_stay_within_bfloat16_precision(fmt, m, n, k):
     if bf16_max_rows():  # the bfloat16 path ran: not the float32 product
         exact = np.asarray(jax.jit(lambda a, b: quantized_matmul(a, b, fmt))(x, raw))
         assert np.abs(got[:m] - exact).max() > 0
+
+
+def int8_error_bound(x: np.ndarray, raw: np.ndarray, fmt: str) -> np.ndarray:
+    """[m, n] bound on the 8-bit tiles' error: x rounded to half a step of its block scale (max |x| / 127) against
+    each block's d q (the weights less the block constant, which meets x's exact sum), plus float32 sums."""
+    n, k = raw.shape[0], x.shape[1]
+    blocks = raw.reshape(n, k // 32, -1)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    c = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64) if fmt == "q4_1" else -8.0 * d
+    w = dequantize_blocks(raw, fmt).astype(np.float64)
+    dq = np.abs(w.reshape(n, k // 32, 32) - c[..., None]).sum(-1)  # [n, blocks]
+    half_step = np.abs(x).astype(np.float64).reshape(x.shape[0], k // 32, 32).max(-1) / 254.0  # [m, blocks]
+    return half_step @ dq.T * (1 + 1e-5) + 1e-6 * np.abs(x) @ np.abs(w).T + 1e-30
+
+
+# 8-bit tiles: from one row (to cover ragged row groups of 6), ragged tiles and pairs, K past one depth slice.
+INT8_CASES = [(fmt, m, n, k) for fmt in ("q4_0", "q4_1") for m in (1, 6, 11, 130) for n, k in ((17, 64), (48, 576))]
+INT8_CASES += [("q4_1", 64, 40, 8192), ("q4_0", 129, 33, 1056)]
+
+
+@pytest.mark.parametrize("fmt, m, n, k", INT8_CASES)
+def test_int8_tiles_stay_within_half_a_step_of_each_blocks_scale(fmt, m, n, k):
+    """Activations quantized to int8 per block of 32 (builds with AVX-512 VNNI; elsewhere the bf16 or int16 paths,
+    within tighter bounds): each product within max |x| / 254 of the block times its sum |d q|, one block of x far
+    larger than the rest (each block has its own scale); padding rows are not multiplied."""
+    raw = random_blocks(fmt, n, k, seed=m * 13 + n)
+    x = np.random.default_rng(k + m).standard_normal((m, k)).astype(np.float32)
+    x[:, :32] *= 1e4
+    want = x.astype(np.float64) @ dequantize_blocks(raw, fmt).astype(np.float64).T
+    product = jax.jit(lambda a, b, c: quantized_matmul(a, b, fmt, live_rows=c, bf16_max_rows=bf16_max_rows(),
+                                                       int8_tile_min_rows=1))
+    got = np.asarray(product(np.concatenate([x, x[:2]]), raw, np.int32(m)))  # two padding rows
+    np.testing.assert_array_less(np.abs(got[:m] - want), int8_error_bound(x, raw, fmt))
+    assert not got[m:].any()
+    if int8_tile_min_rows():  # the 8-bit path ran: not the bfloat16 or float32 products
+        other = np.asarray(jax.jit(lambda a, b: quantized_matmul(a, b, fmt, bf16_max_rows=bf16_max_rows()))(x, raw))
+        assert np.abs(got[:m] - other).max() > 0
+
+
+def test_int8_tiles_are_taken_from_their_row_limit_only():
+    """Below int8_tile_min_rows a product keeps its other path, bit for bit; K-quant and Q8_0 blocks never take
+    8-bit tiles."""
+    n = 40
+    for fmt, rows, k in (("q4_1", 9, 576), ("q4_k", 70, 512), ("q8_0", 70, 576)):
+        raw = random_blocks(fmt, n, k, seed=rows)
+        x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
+        plain = np.asarray(jax.jit(lambda a, b: quantized_matmul(a, b, fmt, bf16_max_rows=8))(x, raw))
+        limited = np.asarray(jax.jit(lambda a, b: quantized_matmul(a, b, fmt, bf16_max_rows=8,
+                                                                   int8_tile_min_rows=64))(x, raw))
+        np.testing.assert_array_equal(limited, plain)
 
 
 def test_an_output_too_large_for_the_caches_is_streamed_out_whole():

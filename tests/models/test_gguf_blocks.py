@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpu_kernels.quantized_matmul import bf16_max_rows
+from cpu_kernels.quantized_matmul import bf16_max_rows, int8_tile_min_rows
 from jvllm import Engine, SamplingParams
 from tests.models.test_gguf_families import (
     BASE, FAMILIES, SMOLLM_GGUF, torch, transformers, write_gguf)
@@ -148,4 +148,48 @@ def test_the_embedded_q4_1_model_keeps_the_float32_greedy_tokens(default_engine)
     params = SamplingParams(temperature=0, max_tokens=32)
     ours = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
     reference = [o.outputs[0].token_ids for o in default_engine.generate(prompts, params, use_tqdm=False)]
+    assert sum(a == b for a, b in zip(ours, reference)) >= 3, (ours, reference)
+
+
+# A prompt of ~110 tokens: its prefill products have 64+ rows, where 4-bit blocks take 8-bit activations.
+LONG_TEXT = ("The old lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a lamp, a notebook "
+             "and a flask of tea. From the gallery he watched the fishing boats return along the northern channel, "
+             "counted them against the harbour master's list, and wrote down the wind, the swell and the colour of "
+             "the sky. In winter the storms came from the west and the spray reached the lantern room; in summer "
+             "tourists asked him whether he was lonely, and he always answered that the sea was company enough.")
+
+
+def mean_nll(logits: np.ndarray, ids: list[int]) -> float:
+    """Mean negative log-likelihood of each next token of `ids` under the logits [T, V] at the position before it."""
+    lg = logits[:-1].astype(np.float64)
+    top = lg.max(-1)
+    log_total = np.log(np.exp(lg - top[:, None]).sum(-1)) + top
+    return float((log_total - lg[np.arange(len(ids) - 1), ids[1:]]).mean())
+
+
+def test_prefill_of_the_embedded_model_in_8_bit_activations_on_request(default_engine):
+    """batched_weight_dtype="int8" gives the embedded Q4_1 model's prefill products (64+ rows) 8-bit activations on
+    CPUs with AVX-512 VNNI, as llama.cpp multiplies 4-bit blocks: its prompt logits stay within reach of the float32
+    engine's, the text's likelihood within 2% (measured 0.1% on this prompt; bfloat16 0.005%) and the same next
+    token at most positions (89% here; bfloat16 100%). The default ("auto") keeps them in bfloat16, exactly as an
+    explicit "bfloat16", whose greedy continuations of long prompts follow float32's."""
+    kw = dict(kv_cache_memory_bytes=64 << 20, max_num_seqs=4, max_model_len=512, precompile=False)
+    engine, bf16 = Engine(**kw), Engine(**kw, batched_weight_dtype="bfloat16")
+    int8 = Engine(**kw, batched_weight_dtype="int8")
+    ids = engine.get_tokenizer().encode(LONG_TEXT)
+    assert len(ids) >= 96
+    want = prompt_logits(default_engine.runner, ids)
+    peak, nll = np.abs(want).max(), mean_nll(want, ids)
+    got = prompt_logits(engine.runner, ids)
+    np.testing.assert_array_equal(got, prompt_logits(bf16.runner, ids))
+    assert np.abs(got - want).max() < 5e-2 * peak and abs(mean_nll(got, ids) - nll) < 2e-3 * nll
+    got_int8 = prompt_logits(int8.runner, ids)
+    assert np.abs(got_int8 - want).max() < 1.5e-1 * peak and abs(mean_nll(got_int8, ids) - nll) < 2e-2 * nll
+    assert (got_int8.argmax(-1) == want.argmax(-1)).mean() >= 0.85
+    if int8_tile_min_rows() and bf16_max_rows():  # the 8-bit products ran, not the bfloat16 ones
+        assert np.abs(got_int8 - got).max() > 0
+    prompts = [{"prompt_token_ids": ids[start:start + 80]} for start in (0, 8, 16, 24)]
+    params = SamplingParams(temperature=0, max_tokens=16)
+    reference = [o.outputs[0].token_ids for o in default_engine.generate(prompts, params, use_tqdm=False)]
+    ours = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
     assert sum(a == b for a, b in zip(ours, reference)) >= 3, (ours, reference)
