@@ -1,9 +1,11 @@
-// 8-bit integer products with 4-bit GGUF blocks (Q4_0, Q4_1) for prefill-sized steps, on CPUs with AVX-512 VNNI:
+// 8-bit integer products with 4- and 5-bit GGUF blocks (Q4_0, Q4_1, Q4_K, Q5_K) for prefill-sized steps, on CPUs
+// with AVX-512 VNNI:
 // `vpdpbusd` multiplies 64 unsigned 8-bit codes with 64 signed 8-bit activations into 16 int32 sums an instruction,
 // twice the multiply-adds of a `vdpbf16ps`. x is quantized per block of 32 (one scale each, as llama.cpp's Q8
-// activations); each block's int32 sums are scaled into float32 by the weight block's scale times x's, and the
-// block constant (Q4_1's minimum, Q4_0's -8 d) meets x's exact sum over the block. Precision: each product is
-// within half a step of x's block scale (max |x| / 254) times sum |d q| of the block, about 4x bfloat16's rounding.
+// activations); each 32-weight (sub-)block's int32 sums are scaled into float32 by its scale times x's, and its
+// constant (Q4_1's minimum, Q4_0's -8 d, a K-quant's -dmin m) meets x's exact sum over the block. Precision: each
+// product is within half a step of x's block scale (max |x| / 254) times sum |d q| of the block, several times
+// bfloat16's rounding (docs/design.md, GGUF blocks: why it is not the default).
 #pragma once
 
 #include <cstdint>
@@ -20,7 +22,8 @@
 namespace jvllm {
 
 template <typename Fmt>
-constexpr bool kInt8Tiles = JVLLM_INT8_TILES && (std::is_same_v<Fmt, Q4_0> || std::is_same_v<Fmt, Q4_1>);
+constexpr bool kInt8Tiles = JVLLM_INT8_TILES && (std::is_same_v<Fmt, Q4_0> || std::is_same_v<Fmt, Q4_1> ||
+                                                  std::is_same_v<Fmt, Q4_K> || std::is_same_v<Fmt, Q5_K>);
 
 // Whether a product of `m` rows takes the 8-bit tiles: the build has them, the format is a 4-bit one and the rows
 // are at least the caller's limit (0: never).
@@ -135,7 +138,8 @@ class Int8Tiles {
           for (int64_t t = 0; t < num_tiles; t += 2) {
             const int64_t n = c0 + t / per_column_tile * kTileCols;
             const int64_t cols = up_ != nullptr ? kTileCols : t + 2 <= num_tiles ? 2 * kTileCols : kTileCols;
-            const Slice slice{tiles.data() + t * tile_words, b0, b1, n, static_cast<int>(std::min<int64_t>(cols, c1 - n))};
+            const int live = static_cast<int>(std::min<int64_t>(cols, c1 - n));
+            const Slice slice{tiles.data() + t * tile_words, b0, b1, n, live};
             ForRowGroups<kRowGroup>(m0, m1, [&](auto rows, int64_t m) {
               GroupTimesSlice<decltype(rows)::value>(slice, m);
             });
@@ -162,6 +166,14 @@ class Int8Tiles {
   // hold weights i (low nibble of byte i) and 16 + i (high nibble): word t of a row gives, masked, the quad of
   // weights 4t .. 4t + 3 and, shifted, that of 16 + 4t .. 19 + 4t, so the quads come in the weights' own order.
   void TileCodes(const uint8_t* w, int64_t n, int cols, uint32_t* tile) const {
+    if constexpr (Fmt::kWeights == 32) {
+      TileCodes32(w, n, cols, tile);
+    } else {
+      TileCodesK(w, n, cols, tile);
+    }
+  }
+
+  void TileCodes32(const uint8_t* w, int64_t n, int cols, uint32_t* tile) const {
     constexpr int64_t kHeader = Fmt::kBytes - 16;
     const int64_t row_bytes = k_ / 32 * Fmt::kBytes;
     const __m512i row_at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -187,6 +199,54 @@ class Int8Tiles {
         const __m512i word = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, row_at, at + kHeader + 4 * t, 1);
         _mm512_storeu_si512(quads + t * kTileCols, _mm512_and_si512(word, nibbles));
         _mm512_storeu_si512(quads + (4 + t) * kTileCols, _mm512_and_si512(_mm512_srli_epi32(word, 4), nibbles));
+      }
+    }
+  }
+
+  // Q4_K and Q5_K (256-weight blocks of 8 sub-blocks): sub-block s takes the low (s even) or high nibbles of bytes
+  // 32 (s / 2) .. + 31 of qs, word t of them giving weights 4t .. 4t + 3; Q5_K adds bit s of qh's word t as 16 each.
+  // Each row's sub-block scales and constants are decoded as the other paths decode them (Fmt::Scales).
+  void TileCodesK(const uint8_t* w, int64_t n, int cols, uint32_t* tile) const {
+    const int64_t row_bytes = k_ / Fmt::kWeights * Fmt::kBytes, subs = k_ / 32;
+    const __m512i row_at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(static_cast<int32_t>(row_bytes)));
+    const __mmask16 live = static_cast<__mmask16>((1u << cols) - 1u);
+    const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F), ones = _mm512_set1_epi32(0x01010101);
+    float* scales = const_cast<float*>(Scales(tile, k_));
+    float* constants = scales + subs * kTileCols;
+    const uint8_t* first = w + n * row_bytes;
+    for (int64_t block = 0; block < k_ / Fmt::kWeights; ++block) {
+      const uint8_t* at = first + block * Fmt::kBytes;
+      for (int r = 0; r < kTileCols; ++r) {
+        float d[Fmt::kSubs] = {}, c[Fmt::kSubs] = {};
+        if (r < cols) Fmt::Scales(at + r * row_bytes, d, c);
+        for (int s = 0; s < Fmt::kSubs; ++s) {
+          scales[(block * Fmt::kSubs + s) * kTileCols + r] = d[s];
+          constants[(block * Fmt::kSubs + s) * kTileCols + r] = c[s];
+        }
+      }
+      __m512i high[8];  // Q5_K: qh's words
+      if constexpr (Fmt::kMaxCode > 15) {
+        for (int t = 0; t < 8; ++t) {
+          high[t] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, row_at, at + 16 + 4 * t, 1);
+        }
+      }
+      for (int pair = 0; pair < Fmt::kSubs / 2; ++pair) {
+        uint32_t* even = tile + (block * Fmt::kSubs + 2 * pair) * 8 * kTileCols;
+        uint32_t* odd = even + 8 * kTileCols;
+        for (int t = 0; t < 8; ++t) {
+          const __m512i word = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, row_at,
+                                                           at + Fmt::kQs + 32 * pair + 4 * t, 1);
+          __m512i low = _mm512_and_si512(word, nibbles), top = _mm512_and_si512(_mm512_srli_epi32(word, 4), nibbles);
+          if constexpr (Fmt::kMaxCode > 15) {
+            const __m512i bits_even = _mm512_and_si512(_mm512_srli_epi32(high[t], 2 * pair), ones);
+            const __m512i bits_odd = _mm512_and_si512(_mm512_srli_epi32(high[t], 2 * pair + 1), ones);
+            low = _mm512_or_si512(low, _mm512_slli_epi32(bits_even, 4));
+            top = _mm512_or_si512(top, _mm512_slli_epi32(bits_odd, 4));
+          }
+          _mm512_storeu_si512(even + t * kTileCols, low);
+          _mm512_storeu_si512(odd + t * kTileCols, top);
+        }
       }
     }
   }
@@ -282,20 +342,22 @@ class Int8Tiles {
 template <typename Fmt>
 void RunInt8Product(int64_t m, int64_t k, int64_t n, const float* x, const uint8_t* w, float* y,
                     const uint8_t* up = nullptr) {
-  thread_local Int8Rows xi;
-  xi.Quantize(x, m, k);
-  struct Items {
-    Int8Tiles<Fmt> tiles;
-    int64_t n, columns_per_item;
-    int64_t num_items() const { return (n + columns_per_item - 1) / columns_per_item; }
-    void Run(int64_t item) const {
-      tiles.Run(item * columns_per_item, std::min(n, (item + 1) * columns_per_item));
-    }
-  };
-  Items items{Int8Tiles<Fmt>(m, k, n, &xi, w, y, up), n, 0};
-  const int64_t unit = items.tiles.ColumnsPerTilePair(), threads = HelperPool::Get().num_helpers() + 1;
-  items.columns_per_item = BalancedUnits((n + unit - 1) / unit, threads) * unit;
-  RunItems(items);
+  if constexpr (kInt8Tiles<Fmt>) {  // other formats: TakesInt8Tiles says no first
+    thread_local Int8Rows xi;
+    xi.Quantize(x, m, k);
+    struct Items {
+      Int8Tiles<Fmt> tiles;
+      int64_t n, columns_per_item;
+      int64_t num_items() const { return (n + columns_per_item - 1) / columns_per_item; }
+      void Run(int64_t item) const {
+        tiles.Run(item * columns_per_item, std::min(n, (item + 1) * columns_per_item));
+      }
+    };
+    Items items{Int8Tiles<Fmt>(m, k, n, &xi, w, y, up), n, 0};
+    const int64_t unit = items.tiles.ColumnsPerTilePair(), threads = HelperPool::Get().num_helpers() + 1;
+    items.columns_per_item = BalancedUnits((n + unit - 1) / unit, threads) * unit;
+    RunItems(items);
+  }
 }
 
 }  // namespace jvllm

@@ -125,16 +125,17 @@ def native_kernel_available() -> bool:
 # (like a float model's batched bf16 weights: rows to 8, bf16 weight tiles beyond) unless bf16_products(False) is in
 # effect; otherwise few rows multiply with activations quantized to int16 blocks, each weight block unpacked once per
 # activation row, and more rows unpack the weights once into 16-bit code tiles for all rows (AVX2 builds: float32
-# tiles in between). Prefill-sized products with 4-bit blocks (Q4_0, Q4_1) take 8-bit activations instead of
-# bfloat16 where the build has AVX-512 VNNI, as llama.cpp multiplies them, unless bf16_products(.., int8_tiles=False).
+# tiles in between). With bf16_products(.., int8_tiles=True) (the engine's batched_weight_dtype="int8"),
+# prefill-sized products with Q4_0, Q4_1, Q4_K and Q5_K blocks take 8-bit activations instead of bfloat16 where the
+# build has AVX-512 VNNI, as llama.cpp multiplies them.
 # _BF16_MIN_ROWS: the fewest rows a product with GGUF blocks takes in bfloat16 here (0: none); _INT8_TILES: whether
 # the 8-bit tiles may be taken.
 _BF16_MIN_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("bf16_min_rows", default=2)
-_INT8_TILES: contextvars.ContextVar[bool] = contextvars.ContextVar("int8_tiles", default=True)
+_INT8_TILES: contextvars.ContextVar[bool] = contextvars.ContextVar("int8_tiles", default=False)
 
 
 @contextlib.contextmanager
-def bf16_products(enabled: bool, single_rows: bool = False, int8_tiles: bool = True) -> Iterator[None]:
+def bf16_products(enabled: bool, single_rows: bool = False, int8_tiles: bool = False) -> Iterator[None]:
     """Within: whether products of 2+ rows with GGUF blocks, and the native prefill attention over bfloat16 pages, may
     round their activations to bfloat16 where the CPU has bf16 dot products (jvllm.worker.step_functions sets it
     around a step's layers and head from the engine's batched_weight_dtype); with `single_rows`, lone rows too, so

@@ -157,7 +157,7 @@ class EngineArgs:
                 "because dtype is auto; ~1.6x faster batched steps, outputs then depend slightly on the batch), none, "
                 "or a dtype such as bfloat16. GGUF blocks get no copy; on CPUs with AVX-512 BF16 their products of "
                 "2+ rows run in bfloat16 unless this is none or float32; int8: as auto, and products of 64+ rows "
-                "with Q4_0/Q4_1 blocks take 8-bit activations on CPUs with AVX-512 VNNI, as llama.cpp computes them "
+                "with Q4_0/Q4_1/Q4_K/Q5_K blocks take 8-bit activations on CPUs with AVX-512 VNNI, as llama.cpp computes them "
                 "(prefill ~1.3x faster, greedy outputs further from float32's than with bfloat16)")
     batch_invariant: bool = option(
         False, "each token row of a step of up to 8 rows computes the bits it would alone, as vLLM's "

@@ -79,7 +79,7 @@ class ModelRunner:
 
     def __init__(self, loaded: LoadedModel, *, num_pages: int, page_size: int, max_model_len: int, shapes: ShapeSet,
                  attention_backend: str, batched_weight_dtype: Any = None, batched_min_rows: int = BATCHED_MIN_ROWS,
-                 bf16_block_products: bool = True, bf16_single_rows: bool = False, int8_block_products: bool = True,
+                 bf16_block_products: bool = True, bf16_single_rows: bool = False, int8_block_products: bool = False,
                  channel: Any = None, encoder_buffer: EncoderBufferLayout | None = None,
                  kv_cache_dtype: Any = None):
         """`channel` (multi-host, a jvllm.parallel.distributed.StepChannel): rank 0 sends every step's

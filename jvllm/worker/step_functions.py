@@ -71,7 +71,7 @@ def _zero_stats(rows: int) -> LogprobStats:
 def build_step_functions(parts: ModelParts, backend: AttentionBackend, activation_dtype: Any, max_num_seqs: int,
                          mesh: Mesh | None = None, vocab_size: int | None = None,
                          multimodal: bool = False, bf16_block_products: bool = True,
-                         bf16_single_rows: bool = False, int8_block_products: bool = True) -> StepFunctions:
+                         bf16_single_rows: bool = False, int8_block_products: bool = False) -> StepFunctions:
     """With a mesh (tensor parallelism) the weights and the pool arrive sharded: attention and the pool write
     run per shard, the embedding lookup is vocab-parallel, activations between the pieces are replicated,
     and logits are replicated (and stripped of any vocab padding past `vocab_size`) before sampling.
@@ -106,9 +106,13 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
         features = mm_buffer[jnp.maximum(mm_rows, 0)].astype(x.dtype)  # [T, D]
         return jnp.where((mm_rows >= 0)[:, None], features, x), cos, sin
 
+    def products() -> Any:
+        """The reduced-precision products the engine allows for GGUF blocks (models.quantized.bf16_products)."""
+        return bf16_products(bf16_block_products, bf16_single_rows, int8_block_products)
+
     def layer(weights: list[jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array, pages: tuple,
               md: AttentionMetadata, *, group: int = 0):
-        with live_rows(jnp.sum(md.q_lens), x.shape[0]), bf16_products(bf16_block_products, bf16_single_rows, int8_block_products):
+        with live_rows(jnp.sum(md.q_lens), x.shape[0]), products():
             # padding tokens: no products on CPU's quantized weights
             return parts.layer(weights, group)(x, cos, sin, pages, md, attention)
 
@@ -118,7 +122,7 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
     def head_logits(outer: list[jax.Array], x_last: jax.Array, num_rows: jax.Array) -> jax.Array:
         model = parts.outer(outer)
         # padding rows' logits: 0
-        with live_rows(num_rows, x_last.shape[0]), bf16_products(bf16_block_products, bf16_single_rows, int8_block_products):
+        with live_rows(num_rows, x_last.shape[0]), products():
             return logits_of(model)(model.finish(x_last))  # [S, V] float32
 
     def pick(logits: jax.Array, processed: jax.Array, sampling: SamplingTensors) -> dict[str, Any]:
@@ -131,12 +135,12 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
     def prompt_stats(outer: list[jax.Array], x: jax.Array, prompt_targets: jax.Array) -> LogprobStats:
         """prompt_targets [T] int32: the next prompt token after each row (-1: none)."""
         model = parts.outer(outer)
-        with bf16_products(bf16_block_products, bf16_single_rows, int8_block_products):
+        with products():
             return gather(blocked_logprob_stats(model.finish(x), prompt_targets, MAX_LOGPROBS, logits_of(model)))
 
     def logits(outer: list[jax.Array], x: jax.Array) -> jax.Array:
         model = parts.outer(outer)
-        with bf16_products(bf16_block_products, bf16_single_rows, int8_block_products):
+        with products():
             return logits_of(model)(model.finish(x))
 
     layer_out = None if mesh is None else (whole, backend.layer_result_sharding(mesh))

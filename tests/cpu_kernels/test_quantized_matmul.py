@@ -11,6 +11,7 @@ import pytest
 from cpu_kernels.quantized_matmul import bf16_max_rows, int8_tile_min_rows, quantized_matmul, row_path_limits
 from jvllm.model_loader.gguf_blocks import dequantize_blocks
 from models.quantized import FORMATS, dequantize, dequantized_rows, quantize_reference, quantized_dot
+from models.quantized import _scale_min_k as scale_min_k
 from models.quantized import random_blocks as random_codes
 
 pytestmark = pytest.mark.skipif(not __import__("cpu_kernels.build").build.available(),
@@ -124,9 +125,13 @@ def int8_error_bound(x: np.ndarray, raw: np.ndarray, fmt: str) -> np.ndarray:
     """[m, n] bound on the 8-bit tiles' error: x rounded to half a step of its block scale (max |x| / 127) against
     each block's d q (the weights less the block constant, which meets x's exact sum), plus float32 sums."""
     n, k = raw.shape[0], x.shape[1]
-    blocks = raw.reshape(n, k // 32, -1)
+    blocks = raw.reshape(n, k // FORMATS[fmt].block_size, -1)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
-    c = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64) if fmt == "q4_1" else -8.0 * d
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+    if fmt in K_QUANTS:  # each sub-block's constant -dmin m
+        c = (-dmin[..., None] * np.asarray(scale_min_k(blocks[..., 4:16])[1], np.float64)).reshape(n, k // 32)
+    else:
+        c = dmin if fmt == "q4_1" else -8.0 * d
     w = dequantize_blocks(raw, fmt).astype(np.float64)
     dq = np.abs(w.reshape(n, k // 32, 32) - c[..., None]).sum(-1)  # [n, blocks]
     half_step = np.abs(x).astype(np.float64).reshape(x.shape[0], k // 32, 32).max(-1) / 254.0  # [m, blocks]
@@ -136,6 +141,7 @@ def int8_error_bound(x: np.ndarray, raw: np.ndarray, fmt: str) -> np.ndarray:
 # 8-bit tiles: from one row (to cover ragged row groups of 6), ragged tiles and pairs, K past one depth slice.
 INT8_CASES = [(fmt, m, n, k) for fmt in ("q4_0", "q4_1") for m in (1, 6, 11, 130) for n, k in ((17, 64), (48, 576))]
 INT8_CASES += [("q4_1", 64, 40, 8192), ("q4_0", 129, 33, 1056)]
+INT8_CASES += [(fmt, m, n, k) for fmt in ("q4_k", "q5_k") for m, n, k in ((1, 17, 256), (13, 48, 768), (70, 33, 8192))]
 
 
 @pytest.mark.parametrize("fmt, m, n, k", INT8_CASES)
@@ -158,10 +164,10 @@ def test_int8_tiles_stay_within_half_a_step_of_each_blocks_scale(fmt, m, n, k):
 
 
 def test_int8_tiles_are_taken_from_their_row_limit_only():
-    """Below int8_tile_min_rows a product keeps its other path, bit for bit; K-quant and Q8_0 blocks never take
+    """Below int8_tile_min_rows a product keeps its other path, bit for bit; Q6_K and Q8_0 blocks never take
     8-bit tiles."""
     n = 40
-    for fmt, rows, k in (("q4_1", 9, 576), ("q4_k", 70, 512), ("q8_0", 70, 576)):
+    for fmt, rows, k in (("q4_1", 9, 576), ("q5_k", 9, 512), ("q6_k", 70, 512), ("q8_0", 70, 576)):
         raw = random_blocks(fmt, n, k, seed=rows)
         x = np.random.default_rng(rows).standard_normal((rows, k)).astype(np.float32)
         plain = np.asarray(jax.jit(lambda a, b: quantized_matmul(a, b, fmt, bf16_max_rows=8))(x, raw))
