@@ -1,4 +1,4 @@
-// 8-bit integer products with 4- and 5-bit GGUF blocks (Q4_0, Q4_1, Q4_K, Q5_K) for prefill-sized steps, on CPUs
+// 8-bit integer products with 4- and 5-bit GGUF blocks (Q4_0, Q4_1, Q4_K, Q5_K) for steps of many rows, on CPUs
 // with AVX-512 VNNI:
 // `vpdpbusd` multiplies 64 unsigned 8-bit codes with 64 signed 8-bit activations into 16 int32 sums an instruction,
 // twice the multiply-adds of a `vdpbf16ps`. x is quantized per block of 32 (one scale each, as llama.cpp's Q8

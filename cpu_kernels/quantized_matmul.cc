@@ -137,5 +137,6 @@ constexpr int32_t kInt16MaxRows = 0, kInt16TileMinRows = 0;
 extern "C" int32_t JvllmInt16MaxRows() { return kInt16MaxRows; }
 extern "C" int32_t JvllmInt16TileMinRows() { return kInt16TileMinRows; }
 extern "C" int32_t JvllmBf16MaxRows() { return static_cast<int32_t>(jvllm::kBf16MaxRows); }
-// From this many rows, 8-bit products with 4-bit blocks (CPUs with AVX-512 VNNI; docs/design.md, GGUF blocks).
-extern "C" int32_t JvllmInt8TileMinRows() { return JVLLM_INT8_TILES ? 64 : 0; }
+// From this many rows, 8-bit products with 4- and 5-bit blocks (CPUs with AVX-512 VNNI), where the bf16 tiles take
+// over from the bf16 rows: the 8-bit tiles are at least as fast from there (docs/design.md, GGUF blocks).
+extern "C" int32_t JvllmInt8TileMinRows() { return JVLLM_INT8_TILES ? 9 : 0; }

@@ -126,7 +126,7 @@ def native_kernel_available() -> bool:
 # effect; otherwise few rows multiply with activations quantized to int16 blocks, each weight block unpacked once per
 # activation row, and more rows unpack the weights once into 16-bit code tiles for all rows (AVX2 builds: float32
 # tiles in between). With bf16_products(.., int8_tiles=True) (the engine's batched_weight_dtype="int8"),
-# prefill-sized products with Q4_0, Q4_1, Q4_K and Q5_K blocks take 8-bit activations instead of bfloat16 where the
+# products of 9+ rows with Q4_0, Q4_1, Q4_K and Q5_K blocks take 8-bit activations instead of bfloat16 where the
 # build has AVX-512 VNNI, as llama.cpp multiplies them.
 # _BF16_MIN_ROWS: the fewest rows a product with GGUF blocks takes in bfloat16 here (0: none); _INT8_TILES: whether
 # the 8-bit tiles may be taken.
@@ -140,7 +140,7 @@ def bf16_products(enabled: bool, single_rows: bool = False, int8_tiles: bool = F
     round their activations to bfloat16 where the CPU has bf16 dot products (jvllm.worker.step_functions sets it
     around a step's layers and head from the engine's batched_weight_dtype); with `single_rows`, lone rows too, so
     that a row's bits do not depend on the rows with it (speculative decoding: a verification step's rows give the
-    decode steps' tokens); with `int8_tiles` (and `enabled`), prefill-sized products with 4-bit blocks in 8 bits."""
+    decode steps' tokens); with `int8_tiles` (and `enabled`), products of 9+ rows with 4- and 5-bit blocks in 8 bits."""
     token = _BF16_MIN_ROWS.set(0 if not enabled else 1 if single_rows else 2)
     int8_token = _INT8_TILES.set(int8_tiles)
     try:
@@ -157,7 +157,7 @@ def bf16_products_enabled() -> bool:
 
 def _bf16_rows() -> dict[str, int]:
     """The reduced-precision row limits of the kernels' products here: bfloat16 rows and tiles, and 8-bit tiles for
-    prefill-sized products with 4-bit blocks where the build has them (under bf16_products(True, int8_tiles=True))."""
+    products of 9+ rows with 4- and 5-bit blocks where the build has them (bf16_products(True, int8_tiles=True))."""
     from cpu_kernels.quantized_matmul import bf16_max_rows, int8_tile_min_rows
 
     enabled = bf16_products_enabled()

@@ -156,9 +156,9 @@ class EngineArgs:
         "auto", "extra weight copy for steps of 2+ token rows: auto (bfloat16 when a float32 model runs on CPU "
                 "because dtype is auto; ~1.6x faster batched steps, outputs then depend slightly on the batch), none, "
                 "or a dtype such as bfloat16. GGUF blocks get no copy; on CPUs with AVX-512 BF16 their products of "
-                "2+ rows run in bfloat16 unless this is none or float32; int8: as auto, and products of 64+ rows "
+                "2+ rows run in bfloat16 unless this is none or float32; int8: as auto, and products of 9+ rows "
                 "with Q4_0/Q4_1/Q4_K/Q5_K blocks take 8-bit activations on CPUs with AVX-512 VNNI, as llama.cpp computes them "
-                "(prefill ~1.3x faster, greedy outputs further from float32's than with bfloat16)")
+                "(prefill ~1.25x faster, greedy outputs further from float32's than with bfloat16)")
     batch_invariant: bool = option(
         False, "each token row of a step of up to 8 rows computes the bits it would alone, as vLLM's "
                "VLLM_BATCH_INVARIANT: greedy outputs are then the same with and without speculative decoding and "

@@ -78,7 +78,7 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
     `multimodal`: the embedding takes image features from the encoder buffer (replicated on a mesh).
     `bf16_block_products`: products of 2+ rows with GGUF blocks may run in bfloat16 (models.quantized);
     `bf16_single_rows`: lone rows too (speculative decoding: verification rows then give a decode step's bits);
-    `int8_block_products`: prefill-sized products with 4-bit blocks may take 8-bit activations instead."""
+    `int8_block_products`: products of 9+ rows with 4- and 5-bit blocks may take 8-bit activations instead."""
     attention = backend.layer_attention(mesh)
     embed_lookup = None if mesh is None else ops.vocab_parallel_lookup(mesh)
     gather = (lambda x: x) if mesh is None else ops.replicate(mesh)

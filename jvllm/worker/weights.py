@@ -50,7 +50,7 @@ def bf16_block_products(requested: Any) -> bool:
 
 
 def int8_block_products(requested: Any) -> bool:
-    """Whether prefill-sized products with 4-bit GGUF blocks take 8-bit activations (CPUs with AVX-512 VNNI:
+    """Whether products of 9+ rows with 4- and 5-bit GGUF blocks take 8-bit activations (CPUs with AVX-512 VNNI:
     models.quantized), given the engine's `batched_weight_dtype`: only when it is "int8" (llama.cpp's numerics:
     faster prefill, greedy outputs further from float32's than bfloat16's; docs/design.md, GGUF blocks)."""
     return requested == "int8"

@@ -151,7 +151,7 @@ def test_the_embedded_q4_1_model_keeps_the_float32_greedy_tokens(default_engine)
     assert sum(a == b for a, b in zip(ours, reference)) >= 3, (ours, reference)
 
 
-# A prompt of ~110 tokens: its prefill products have 64+ rows, where 4-bit blocks take 8-bit activations.
+# A prompt of ~110 tokens, prefilled in one step: its products take the tiled paths (9+ rows).
 LONG_TEXT = ("The old lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a lamp, a notebook "
              "and a flask of tea. From the gallery he watched the fishing boats return along the northern channel, "
              "counted them against the harbour master's list, and wrote down the wind, the swell and the colour of "
@@ -168,7 +168,7 @@ def mean_nll(logits: np.ndarray, ids: list[int]) -> float:
 
 
 def test_prefill_of_the_embedded_model_in_8_bit_activations_on_request(default_engine):
-    """batched_weight_dtype="int8" gives the embedded Q4_1 model's prefill products (64+ rows) 8-bit activations on
+    """batched_weight_dtype="int8" gives the embedded Q4_1 model's products of 9+ rows 8-bit activations on
     CPUs with AVX-512 VNNI, as llama.cpp multiplies 4-bit blocks: its prompt logits stay within reach of the float32
     engine's, the text's likelihood within 2% (measured 0.1% on this prompt; bfloat16 0.005%) and the same next
     token at most positions (89% here; bfloat16 100%). The default ("auto") keeps them in bfloat16, exactly as an
