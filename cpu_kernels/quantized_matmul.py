@@ -30,8 +30,8 @@ def bf16_max_rows() -> int:
 
 @functools.lru_cache(maxsize=1)
 def int8_tile_min_rows() -> int:
-    """From how many live rows this machine's kernel build multiplies 4-bit blocks with 8-bit activations (AVX-512
-    VNNI builds; 0: never)."""
+    """From how many live rows this machine's kernel build multiplies 4- and 5-bit blocks with 8-bit activations
+    (AVX-512 VNNI builds; 0: never)."""
     return int(load().JvllmInt8TileMinRows())
 
 
@@ -45,10 +45,9 @@ def quantized_matmul(x: jax.Array, weight: jax.Array, fmt: str, int16_max_rows: 
     whatever rows come with it. Up to `int16_max_rows` live rows, and from
     `int16_tile_min_rows` if that is not 0, x is quantized to int16 blocks and multiplied with integer dot products
     (AVX2 builds; within ~3e-5 of the float32 products); other row counts multiply float32 weights dequantized in
-    registers or in tiles. From `int8_tile_min_rows` live rows if that is not 0 (AVX-512 VNNI builds; Q4_0, Q4_1, Q4_K,
-    Q5_K),
-    x is quantized to int8 per block of 32 and multiplied with 8-bit dot products: each output within half a step
-    of x's block scale (max |x| / 254) times the block's sum |d q|."""
+    registers or in tiles. From `int8_tile_min_rows` live rows if that is not 0 (AVX-512 VNNI builds; Q4_0, Q4_1,
+    Q4_K, Q5_K), x is quantized to int8 per block of 32 and multiplied with 8-bit dot products: each output within
+    half a step of x's block scale (max |x| / 254) times the block's sum |d q|."""
     return _call("jvllm_quantized_matmul", x, (weight,), fmt, live_rows, int16_max_rows=int16_max_rows,
                  int16_tile_min_rows=int16_tile_min_rows, bf16_max_rows=bf16_max_rows, bf16_min_rows=bf16_min_rows,
                  int8_tile_min_rows=int8_tile_min_rows)
