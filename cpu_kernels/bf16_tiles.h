@@ -117,32 +117,16 @@ class Bf16Tiles {
     const int64_t most_tiles = (std::min(chunk, n1 - n0) + kTileCols - 1) / kTileCols * tiles_per_column_tile;
     const int64_t depth = up_ == nullptr ? kDepthPairs : pairs;
     tiles.resize(static_cast<size_t>(most_tiles * tile_values));
-    for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
-      const int64_t c1 = std::min(n1, c0 + chunk), column_tiles = (c1 - c0 + kTileCols - 1) / kTileCols;
-      for (int64_t t = 0; t < column_tiles; ++t) {
-        const int64_t n = c0 + t * kTileCols;
-        const int cols = static_cast<int>(std::min<int64_t>(kTileCols, c1 - n));
-        uint32_t* tile = tiles.data() + t * tiles_per_column_tile * tile_values;
-        TileWeights(w_, n, cols, tile);
-        if (up_ != nullptr) TileWeights(up_, n, cols, tile + tile_values);
-      }
-      const int64_t num_tiles = column_tiles * tiles_per_column_tile;
-      for (int64_t m0 = 0; m0 < m_; m0 += kBlockRows) {
-        const int64_t m1 = std::min(m_, m0 + kBlockRows);
-        for (int64_t p0 = 0; p0 < pairs; p0 += depth) {
-          const int64_t p1 = std::min(pairs, p0 + depth);
-          for (int64_t t = 0; t < num_tiles; t += 2) {
-            const int64_t n = c0 + t / tiles_per_column_tile * kTileCols;
-            const int64_t cols = up_ != nullptr ? kTileCols : t + 2 <= num_tiles ? 2 * kTileCols : kTileCols;
-            const Slice slice{tiles.data() + t * tile_values, p0, p1, n,
-                              static_cast<int>(std::min<int64_t>(cols, c1 - n))};
-            ForRowGroups<kRowGroup>(m0, m1, [&](auto rows, int64_t m) {
-              GroupTimesSlice<decltype(rows)::value>(slice, m);
-            });
-          }
-        }
-      }
-    }
+    auto make = [&](int64_t t, int64_t n, int cols) {
+      uint32_t* tile = tiles.data() + t * tile_values;
+      TileWeights(w_, n, cols, tile);
+      if (up_ != nullptr) TileWeights(up_, n, cols, tile + tile_values);
+    };
+    auto pair = [&](int64_t t, int64_t p0, int64_t p1, int64_t n, int cols, int64_t m0, int64_t m1) {
+      const Slice slice{tiles.data() + t * tile_values, p0, p1, n, cols};
+      ForRowGroups<kRowGroup>(m0, m1, [&](auto rows, int64_t m) { GroupTimesSlice<decltype(rows)::value>(slice, m); });
+    };
+    SweepTilePairs(m_, n0, n1, chunk, up_ != nullptr, pairs, depth, make, pair);
     if (stream_) _mm_sfence();  // streamed stores are seen before the call returns
   }
 
@@ -229,7 +213,7 @@ class Bf16Tiles {
     const __mmask16 live1 = static_cast<__mmask16>((1u << cols1) - 1u);
     if (up_ != nullptr) {  // a0: gate sums, a1: up sums of the same columns
       for (int r = 0; r < R; ++r) {
-        _mm512_mask_storeu_ps(y_ + (m + r) * n_ + slice.n, live0, Silu(a0[r]) * a1[r]);
+        _mm512_mask_storeu_ps(y_ + (m + r) * n_ + slice.n, live0, Silu512(a0[r]) * a1[r]);
       }
       return;
     }
@@ -240,12 +224,6 @@ class Bf16Tiles {
     }
   }
 
-  static __m512 Silu(__m512 v) {
-    typedef float F16 __attribute__((vector_size(64)));
-    typedef int32_t I16 __attribute__((vector_size(64)));
-    const F16 s = SiluVector<F16, I16>(reinterpret_cast<const F16&>(v));
-    return reinterpret_cast<const __m512&>(s);
-  }
   static __m512bh Pairs(const uint32_t* p) {
     const __m512i v = _mm512_loadu_si512(p);
     return reinterpret_cast<const __m512bh&>(v);

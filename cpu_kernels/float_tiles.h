@@ -73,6 +73,36 @@ constexpr int64_t kDepth = 256;
 constexpr int64_t kBlockRows = 128;
 constexpr int64_t kChunkBytes = 1 << 20;
 
+// The sweep of the tiled products that go two tiles at a time (bf16_tiles.h, int8_tiles.h) over output columns
+// [n0, n1): chunks of `chunk` columns, whose tiles of kTileCols weight rows make(t, n, cols) builds (tile t of the
+// chunk; gated, t and t + 1 are the gate and up tiles of the same columns), then x kBlockRows rows at a time, the
+// depth `depth` units at a time (of `depth_total`), and the tiles two by two: pair(t, d0, d1, n, cols, m0, m1) for
+// the pair from tile t, depth units [d0, d1), output columns [n, n + cols) and rows [m0, m1).
+template <typename Make, typename Pair>
+inline void SweepTilePairs(int64_t m, int64_t n0, int64_t n1, int64_t chunk, bool gated, int64_t depth_total,
+                           int64_t depth, Make&& make, Pair&& pair) {
+  const int64_t per_column_tile = gated ? 2 : 1;
+  for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
+    const int64_t c1 = std::min(n1, c0 + chunk), column_tiles = (c1 - c0 + kTileCols - 1) / kTileCols;
+    for (int64_t t = 0; t < column_tiles; ++t) {
+      const int64_t n = c0 + t * kTileCols;
+      make(t * per_column_tile, n, static_cast<int>(std::min<int64_t>(kTileCols, c1 - n)));
+    }
+    const int64_t num_tiles = column_tiles * per_column_tile;
+    for (int64_t m0 = 0; m0 < m; m0 += kBlockRows) {
+      const int64_t m1 = std::min(m, m0 + kBlockRows);
+      for (int64_t d0 = 0; d0 < depth_total; d0 += depth) {
+        const int64_t d1 = std::min(depth_total, d0 + depth);
+        for (int64_t t = 0; t < num_tiles; t += 2) {
+          const int64_t n = c0 + t / per_column_tile * kTileCols;
+          const int64_t cols = gated ? kTileCols : t + 2 <= num_tiles ? 2 * kTileCols : kTileCols;
+          pair(t, d0, d1, n, static_cast<int>(std::min<int64_t>(cols, c1 - n)), m0, m1);
+        }
+      }
+    }
+  }
+}
+
 // x [M, K] -> panels [ceil(M / 16), K, 16]: panel p holds rows 16p.. k-major, padded with zero rows. Whole groups of
 // 8 rows are moved by 8 x 8 transposes (~4.5x faster than element by element: this runs on the calling thread alone).
 inline void PackPanels(const float* x, int64_t m, int64_t k, std::vector<float>& out) {

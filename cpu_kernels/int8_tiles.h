@@ -121,32 +121,16 @@ class Int8Tiles {
     const int64_t most_tiles = (std::min(chunk, n1 - n0) + kTileCols - 1) / kTileCols * per_column_tile;
     const int64_t blocks = k_ / 32, depth = up_ == nullptr ? kDepthBlocks : blocks;
     tiles.resize(static_cast<size_t>(most_tiles * tile_words));
-    for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
-      const int64_t c1 = std::min(n1, c0 + chunk), column_tiles = (c1 - c0 + kTileCols - 1) / kTileCols;
-      for (int64_t t = 0; t < column_tiles; ++t) {
-        const int64_t n = c0 + t * kTileCols;
-        const int cols = static_cast<int>(std::min<int64_t>(kTileCols, c1 - n));
-        uint32_t* tile = tiles.data() + t * per_column_tile * tile_words;
-        TileCodes(w_, n, cols, tile);
-        if (up_ != nullptr) TileCodes(up_, n, cols, tile + tile_words);
-      }
-      const int64_t num_tiles = column_tiles * per_column_tile;
-      for (int64_t m0 = 0; m0 < m_; m0 += kBlockRows) {
-        const int64_t m1 = std::min(m_, m0 + kBlockRows);
-        for (int64_t b0 = 0; b0 < blocks; b0 += depth) {
-          const int64_t b1 = std::min(blocks, b0 + depth);
-          for (int64_t t = 0; t < num_tiles; t += 2) {
-            const int64_t n = c0 + t / per_column_tile * kTileCols;
-            const int64_t cols = up_ != nullptr ? kTileCols : t + 2 <= num_tiles ? 2 * kTileCols : kTileCols;
-            const int live = static_cast<int>(std::min<int64_t>(cols, c1 - n));
-            const Slice slice{tiles.data() + t * tile_words, b0, b1, n, live};
-            ForRowGroups<kRowGroup>(m0, m1, [&](auto rows, int64_t m) {
-              GroupTimesSlice<decltype(rows)::value>(slice, m);
-            });
-          }
-        }
-      }
-    }
+    auto make = [&](int64_t t, int64_t n, int cols) {
+      uint32_t* tile = tiles.data() + t * tile_words;
+      TileCodes(w_, n, cols, tile);
+      if (up_ != nullptr) TileCodes(up_, n, cols, tile + tile_words);
+    };
+    auto pair = [&](int64_t t, int64_t b0, int64_t b1, int64_t n, int cols, int64_t m0, int64_t m1) {
+      const Slice slice{tiles.data() + t * tile_words, b0, b1, n, cols};
+      ForRowGroups<kRowGroup>(m0, m1, [&](auto rows, int64_t m) { GroupTimesSlice<decltype(rows)::value>(slice, m); });
+    };
+    SweepTilePairs(m_, n0, n1, chunk, up_ != nullptr, blocks, depth, make, pair);
   }
 
  private:
@@ -309,7 +293,7 @@ class Int8Tiles {
     const __mmask16 live0 = static_cast<__mmask16>((1u << std::min(slice.cols, kTileCols)) - 1u);
     const __mmask16 live1 = static_cast<__mmask16>((1u << cols1) - 1u);
     if (up_ != nullptr) {  // f0: gate sums, f1: up sums of the same columns
-      for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y_ + (m + r) * n_ + slice.n, live0, Silu(f0[r]) * f1[r]);
+      for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y_ + (m + r) * n_ + slice.n, live0, Silu512(f0[r]) * f1[r]);
       return;
     }
     const bool first = slice.b0 == 0;
@@ -320,12 +304,6 @@ class Int8Tiles {
     }
   }
 
-  static __m512 Silu(__m512 v) {
-    typedef float F16 __attribute__((vector_size(64)));
-    typedef int32_t I16 __attribute__((vector_size(64)));
-    const F16 s = SiluVector<F16, I16>(reinterpret_cast<const F16&>(v));
-    return reinterpret_cast<const __m512&>(s);
-  }
   static void Store(float* y, __mmask16 live, __m512 sums, bool first) {
     _mm512_mask_storeu_ps(y, live, first ? sums : _mm512_add_ps(sums, _mm512_maskz_loadu_ps(live, y)));
   }

@@ -3,6 +3,10 @@
 
 #include <cstdint>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace jvllm {
 
 // exp(r) for r in [-ln2 / 2, ln2 / 2], for a float or a vector of them.
@@ -37,5 +41,15 @@ template <typename V, typename I>
 inline V SiluVector(V x) {
   return x / (1.0f + ExpVector<V, I>(-x));
 }
+
+#if defined(__AVX512F__)
+// SiluVector on one 512-bit vector of 16 floats (the tiled gated products' epilogue).
+inline __m512 Silu512(__m512 v) {
+  typedef float F16 __attribute__((vector_size(64)));
+  typedef int32_t I16 __attribute__((vector_size(64)));
+  const F16 s = SiluVector<F16, I16>(reinterpret_cast<const F16&>(v));
+  return reinterpret_cast<const __m512&>(s);
+}
+#endif
 
 }  // namespace jvllm
