@@ -11,6 +11,10 @@
 #include "block_formats.h"
 #include "transpose.h"
 
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
+
 namespace jvllm {
 
 // Weight rows stream from memory once per step, a few rows at a time: each block is fetched while the same block of
