@@ -5,7 +5,7 @@ round gives each engine the same new batch of prompts of uneven length (notes fr
 64-700 tokens) with one output token each, the engines' order alternating between rounds, after a warm-up batch of
 other prompts. Prints prompt tokens per second per round, the medians, and each setting's ratio to the first's.
 
-    python -m benchmarks.prefill_dtypes                       # auto against int8 (8-bit tiles for 4-bit blocks)
+    python -m benchmarks.prefill_dtypes                       # auto against int8 (8-bit tiles for 4-, 5-bit blocks)
     python -m benchmarks.prefill_dtypes --settings auto,bfloat16,none --rounds 6 --output-json prefill.json
 """
 from __future__ import annotations

@@ -56,10 +56,8 @@ struct Int8Rows {
   std::vector<int8_t> codes;  // [M, K]
   std::vector<float> scales;  // [M, K / 32]
   std::vector<float> sums;    // [M, K / 32]
-  int64_t k = 0;
 
-  void Quantize(const float* x, int64_t m, int64_t k_in) {
-    k = k_in;
+  void Quantize(const float* x, int64_t m, int64_t k) {
     codes.resize(static_cast<size_t>(m * k));
     scales.resize(static_cast<size_t>(m * k / 32));
     sums.resize(scales.size());
