@@ -10,7 +10,7 @@ other prompts' outputs).
     python -m benchmarks.spec_decode --json benchmarks/results/spec_decode_cpu.json
     python -m benchmarks.spec_decode --crossover 1,2,4,8,16   # batch sizes where speculation stops paying
     python -m benchmarks.spec_decode --draft-model SmolLM2-135M-Instruct   # also a draft model (3 drafts)
-    python -m benchmarks.spec_decode --batch-invariant   # greedy outputs token for token those without
+    python -m benchmarks.spec_decode --no-batch-invariant   # one-row steps on the int16 path (AVX-512 BF16 CPUs)
     python -m benchmarks.spec_decode --workloads 3   # 32 chats and 256 requests: ngram against off, 3 rounds
     python -m benchmarks.spec_decode --workloads 3 --method suffix
 """
@@ -114,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--crossover", default=None, metavar="SIZES",
                         help="instead: batches of these sizes (e.g. 1,2,4,8,16) with and without ngram speculation")
-    parser.add_argument("--batch-invariant", action="store_true",
-                        help="every engine with batch_invariant=True (greedy outputs then the same with and without)")
+    parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                        help="every engine with batch_invariant on or off (default: the engine's, on for GGUF blocks "
+                             "on CPUs with AVX-512 BF16, where greedy outputs are then the same with and without)")
     parser.add_argument("--draft-model", default=None, metavar="MODEL",
                         help="also measure method draft_model with this draft (3 drafts a step)")
     parser.add_argument("--workloads", type=int, default=None, metavar="ROUNDS",

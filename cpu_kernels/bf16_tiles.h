@@ -28,18 +28,21 @@ namespace jvllm {
 // Sub-block s of a weight block as 32 bfloat16 weights (rounded from float32 w = d * code + c).
 // 4-bit codes: the 16 values a block can hold are computed (one FMA, one rounding) and each weight is looked up
 // by its code (`vpermw`), which leaves the floating-point pipes to the products; same values as converting each
-// weight, since both round fma(code, d, c).
+// weight, since both round fma(code, d, c). The 16 code bytes (weight j low, j + 16 high) are widened to 32 words
+// twice over and the second 16 shifted right by 4; `vpermw` reads an index's low 5 bits, so the table holds the 16
+// values twice and a low-nibble word's bit 4 (the high nibble's first bit) picks the same value.
 template <typename Fmt>
 inline __m512bh WeightsBf16(const uint8_t* b, int s, float d, float c) {
   if constexpr (std::is_same_v<Fmt, Q4_0> || std::is_same_v<Fmt, Q4_1>) {
     const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m256bh values = _mm512_cvtneps_pbh(_mm512_fmadd_ps(codes, _mm512_set1_ps(d), _mm512_set1_ps(c)));
+    const __m512 values = _mm512_fmadd_ps(codes, _mm512_set1_ps(d), _mm512_set1_ps(c));
+    const __m512bh table = _mm512_cvtne2ps_pbh(values, values);
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + Fmt::kBytes - 16));
-    const __m128i nibble = _mm_set1_epi8(15);
-    const __m256i index8 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble),  // weights 16-31
-                                            _mm_and_si128(bytes, nibble));                     // weights 0-15
-    const __m512i table = _mm512_castsi256_si512(reinterpret_cast<const __m256i&>(values));
-    const __m512i weights = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(index8), table);
+    const __m512i twice = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(bytes));
+    const __m512i shifts = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0x0004000400040004,
+                                            0x0004000400040004, 0, 0, 0, 0);  // words 16-31 by 4
+    const __m512i weights = _mm512_permutexvar_epi16(_mm512_srlv_epi16(twice, shifts),
+                                                     reinterpret_cast<const __m512i&>(table));
     return reinterpret_cast<const __m512bh&>(weights);
   } else if constexpr (std::is_same_v<Fmt, Q8_0>) {
     const __m512 vd = _mm512_set1_ps(d);

@@ -210,28 +210,61 @@ class Matmul {
     for (int64_t n = n0; n < n1; ++n) Bf16Dots<X>(n);
   }
 
+  // Each row of x sums its products in two accumulators, sub-blocks of 32 weights alternating between them (even
+  // ones in the first), added at the end: with one, a lone row's sums were a chain of `vdpbf16ps` latencies. Every
+  // row count takes the same order, so a row's bits do not depend on the rows that come with it.
   template <int X>
   void Bf16Dots(int64_t n) const {
-    const int64_t k = sh_.k;
-    const uint16_t* xb = xb_->bits.data();
-    __m512 acc[X];
-    for (int i = 0; i < X; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t block = 0; block < blocks_per_row(); ++block) {
-      const uint8_t* src = Row(n) + block * Fmt::kBytes;
-      jvllm::PrefetchBlock<Fmt>(Row(n + kPrefetchRowsAhead) + block * Fmt::kBytes);
-      float d[Fmt::kSubs], c[Fmt::kSubs];
-      Fmt::Scales(src, d, c);
-#pragma GCC unroll 8
-      for (int s = 0; s < Fmt::kSubs; ++s) {
-        const __m512bh wb = WeightsBf16<Fmt>(src, s, d[s], c[s]);
-        const uint16_t* xs = xb + (block * Fmt::kSubs + s) * kBlock;
-        for (int i = 0; i < X; ++i) {
-          const __m512i xv = _mm512_loadu_si512(xs + i * k);
-          acc[i] = _mm512_dpbf16_ps(acc[i], wb, reinterpret_cast<const __m512bh&>(xv));
+    __m512 even[X], odd[X];
+    for (int i = 0; i < X; ++i) even[i] = odd[i] = _mm512_setzero_ps();
+    const int64_t blocks = blocks_per_row();
+    if constexpr (Fmt::kSubs % 2 == 0) {
+      for (int64_t block = 0; block < blocks; ++block) {
+        const uint8_t* src = BlockForDots(n, block);
+        float d[Fmt::kSubs], c[Fmt::kSubs];
+        Fmt::Scales(src, d, c);
+#pragma GCC unroll 4
+        for (int s = 0; s < Fmt::kSubs; s += 2) {
+          AddSubBlock<X>(src, s, d[s], c[s], block * Fmt::kSubs + s, even);
+          AddSubBlock<X>(src, s + 1, d[s + 1], c[s + 1], block * Fmt::kSubs + s + 1, odd);
         }
       }
+    } else {
+      static_assert(Fmt::kSubs == 1);
+      int64_t block = 0;
+      for (; block + 2 <= blocks; block += 2) {
+        AddBlock<X>(n, block, even);
+        AddBlock<X>(n, block + 1, odd);
+      }
+      if (block < blocks) AddBlock<X>(n, block, even);
     }
-    for (int i = 0; i < X; ++i) y_[i * sh_.n + n] = _mm512_reduce_add_ps(acc[i]);
+    for (int i = 0; i < X; ++i) y_[i * sh_.n + n] = _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i]));
+  }
+
+  // Weight row n's block `block`, prefetching the same block kPrefetchRowsAhead rows ahead.
+  const uint8_t* BlockForDots(int64_t n, int64_t block) const {
+    jvllm::PrefetchBlock<Fmt>(Row(n + kPrefetchRowsAhead) + block * Fmt::kBytes);
+    return Row(n) + block * Fmt::kBytes;
+  }
+
+  // A one-sub-block format's block `block` of weight row n into acc (X rows of x).
+  template <int X>
+  void AddBlock(int64_t n, int64_t block, __m512 (&acc)[X]) const {
+    const uint8_t* src = BlockForDots(n, block);
+    float d[1], c[1];
+    Fmt::Scales(src, d, c);
+    AddSubBlock<X>(src, 0, d[0], c[0], block, acc);
+  }
+
+  // Sub-block s of a weight block (sub-block `index` of its row) times the same 32 values of each of X rows of x.
+  template <int X>
+  void AddSubBlock(const uint8_t* src, int s, float d, float c, int64_t index, __m512 (&acc)[X]) const {
+    const __m512bh wb = WeightsBf16<Fmt>(src, s, d, c);
+    const uint16_t* xs = xb_->bits.data() + index * kBlock;
+    for (int i = 0; i < X; ++i) {
+      const __m512i xv = _mm512_loadu_si512(xs + i * sh_.k);
+      acc[i] = _mm512_dpbf16_ps(acc[i], wb, reinterpret_cast<const __m512bh&>(xv));
+    }
   }
 #endif
 

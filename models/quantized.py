@@ -119,6 +119,16 @@ def native_kernel_available() -> bool:
     return available()
 
 
+def invariant_block_rows_available() -> bool:
+    """Whether products with GGUF blocks here can give a token row the same bits alone as among up to 8 rows (the
+    native kernels' bfloat16 rows, on a CPU with AVX-512 BF16)."""
+    if jax.default_backend() != "cpu" or not native_kernel_available():
+        return False
+    from cpu_kernels.quantized_matmul import bf16_max_rows
+
+    return bf16_max_rows() > 0
+
+
 # How a product's live token rows (models.live_rows: padding rows are skipped) meet the blocks depends on their
 # count, at limits the kernel build picks for its machine (cpu_kernels.quantized_matmul.row_path_limits and
 # bf16_max_rows): on CPUs with AVX-512 BF16, 2+ rows (1+ with bf16_products(True, single_rows=True)) in bfloat16

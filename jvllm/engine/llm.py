@@ -28,7 +28,8 @@ from jvllm.core.kv_pages import PageManager
 from jvllm.core.lookahead import plan_lookahead, settle_lookahead
 from jvllm.worker.model_runner import ModelRunner
 from jvllm.engine.step_plan import StepInFlight, encoder_buffer_layout
-from jvllm.worker.weights import batched_weights_for, bf16_block_products, int8_block_products
+from jvllm.worker.weights import (batch_invariant_for, batched_weights_for, bf16_block_products,
+                                  int8_block_products)
 from jvllm.worker.step_shapes import ShapeSet
 from jvllm.sample.logprobs import MAX_LOGPROBS
 from jvllm.parallel import distributed
@@ -116,11 +117,12 @@ class Engine(MultiHostRoles, FrontEndViews, PoolingCalls, BeamSearchCalls):
             args.encoder_cache_tokens, allowed_media_domains=args.allowed_media_domains, max_image_pixels=args.max_image_pixels)
         image_tokens = 0 if self.model.vision is None else self.model.vision.max_image_tokens
         speculative = SpeculativeConfig.parse(args.speculative_config)
+        self.batch_invariant = batch_invariant_for(args.batch_invariant, self.model, args.batched_weight_dtype)
         self.draft_model = None
         if speculative is not None and speculative.method == "draft_model" and not self.model.is_encoder:
             self.draft_model = DraftModelRunner.start(args, cfg, self.tokenizer, speculative, hosts.multi_host)
         self.drafter = None if speculative is None or self.model.is_encoder else Drafter(
-            speculative, self.draft_model, max_step_rows=INVARIANT_STEP_ROWS if args.batch_invariant else None)
+            speculative, self.draft_model, max_step_rows=INVARIANT_STEP_ROWS if self.batch_invariant else None)
         self.scheduler = Scheduler(self.pages, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    enable_prefix_caching=args.enable_prefix_caching, encoder_cache=self.encoder_cache,
                                    max_num_encoder_tokens=max(cfg.max_num_batched_tokens, image_tokens),
@@ -133,7 +135,7 @@ class Engine(MultiHostRoles, FrontEndViews, PoolingCalls, BeamSearchCalls):
             shapes=shapes, attention_backend=backend, batched_weight_dtype=batched_dtype, channel=self.channel,
             bf16_block_products=bf16_block_products(args.batched_weight_dtype),
             int8_block_products=int8_block_products(args.batched_weight_dtype),
-            bf16_single_rows=args.batch_invariant,
+            bf16_single_rows=self.batch_invariant,
             encoder_buffer=encoder_buffer_layout(self.encoder_cache), kv_cache_dtype=kv_dtype)
         if self.channel is not None and self.channel.is_leader:
             atexit.register(self.shutdown)  # followers must not wait forever for the next step
