@@ -212,8 +212,8 @@ class Matmul {
 
   // Each row of x sums its products in two accumulators, sub-blocks of 32 weights alternating between them (even
   // ones in the first), added at the end, so that a lone row's `vdpbf16ps` form two dependency chains, not one
-  // (lone-row products ~8% faster). Every row count takes the same order: a row's bits do not depend on the rows
-  // that come with it.
+  // (docs/design.md, speculative decoding). Every row count takes the same order: a row's bits do not depend on the
+  // rows that come with it.
   template <int X>
   void Bf16Dots(int64_t n) const {
     __m512 even[X], odd[X];
