@@ -162,9 +162,9 @@ class EngineArgs:
     batch_invariant: bool | None = option(
         None, "each token row of a step of up to 8 rows computes the bits it would alone, as vLLM's "
               "VLLM_BATCH_INVARIANT: greedy outputs are then the same with and without speculative decoding and "
-              "whatever else shares a step of up to 8 rows. Default: on for GGUF blocks on CPUs with AVX-512 BF16 "
-              "(one-row products in bfloat16 as 2-8 rows run: single-stream decode within a few percent of their "
-              "int16 path), off elsewhere")
+              "whatever else shares a step of up to 8 rows. Default: on for GGUF blocks with the cpu attention "
+              "backend on CPUs with AVX-512 BF16 (one-row products in bfloat16 as 2-8 rows run: single-stream "
+              "decode within a few percent of their int16 path), off elsewhere")
     scheduling_policy: str = option("fcfs", "fcfs: requests run in arrival order; priority: by each request's "
                                             "`priority` (lower first, then arrival), preempting running requests of "
                                             "lower priority when a higher one waits without room",

@@ -49,16 +49,17 @@ def bf16_block_products(requested: Any) -> bool:
     return requested not in (None, "none", "float32")
 
 
-def batch_invariant_for(requested: bool | None, loaded: Any, batched_weight_dtype: Any) -> bool:
+def batch_invariant_for(requested: bool | None, loaded: Any, batched_weight_dtype: Any, attention_backend: str) -> bool:
     """The engine's `batch_invariant` (None: on where it costs little: GGUF blocks on the native CPU kernels with
     bfloat16 rows, whose lone rows then take the bf16 row path as 2-8 rows do, within a few percent of single-stream
-    decode's int16 path; docs/design.md, speculative decoding)."""
+    decode's int16 path, and attention by the native kernel, whose verification rows give decode rows' bits;
+    docs/design.md, speculative decoding)."""
     if requested is not None:
         return requested
     from models.quantized import invariant_block_rows_available
 
-    return (loaded.keeps_blocks and not loaded.is_encoder and bf16_block_products(batched_weight_dtype)
-            and invariant_block_rows_available())
+    return (loaded.keeps_blocks and not loaded.is_encoder and attention_backend == "cpu"
+            and bf16_block_products(batched_weight_dtype) and invariant_block_rows_available())
 
 
 def int8_block_products(requested: Any) -> bool:

@@ -65,11 +65,12 @@ def test_greedy_outputs_are_those_without_speculation(without, spec):
 
 
 def test_the_default_is_invariant_where_lone_rows_can_take_the_bf16_row_path():
-    """Unset, batch_invariant is on exactly where the kernels have bfloat16 rows (AVX-512 BF16 builds) and the engine
-    lets GGUF blocks use them; asked for, it is what was asked."""
+    """Unset, batch_invariant is on exactly where the kernels have bfloat16 rows (AVX-512 BF16 builds), the engine
+    lets GGUF blocks use them and the native kernel attends; asked for, it is what was asked."""
     from cpu_kernels.quantized_matmul import bf16_max_rows
 
     small = dict(max_model_len=1024, kv_cache_memory_bytes=64 << 20, precompile=False)
     assert Engine(**small).batch_invariant == (bf16_max_rows() > 0)
     assert Engine(batched_weight_dtype="none", **small).batch_invariant is False  # no bf16 products at all
+    assert Engine(attention_backend="xla", **small).batch_invariant is False  # attention rounds by its step's rows
     assert Engine(batch_invariant=False, **small).batch_invariant is False
