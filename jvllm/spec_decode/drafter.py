@@ -13,9 +13,9 @@ from jvllm.spec_decode.ngram import propose_ngram
 from jvllm.spec_decode.suffix import OutputCache, propose_suffix
 
 MAX_BACKOFF_TOKENS = 16  # a request whose drafts keep failing speculates at least once every this many tokens
-# A verification step costs about 2.3 one-row decode steps on the 2-core CPU (SmolLM2 Q4_1, 6 rows: the products
-# of 2-8 rows run compute-bound, docs/design.md): a request keeps speculating while its recent verification steps
-# accepted at least this many drafts on average.
+# A request keeps speculating while its recent verification steps accepted at least this many drafts on average
+# (on the 2-core CPU a 4-row verification step costs ~1.6 one-row decode steps; thresholds of 0.5 and 1.5 measured
+# alike on the benchmark's prompts: docs/design.md, speculative decoding).
 MIN_MEAN_ACCEPTED = 1.5
 # With batch_invariant, a step that verifies drafts holds at most this many token rows: the native CPU kernels take up
 # to 8 rows row by row (bf16 row products, few-query attention), so each row gives the bits of a one-token step.
