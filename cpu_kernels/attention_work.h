@@ -142,7 +142,9 @@ class Attention : public PageView<PoolT> {
 
     const int64_t first_pos = cached + first, last_pos = cached + first + count - 1;
     const int64_t lowest = LowestKey(here);
-    const bool direct = rows <= kDirectScoreRows || count <= kDirectQueries;
+    // few queries (decode rows, blocks of up to kDirectQueries) or a sequence of up to direct_queries (a row
+    // verifying draft tokens): key rows read as stored
+    const bool direct = rows <= kDirectScoreRows || count <= kDirectQueries || q_lens_[s] <= opt_.direct_queries;
     if (direct && !scratch.cursor.In(here)) {
       scratch.cursor = {s, h0, first, here.key_lo, lowest};  // nothing asked for yet: the thread's first item
     }

@@ -15,7 +15,8 @@ namespace jvllm {
 
 constexpr int kBlockQueries = 32;  // queries per work item: each block of keys is transposed once for them all
 // Blocks of up to this many queries (a decode row verifying draft tokens) read key rows as stored, without a
-// transpose (attention_work.h); a lone sequence's such queries go in two halves (PageView's constructor).
+// transpose (attention_work.h); a lone sequence's such queries go in two halves (PageView's constructor). A call
+// may raise it (AttentionOptions::direct_queries) so that longer runs of draft tokens get decode rows' bits too.
 constexpr int kDirectQueries = 8;
 // A sequence of that few queries (decode rows, rows verifying drafts) attends its keys in spans of this many
 // positions, one work item each (all its KV heads), whose partial softmax sums are merged after
@@ -37,6 +38,8 @@ struct AttentionOptions {
   // The step's own K/V are in the pages already (the write variant): the few-query loops read them there, so a query
   // sees every key as the pages hold it, whether its step ran it alone or with draft tokens after it.
   bool own_in_pages;
+  // Blocks of up to this many queries take the direct loops (at least kDirectQueries; at most kBlockQueries).
+  int64_t direct_queries = kDirectQueries;
 };
 
 // What a work item attends: queries [first, first + count) of sequence s, KV heads [h0, h1), keys from key_lo
@@ -79,7 +82,7 @@ class PageView {
     // A lone sequence verifying draft tokens (a few queries) would give one item per head, as many as a lone
     // decode row (3 heads on 2 threads: one thread idle a third of the time); its queries go in two halves
     // instead, each item reading its head's keys for its half.
-    if (blocks < kMinItems && most_queries > 1 && most_queries <= kDirectQueries) {
+    if (blocks < kMinItems && most_queries > 1 && most_queries <= opt.direct_queries) {
       block_queries_ = (most_queries + 1) / 2;
     }
     item_start_.resize(sh.seqs + 1, 0);
@@ -88,7 +91,7 @@ class PageView {
     first_span_.assign(sh.seqs, 0);
     splits_.assign(sh.seqs, head_splits_);
     for (int64_t s = 0; s < sh.seqs; ++s) {
-      if (q_lens_[s] >= 1 && q_lens_[s] <= kDirectQueries) {
+      if (q_lens_[s] >= 1 && q_lens_[s] <= opt.direct_queries) {
         first_span_[s] = LowestKey({s, 0, 0, 0, 0}) / kSpanKeys;
         spans_[s] = (kv_lens_[s] - 1) / kSpanKeys - first_span_[s] + 1;
         // spans share the work out instead of heads: an item then reads whole token rows of the pages in order
@@ -99,8 +102,8 @@ class PageView {
       group_start_[s + 1] = group_start_[s] + (spans_[s] > 1 ? groups : 0);
     }
     // partial sums of each spanned item: [heads, rows] running max, [heads, rows] sum, [heads, rows, hd] weighted
-    // values; a decode row's spans hold up to kDirectQueries queries
-    const int64_t queries = std::min<int64_t>(block_queries_, kDirectQueries);
+    // values; a decode row's spans hold up to direct_queries queries
+    const int64_t queries = std::min<int64_t>(block_queries_, opt.direct_queries);
     partial_floats_ = sh.kv_heads * queries * sh.group * (sh.head_dim + 2);
     if (group_start_.back() > 0) {
       thread_local std::vector<float> storage;  // reused by the calling thread's next calls

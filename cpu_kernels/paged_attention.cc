@@ -44,7 +44,7 @@ ffi::Error Attend(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<
                   ffi::Span<const int64_t> pd, ffi::DataType type, const void* k_pages, const void* v_pages,
                   ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
                   ffi::Buffer<ffi::S32> page_tables, float* dst, float scale, int64_t sliding_window,
-                  float soft_cap, int64_t bf16_tiles, bool own_in_pages) {
+                  float soft_cap, int64_t bf16_tiles, bool own_in_pages, int64_t direct_queries) {
   const auto qd = q.dimensions();
   const auto td = page_tables.dimensions();
   if (qd.size() != 3 || pd.size() != 4 || td.size() != 2) {
@@ -55,7 +55,8 @@ ffi::Error Attend(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<
     return ffi::Error::InvalidArgument(
         "paged_attention: heads a multiple of KV heads, one head_dim (a multiple of 16) for q and pages");
   }
-  AttentionOptions opt{scale, sliding_window, soft_cap, bf16_tiles != 0, own_in_pages};
+  AttentionOptions opt{scale, sliding_window, soft_cap, bf16_tiles != 0, own_in_pages,
+                       std::clamp<int64_t>(direct_queries, kDirectQueries, kBlockQueries)};
   // Tokens past the last sequence's are padding: their rows are zero.
   int64_t used = 0;
   for (int64_t s = 0; s < sh.seqs; ++s) {
@@ -89,10 +90,10 @@ ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                               ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> q_lens,
                               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_tables,
                               ffi::ResultBuffer<ffi::F32> out, float scale, int64_t sliding_window,
-                              float soft_cap, int64_t bf16_tiles) {
+                              float soft_cap, int64_t bf16_tiles, int64_t direct_queries) {
   return Attend(q, k, v, k_pages.dimensions(), k_pages.element_type(), k_pages.untyped_data(),
                 v_pages.untyped_data(), query_start, q_lens, kv_lens, page_tables, out->typed_data(), scale,
-                sliding_window, soft_cap, bf16_tiles, false);
+                sliding_window, soft_cap, bf16_tiles, false, direct_queries);
 }
 
 // Copies row t of `rows` [T, row bytes] to pool row slots[t] (pool [N * page, row bytes]); slots outside the pool
@@ -117,7 +118,7 @@ ffi::Error PagedAttentionWriteImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32
                                    ffi::Buffer<ffi::S32> page_tables, ffi::Buffer<ffi::S32> slot_mapping,
                                    ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> k_out,
                                    ffi::Result<ffi::AnyBuffer> v_out, float scale, int64_t sliding_window,
-                                   float soft_cap, int64_t bf16_tiles) {
+                                   float soft_cap, int64_t bf16_tiles, int64_t direct_queries) {
   const auto pd = k_pages.dimensions();
   if (k_store.element_type() != k_pages.element_type() || v_store.element_type() != v_pages.element_type() ||
       k_store.dimensions().size() != 3 || pd.size() != 4 ||
@@ -133,7 +134,8 @@ ffi::Error PagedAttentionWriteImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32
   WriteRows(k_store, slot_mapping.typed_data(), k_out);
   WriteRows(v_store, slot_mapping.typed_data(), v_out);
   return Attend(q, k, v, pd, k_pages.element_type(), k_out->untyped_data(), v_out->untyped_data(), query_start,
-                q_lens, kv_lens, page_tables, out->typed_data(), scale, sliding_window, soft_cap, bf16_tiles, true);
+                q_lens, kv_lens, page_tables, out->typed_data(), scale, sliding_window, soft_cap, bf16_tiles, true,
+                direct_queries);
 }
 
 }  // namespace
@@ -156,7 +158,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmPagedAttention, PagedAttentionImpl,
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")
-                                  .Attr<int64_t>("bf16_tiles"));
+                                  .Attr<int64_t>("bf16_tiles")
+                                  .Attr<int64_t>("direct_queries"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmPagedAttentionWrite, PagedAttentionWriteImpl,
                               ffi::Ffi::Bind()
@@ -178,5 +181,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmPagedAttentionWrite, PagedAttentionWriteImpl,
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")
-                                  .Attr<int64_t>("bf16_tiles"));
+                                  .Attr<int64_t>("bf16_tiles")
+                                  .Attr<int64_t>("direct_queries"));
 

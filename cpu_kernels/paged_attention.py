@@ -8,6 +8,8 @@ import numpy as np
 from cpu_kernels.build import load
 
 HEAD_DIM_MULTIPLE = 16  # the kernel works in 16-float vectors
+DIRECT_QUERIES = 8  # a sequence's queries up to which the direct loops run by default (page_view.h kDirectQueries)
+MOST_DIRECT_QUERIES = 32  # the most a call may ask for (kBlockQueries)
 
 
 def bf16_prefill_tiles() -> bool:
@@ -31,12 +33,15 @@ def paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     bf16_tiles: bool = False,
+    direct_queries: int = DIRECT_QUERIES,
 ) -> jax.Array:
     """Causal attention of every query over its sequence's cached pages and this step's own keys -> [T, H, hd]
     float32 (zero on padding tokens). Sequences are back to back in the flat tokens; with `sliding_window`, a query
     at position p sees keys at positions > p - window; with `soft_cap`, scores become cap * tanh(score / cap). With
     `bf16_tiles`, prefill blocks over bfloat16 pages may round queries and probabilities to bfloat16
-    (`bf16_prefill_tiles`); otherwise the sums keep float32 queries and probabilities."""
+    (`bf16_prefill_tiles`); otherwise the sums keep float32 queries and probabilities. A sequence of up to
+    `direct_queries` queries (DIRECT_QUERIES to MOST_DIRECT_QUERIES) takes the loops that give every query the bits
+    it would get alone (speculative decoding's verification rows)."""
     if q.shape[-1] % HEAD_DIM_MULTIPLE:
         raise ValueError(f"the native paged attention needs head_dim a multiple of {HEAD_DIM_MULTIPLE}, got {q.shape[-1]}")
     load()
@@ -44,7 +49,8 @@ def paged_attention(
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     ints = [x.astype(jnp.int32) for x in (query_start, q_lens, kv_lens, page_tables)]
     return call(*f32, k_pages, v_pages, *ints, scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0),
-                soft_cap=np.float32(soft_cap or 0.0), bf16_tiles=np.int64(bf16_tiles))
+                soft_cap=np.float32(soft_cap or 0.0), bf16_tiles=np.int64(bf16_tiles),
+                direct_queries=np.int64(direct_queries))
 
 
 def paged_attention_write(
@@ -64,6 +70,7 @@ def paged_attention_write(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     bf16_tiles: bool = False,
+    direct_queries: int = DIRECT_QUERIES,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`paged_attention` that first writes the step's K/V into the pages at `slot_mapping`, in place (the pages
     are aliased to the outputs) -> (out [T, H, hd] float32, k_pages, v_pages)."""
@@ -79,4 +86,4 @@ def paged_attention_write(
     ints = [x.astype(jnp.int32) for x in (query_start, q_lens, kv_lens, page_tables, slot_mapping)]
     return call(*f32, k_store, v_store, k_pages, v_pages, *ints, scale=np.float32(scale),
                 sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0.0),
-                bf16_tiles=np.int64(bf16_tiles))
+                bf16_tiles=np.int64(bf16_tiles), direct_queries=np.int64(direct_queries))

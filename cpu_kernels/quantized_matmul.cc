@@ -65,12 +65,13 @@ ffi::Error WithFormat(const char* what, int64_t format, int64_t k, int64_t row_b
 ffi::Error QuantizedMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> live_rows,
                                ffi::ResultBuffer<ffi::F32> y, int64_t format, int64_t int16_max_rows,
                                int64_t int16_tile_min_rows, int64_t bf16_max_rows, int64_t bf16_min_rows,
-                               int64_t int8_tile_min_rows) {
+                               int64_t int8_tile_min_rows, int64_t invariant_max_rows) {
   constexpr const char* kWhat = "quantized_matmul";
   Shapes sh;
   if (ffi::Error error = LiveShapes(kWhat, x, w, live_rows, y, &sh); error.failure()) return error;
   if (sh.m == 0) return ffi::Error::Success();
-  const RowPaths paths{int16_max_rows, int16_tile_min_rows, bf16_max_rows, bf16_min_rows, int8_tile_min_rows};
+  const RowPaths paths{int16_max_rows,     int16_tile_min_rows, bf16_max_rows,
+                       bf16_min_rows,      int8_tile_min_rows,  invariant_max_rows};
   return WithFormat(kWhat, format, sh.k, w.dimensions()[1], [&](auto fmt) {
     jvllm::RunProduct<decltype(fmt)>(sh, x.typed_data(), w.typed_data(), y->typed_data(), paths);
   });
@@ -79,7 +80,7 @@ ffi::Error QuantizedMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, 
 ffi::Error GatedMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> gate, ffi::Buffer<ffi::U8> up,
                            ffi::Buffer<ffi::S32> live_rows, ffi::ResultBuffer<ffi::F32> y, int64_t format,
                            int64_t int16_max_rows, int64_t int16_tile_min_rows, int64_t bf16_max_rows,
-                           int64_t bf16_min_rows, int64_t int8_tile_min_rows) {
+                           int64_t bf16_min_rows, int64_t int8_tile_min_rows, int64_t invariant_max_rows) {
   constexpr const char* kWhat = "gated_matmul";
   const auto gd = gate.dimensions(), ud = up.dimensions();
   if (gd.size() != ud.size() || !std::equal(gd.begin(), gd.end(), ud.begin())) {
@@ -88,7 +89,8 @@ ffi::Error GatedMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> gate, f
   Shapes sh;
   if (ffi::Error error = LiveShapes(kWhat, x, gate, live_rows, y, &sh); error.failure()) return error;
   if (sh.m == 0) return ffi::Error::Success();
-  const RowPaths paths{int16_max_rows, int16_tile_min_rows, bf16_max_rows, bf16_min_rows, int8_tile_min_rows};
+  const RowPaths paths{int16_max_rows,     int16_tile_min_rows, bf16_max_rows,
+                       bf16_min_rows,      int8_tile_min_rows,  invariant_max_rows};
   return WithFormat(kWhat, format, sh.k, gate.dimensions()[1], [&](auto fmt) {
     jvllm::RunGatedProduct<decltype(fmt)>(sh, x.typed_data(), gate.typed_data(), up.typed_data(), y->typed_data(),
                                           paths);
@@ -108,7 +110,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmQuantizedMatmul, QuantizedMatmulImpl,
                                   .Attr<int64_t>("int16_tile_min_rows")
                                   .Attr<int64_t>("bf16_max_rows")
                                   .Attr<int64_t>("bf16_min_rows")
-                                  .Attr<int64_t>("int8_tile_min_rows"));
+                                  .Attr<int64_t>("int8_tile_min_rows")
+                                  .Attr<int64_t>("invariant_max_rows"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmGatedMatmul, GatedMatmulImpl,
                               ffi::Ffi::Bind()
@@ -122,7 +125,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmGatedMatmul, GatedMatmulImpl,
                                   .Attr<int64_t>("int16_tile_min_rows")
                                   .Attr<int64_t>("bf16_max_rows")
                                   .Attr<int64_t>("bf16_min_rows")
-                                  .Attr<int64_t>("int8_tile_min_rows"));
+                                  .Attr<int64_t>("int8_tile_min_rows")
+                                  .Attr<int64_t>("invariant_max_rows"));
 
 // The row counts at which this build's paths meet (measured per vector width: docs/design.md, GGUF blocks): the
 // per-row int16 path up to the first, 16-bit code tiles from the second, float tiles between (AVX2 builds only).
@@ -136,6 +140,8 @@ constexpr int32_t kInt16MaxRows = 0, kInt16TileMinRows = 0;
 
 extern "C" int32_t JvllmInt16MaxRows() { return kInt16MaxRows; }
 extern "C" int32_t JvllmInt16TileMinRows() { return kInt16TileMinRows; }
+// Up to this many rows, products with the formats of invariant_products.h can take its path (0: the build has none).
+extern "C" int32_t JvllmInvariantMaxRows() { return JVLLM_INT16_512 ? 32 : 0; }
 extern "C" int32_t JvllmBf16MaxRows() { return static_cast<int32_t>(jvllm::kBf16MaxRows); }
 // From this many rows, 8-bit products with 4- and 5-bit blocks (CPUs with AVX-512 VNNI), where the bf16 tiles take
 // over from the bf16 rows: the 8-bit tiles are at least as fast from there (docs/design.md, GGUF blocks).

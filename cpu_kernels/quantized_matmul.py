@@ -28,6 +28,17 @@ def bf16_max_rows() -> int:
     return int(load().JvllmBf16MaxRows())
 
 
+# The block formats whose products this build can make with each row's bits independent of the rows with it, up to
+# invariant_max_rows() rows (cpu_kernels/invariant_products.h).
+INVARIANT_FORMATS = frozenset({"q4_0", "q4_1", "q8_0"})
+
+
+@functools.lru_cache(maxsize=1)
+def invariant_max_rows() -> int:
+    """The most live rows this machine's kernel build multiplies on the invariant path (32 with AVX-512, else 0)."""
+    return int(load().JvllmInvariantMaxRows())
+
+
 @functools.lru_cache(maxsize=1)
 def int8_tile_min_rows() -> int:
     """From how many live rows this machine's kernel build multiplies 4- and 5-bit blocks with 8-bit activations
@@ -37,7 +48,8 @@ def int8_tile_min_rows() -> int:
 
 def quantized_matmul(x: jax.Array, weight: jax.Array, fmt: str, int16_max_rows: int = 0,
                      int16_tile_min_rows: int = 0, live_rows: jax.Array | None = None,
-                     bf16_max_rows: int = 0, bf16_min_rows: int = 2, int8_tile_min_rows: int = 0) -> jax.Array:
+                     bf16_max_rows: int = 0, bf16_min_rows: int = 2, int8_tile_min_rows: int = 0,
+                     invariant_max_rows: int = 0) -> jax.Array:
     """x [M, K] float, weight [N, K / block weights * block bytes] uint8 (GGUF blocks, one row per output) -> x @ W^T
     [M, N] float32. `live_rows` ([] int32, default M): only the first rows of x are multiplied, the other rows of
     the result are 0 (a step's padding). From `bf16_min_rows` (1 or 2) to `bf16_max_rows` live rows (builds with
@@ -47,15 +59,18 @@ def quantized_matmul(x: jax.Array, weight: jax.Array, fmt: str, int16_max_rows: 
     (AVX2 builds; within ~3e-5 of the float32 products); other row counts multiply float32 weights dequantized in
     registers or in tiles. From `int8_tile_min_rows` live rows if that is not 0 (AVX-512 VNNI builds; Q4_0, Q4_1,
     Q4_K, Q5_K), x is quantized to int8 per block of 32 and multiplied with 8-bit dot products: each output within
-    half a step of x's block scale (max |x| / 254) times the block's sum |d q|."""
+    half a step of x's block scale (max |x| / 254) times the block's sum |d q|. Up to `invariant_max_rows` live
+    rows (AVX-512 builds; Q4_0, Q4_1, Q8_0), every output row is computed the same way whatever rows come with it:
+    x in int16 blocks, exact int32 block sums, one float32 chain per output (cpu_kernels/invariant_products.h)."""
     return _call("jvllm_quantized_matmul", x, (weight,), fmt, live_rows, int16_max_rows=int16_max_rows,
                  int16_tile_min_rows=int16_tile_min_rows, bf16_max_rows=bf16_max_rows, bf16_min_rows=bf16_min_rows,
-                 int8_tile_min_rows=int8_tile_min_rows)
+                 int8_tile_min_rows=int8_tile_min_rows, invariant_max_rows=invariant_max_rows)
 
 
 def gated_matmul(x: jax.Array, gate: jax.Array, up: jax.Array, fmt: str, int16_max_rows: int = 0,
                  int16_tile_min_rows: int = 0, live_rows: jax.Array | None = None,
-                 bf16_max_rows: int = 0, bf16_min_rows: int = 2, int8_tile_min_rows: int = 0) -> jax.Array:
+                 bf16_max_rows: int = 0, bf16_min_rows: int = 2, int8_tile_min_rows: int = 0,
+                 invariant_max_rows: int = 0) -> jax.Array:
     """silu(x @ G^T) * (x @ U^T) [M, N] float32 for an MLP's gate and up weights G, U [N, row bytes] in format
     `fmt`: the products of `quantized_matmul` (same row paths and numerics), and past the bfloat16 row limit made
     in one pass that writes only the activations."""
@@ -63,7 +78,7 @@ def gated_matmul(x: jax.Array, gate: jax.Array, up: jax.Array, fmt: str, int16_m
         raise ValueError(f"gated_matmul: gate {gate.shape} and up {up.shape} weights differ")
     return _call("jvllm_gated_matmul", x, (gate, up), fmt, live_rows, int16_max_rows=int16_max_rows,
                  int16_tile_min_rows=int16_tile_min_rows, bf16_max_rows=bf16_max_rows, bf16_min_rows=bf16_min_rows,
-                 int8_tile_min_rows=int8_tile_min_rows)
+                 int8_tile_min_rows=int8_tile_min_rows, invariant_max_rows=invariant_max_rows)
 
 
 def _call(target: str, x: jax.Array, weights: tuple[jax.Array, ...], fmt: str, live_rows: jax.Array | None,

@@ -30,6 +30,7 @@
 #include "bf16_tiles.h"
 #include "int16_tiles.h"
 #include "int8_tiles.h"
+#include "invariant_products.h"
 #include "run_items.h"
 #include "vector_exp.h"
 
@@ -55,6 +56,7 @@ struct RowPaths {
   int64_t int16_max_rows, int16_tile_min_rows, bf16_max_rows;
   int64_t bf16_min_rows;  // 1: a lone row in bfloat16 too (the same bits as among 2-8 rows), 2: a lone row in int16
   int64_t int8_tile_min_rows;  // from this many rows, 8-bit products where the build and format have them (0: never)
+  int64_t invariant_max_rows;  // up to this many rows, the invariant path where the build and format have it (0: never)
 };
 
 // Up to kDirectRows rows of x: each weight block is dequantized in registers and used at once; from 2, the paths of
@@ -317,6 +319,10 @@ class Matmul {
 
 template <typename Fmt>
 void RunProduct(Shapes sh, const float* x, const uint8_t* w, float* y, const RowPaths& paths) {
+  if (TakesInvariantProduct<Fmt>(sh.m, paths.invariant_max_rows)) {
+    RunInvariantProduct<Fmt>(sh.m, sh.k, sh.n, x, w, y);
+    return;
+  }
   if (TakesInt8Tiles<Fmt>(sh.m, paths.int8_tile_min_rows)) {
     RunInt8Product<Fmt>(sh.m, sh.k, sh.n, x, w, y);
     return;
@@ -378,6 +384,10 @@ struct SiluTimes {
 template <typename Fmt>
 void RunGatedProduct(Shapes sh, const float* x, const uint8_t* gate, const uint8_t* up, float* y,
                      const RowPaths& paths) {
+  if (TakesInvariantProduct<Fmt>(sh.m, paths.invariant_max_rows)) {
+    RunInvariantProduct<Fmt>(sh.m, sh.k, sh.n, x, gate, y, up);
+    return;
+  }
   if (TakesInt8Tiles<Fmt>(sh.m, paths.int8_tile_min_rows)) {
     RunInt8Product<Fmt>(sh.m, sh.k, sh.n, x, gate, y, up);
     return;

@@ -7,7 +7,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -120,8 +120,8 @@ def native_kernel_available() -> bool:
 
 
 def invariant_block_rows_available() -> bool:
-    """Whether products with GGUF blocks here can give a token row the same bits alone as among up to 8 rows (the
-    native kernels' bfloat16 rows, on a CPU with AVX-512 BF16)."""
+    """Whether products with GGUF blocks here can give a token row the same bits alone as among other rows (the
+    native kernels' bfloat16 rows, on a CPU with AVX-512 BF16, and for some formats the invariant path)."""
     if jax.default_backend() != "cpu" or not native_kernel_available():
         return False
     from cpu_kernels.quantized_matmul import bf16_max_rows
@@ -129,33 +129,58 @@ def invariant_block_rows_available() -> bool:
     return bf16_max_rows() > 0
 
 
+# The most rows a step takes on the invariant path: to 16 rows its products cost what the bf16 rows and tiles do
+# (on the 2-core Zen 5 VM), past 16 up to 1.16x (32 rows) and the attention's direct loops twice its tiles; suffix
+# decoding gained as much with 16 as with 32 (docs/design.md, speculative decoding).
+INVARIANT_PATH_ROWS = 16
+
+
+def invariant_step_rows(formats: Iterable[str]) -> int:
+    """The most token rows of a step whose every row gets the bits it would get alone, for a model with GGUF blocks
+    of `formats` on the native kernels: INVARIANT_PATH_ROWS where the invariant path takes every format
+    (cpu_kernels.quantized_matmul.INVARIANT_FORMATS; the attention's direct loops then go as far), else the bfloat16
+    row products' 8."""
+    from cpu_kernels.quantized_matmul import INVARIANT_FORMATS, bf16_max_rows, invariant_max_rows
+
+    rows = bf16_max_rows() or 8
+    if jax.default_backend() == "cpu" and native_kernel_available() and set(formats) <= INVARIANT_FORMATS:
+        rows = max(rows, min(invariant_max_rows(), INVARIANT_PATH_ROWS))
+    return rows
+
+
 # How a product's live token rows (models.live_rows: padding rows are skipped) meet the blocks depends on their
 # count, at limits the kernel build picks for its machine (cpu_kernels.quantized_matmul.row_path_limits and
-# bf16_max_rows): on CPUs with AVX-512 BF16, 2+ rows (1+ with bf16_products(True, single_rows=True)) in bfloat16
+# bf16_max_rows): on CPUs with AVX-512 BF16, 2+ rows (1+ under bf16_products(True, invariant_rows=..)) in bfloat16
 # (like a float model's batched bf16 weights: rows to 8, bf16 weight tiles beyond) unless bf16_products(False) is in
 # effect; otherwise few rows multiply with activations quantized to int16 blocks, each weight block unpacked once per
 # activation row, and more rows unpack the weights once into 16-bit code tiles for all rows (AVX2 builds: float32
 # tiles in between). With bf16_products(.., int8_tiles=True) (the engine's batched_weight_dtype="int8"),
 # products of 9+ rows with Q4_0, Q4_1, Q4_K and Q5_K blocks take 8-bit activations instead of bfloat16 where the
-# build has AVX-512 VNNI, as llama.cpp multiplies them.
+# build has AVX-512 VNNI, as llama.cpp multiplies them. Under bf16_products(.., invariant_rows=R) with R > 8,
+# products of up to R rows with Q4_0, Q4_1 and Q8_0 blocks take the invariant path instead (int16 activations).
 # _BF16_MIN_ROWS: the fewest rows a product with GGUF blocks takes in bfloat16 here (0: none); _INT8_TILES: whether
-# the 8-bit tiles may be taken.
+# the 8-bit tiles may be taken; _INVARIANT_ROWS: the step rows that must each get their own bits (0: no promise).
 _BF16_MIN_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("bf16_min_rows", default=2)
 _INT8_TILES: contextvars.ContextVar[bool] = contextvars.ContextVar("int8_tiles", default=False)
+_INVARIANT_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("invariant_rows", default=0)
 
 
 @contextlib.contextmanager
-def bf16_products(enabled: bool, single_rows: bool = False, int8_tiles: bool = False) -> Iterator[None]:
+def bf16_products(enabled: bool, invariant_rows: int = 0, int8_tiles: bool = False) -> Iterator[None]:
     """Within: whether products of 2+ rows with GGUF blocks, and the native prefill attention over bfloat16 pages, may
     round their activations to bfloat16 where the CPU has bf16 dot products (jvllm.worker.step_functions sets it
-    around a step's layers and head from the engine's batched_weight_dtype); with `single_rows`, lone rows too, so
-    that a row's bits do not depend on the rows with it (speculative decoding: a verification step's rows give the
-    decode steps' tokens); with `int8_tiles` (and `enabled`), products of 9+ rows with 4- and 5-bit blocks in 8 bits."""
-    token = _BF16_MIN_ROWS.set(0 if not enabled else 1 if single_rows else 2)
+    around a step's layers and head from the engine's batched_weight_dtype); with `invariant_rows` (speculative
+    decoding: a verification step's rows give the decode steps' tokens; invariant_step_rows), steps of up to that
+    many rows give each row the bits it would get alone: lone rows in bfloat16 too, up to that many rows on the
+    invariant path where the format has it, sequences of up to that many queries through the attention's direct
+    loops; with `int8_tiles` (and `enabled`), products of 9+ rows with 4- and 5-bit blocks in 8 bits."""
+    token = _BF16_MIN_ROWS.set(0 if not enabled else 1 if invariant_rows else 2)
     int8_token = _INT8_TILES.set(int8_tiles)
+    invariant_token = _INVARIANT_ROWS.set(invariant_rows)
     try:
         yield
     finally:
+        _INVARIANT_ROWS.reset(invariant_token)
         _INT8_TILES.reset(int8_token)
         _BF16_MIN_ROWS.reset(token)
 
@@ -165,14 +190,22 @@ def bf16_products_enabled() -> bool:
     return _BF16_MIN_ROWS.get() > 0
 
 
+def invariant_rows() -> int:
+    """The step rows that must each get the bits they would get alone here (bf16_products; 0: none)."""
+    return _INVARIANT_ROWS.get()
+
+
 def _bf16_rows() -> dict[str, int]:
-    """The reduced-precision row limits of the kernels' products here: bfloat16 rows and tiles, and 8-bit tiles for
-    products of 9+ rows with 4- and 5-bit blocks where the build has them (bf16_products(True, int8_tiles=True))."""
+    """The reduced-precision row limits of the kernels' products here: bfloat16 rows and tiles, 8-bit tiles for
+    products of 9+ rows with 4- and 5-bit blocks where the build has them (bf16_products(True, int8_tiles=True)), and
+    the invariant path's rows (bf16_products(.., invariant_rows=R), R > 8)."""
     from cpu_kernels.quantized_matmul import bf16_max_rows, int8_tile_min_rows
 
     enabled = bf16_products_enabled()
+    invariant = _INVARIANT_ROWS.get()
     return dict(bf16_max_rows=bf16_max_rows() if enabled else 0, bf16_min_rows=_BF16_MIN_ROWS.get() or 2,
-                int8_tile_min_rows=int8_tile_min_rows() if enabled and _INT8_TILES.get() else 0)
+                int8_tile_min_rows=int8_tile_min_rows() if enabled and _INT8_TILES.get() else 0,
+                invariant_max_rows=invariant if invariant > 8 else 0)
 
 
 def quantized_dot(x: jax.Array, raw: jax.Array, fmt: str, scale: jax.Array | None = None) -> jax.Array:

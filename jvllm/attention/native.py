@@ -8,11 +8,11 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from cpu_kernels.paged_attention import HEAD_DIM_MULTIPLE, paged_attention_write
+from cpu_kernels.paged_attention import DIRECT_QUERIES, HEAD_DIM_MULTIPLE, paged_attention_write
 from jvllm.attention.backend import AttentionBackend, InStepWrite
 from jvllm.attention.pool_storage import as_stored, storage_dtype
 from models.attention import AttentionMetadata
-from models.quantized import bf16_products_enabled
+from models.quantized import bf16_products_enabled, invariant_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +63,10 @@ def write_and_attend(
     """The step's K/V stored at md.slot_mapping, then causal attention of each query over its sequence's cached
     pages plus this step's chunk -> (out [T, H, hd], k_pages, v_pages). Prefill blocks over bfloat16 pages round
     queries and probabilities to bfloat16 where the step's products round their activations
-    (models.quantized.bf16_products)."""
+    (models.quantized.bf16_products); a sequence of up to the step's invariant rows of queries takes the direct loops,
+    which give each query the bits it would get alone."""
     out, k_pages, v_pages = paged_attention_write(
         q, k, v, as_stored(k, k_pages.dtype), as_stored(v, v_pages.dtype), k_pages, v_pages, md.query_start,
         md.q_lens, md.kv_lens, md.page_tables, md.slot_mapping, scale, sliding_window, soft_cap,
-        bf16_tiles=bf16_products_enabled())
+        bf16_tiles=bf16_products_enabled(), direct_queries=max(DIRECT_QUERIES, invariant_rows()))
     return out.astype(q.dtype), k_pages, v_pages

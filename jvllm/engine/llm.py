@@ -29,7 +29,7 @@ from jvllm.core.lookahead import plan_lookahead, settle_lookahead
 from jvllm.worker.model_runner import ModelRunner
 from jvllm.engine.step_plan import StepInFlight, encoder_buffer_layout
 from jvllm.worker.weights import (batch_invariant_for, batched_weights_for, bf16_block_products,
-                                  int8_block_products)
+                                  int8_block_products, invariant_step_rows_for)
 from jvllm.worker.step_shapes import ShapeSet
 from jvllm.sample.logprobs import MAX_LOGPROBS
 from jvllm.parallel import distributed
@@ -45,7 +45,7 @@ from jvllm.sampling_params import SamplingParams, StructuredOutputsParams
 from jvllm.core.scheduler import ScheduledChunk, Scheduler, check_priority
 from jvllm.structured.grammar import GrammarCompiler
 from jvllm.spec_decode.config import SpeculativeConfig
-from jvllm.spec_decode.drafter import INVARIANT_STEP_ROWS, Drafter
+from jvllm.spec_decode.drafter import Drafter
 from jvllm.engine.draft_model import DraftModelRunner
 
 logger = logging.getLogger("jvllm")
@@ -122,8 +122,10 @@ class Engine(MultiHostRoles, FrontEndViews, PoolingCalls, BeamSearchCalls):
         self.draft_model = None
         if speculative is not None and speculative.method == "draft_model" and not self.model.is_encoder:
             self.draft_model = DraftModelRunner.start(args, cfg, self.tokenizer, speculative, hosts.multi_host)
+        # with batch_invariant, steps of up to this many token rows give each row its own bits (0: no such promise)
+        self.invariant_step_rows = invariant_step_rows_for(self.model) if self.batch_invariant else 0
         self.drafter = None if speculative is None or self.model.is_encoder else Drafter(
-            speculative, self.draft_model, max_step_rows=INVARIANT_STEP_ROWS if self.batch_invariant else None)
+            speculative, self.draft_model, max_step_rows=self.invariant_step_rows or None)
         self.scheduler = Scheduler(self.pages, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    enable_prefix_caching=args.enable_prefix_caching, encoder_cache=self.encoder_cache,
                                    max_num_encoder_tokens=max(cfg.max_num_batched_tokens, image_tokens),
@@ -136,7 +138,7 @@ class Engine(MultiHostRoles, FrontEndViews, PoolingCalls, BeamSearchCalls):
             shapes=shapes, attention_backend=backend, batched_weight_dtype=batched_dtype, channel=self.channel,
             bf16_block_products=bf16_block_products(args.batched_weight_dtype),
             int8_block_products=int8_block_products(args.batched_weight_dtype),
-            bf16_single_rows=self.batch_invariant,
+            invariant_rows=self.invariant_step_rows,
             encoder_buffer=encoder_buffer_layout(self.encoder_cache), kv_cache_dtype=kv_dtype)
         if self.channel is not None and self.channel.is_leader:
             atexit.register(self.shutdown)  # followers must not wait forever for the next step

@@ -17,9 +17,6 @@ MAX_BACKOFF_TOKENS = 16  # a request whose drafts keep failing speculates at lea
 # (on the 2-core CPU a 4-row verification step costs ~1.6 one-row decode steps; thresholds of 0.5 and 1.5 measured
 # alike on the benchmark's prompts: docs/design.md, speculative decoding).
 MIN_MEAN_ACCEPTED = 1.5
-# With batch_invariant, a step that verifies drafts holds at most this many token rows: the native CPU kernels take up
-# to 8 rows row by row (bf16 row products, few-query attention), so each row gives the bits of a one-token step.
-INVARIANT_STEP_ROWS = 8
 # Otherwise a step that verifies drafts holds at most this many token rows (one request's full verification if that
 # is more), shared evenly by the requests decoding together: on the 2-core CPU a step's cost grows with its rows (32
 # rows ~4.7 one-row steps), and a 128-row step of four requests' long drafts mostly verifies rejected ones

@@ -79,7 +79,7 @@ class ModelRunner:
 
     def __init__(self, loaded: LoadedModel, *, num_pages: int, page_size: int, max_model_len: int, shapes: ShapeSet,
                  attention_backend: str, batched_weight_dtype: Any = None, batched_min_rows: int = BATCHED_MIN_ROWS,
-                 bf16_block_products: bool = True, bf16_single_rows: bool = False, int8_block_products: bool = False,
+                 bf16_block_products: bool = True, invariant_rows: int = 0, int8_block_products: bool = False,
                  channel: Any = None, encoder_buffer: EncoderBufferLayout | None = None,
                  kv_cache_dtype: Any = None):
         """`channel` (multi-host, a jvllm.parallel.distributed.StepChannel): rank 0 sends every step's
@@ -114,7 +114,7 @@ class ModelRunner:
                                                                          self.mesh)
         steps = build_step_functions(self.step_weights.parts, self.backend, activations, shapes.max_num_seqs,
                                      self.mesh, cfg.vocab_size, multimodal=self.encoder is not None,
-                                     bf16_block_products=bf16_block_products, bf16_single_rows=bf16_single_rows,
+                                     bf16_block_products=bf16_block_products, invariant_rows=invariant_rows,
                                      int8_block_products=int8_block_products)
         self.compiled = CompiledSteps(steps, self)
         logger.info("KV pool: %d pages x %d tokens, %.1f MiB", num_pages, page_size,

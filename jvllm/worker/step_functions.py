@@ -71,13 +71,14 @@ def _zero_stats(rows: int) -> LogprobStats:
 def build_step_functions(parts: ModelParts, backend: AttentionBackend, activation_dtype: Any, max_num_seqs: int,
                          mesh: Mesh | None = None, vocab_size: int | None = None,
                          multimodal: bool = False, bf16_block_products: bool = True,
-                         bf16_single_rows: bool = False, int8_block_products: bool = False) -> StepFunctions:
+                         invariant_rows: int = 0, int8_block_products: bool = False) -> StepFunctions:
     """With a mesh (tensor parallelism) the weights and the pool arrive sharded: attention and the pool write
     run per shard, the embedding lookup is vocab-parallel, activations between the pieces are replicated,
     and logits are replicated (and stripped of any vocab padding past `vocab_size`) before sampling.
     `multimodal`: the embedding takes image features from the encoder buffer (replicated on a mesh).
     `bf16_block_products`: products of 2+ rows with GGUF blocks may run in bfloat16 (models.quantized);
-    `bf16_single_rows`: lone rows too (speculative decoding: verification rows then give a decode step's bits);
+    `invariant_rows`: steps of up to that many token rows give each row the bits it would get alone (speculative
+    decoding: verification rows then give a decode step's bits; 0: no such promise);
     `int8_block_products`: products of 9+ rows with 4- and 5-bit blocks may take 8-bit activations instead."""
     attention = backend.layer_attention(mesh)
     embed_lookup = None if mesh is None else ops.vocab_parallel_lookup(mesh)
@@ -108,7 +109,7 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
 
     def products() -> Any:
         """The reduced-precision products the engine allows for GGUF blocks (models.quantized.bf16_products)."""
-        return bf16_products(bf16_block_products, bf16_single_rows, int8_block_products)
+        return bf16_products(bf16_block_products, invariant_rows, int8_block_products)
 
     def layer(weights: list[jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array, pages: tuple,
               md: AttentionMetadata, *, group: int = 0):

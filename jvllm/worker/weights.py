@@ -62,6 +62,29 @@ def batch_invariant_for(requested: bool | None, loaded: Any, batched_weight_dtyp
             and bf16_block_products(batched_weight_dtype) and invariant_block_rows_available())
 
 
+def block_formats(loaded: Any) -> frozenset[str]:
+    """The formats of a model's quantized weights (projections, embedding table, LM head): GGUF block formats, or a
+    per-channel format's name."""
+    from flax import nnx
+
+    found = set()
+    for _, node in nnx.iter_graph(nnx.merge(loaded.graphdef, loaded.state)):
+        for name in ("quant", "embed_quant", "head_quant"):
+            fmt = getattr(node, name, None)
+            if isinstance(fmt, str):
+                found.add(fmt)
+    return frozenset(found)
+
+
+def invariant_step_rows_for(loaded: Any) -> int:
+    """With batch_invariant, the most token rows a step may hold with each row's bits its own
+    (models.quantized.invariant_step_rows: 32 where the native kernels' invariant path takes every format of the
+    model, else 8)."""
+    from models.quantized import invariant_step_rows
+
+    return invariant_step_rows(block_formats(loaded))
+
+
 def int8_block_products(requested: Any) -> bool:
     """Whether products of 9+ rows with 4- and 5-bit GGUF blocks take 8-bit activations (CPUs with AVX-512 VNNI:
     models.quantized), given the engine's `batched_weight_dtype`: only when it is "int8" (llama.cpp's numerics:

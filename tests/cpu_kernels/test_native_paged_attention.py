@@ -219,15 +219,17 @@ def test_a_lone_verification_row(chunk, pool_dtype):
 
 
 # 253 + 6 and 511 + 2 cross a span edge (page_view.h kSpanKeys) among the queries; 700 has three spans
-@pytest.mark.parametrize("cached, drafts", [(150, 5), (37, 2), (64, 7), (5, 3), (126, 1), (253, 5), (511, 1),
-                                            (700, 7)])
+@pytest.mark.parametrize("cached, drafts, direct_queries", [
+    (150, 5, 8), (37, 2, 8), (64, 7, 8), (5, 3, 8), (126, 1, 8), (253, 5, 8), (511, 1, 8), (700, 7, 8),
+    (240, 20, 32), (700, 31, 32), (3, 12, 32), (100, 15, 16)])
 @pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
-def test_a_verification_row_gives_the_bits_of_the_decode_row(cached, drafts, pool_dtype):
+def test_a_verification_row_gives_the_bits_of_the_decode_row(cached, drafts, direct_queries, pool_dtype):
     """A sequence's last token and its draft tokens attended in one step (the writing variant, as the engine runs it)
     give each query the same bits as decode steps of one token each over the same pages: speculative decoding's
-    greedy tokens are then those without it."""
+    greedy tokens are then those without it. Up to 8 queries by default; more where the call raises
+    `direct_queries`."""
     rng = np.random.default_rng(cached + drafts)
-    heads, kv_heads, head_dim, page_size, tokens = 9, 3, 64, 16, 16
+    heads, kv_heads, head_dim, page_size, tokens = 9, 3, 64, 16, 32
     count = drafts + 1
     k_all, v_all = (random_array(rng, (cached + count, kv_heads, head_dim)) for _ in range(2))
     q_all = random_array(rng, (count, heads, head_dim))
@@ -239,14 +241,16 @@ def test_a_verification_row_gives_the_bits_of_the_decode_row(cached, drafts, poo
     shape = (pages + 3, page_size, kv_heads, head_dim)
     k_pages, v_pages = (stored(jnp.zeros(shape).reshape(-1, kv_heads, head_dim).at[slot_of[:cached]].set(x[:cached])
                                .reshape(shape)) for x in (k_all, v_all))
-    step = jax.jit(paged_attention_write, static_argnames=("scale", "sliding_window", "soft_cap", "bf16_tiles"))
+    step = jax.jit(paged_attention_write,
+                   static_argnames=("scale", "sliding_window", "soft_cap", "bf16_tiles", "direct_queries"))
 
     def run(first: int, n: int, k_pages, v_pages):
         pad = lambda x: jnp.zeros((tokens, *x.shape[1:]), x.dtype).at[:n].set(x)  # noqa: E731
         q, k, v = pad(q_all[first - cached:first - cached + n]), pad(k_all[first:first + n]), pad(v_all[first:first + n])
         slots = jnp.asarray(np.concatenate([slot_of[first:first + n], -np.ones(tokens - n, np.int64)]).astype(np.int32))
         return step(q, k, v, stored(k), stored(v), k_pages, v_pages, jnp.zeros(1, jnp.int32), jnp.full(1, n, jnp.int32),
-                    jnp.full(1, first + n, jnp.int32), table, slots, scale=head_dim ** -0.5, bf16_tiles=True)
+                    jnp.full(1, first + n, jnp.int32), table, slots, scale=head_dim ** -0.5, bf16_tiles=True,
+                    direct_queries=direct_queries)
 
     verified = np.asarray(run(cached, count, k_pages, v_pages)[0])
     for i in range(count):

@@ -1,0 +1,264 @@
+// Products with 32-weight GGUF blocks (Q4_0, Q4_1, Q8_0) whose every output is computed the same way whatever rows
+// of x come with it, at any row count: x is quantized to int16 per block of 32 (int16_dots.h, 15 bits), each
+// block's products are summed in int32 (exact, so the order of the sums does not matter), and each output takes
+// its blocks' scaled sums in one float32 chain, in block order:
+//   f += c[n, b] * xs[m, b];  f += float(codes[n, b] . xq[m, b]) * (d[n, b] * xd[m, b])
+// A one-token decode step and the same token among 31 draft tokens in a verification step then get the same bits,
+// and both are within ~3e-5 of the float32 product (the int16 path's precision).
+//
+// Layout: per 16 weight rows and block, the rows' code words are loaded and transposed in registers so that each
+// 32-bit lane holds two codes of one row (16 pair vectors a block, one per pair of weights), and every row of x
+// meets them through broadcasts of its matching code pairs (x's codes permuted once per call to the pairs' order):
+// 16 `vpdpwssd` per row of x and block, with no tiles kept in memory, so that one row costs what it does on the
+// per-row paths and 32 rows what they cost on the code tiles.
+#pragma once
+
+
+#include <cstdint>
+#include <type_traits>
+
+#include "block_formats.h"
+#include "int16_dots.h"
+
+namespace jvllm {
+
+template <typename Fmt>
+constexpr bool kInvariantProducts = JVLLM_INT16_512 && (std::is_same_v<Fmt, Q8_0> || std::is_same_v<Fmt, Q4_0> ||
+                                                        std::is_same_v<Fmt, Q4_1>);
+
+// Whether a product of `m` rows takes the invariant path: the build and format have it and the rows are within the
+// caller's limit (0: never).
+template <typename Fmt>
+constexpr bool TakesInvariantProduct(int64_t m, int64_t max_rows) {
+  return kInvariantProducts<Fmt> && m <= max_rows;
+}
+
+}  // namespace jvllm
+
+#if JVLLM_INT16_512
+#include <immintrin.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "float_tiles.h"
+#include "run_items.h"
+#include "vector_exp.h"
+
+namespace jvllm {
+
+template <typename Fmt>
+class InvariantProduct {
+ public:
+  static constexpr bool kSigned = std::is_same_v<Fmt, Q8_0>;  // signed 8-bit codes; else nibbles
+  static constexpr int kHeader = Fmt::kBytes - (kSigned ? 32 : 16);
+  static constexpr int kPairs = 16;  // pairs of weights a block
+
+  // x [M, K] quantized with 32767 as the largest code, then each block's codes permuted to the pairs' order.
+  InvariantProduct(int64_t m, int64_t k, int64_t n, const float* x, const uint8_t* w, float* y,
+                   const uint8_t* up = nullptr)
+      : m_(m), k_(k), n_(n), blocks_(k / 32), w_(w), up_(up), y_(y) {
+    thread_local Int16Rows xq;
+    thread_local std::vector<int16_t> pairs;
+    xq.Quantize(x, m, k);
+    pairs.resize(static_cast<size_t>(m * k));
+    const __m512i order = PairOrder();
+    for (int64_t b = 0; b < m * blocks_; ++b) {
+      const __m512i codes = _mm512_loadu_si512(xq.q.data() + b * 32);
+      _mm512_storeu_si512(pairs.data() + b * 32, _mm512_permutexvar_epi16(order, codes));
+    }
+    xq_ = &xq;
+    x_pairs_ = reinterpret_cast<const int32_t*>(pairs.data());
+  }
+
+  int64_t num_groups() const { return (n_ + 15) / 16; }
+
+  // Output columns [16 g0, 16 g1).
+  void Run(int64_t g0, int64_t g1) const {
+    thread_local std::vector<float> sums;  // [2, M, 16]: one group's float sums (gated: the gate's, then the up's)
+    sums.resize(static_cast<size_t>(2 * m_ * 16));
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t n = 16 * g;
+      const int cols = static_cast<int>(std::min<int64_t>(16, n_ - n));
+      const __mmask16 live = static_cast<__mmask16>((1u << cols) - 1u);
+      GroupSums(w_, n, cols, sums.data());
+      if (up_ == nullptr) {
+        for (int64_t r = 0; r < m_; ++r) {
+          _mm512_mask_storeu_ps(y_ + r * n_ + n, live, _mm512_loadu_ps(sums.data() + r * 16));
+        }
+        continue;
+      }
+      float* up_sums = sums.data() + m_ * 16;
+      GroupSums(up_, n, cols, up_sums);
+      for (int64_t r = 0; r < m_; ++r) {
+        const __m512 gate = _mm512_loadu_ps(sums.data() + r * 16), up = _mm512_loadu_ps(up_sums + r * 16);
+        _mm512_mask_storeu_ps(y_ + r * n_ + n, live, _mm512_mul_ps(Silu512(gate), up));
+      }
+    }
+  }
+
+ private:
+  // The weights of pair p of a block (p = 4t + j for nibbles, 2t + j for Q8_0, t the code word): x's permutation.
+  // Nibbles, from word t (low nibbles: weights 4t .. 4t + 3, high: 16 + 4t ..): j = 0: (4t, 4t + 2),
+  // 1: (4t + 1, 4t + 3), 2: (16 + 4t, 18 + 4t), 3: (17 + 4t, 19 + 4t). Q8_0 (word t: weights 4t .. 4t + 3):
+  // j = 0: (4t, 4t + 2), 1: (4t + 1, 4t + 3).
+  static __m512i PairOrder() {
+    alignas(64) int16_t order[32];
+    for (int p = 0; p < kPairs; ++p) {
+      const int t = kSigned ? p / 2 : p / 4, j = kSigned ? p % 2 : p % 4;
+      const int first = 4 * t + (j & 1) + (j >= 2 ? 16 : 0);
+      order[2 * p] = static_cast<int16_t>(first);
+      order[2 * p + 1] = static_cast<int16_t>(first + 2);
+    }
+    return _mm512_load_si512(order);
+  }
+
+  // Words [4 h, 4 h + 4) of the 16 rows' bytes from `offset` -> word t in out[t], lane r from row r.
+  static void TransposeWords(const uint8_t* const (&rows)[16], int64_t offset, __m512i (&out)[4]) {
+    __m512i z[4];  // z[g]: rows g, g + 4, g + 8, g + 12 in its 128-bit lanes
+    for (int g = 0; g < 4; ++g) {
+      __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[g] + offset)));
+      for (int lane = 1; lane < 4; ++lane) {
+        const __m128i row = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[g + 4 * lane] + offset));
+        v = _mm512_inserti32x4(v, row, lane);
+      }
+      z[g] = v;
+    }
+    const __m512i a0 = _mm512_unpacklo_epi32(z[0], z[1]), a1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    const __m512i a2 = _mm512_unpacklo_epi32(z[2], z[3]), a3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    out[0] = _mm512_unpacklo_epi64(a0, a2);
+    out[1] = _mm512_unpackhi_epi64(a0, a2);
+    out[2] = _mm512_unpacklo_epi64(a1, a3);
+    out[3] = _mm512_unpackhi_epi64(a1, a3);
+  }
+
+  // Block b of the 16 rows -> its 16 pair vectors (lane r: row r's two codes of the pair, as int16) and the rows'
+  // scales d and constants c (c unused for Q8_0).
+  static void BlockPairs(const uint8_t* const (&rows)[16], __m512i row_at, __mmask16 live, int64_t b,
+                         __m512i (&pairs)[kPairs], __m512& d, __m512& c) {
+    const int64_t at = b * Fmt::kBytes;
+#ifdef JV_NOGATHER
+    const __m512i header = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(rows[0] + at));
+#else
+    const __m512i header = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, row_at, rows[0] + at, 1);
+#endif
+    d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(header));
+    if constexpr (std::is_same_v<Fmt, Q4_1>) {
+      c = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(header, 16)));
+    } else if constexpr (std::is_same_v<Fmt, Q4_0>) {
+      c = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+    }
+    for (int half = 0; half < (kSigned ? 2 : 1); ++half) {
+      __m512i words[4];
+      TransposeWords(rows, at + kHeader + 16 * half, words);
+      for (int t = 0; t < 4; ++t) {
+        if constexpr (kSigned) {
+          __m512i* p = pairs + 2 * (4 * half + t);
+          p[0] = _mm512_srai_epi16(_mm512_slli_epi16(words[t], 8), 8);
+          p[1] = _mm512_srai_epi16(words[t], 8);
+        } else {
+          const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
+          __m512i* p = pairs + 4 * t;
+          p[0] = _mm512_and_si512(words[t], nibbles);
+          p[1] = _mm512_and_si512(_mm512_srli_epi32(words[t], 8), nibbles);
+          p[2] = _mm512_and_si512(_mm512_srli_epi32(words[t], 4), nibbles);
+          p[3] = _mm512_and_si512(_mm512_srli_epi32(words[t], 12), nibbles);
+        }
+      }
+    }
+  }
+
+  // sums[r, 0 .. 16) = the float sums of rows r of x against weight rows [n, n + cols) (`w`).
+  void GroupSums(const uint8_t* w, int64_t n, int cols, float* sums) const {
+    const int64_t row_bytes = blocks_ * Fmt::kBytes;
+    const uint8_t* rows[16];  // rows past `cols` repeat the last one (their sums are not stored)
+    for (int r = 0; r < 16; ++r) rows[r] = w + (n + std::min(r, cols - 1)) * row_bytes;
+    const __m512i row_at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(static_cast<int32_t>(row_bytes)));
+    const __mmask16 live = static_cast<__mmask16>((1u << cols) - 1u);
+    for (int64_t r = 0; r < m_; ++r) _mm512_storeu_ps(sums + r * 16, _mm512_setzero_ps());
+    // The 16 rows are one run of memory, read here a block of each row at a time: the next group's run is asked for
+    // along the way, as many lines a block as a block of 16 rows spans.
+    constexpr int kLinesPerBlock = (16 * Fmt::kBytes + 63) / 64;
+    const char* next_group = reinterpret_cast<const char*>(w + (n + 16) * row_bytes);
+    for (int64_t b = 0; b < blocks_; ++b) {
+      for (int line = 0; line < kLinesPerBlock; ++line) {
+        _mm_prefetch(next_group + (b * kLinesPerBlock + line) * 64, _MM_HINT_T0);
+      }
+      __m512i pairs[kPairs];
+      __m512 d, c = _mm512_setzero_ps();
+      BlockPairs(rows, row_at, live, b, pairs, d, c);
+      int64_t r = 0;
+      for (; r + 8 <= m_; r += 8) RowsTimesBlock<8>(pairs, d, c, b, r, sums);
+      if (m_ - r >= 4) RowsTimesBlock<4>(pairs, d, c, b, r, sums), r += 4;
+      if (m_ - r >= 2) RowsTimesBlock<2>(pairs, d, c, b, r, sums), r += 2;
+      if (m_ - r >= 1) RowsTimesBlock<1>(pairs, d, c, b, r, sums);
+    }
+  }
+
+  // Rows [r, r + R) of x against block b's pairs: each row's int32 sums in kChains chains (added exactly), then
+  // the block's term added to its float sums.
+  template <int R>
+  void RowsTimesBlock(const __m512i (&pairs)[kPairs], __m512 d, __m512 c, int64_t b, int64_t r, float* sums) const {
+    constexpr int kChains = 8 / R;  // 8 independent chains of `vpdpwssd` at any R
+    __m512i acc[R][kChains];
+    for (int i = 0; i < R; ++i) {
+      for (int j = 0; j < kChains; ++j) acc[i][j] = _mm512_setzero_si512();
+    }
+#pragma GCC unroll 16
+    for (int p = 0; p < kPairs; ++p) {
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        const __m512i x = _mm512_set1_epi32(x_pairs_[((r + i) * blocks_ + b) * kPairs + p]);
+        acc[i][p % kChains] = AddPairProducts(acc[i][p % kChains], pairs[p], x);
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      __m512i total = acc[i][0];
+      for (int j = 1; j < kChains; ++j) total = _mm512_add_epi32(total, acc[i][j]);
+      const int64_t row_block = (r + i) * blocks_ + b;
+      float* at = sums + (r + i) * 16;
+      __m512 f = _mm512_loadu_ps(at);
+      if constexpr (!kSigned) f = _mm512_fmadd_ps(c, _mm512_set1_ps(xq_->s[row_block]), f);
+      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xq_->d[row_block]));
+      _mm512_storeu_ps(at, _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale, f));
+    }
+  }
+
+  int64_t m_, k_, n_, blocks_;
+  const uint8_t* w_;
+  const uint8_t* up_;  // gated: the up weights (w_ then holds the gate's)
+  float* y_;
+  const Int16Rows* xq_ = nullptr;
+  const int32_t* x_pairs_ = nullptr;  // [M, blocks, 16]: x's code pairs in the pairs' order
+};
+
+// y[M, N] = x . W^T (or, with `up`, silu(x . W^T) * (x . U^T)) on the invariant path: groups of 16 output columns,
+// as evenly split as they allow, shared by the caller and the helper threads.
+template <typename Fmt>
+void RunInvariantProduct(int64_t m, int64_t k, int64_t n, const float* x, const uint8_t* w, float* y,
+                         const uint8_t* up = nullptr) {
+  if constexpr (kInvariantProducts<Fmt>) {  // other formats: TakesInvariantProduct says no first
+    struct Items {
+      InvariantProduct<Fmt> product;
+      int64_t groups_per_item;
+      int64_t num_items() const { return (product.num_groups() + groups_per_item - 1) / groups_per_item; }
+      void Run(int64_t item) const {
+        const int64_t g0 = item * groups_per_item;
+        product.Run(g0, std::min(product.num_groups(), g0 + groups_per_item));
+      }
+    };
+    Items items{InvariantProduct<Fmt>(m, k, n, x, w, y, up), 0};
+    const int64_t threads = HelperPool::Get().num_helpers() + 1;
+    items.groups_per_item = BalancedUnits(items.product.num_groups(), threads);
+    RunItems(items);
+  }
+}
+
+}  // namespace jvllm
+#else
+namespace jvllm {
+template <typename Fmt>
+void RunInvariantProduct(int64_t, int64_t, int64_t, const float*, const uint8_t*, float*, const uint8_t* = nullptr) {}
+}  // namespace jvllm
+#endif
