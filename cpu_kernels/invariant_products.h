@@ -57,7 +57,7 @@ class InvariantProduct {
   // x [M, K] quantized with 32767 as the largest code, then each block's codes permuted to the pairs' order.
   InvariantProduct(int64_t m, int64_t k, int64_t n, const float* x, const uint8_t* w, float* y,
                    const uint8_t* up = nullptr)
-      : m_(m), k_(k), n_(n), blocks_(k / 32), w_(w), up_(up), y_(y) {
+      : m_(m), n_(n), blocks_(k / 32), w_(w), up_(up), y_(y) {
     thread_local Int16Rows xq;
     thread_local std::vector<int16_t> pairs;
     xq.Quantize(x, m, k);
@@ -134,14 +134,12 @@ class InvariantProduct {
 
   // Block b of the 16 rows -> its 16 pair vectors (lane r: row r's two codes of the pair, as int16) and the rows'
   // scales d and constants c (c unused for Q8_0).
-  static void BlockPairs(const uint8_t* const (&rows)[16], __m512i row_at, __mmask16 live, int64_t b,
-                         __m512i (&pairs)[kPairs], __m512& d, __m512& c) {
+  static void BlockPairs(const uint8_t* const (&rows)[16], __mmask16 live, int64_t b, __m512i (&pairs)[kPairs],
+                         __m512& d, __m512& c) {
     const int64_t at = b * Fmt::kBytes;
-#ifdef JV_NOGATHER
-    const __m512i header = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(rows[0] + at));
-#else
-    const __m512i header = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, row_at, rows[0] + at, 1);
-#endif
+    __m512i words[4];
+    TransposeWords(rows, at, words);  // words[0]: each row's block header (the rest unused: cheaper than a gather)
+    const __m512i header = _mm512_maskz_mov_epi32(live, words[0]);
     d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(header));
     if constexpr (std::is_same_v<Fmt, Q4_1>) {
       c = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(header, 16)));
@@ -149,7 +147,6 @@ class InvariantProduct {
       c = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
     }
     for (int half = 0; half < (kSigned ? 2 : 1); ++half) {
-      __m512i words[4];
       TransposeWords(rows, at + kHeader + 16 * half, words);
       for (int t = 0; t < 4; ++t) {
         if constexpr (kSigned) {
@@ -173,8 +170,6 @@ class InvariantProduct {
     const int64_t row_bytes = blocks_ * Fmt::kBytes;
     const uint8_t* rows[16];  // rows past `cols` repeat the last one (their sums are not stored)
     for (int r = 0; r < 16; ++r) rows[r] = w + (n + std::min(r, cols - 1)) * row_bytes;
-    const __m512i row_at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                              _mm512_set1_epi32(static_cast<int32_t>(row_bytes)));
     const __mmask16 live = static_cast<__mmask16>((1u << cols) - 1u);
     for (int64_t r = 0; r < m_; ++r) _mm512_storeu_ps(sums + r * 16, _mm512_setzero_ps());
     // The 16 rows are one run of memory, read here a block of each row at a time: the next group's run is asked for
@@ -187,7 +182,7 @@ class InvariantProduct {
       }
       __m512i pairs[kPairs];
       __m512 d, c = _mm512_setzero_ps();
-      BlockPairs(rows, row_at, live, b, pairs, d, c);
+      BlockPairs(rows, live, b, pairs, d, c);
       int64_t r = 0;
       for (; r + 8 <= m_; r += 8) RowsTimesBlock<8>(pairs, d, c, b, r, sums);
       if (m_ - r >= 4) RowsTimesBlock<4>(pairs, d, c, b, r, sums), r += 4;
@@ -225,7 +220,7 @@ class InvariantProduct {
     }
   }
 
-  int64_t m_, k_, n_, blocks_;
+  int64_t m_, n_, blocks_;
   const uint8_t* w_;
   const uint8_t* up_;  // gated: the up weights (w_ then holds the gate's)
   float* y_;

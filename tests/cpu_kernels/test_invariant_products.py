@@ -77,3 +77,15 @@ def test_the_path_stays_within_int16_precision(fmt, m):
     got_gated = np.asarray(jax.jit(lambda a: gated_matmul(a, raw, up, fmt, invariant_max_rows=32))(x))
     gated_bound = 1.1 * bound(w) * np.abs(up_want) + np.abs(silu) * bound(u) + 1e-5 * np.abs(silu * up_want)
     np.testing.assert_array_less(np.abs(got_gated - silu * up_want), gated_bound)
+
+
+def test_invariant_steps_reach_16_rows_only_where_every_format_has_the_path():
+    """The engine's invariant step rows (models.quantized.invariant_step_rows): 16 for a model of Q4_1 and Q8_0
+    blocks where the build has the path, the bfloat16 rows' 8 as soon as one format lacks it."""
+    from cpu_kernels.quantized_matmul import bf16_max_rows
+    from models.quantized import INVARIANT_PATH_ROWS, invariant_step_rows
+
+    fallback = bf16_max_rows() or 8
+    assert invariant_step_rows({"q4_1", "q8_0"}) == (INVARIANT_PATH_ROWS if invariant_max_rows() else fallback)
+    assert invariant_step_rows({"q4_1", "q6_k"}) == fallback
+    assert invariant_step_rows({"q4_0", "int8"}) == fallback  # a per-channel format: XLA's dots
