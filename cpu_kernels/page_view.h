@@ -38,7 +38,7 @@ struct AttentionOptions {
   // The step's own K/V are in the pages already (the write variant): the few-query loops read them there, so a query
   // sees every key as the pages hold it, whether its step ran it alone or with draft tokens after it.
   bool own_in_pages;
-  // Blocks of up to this many queries take the direct loops (at least kDirectQueries; at most kBlockQueries).
+  // A sequence of up to this many queries takes the direct loops (at least kDirectQueries; at most kBlockQueries).
   int64_t direct_queries = kDirectQueries;
 };
 

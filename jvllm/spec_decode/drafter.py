@@ -17,10 +17,10 @@ MAX_BACKOFF_TOKENS = 16  # a request whose drafts keep failing speculates at lea
 # (on the 2-core CPU a 4-row verification step costs ~1.6 one-row decode steps; thresholds of 0.5 and 1.5 measured
 # alike on the benchmark's prompts: docs/design.md, speculative decoding).
 MIN_MEAN_ACCEPTED = 1.5
-# Otherwise a step that verifies drafts holds at most this many token rows (one request's full verification if that
-# is more), shared evenly by the requests decoding together: on the 2-core CPU a step's cost grows with its rows (32
-# rows ~4.7 one-row steps), and a 128-row step of four requests' long drafts mostly verifies rejected ones
-# (docs/design.md, speculative decoding).
+# Unless batch-invariant (then within Engine.invariant_step_rows), a step that verifies drafts holds at most this
+# many token rows (one request's full verification if that is more), shared evenly by the requests decoding together:
+# on the 2-core CPU a step's cost grows with its rows (32 rows ~4.7 one-row steps), and a 128-row step of four
+# requests' long drafts mostly verifies rejected ones (docs/design.md, speculative decoding).
 SHARED_STEP_ROWS = 32
 
 
