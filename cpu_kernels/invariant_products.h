@@ -1,7 +1,8 @@
-// Products with 32-weight GGUF blocks (Q4_0, Q4_1, Q8_0) whose every output is computed the same way whatever rows
-// of x come with it, at any row count: x is quantized to int16 per block of 32 (int16_dots.h, 15 bits), each
-// block's products are summed in int32 (exact, so the order of the sums does not matter), and each output takes
-// its blocks' scaled sums in one float32 chain, in block order:
+// Products with GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) whose every output is computed the same way
+// whatever rows of x come with it, at any row count: x is quantized to int16 per block of 32 (int16_dots.h: 15
+// bits, 14 for Q6_K, whose 16-bit codes carry its group scales as int16_tiles.h folds them), each 32-weight
+// (sub-)block's products are summed in int32 (exact, so the order of the sums does not matter), and each output
+// takes its blocks' scaled sums in one float32 chain, in block order:
 //   f += c[n, b] * xs[m, b];  f += float(codes[n, b] . xq[m, b]) * (d[n, b] * xd[m, b])
 // A one-token decode step and the same token among 31 draft tokens in a verification step then get the same bits,
 // and both are within ~3e-5 of the float32 product (the int16 path's precision).
@@ -23,8 +24,7 @@
 namespace jvllm {
 
 template <typename Fmt>
-constexpr bool kInvariantProducts = JVLLM_INT16_512 && (std::is_same_v<Fmt, Q8_0> || std::is_same_v<Fmt, Q4_0> ||
-                                                        std::is_same_v<Fmt, Q4_1>);
+constexpr bool kInvariantProducts = JVLLM_INT16_512;  // every block format
 
 // Whether a product of `m` rows takes the invariant path: the build and format have it and the rows are within the
 // caller's limit (0: never).
@@ -42,6 +42,7 @@ constexpr bool TakesInvariantProduct(int64_t m, int64_t max_rows) {
 #include <vector>
 
 #include "float_tiles.h"
+#include "int16_tiles.h"
 #include "run_items.h"
 #include "vector_exp.h"
 
@@ -50,8 +51,11 @@ namespace jvllm {
 template <typename Fmt>
 class InvariantProduct {
  public:
-  static constexpr bool kSigned = std::is_same_v<Fmt, Q8_0>;  // signed 8-bit codes; else nibbles
-  static constexpr int kHeader = Fmt::kBytes - (kSigned ? 32 : 16);
+  static constexpr bool kSigned = std::is_same_v<Fmt, Q8_0>;  // signed 8-bit codes
+  static constexpr bool kKQuant = Fmt::kWeights == 256;       // 256-weight blocks of 8 sub-blocks of 32
+  static constexpr bool kFourPairsAWord = !kSigned && !kKQuant;  // Q4_0, Q4_1: a code word holds 4 pairs' nibbles
+  static constexpr bool kConstants = !kSigned && !std::is_same_v<Fmt, Q6_K>;  // blocks with a constant term c
+  static constexpr int kHeader = kKQuant ? 0 : Fmt::kBytes - (kSigned ? 32 : 16);
   static constexpr int kPairs = 16;  // pairs of weights a block
 
   // x [M, K] quantized with 32767 as the largest code, then each block's codes permuted to the pairs' order.
@@ -60,7 +64,7 @@ class InvariantProduct {
       : m_(m), n_(n), blocks_(k / 32), w_(w), up_(up), y_(y) {
     thread_local Int16Rows xq;
     thread_local std::vector<int16_t> pairs;
-    xq.Quantize(x, m, k);
+    xq.Quantize(x, m, k, Int16Limit<Fmt>());
     pairs.resize(static_cast<size_t>(m * k));
     const __m512i order = PairOrder();
     for (int64_t b = 0; b < m * blocks_; ++b) {
@@ -98,14 +102,14 @@ class InvariantProduct {
   }
 
  private:
-  // The weights of pair p of a block (p = 4t + j for nibbles, 2t + j for Q8_0, t the code word): x's permutation.
-  // Nibbles, from word t (low nibbles: weights 4t .. 4t + 3, high: 16 + 4t ..): j = 0: (4t, 4t + 2),
-  // 1: (4t + 1, 4t + 3), 2: (16 + 4t, 18 + 4t), 3: (17 + 4t, 19 + 4t). Q8_0 (word t: weights 4t .. 4t + 3):
-  // j = 0: (4t, 4t + 2), 1: (4t + 1, 4t + 3).
+  // The weights of pair p of a block (p = 4t + j for Q4_0 / Q4_1, else 2t + j; t the code word): x's permutation.
+  // Q4_0 / Q4_1, from word t (low nibbles: weights 4t .. 4t + 3, high: 16 + 4t ..): j = 0: (4t, 4t + 2),
+  // 1: (4t + 1, 4t + 3), 2: (16 + 4t, 18 + 4t), 3: (17 + 4t, 19 + 4t). The others (word t of a (sub-)block's codes:
+  // weights 4t .. 4t + 3): j = 0: (4t, 4t + 2), 1: (4t + 1, 4t + 3).
   static __m512i PairOrder() {
     alignas(64) int16_t order[32];
     for (int p = 0; p < kPairs; ++p) {
-      const int t = kSigned ? p / 2 : p / 4, j = kSigned ? p % 2 : p % 4;
+      const int t = kFourPairsAWord ? p / 4 : p / 2, j = kFourPairsAWord ? p % 4 : p % 2;
       const int first = 4 * t + (j & 1) + (j >= 2 ? 16 : 0);
       order[2 * p] = static_cast<int16_t>(first);
       order[2 * p + 1] = static_cast<int16_t>(first + 2);
@@ -113,8 +117,8 @@ class InvariantProduct {
     return _mm512_load_si512(order);
   }
 
-  // Words [4 h, 4 h + 4) of the 16 rows' bytes from `offset` -> word t in out[t], lane r from row r.
-  static void TransposeWords(const uint8_t* const (&rows)[16], int64_t offset, __m512i (&out)[4]) {
+  // The 4 words of the 16 rows' 16 bytes from `offset` -> word t in out[t], lane r from row r.
+  static void TransposeWords(const uint8_t* const (&rows)[16], int64_t offset, __m512i* out) {
     __m512i z[4];  // z[g]: rows g, g + 4, g + 8, g + 12 in its 128-bit lanes
     for (int g = 0; g < 4; ++g) {
       __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[g] + offset)));
@@ -132,10 +136,96 @@ class InvariantProduct {
     out[3] = _mm512_unpackhi_epi64(a1, a3);
   }
 
-  // Block b of the 16 rows -> its 16 pair vectors (lane r: row r's two codes of the pair, as int16) and the rows'
-  // scales d and constants c (c unused for Q8_0).
-  static void BlockPairs(const uint8_t* const (&rows)[16], __mmask16 live, int64_t b, __m512i (&pairs)[kPairs],
-                         __m512& d, __m512& c) {
+  // What a K-quant block of 16 rows shares among its sub-blocks: the scales, decoded as the other paths decode them
+  // (Fmt::Scales: sub-block s's d and c), Q6_K's group scales g as int16 twice in each 32-bit lane, and the words of
+  // Q5_K's fifth bits (all sub-blocks) or of Q6_K's high bits (4 sub-blocks), transposed as the codes.
+  struct BlockScales {
+    alignas(64) float d[8][16];
+    alignas(64) float c[8][16];
+    __m512i groups[16];
+    __m512i top[8];
+  };
+
+  // The 8 words of the 16 rows' 32 bytes from `offset` -> out[t], lane r from row r.
+  static void TransposeWords32(const uint8_t* const (&rows)[16], int64_t offset, __m512i* out) {
+    TransposeWords(rows, offset, out);
+    TransposeWords(rows, offset + 16, out + 4);
+  }
+
+  static void ScalesOf(const uint8_t* const (&rows)[16], int64_t at, BlockScales& out) {
+    for (int r = 0; r < 16; ++r) {
+      float d[8], c[8];
+      Fmt::Scales(rows[r] + at, d, c);
+      for (int s = 0; s < 8; ++s) {
+        out.d[s][r] = d[s];
+        out.c[s][r] = c[s];
+      }
+    }
+    if constexpr (std::is_same_v<Fmt, Q6_K>) {  // group g: byte g % 4 of word g / 4, sign-extended
+      __m512i words[4];
+      TransposeWords(rows, reinterpret_cast<const uint8_t*>(Fmt::GroupScales(rows[0] + at, 0)) - rows[0], words);
+      for (int g = 0; g < 16; ++g) {
+        const __m512i v = _mm512_srai_epi32(_mm512_slli_epi32(words[g / 4], 24 - 8 * (g % 4)), 24);
+        out.groups[g] = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(v, 16));
+      }
+    }
+  }
+
+  // Sub-block s of K-quant block `at` of the 16 rows -> its pair vectors (scales: ScalesOf the block, with `top`
+  // holding the high or fifth bits that s reads).
+  static void SubBlockPairs(const uint8_t* const (&rows)[16], int64_t at, int s, const BlockScales& scales,
+                            __m512i (&pairs)[kPairs]) {
+    __m512i words[8];  // the sub-block's code words
+    const __m512i* top = scales.top;
+    if constexpr (std::is_same_v<Fmt, Q6_K>) {
+      const int low_shift = (s % 4) < 2 ? 0 : 4, high_shift = 2 * (s % 4);
+      TransposeWords32(rows, Fmt::Low(rows[0] + at, s) - rows[0], words);
+      const __m512i nibble = _mm512_set1_epi32(0x000F000F), two_bits = _mm512_set1_epi32(0x00030003);
+      const __m512i bias = _mm512_set1_epi16(32);
+      for (int t = 0; t < 8; ++t) {
+        const __m512i group = scales.groups[2 * s + t / 4];
+        for (int j = 0; j < 2; ++j) {
+          const __m512i low = _mm512_and_si512(_mm512_srli_epi32(words[t], low_shift + 8 * j), nibble);
+          const __m512i high = _mm512_and_si512(_mm512_srli_epi32(top[t], high_shift + 8 * j), two_bits);
+          const __m512i q = _mm512_or_si512(low, _mm512_slli_epi32(high, 4));
+          pairs[2 * t + j] = _mm512_mullo_epi16(_mm512_sub_epi16(q, bias), group);
+        }
+      }
+    } else {
+      const int shift = 4 * (s & 1);
+      TransposeWords32(rows, at + Fmt::kQs + 32 * (s / 2), words);
+      const __m512i nibble = _mm512_set1_epi32(0x000F000F), bit = _mm512_set1_epi32(0x00010001);
+      for (int t = 0; t < 8; ++t) {
+        for (int j = 0; j < 2; ++j) {
+          __m512i q = _mm512_and_si512(_mm512_srli_epi32(words[t], shift + 8 * j), nibble);
+          if constexpr (Fmt::kMaxCode > 15) {
+            q = _mm512_or_si512(q, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(top[t], s + 8 * j), bit), 4));
+          }
+          pairs[2 * t + j] = q;
+        }
+      }
+    }
+  }
+
+  // Block b (a sub-block for the K-quants) of the 16 rows -> its 16 pair vectors (lane r: row r's two codes of the
+  // pair, as int16) and the rows' scales d and constants c (c unused for Q8_0 and Q6_K). `scales`: the K-quants'
+  // decoded scales, filled at a block's first sub-block.
+  static void BlockPairs(const uint8_t* const (&rows)[16], __mmask16 live, int64_t b, BlockScales& scales,
+                         __m512i (&pairs)[kPairs], __m512& d, __m512& c) {
+    if constexpr (kKQuant) {
+      const int64_t at = b / 8 * Fmt::kBytes;
+      const int s = static_cast<int>(b % 8);
+      if (s == 0) ScalesOf(rows, at, scales);
+      if constexpr (std::is_same_v<Fmt, Q6_K>) {
+        if (s % 4 == 0) TransposeWords32(rows, Fmt::High(rows[0] + at, s) - rows[0], scales.top);
+      } else if constexpr (Fmt::kMaxCode > 15) {
+        if (s == 0) TransposeWords32(rows, at + 16, scales.top);
+      }
+      SubBlockPairs(rows, at, s, scales, pairs);
+      d = _mm512_load_ps(scales.d[s]);
+      c = _mm512_load_ps(scales.c[s]);
+      return;
+    }
     const int64_t at = b * Fmt::kBytes;
     __m512i words[4];
     TransposeWords(rows, at, words);  // words[0]: each row's block header (the rest unused: cheaper than a gather)
@@ -167,14 +257,15 @@ class InvariantProduct {
 
   // sums[r, 0 .. 16) = the float sums of rows r of x against weight rows [n, n + cols) (`w`).
   void GroupSums(const uint8_t* w, int64_t n, int cols, float* sums) const {
-    const int64_t row_bytes = blocks_ * Fmt::kBytes;
+    const int64_t row_bytes = blocks_ / Fmt::kSubs * Fmt::kBytes;
     const uint8_t* rows[16];  // rows past `cols` repeat the last one (their sums are not stored)
     for (int r = 0; r < 16; ++r) rows[r] = w + (n + std::min(r, cols - 1)) * row_bytes;
     const __mmask16 live = static_cast<__mmask16>((1u << cols) - 1u);
     for (int64_t r = 0; r < m_; ++r) _mm512_storeu_ps(sums + r * 16, _mm512_setzero_ps());
     // The 16 rows are one run of memory, read here a block of each row at a time: the next group's run is asked for
-    // along the way, as many lines a block as a block of 16 rows spans.
-    constexpr int kLinesPerBlock = (16 * Fmt::kBytes + 63) / 64;
+    // along the way, as many lines a (sub-)block as a (sub-)block of 16 rows spans.
+    constexpr int kLinesPerBlock = (16 * Fmt::kBytes / Fmt::kSubs + 63) / 64;
+    BlockScales scales;
     const char* next_group = reinterpret_cast<const char*>(w + (n + 16) * row_bytes);
     for (int64_t b = 0; b < blocks_; ++b) {
       for (int line = 0; line < kLinesPerBlock; ++line) {
@@ -182,7 +273,7 @@ class InvariantProduct {
       }
       __m512i pairs[kPairs];
       __m512 d, c = _mm512_setzero_ps();
-      BlockPairs(rows, live, b, pairs, d, c);
+      BlockPairs(rows, live, b, scales, pairs, d, c);
       int64_t r = 0;
       for (; r + 8 <= m_; r += 8) RowsTimesBlock<8>(pairs, d, c, b, r, sums);
       if (m_ - r >= 4) RowsTimesBlock<4>(pairs, d, c, b, r, sums), r += 4;
@@ -214,7 +305,7 @@ class InvariantProduct {
       const int64_t row_block = (r + i) * blocks_ + b;
       float* at = sums + (r + i) * 16;
       __m512 f = _mm512_loadu_ps(at);
-      if constexpr (!kSigned) f = _mm512_fmadd_ps(c, _mm512_set1_ps(xq_->s[row_block]), f);
+      if constexpr (kConstants) f = _mm512_fmadd_ps(c, _mm512_set1_ps(xq_->s[row_block]), f);
       const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xq_->d[row_block]));
       _mm512_storeu_ps(at, _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale, f));
     }

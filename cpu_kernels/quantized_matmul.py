@@ -30,7 +30,7 @@ def bf16_max_rows() -> int:
 
 # The block formats whose products this build can make with each row's bits independent of the rows with it, up to
 # invariant_max_rows() rows (cpu_kernels/invariant_products.h).
-INVARIANT_FORMATS = frozenset({"q4_0", "q4_1", "q8_0"})
+INVARIANT_FORMATS = frozenset({"q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"})
 
 
 @functools.lru_cache(maxsize=1)
@@ -60,7 +60,7 @@ def quantized_matmul(x: jax.Array, weight: jax.Array, fmt: str, int16_max_rows: 
     registers or in tiles. From `int8_tile_min_rows` live rows if that is not 0 (AVX-512 VNNI builds; Q4_0, Q4_1,
     Q4_K, Q5_K), x is quantized to int8 per block of 32 and multiplied with 8-bit dot products: each output within
     half a step of x's block scale (max |x| / 254) times the block's sum |d q|. Up to `invariant_max_rows` live
-    rows (AVX-512 builds; Q4_0, Q4_1, Q8_0), every output row is computed the same way whatever rows come with it:
+    rows (AVX-512 builds), every output row is computed the same way whatever rows come with it:
     x in int16 blocks, exact int32 block sums, one float32 chain per output (cpu_kernels/invariant_products.h)."""
     return _call("jvllm_quantized_matmul", x, (weight,), fmt, live_rows, int16_max_rows=int16_max_rows,
                  int16_tile_min_rows=int16_tile_min_rows, bf16_max_rows=bf16_max_rows, bf16_min_rows=bf16_min_rows,

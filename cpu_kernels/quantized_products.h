@@ -11,7 +11,7 @@
 // float32 weight tiles (float_tiles.h), a lone row without int16 through blocks dequantized in registers. The float
 // paths give the float32 product with the dequantized weights up to summation order, the int16 ones within ~3e-5 of
 // it. From int8_tile_min_rows (CPUs with AVX-512 VNNI; Q4_0, Q4_1, Q4_K, Q5_K) x is quantized to int8 blocks against
-// 8-bit code tiles (int8_tiles.h). Up to the caller's invariant_max_rows (AVX-512 builds; Q4_0, Q4_1, Q8_0), the
+// 8-bit code tiles (int8_tiles.h). Up to the caller's invariant_max_rows (AVX-512 builds), the
 // invariant path instead: int16 x with exact block sums, each row's bits its own at any row count
 // (invariant_products.h). Work items are ranges of output rows, shared by the caller and the kernels' helper
 // threads.

@@ -138,12 +138,12 @@ INVARIANT_PATH_ROWS = 16
 def invariant_step_rows(formats: Iterable[str]) -> int:
     """The most token rows of a step whose every row gets the bits it would get alone, for a model with GGUF blocks
     of `formats` on the native kernels: INVARIANT_PATH_ROWS where the invariant path takes every format
-    (cpu_kernels.quantized_matmul.INVARIANT_FORMATS; the attention's direct loops then go as far), else the bfloat16
-    row products' 8."""
+    (cpu_kernels.quantized_matmul.INVARIANT_FORMATS; the attention's direct loops then go as far), else (no blocks,
+    or a per-channel format) 8, as far as the bfloat16 row products keep a row's bits."""
     from cpu_kernels.quantized_matmul import INVARIANT_FORMATS, bf16_max_rows, invariant_max_rows
 
-    rows = bf16_max_rows() or 8
-    if jax.default_backend() == "cpu" and native_kernel_available() and set(formats) <= INVARIANT_FORMATS:
+    rows, formats = bf16_max_rows() or 8, set(formats)
+    if jax.default_backend() == "cpu" and native_kernel_available() and formats and formats <= INVARIANT_FORMATS:
         rows = max(rows, min(invariant_max_rows(), INVARIANT_PATH_ROWS))
     return rows
 
@@ -156,8 +156,9 @@ def invariant_step_rows(formats: Iterable[str]) -> int:
 # activation row, and more rows unpack the weights once into 16-bit code tiles for all rows (AVX2 builds: float32
 # tiles in between). With bf16_products(.., int8_tiles=True) (the engine's batched_weight_dtype="int8"),
 # products of 9+ rows with Q4_0, Q4_1, Q4_K and Q5_K blocks take 8-bit activations instead of bfloat16 where the
-# build has AVX-512 VNNI, as llama.cpp multiplies them. Under bf16_products(.., invariant_rows=R) with R > 8,
-# products of up to R rows with Q4_0, Q4_1 and Q8_0 blocks take the invariant path instead (int16 activations).
+# build has AVX-512 VNNI, as llama.cpp multiplies them. Before all these, products of up to 16 rows (up to R under
+# bf16_products(.., invariant_rows=R); 8 with the 8-bit tiles) with any block format take the invariant
+# path where the build has it (AVX-512: int16 activations, exact block sums).
 # _BF16_MIN_ROWS: the fewest rows a product with GGUF blocks takes in bfloat16 here (0: none); _INT8_TILES: whether
 # the 8-bit tiles may be taken; _INVARIANT_ROWS: the step rows that must each get their own bits (0: no promise).
 _BF16_MIN_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("bf16_min_rows", default=2)
@@ -196,16 +197,20 @@ def invariant_rows() -> int:
 
 
 def _bf16_rows() -> dict[str, int]:
-    """The reduced-precision row limits of the kernels' products here: bfloat16 rows and tiles, 8-bit tiles for
-    products of 9+ rows with 4- and 5-bit blocks where the build has them (bf16_products(True, int8_tiles=True)), and
-    the invariant path's rows (bf16_products(.., invariant_rows=R), R > 8)."""
+    """The row limits of the kernels' products here: bfloat16 rows and tiles, 8-bit tiles for products of 9+ rows
+    with 4- and 5-bit blocks where the build has them (bf16_products(True, int8_tiles=True)), and the invariant
+    path's rows: INVARIANT_PATH_ROWS, or the invariant rows asked for (bf16_products(.., invariant_rows=R)), or 8
+    where the 8-bit tiles take 9+ rows. The invariant path runs without a promise too: up to 16 rows it is as fast
+    as the other paths or faster, and more precise than bfloat16 (docs/design.md, speculative decoding)."""
     from cpu_kernels.quantized_matmul import bf16_max_rows, int8_tile_min_rows
 
     enabled = bf16_products_enabled()
+    int8_tiles = enabled and _INT8_TILES.get()
     invariant = _INVARIANT_ROWS.get()
+    if invariant <= 8:
+        invariant = 8 if int8_tiles else INVARIANT_PATH_ROWS
     return dict(bf16_max_rows=bf16_max_rows() if enabled else 0, bf16_min_rows=_BF16_MIN_ROWS.get() or 2,
-                int8_tile_min_rows=int8_tile_min_rows() if enabled and _INT8_TILES.get() else 0,
-                invariant_max_rows=invariant if invariant > 8 else 0)
+                int8_tile_min_rows=int8_tile_min_rows() if int8_tiles else 0, invariant_max_rows=invariant)
 
 
 def quantized_dot(x: jax.Array, raw: jax.Array, fmt: str, scale: jax.Array | None = None) -> jax.Array:

@@ -51,9 +51,8 @@ def bf16_block_products(requested: Any) -> bool:
 
 def batch_invariant_for(requested: bool | None, loaded: Any, batched_weight_dtype: Any, attention_backend: str) -> bool:
     """The engine's `batch_invariant` (None: on where it costs little: GGUF blocks on the native CPU kernels with
-    bfloat16 rows, whose steps of up to 16 rows then take the invariant path (Q4_0, Q4_1, Q8_0; other formats the
-    bf16 row path from one row, up to 8 rows), and attention by the native kernel, whose verification rows give
-    decode rows' bits; docs/design.md, speculative decoding)."""
+    bfloat16 rows, whose steps of up to 16 rows take the invariant path, and attention by the native kernel, whose
+    verification rows give decode rows' bits; docs/design.md, speculative decoding)."""
     if requested is not None:
         return requested
     from models.quantized import invariant_block_rows_available

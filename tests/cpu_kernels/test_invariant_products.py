@@ -1,5 +1,5 @@
-"""The invariant path of the native quantized products (cpu_kernels/invariant_products.h): for Q4_0, Q4_1 and Q8_0
-blocks, each row of x gets the same bits alone as among up to 32 rows, plain and gated, and stays within the int16
+"""The invariant path of the native quantized products (cpu_kernels/invariant_products.h): for every block format,
+each row of x gets the same bits alone as among up to 32 rows, plain and gated, and stays within the int16
 activations' precision of gguf's reference dequantizer followed by a float64 product."""
 from __future__ import annotations
 
@@ -9,20 +9,30 @@ import pytest
 
 from cpu_kernels.quantized_matmul import INVARIANT_FORMATS, gated_matmul, invariant_max_rows, quantized_matmul
 from jvllm.model_loader.gguf_blocks import dequantize_blocks
-from models.quantized import quantize_reference
+from models.quantized import FORMATS as BLOCK_FORMATS
+from models.quantized import quantize_reference, random_blocks
 
 pytestmark = pytest.mark.skipif(not __import__("cpu_kernels.build").build.available(),
                                 reason="needs a C++ compiler to build the native kernels")
 
 FORMATS = sorted(INVARIANT_FORMATS)
-# (N, K): one ragged group of output columns, a lone block of depth, several groups with a ragged last one.
+# (N, K): a ragged group of output columns, a lone block of depth (a lone 256-weight block for the K-quants), several
+# groups with a ragged last one.
 SHAPES = [(7, 64), (33, 576), (130, 1536)]
+K_SHAPES = [(7, 256), (33, 768), (130, 1536)]
+
+
+def shapes(fmt: str) -> list[tuple[int, int]]:
+    return K_SHAPES if BLOCK_FORMATS[fmt].block_size == 256 else SHAPES
 
 
 def blocks(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
-    """Blocks of random weights whose rows' scales differ by up to 10^4."""
+    """Blocks of random weights whose rows' scales differ by up to 10^4 (gguf's quantizer where it has the format;
+    random codes with set scales for the K-quants)."""
     rng = np.random.default_rng(seed)
     scales = np.float32(10.0) ** rng.integers(-3, 2, size=(n, 1)).astype(np.float32)
+    if BLOCK_FORMATS[fmt].block_size == 256:
+        return np.concatenate([random_blocks(1, k, fmt, rng, scale=float(s)) for s in scales[:, 0]])
     return quantize_reference(rng.standard_normal((n, k)).astype(np.float32) * scales, fmt)
 
 
@@ -32,8 +42,7 @@ def test_the_build_says_how_many_rows_the_path_takes():
 
 
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("fmt, n, k", [(fmt, n, k) for fmt in FORMATS for n, k in shapes(fmt)])
 def test_a_row_gives_the_same_bits_alone_as_among_up_to_32_rows(fmt, n, k, gated):
     """A one-token decode step and the same token among draft tokens in a verification step compute the same bits,
     at every row count the path takes; padding rows stay zero."""
@@ -57,8 +66,9 @@ def test_a_row_gives_the_same_bits_alone_as_among_up_to_32_rows(fmt, n, k, gated
 @pytest.mark.parametrize("m", [1, 5, 32])
 def test_the_path_stays_within_int16_precision(fmt, m):
     """x in int16 per block of 32 (max |x| / 32767 a step): each output within half a step of each block's scale
-    times the block's sum |w|, plus float32 sums; the gated product within silu's slope of that."""
-    n, k = 33, 576
+    times the block's sum |w| (max |x| / 16383 for Q6_K, whose codes carry its group scales), plus float32 sums; the
+    gated product within silu's slope of that."""
+    n, k = shapes(fmt)[1]
     raw, up = blocks(fmt, n, k, seed=3), blocks(fmt, n, k, seed=4)
     x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
     x[:, 32:64] *= 1e4
@@ -66,7 +76,7 @@ def test_the_path_stays_within_int16_precision(fmt, m):
     block_max = np.abs(x).reshape(m, k // 32, 32).max(-1)  # [m, blocks]
 
     def bound(weights: np.ndarray) -> np.ndarray:
-        steps = block_max @ np.abs(weights).reshape(n, k // 32, 32).sum(-1).T / 32767
+        steps = block_max @ np.abs(weights).reshape(n, k // 32, 32).sum(-1).T / (16383 if fmt == "q6_k" else 32767)
         return steps + 1e-6 * np.abs(x) @ np.abs(weights).T + 1e-30
 
     got = np.asarray(jax.jit(lambda a: quantized_matmul(a, raw, fmt, invariant_max_rows=32))(x))
@@ -79,13 +89,14 @@ def test_the_path_stays_within_int16_precision(fmt, m):
     np.testing.assert_array_less(np.abs(got_gated - silu * up_want), gated_bound)
 
 
-def test_invariant_steps_reach_16_rows_only_where_every_format_has_the_path():
-    """The engine's invariant step rows (models.quantized.invariant_step_rows): 16 for a model of Q4_1 and Q8_0
-    blocks where the build has the path, the bfloat16 rows' 8 as soon as one format lacks it."""
+def test_invariant_steps_reach_16_rows_where_every_weight_is_in_gguf_blocks():
+    """The engine's invariant step rows (models.quantized.invariant_step_rows): 16 for a model of GGUF blocks where the
+    build has the path, the bfloat16 rows' 8 as soon as a weight is in a per-channel format (XLA's dots)."""
     from cpu_kernels.quantized_matmul import bf16_max_rows
     from models.quantized import INVARIANT_PATH_ROWS, invariant_step_rows
 
     fallback = bf16_max_rows() or 8
     assert invariant_step_rows({"q4_1", "q8_0"}) == (INVARIANT_PATH_ROWS if invariant_max_rows() else fallback)
-    assert invariant_step_rows({"q4_1", "q6_k"}) == fallback
+    assert invariant_step_rows({"q4_k", "q6_k"}) == (INVARIANT_PATH_ROWS if invariant_max_rows() else fallback)
     assert invariant_step_rows({"q4_0", "int8"}) == fallback  # a per-channel format: XLA's dots
+    assert invariant_step_rows(set()) == fallback  # float weights
