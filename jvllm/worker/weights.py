@@ -77,7 +77,7 @@ def block_formats(loaded: Any) -> frozenset[str]:
 
 def invariant_step_rows_for(loaded: Any) -> int:
     """With batch_invariant, the most token rows a step may hold with each row's bits its own
-    (models.quantized.invariant_step_rows: 32 where the native kernels' invariant path takes every format of the
+    (models.quantized.invariant_step_rows: 16 where the native kernels' invariant path takes every format of the
     model, else 8)."""
     from models.quantized import invariant_step_rows
 
