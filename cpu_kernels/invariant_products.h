@@ -4,16 +4,15 @@
 // (sub-)block's products are summed in int32 (exact, so the order of the sums does not matter), and each output
 // takes its blocks' scaled sums in one float32 chain, in block order:
 //   f += c[n, b] * xs[m, b];  f += float(codes[n, b] . xq[m, b]) * (d[n, b] * xd[m, b])
-// A one-token decode step and the same token among 31 draft tokens in a verification step then get the same bits,
-// and both are within ~3e-5 of the float32 product (the int16 path's precision).
+// A one-token decode step and the same token among draft tokens in a verification step then get the same bits, and
+// both are within ~3e-5 of the float32 product (the int16 path's precision).
 //
 // Layout: per 16 weight rows and block, the rows' code words are loaded and transposed in registers so that each
 // 32-bit lane holds two codes of one row (16 pair vectors a block, one per pair of weights), and every row of x
 // meets them through broadcasts of its matching code pairs (x's codes permuted once per call to the pairs' order):
-// 16 `vpdpwssd` per row of x and block, with no tiles kept in memory, so that one row costs what it does on the
-// per-row paths and 32 rows what they cost on the code tiles.
+// 16 `vpdpwssd` per row of x and block, with no tiles kept in memory: up to 16 rows as fast as the other paths or
+// faster, past that slower than the bf16 tiles (docs/design.md, speculative decoding).
 #pragma once
-
 
 #include <cstdint>
 #include <type_traits>
@@ -26,7 +25,7 @@ namespace jvllm {
 template <typename Fmt>
 constexpr bool kInvariantProducts = JVLLM_INT16_512;  // every block format
 
-// Whether a product of `m` rows takes the invariant path: the build and format have it and the rows are within the
+// Whether a product of `m` rows takes the invariant path: the build has it (AVX-512) and the rows are within the
 // caller's limit (0: never).
 template <typename Fmt>
 constexpr bool TakesInvariantProduct(int64_t m, int64_t max_rows) {
