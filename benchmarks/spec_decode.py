@@ -2,15 +2,16 @@
 a summary that quotes its source, JSON extraction) and free-form chat.
 
 One `LLM()` per setting (default settings otherwise: the embedded SmolLM2-135M-Instruct), each warmed up on other
-prompts of the same kind; then, alternating the settings, every prompt is sent alone through `chat` (greedy, up to
---max-tokens) once per setting, and tokens per second are counted from the call to the last token, prefill
+prompts of the same kind; then every prompt is sent alone through `chat` (greedy, up to --max-tokens) once per
+setting, the settings in turn, their order reversed every other prompt (the engine built first in a process runs a
+few percent slower), and tokens per second are counted from the call to the last token, prefill
 included. Every measured prompt is new to every engine (the suffix method's cache of earlier outputs holds only
 other prompts' outputs).
 
     python -m benchmarks.spec_decode --json benchmarks/results/spec_decode_cpu.json
     python -m benchmarks.spec_decode --crossover 1,2,4,8,16   # batch sizes where speculation stops paying
     python -m benchmarks.spec_decode --draft-model SmolLM2-135M-Instruct   # also a draft model (3 drafts)
-    python -m benchmarks.spec_decode --no-batch-invariant   # one-row steps on the int16 path (AVX-512 BF16 CPUs)
+    python -m benchmarks.spec_decode --no-batch-invariant   # verification steps of up to 31 drafts, not invariant
     python -m benchmarks.spec_decode --workloads 3   # 32 chats and 256 requests: ngram against off, 3 rounds
     python -m benchmarks.spec_decode --workloads 3 --method suffix
 """
@@ -151,14 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     seconds = {(kind, name): 0.0 for kind in kinds for name in engines}
     same = {(kind, name): 0 for kind in kinds for name in engines}  # prompts whose tokens equal those without
     for kind, (_, measured) in kinds.items():
-        for message in measured:
-            reference = None
-            for name, engine in engines.items():
-                ids, wall = run_one(engine, message, args.max_tokens)
-                reference = ids if reference is None else reference
-                tokens[kind, name] += len(ids)
+        for index, message in enumerate(measured):
+            outputs = {}
+            for name in list(engines) if index % 2 == 0 else list(reversed(engines)):
+                outputs[name], wall = run_one(engines[name], message, args.max_tokens)
+                tokens[kind, name] += len(outputs[name])
                 seconds[kind, name] += wall
-                same[kind, name] += ids == reference
+            for name in engines:
+                same[kind, name] += outputs[name] == outputs["off"]
     results = {"command": command_line("benchmarks.spec_decode", argv), "machine": machine_info(),
                "settings": settings, "max_tokens": args.max_tokens, "kinds": {}}
     print(f"{'prompts':18s} " + " ".join(f"{name:>16s}" for name in engines))
