@@ -28,11 +28,6 @@ def bf16_max_rows() -> int:
     return int(load().JvllmBf16MaxRows())
 
 
-# The block formats whose products this build can make with each row's bits independent of the rows with it, up to
-# invariant_max_rows() rows (cpu_kernels/invariant_products.h).
-INVARIANT_FORMATS = frozenset({"q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k"})
-
-
 @functools.lru_cache(maxsize=1)
 def invariant_max_rows() -> int:
     """The most live rows this machine's kernel build multiplies on the invariant path (32 with AVX-512, else 0)."""

@@ -120,8 +120,8 @@ def native_kernel_available() -> bool:
 
 
 def invariant_block_rows_available() -> bool:
-    """Whether products with GGUF blocks here can give a token row the same bits alone as among other rows (the
-    native kernels' bfloat16 rows, on a CPU with AVX-512 BF16, and for some formats the invariant path)."""
+    """Whether the native kernels here run on a CPU with AVX-512 BF16, where `batch_invariant` is on by default: its
+    products of up to 16 rows with GGUF blocks take the invariant path, whatever the engine asks."""
     if jax.default_backend() != "cpu" or not native_kernel_available():
         return False
     from cpu_kernels.quantized_matmul import bf16_max_rows
@@ -137,20 +137,20 @@ INVARIANT_PATH_ROWS = 16
 
 def invariant_step_rows(formats: Iterable[str]) -> int:
     """The most token rows of a step whose every row gets the bits it would get alone, for a model with GGUF blocks
-    of `formats` on the native kernels: INVARIANT_PATH_ROWS where the invariant path takes every format
-    (cpu_kernels.quantized_matmul.INVARIANT_FORMATS; the attention's direct loops then go as far), else (no blocks,
-    or a per-channel format) 8, as far as the bfloat16 row products keep a row's bits."""
-    from cpu_kernels.quantized_matmul import INVARIANT_FORMATS, bf16_max_rows, invariant_max_rows
+    of `formats` on the native kernels: INVARIANT_PATH_ROWS where every weight is in GGUF blocks (FORMATS: the
+    invariant path takes them all, and the attention's direct loops then go as far), else 8 (no blocks, or a
+    per-channel format)."""
+    from cpu_kernels.quantized_matmul import bf16_max_rows, invariant_max_rows
 
     rows, formats = bf16_max_rows() or 8, set(formats)
-    if jax.default_backend() == "cpu" and native_kernel_available() and formats and formats <= INVARIANT_FORMATS:
+    if jax.default_backend() == "cpu" and native_kernel_available() and formats and formats <= FORMATS.keys():
         rows = max(rows, min(invariant_max_rows(), INVARIANT_PATH_ROWS))
     return rows
 
 
 # How a product's live token rows (models.live_rows: padding rows are skipped) meet the blocks depends on their
 # count, at limits the kernel build picks for its machine (cpu_kernels.quantized_matmul.row_path_limits and
-# bf16_max_rows): on CPUs with AVX-512 BF16, 2+ rows (1+ under bf16_products(True, invariant_rows=..)) in bfloat16
+# bf16_max_rows): on CPUs with AVX-512 BF16, 2+ rows in bfloat16
 # (like a float model's batched bf16 weights: rows to 8, bf16 weight tiles beyond) unless bf16_products(False) is in
 # effect; otherwise few rows multiply with activations quantized to int16 blocks, each weight block unpacked once per
 # activation row, and more rows unpack the weights once into 16-bit code tiles for all rows (AVX2 builds: float32
@@ -159,9 +159,9 @@ def invariant_step_rows(formats: Iterable[str]) -> int:
 # build has AVX-512 VNNI, as llama.cpp multiplies them. Before all these, products of up to 16 rows (up to R under
 # bf16_products(.., invariant_rows=R); 8 with the 8-bit tiles) with any block format take the invariant
 # path where the build has it (AVX-512: int16 activations, exact block sums).
-# _BF16_MIN_ROWS: the fewest rows a product with GGUF blocks takes in bfloat16 here (0: none); _INT8_TILES: whether
+# _BF16_ROWS: whether products with GGUF blocks may take bfloat16 here; _INT8_TILES: whether
 # the 8-bit tiles may be taken; _INVARIANT_ROWS: the step rows that must each get their own bits (0: no promise).
-_BF16_MIN_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("bf16_min_rows", default=2)
+_BF16_ROWS: contextvars.ContextVar[bool] = contextvars.ContextVar("bf16_rows", default=True)
 _INT8_TILES: contextvars.ContextVar[bool] = contextvars.ContextVar("int8_tiles", default=False)
 _INVARIANT_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("invariant_rows", default=0)
 
@@ -172,10 +172,10 @@ def bf16_products(enabled: bool, invariant_rows: int = 0, int8_tiles: bool = Fal
     round their activations to bfloat16 where the CPU has bf16 dot products (jvllm.worker.step_functions sets it
     around a step's layers and head from the engine's batched_weight_dtype); with `invariant_rows` (speculative
     decoding: a verification step's rows give the decode steps' tokens; invariant_step_rows), steps of up to that
-    many rows give each row the bits it would get alone: lone rows in bfloat16 too, up to that many rows on the
-    invariant path where the format has it, sequences of up to that many queries through the attention's direct
-    loops; with `int8_tiles` (and `enabled`), products of 9+ rows with 4- and 5-bit blocks in 8 bits."""
-    token = _BF16_MIN_ROWS.set(0 if not enabled else 1 if invariant_rows else 2)
+    many rows give each row the bits it would get alone: products of up to that many rows on the invariant path,
+    sequences of up to that many queries through the attention's direct loops; with `int8_tiles` (and `enabled`),
+    products of 9+ rows with 4- and 5-bit blocks in 8 bits."""
+    token = _BF16_ROWS.set(enabled)
     int8_token = _INT8_TILES.set(int8_tiles)
     invariant_token = _INVARIANT_ROWS.set(invariant_rows)
     try:
@@ -183,12 +183,12 @@ def bf16_products(enabled: bool, invariant_rows: int = 0, int8_tiles: bool = Fal
     finally:
         _INVARIANT_ROWS.reset(invariant_token)
         _INT8_TILES.reset(int8_token)
-        _BF16_MIN_ROWS.reset(token)
+        _BF16_ROWS.reset(token)
 
 
 def bf16_products_enabled() -> bool:
     """Whether bf16_products(True) (the default) is in effect here."""
-    return _BF16_MIN_ROWS.get() > 0
+    return _BF16_ROWS.get()
 
 
 def invariant_rows() -> int:
@@ -209,7 +209,7 @@ def _bf16_rows() -> dict[str, int]:
     invariant = _INVARIANT_ROWS.get()
     if invariant <= 8:
         invariant = 8 if int8_tiles else INVARIANT_PATH_ROWS
-    return dict(bf16_max_rows=bf16_max_rows() if enabled else 0, bf16_min_rows=_BF16_MIN_ROWS.get() or 2,
+    return dict(bf16_max_rows=bf16_max_rows() if enabled else 0, bf16_min_rows=2,
                 int8_tile_min_rows=int8_tile_min_rows() if int8_tiles else 0, invariant_max_rows=invariant)
 
 

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from cpu_kernels.quantized_matmul import INVARIANT_FORMATS, gated_matmul, invariant_max_rows, quantized_matmul
+from cpu_kernels.quantized_matmul import gated_matmul, invariant_max_rows, quantized_matmul
 from jvllm.model_loader.gguf_blocks import dequantize_blocks
 from models.quantized import FORMATS as BLOCK_FORMATS
 from models.quantized import quantize_reference, random_blocks
@@ -15,7 +15,7 @@ from models.quantized import quantize_reference, random_blocks
 pytestmark = pytest.mark.skipif(not __import__("cpu_kernels.build").build.available(),
                                 reason="needs a C++ compiler to build the native kernels")
 
-FORMATS = sorted(INVARIANT_FORMATS)
+FORMATS = sorted(BLOCK_FORMATS)
 # (N, K): a ragged group of output columns, a lone block of depth (a lone 256-weight block for the K-quants), several
 # groups with a ragged last one.
 SHAPES = [(7, 64), (33, 576), (130, 1536)]
