@@ -58,7 +58,7 @@ struct RowPaths {
   int64_t int16_max_rows, int16_tile_min_rows, bf16_max_rows;
   int64_t bf16_min_rows;  // 1: a lone row in bfloat16 too (the same bits as among 2-8 rows), 2: a lone row in int16
   int64_t int8_tile_min_rows;  // from this many rows, 8-bit products where the build and format have them (0: never)
-  int64_t invariant_max_rows;  // up to this many rows, the invariant path where the build and format have it (0: never)
+  int64_t invariant_max_rows;  // up to this many rows, the invariant path where the build has it (0: never)
 };
 
 // Up to kDirectRows rows of x: each weight block is dequantized in registers and used at once; from 2, the paths of
