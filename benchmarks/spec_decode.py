@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="instead: batches of these sizes (e.g. 1,2,4,8,16) with and without ngram speculation")
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                         help="every engine with batch_invariant on or off (default: the engine's, on for GGUF blocks "
-                             "on CPUs with AVX-512 BF16, where greedy outputs are then the same with and without)")
+                             "on CPUs with AVX-512 or AVX2, where greedy outputs are then the same with and without)")
     parser.add_argument("--draft-model", default=None, metavar="MODEL",
                         help="also measure method draft_model with this draft (3 drafts a step)")
     parser.add_argument("--workloads", type=int, default=None, metavar="ROUNDS",

@@ -61,6 +61,28 @@ struct Int16Rows {
       s[b] = scale * static_cast<float>(_mm_cvtsi128_si32(t));
     }
   }
+
+  // q, d and s again by groups of kRowGroup rows (0 past the last row), so that one pointer reaches a whole group
+  // and one vector operation scales a block for it (the row path): group_q [groups, K / 32, kRowGroup, 32],
+  // group_d and group_s [groups, K / 32, kRowGroup] (lane i: row g * kRowGroup + i).
+  static constexpr int64_t kRowGroup = 8;
+  std::vector<int16_t> group_q;
+  std::vector<float> group_d, group_s;
+
+  void GroupRows(int64_t m, int64_t k) {
+    const int64_t blocks = k / 32, groups = (m + kRowGroup - 1) / kRowGroup;
+    group_q.assign(static_cast<size_t>(groups * blocks * kRowGroup * 32), 0);
+    group_d.assign(static_cast<size_t>(groups * blocks * kRowGroup), 0.0f);
+    group_s.assign(group_d.size(), 0.0f);
+    for (int64_t row = 0; row < m; ++row) {
+      const int64_t base = row / kRowGroup * blocks * kRowGroup + row % kRowGroup;
+      for (int64_t b = 0; b < blocks; ++b) {
+        std::memcpy(group_q.data() + (base + b * kRowGroup) * 32, q.data() + (row * blocks + b) * 32, 64);
+        group_d[base + b * kRowGroup] = d[row * blocks + b];
+        group_s[base + b * kRowGroup] = s[row * blocks + b];
+      }
+    }
+  }
 };
 
 inline float HorizontalSum(__m256 v) {
@@ -113,12 +135,12 @@ inline void KeepInRegister(__m256i& v) {
 #endif
 }
 
-// 16-bit weights (elements 0-15, 16-31) . 32 activations -> acc += (their dot product) * scale.
-inline void Accumulate(__m256i w0, __m256i w1, const int16_t* x, float scale, __m256& acc) {
+// 16-bit weights (elements 0-15, 16-31) . 32 activations -> acc += (their dot product) * scale (in every lane).
+inline void Accumulate(__m256i w0, __m256i w1, const int16_t* x, __m256 scale, __m256& acc) {
   const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
   const __m256i sums = AddPairProducts(_mm256_madd_epi16(w0, x0), w1, x1);
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(scale), acc);
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc);
 }
 
 // 16 bytes of nibbles -> the low nibbles (elements 0-15) and the high ones (16-31) as 16-bit integers: the bytes

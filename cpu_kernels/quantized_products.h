@@ -41,6 +41,8 @@ namespace jvllm {
 constexpr int64_t kMinRowsPerItem = 16;  // output rows per work item, at least
 // The row paths (IntRows, Bf16Dots) take one weight row at a time and prefetch the same block this many rows ahead.
 constexpr int64_t kPrefetchRowsAhead = 4;
+// The int16 row path scales up to this many rows of x apart, more by row groups (Matmul::IntRows).
+constexpr int64_t kIntRowsApart = 2;
 
 
 inline float Sum(V8 x) {
@@ -143,12 +145,16 @@ class Matmul {
       return;
     }
     if (path_ == Path::kIntRows) {
-      for (int64_t m = 0; m < sh_.m; m += 4) {
-        switch (std::min<int64_t>(4, sh_.m - m)) {
+      for (int64_t m = 0; m < sh_.m; m += Int16Rows::kRowGroup) {
+        switch (std::min(Int16Rows::kRowGroup, sh_.m - m)) {
           case 1: IntRange<1>(m, n0, n1); break;
           case 2: IntRange<2>(m, n0, n1); break;
           case 3: IntRange<3>(m, n0, n1); break;
-          default: IntRange<4>(m, n0, n1); break;
+          case 4: IntRange<4>(m, n0, n1); break;
+          case 5: IntRange<5>(m, n0, n1); break;
+          case 6: IntRange<6>(m, n0, n1); break;
+          case 7: IntRange<7>(m, n0, n1); break;
+          default: IntRange<8>(m, n0, n1); break;
         }
       }
       return;
@@ -172,13 +178,26 @@ class Matmul {
     for (int64_t n = n0; n < n1; ++n) IntRows<X>(m, n);
   }
 
-  // Rows [m, m + X) of x against weight row n: each weight block is unpacked once for the X rows while the same
-  // block kPrefetchRowsAhead rows on is fetched. One weight row at a time reads the blocks in address order, which
-  // streams at the cores' full bandwidth: the 49,152 x 576 Q8_0 output projection ~30 GB/s for a lone row of x,
-  // against ~17 GB/s with four weight rows interleaved; with 2-4 rows of x, decode steps 10-22% faster than with
-  // two weight rows interleaved (docs/design.md, "Row paths one weight row at a time").
+  // Rows [m, m + X) of x (X <= kRowGroup, m a multiple of it) against weight row n: each weight block is unpacked
+  // once for the X rows while the same block kPrefetchRowsAhead rows on is fetched. Per row and block: two integer
+  // dot products, one conversion and a multiply-add by the block's scale d * xd, and a multiply-add of its constant
+  // c * xs. Every row takes the same operations whatever X is, so a row's bits do not depend on the rows that come
+  // with it. One weight row at a time reads the blocks in address order, which streams at the cores' full
+  // bandwidth: the 49,152 x 576 Q8_0 output projection ~30 GB/s for a lone row of x, against ~17 GB/s with four
+  // weight rows interleaved; with 2-4 rows of x, decode steps 10-22% faster than with two weight rows interleaved
+  // (docs/design.md, "Row paths one weight row at a time").
   template <int X>
   void IntRows(int64_t m, int64_t n) const {
+    if constexpr (X <= kIntRowsApart) {
+      IntRowsApart<X>(m, n);
+    } else {
+      IntRowsGrouped<X>(m, n);
+    }
+  }
+
+  // IntRows for up to kIntRowsApart rows: each row's scales and constants in scalar operations (x as quantized).
+  template <int X>
+  void IntRowsApart(int64_t m, int64_t n) const {
     const int64_t k = sh_.k, blocks = sh_.blocks;
     const int16_t* xq = xq_->q.data() + m * k;
     const float* xd = xq_->d.data() + m * blocks;
@@ -197,12 +216,50 @@ class Matmul {
         __m256i w0, w1;
         Fmt::Codes16(w, s, w0, w1);
         for (int i = 0; i < X; ++i) {
-          jvllm::Accumulate(w0, w1, xq + i * k + b * kBlock, d[s] * xd[i * blocks + b], acc[i]);
-          offset[i] += c[s] * xs[i * blocks + b];
+          jvllm::Accumulate(w0, w1, xq + i * k + b * kBlock, _mm256_set1_ps(d[s] * xd[i * blocks + b]), acc[i]);
+          offset[i] = std::fma(c[s], xs[i * blocks + b], offset[i]);
         }
       }
     }
     for (int i = 0; i < X; ++i) y_[(m + i) * sh_.n + n] = jvllm::HorizontalSum(acc[i]) + offset[i];
+  }
+
+  // IntRows for more rows, the same operations per row: x by row groups (Int16Rows::GroupRows: one pointer reaches
+  // them all), each block's scales and constants made for the whole group in one vector operation each, so that
+  // what a row adds to a block is its dot products, conversion and multiply-add, the multiply ports' work that
+  // bounds the loop from a few rows on. (For one or two rows the scalar form of IntRowsApart is as fast or faster:
+  // docs/design.md, "Int16 rows by groups of 8".)
+  template <int X>
+  void IntRowsGrouped(int64_t m, int64_t n) const {
+    constexpr int64_t kGroup = Int16Rows::kRowGroup;
+    const int64_t blocks = sh_.blocks;
+    const int16_t* group_q = xq_->group_q.data() + m * sh_.k;  // m / kGroup groups of K * kGroup codes
+    const float* group_d = xq_->group_d.data() + m * blocks;
+    const float* group_s = xq_->group_s.data() + m * blocks;
+    __m256 acc[X];
+    __m256 offset = _mm256_setzero_ps();  // lane i: row m + i's constant terms
+    for (int i = 0; i < X; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t block = 0; block < blocks_per_row(); ++block) {
+      const uint8_t* w = Row(n) + block * Fmt::kBytes;
+      jvllm::PrefetchBlock<Fmt>(Row(n + kPrefetchRowsAhead) + block * Fmt::kBytes);
+      float d[Fmt::kSubs], c[Fmt::kSubs];
+      Fmt::Scales(w, d, c);
+#pragma GCC unroll 8
+      for (int s = 0; s < Fmt::kSubs; ++s) {
+        const int64_t b = block * Fmt::kSubs + s;
+        const __m256 scales = _mm256_mul_ps(_mm256_set1_ps(d[s]), _mm256_loadu_ps(group_d + b * kGroup));
+        offset = _mm256_fmadd_ps(_mm256_set1_ps(c[s]), _mm256_loadu_ps(group_s + b * kGroup), offset);
+        __m256i w0, w1;
+        Fmt::Codes16(w, s, w0, w1);
+        const int16_t* x = group_q + b * kGroup * kBlock;
+        for (int i = 0; i < X; ++i) {  // row i's scale in every lane by a shuffle, off the multiply ports
+          jvllm::Accumulate(w0, w1, x + i * kBlock, _mm256_permutevar8x32_ps(scales, _mm256_set1_epi32(i)), acc[i]);
+        }
+      }
+    }
+    alignas(32) float offsets[kGroup];
+    _mm256_store_ps(offsets, offset);
+    for (int i = 0; i < X; ++i) y_[(m + i) * sh_.n + n] = jvllm::HorizontalSum(acc[i]) + offsets[i];
   }
 #endif
 
@@ -344,6 +401,7 @@ void RunProduct(Shapes sh, const float* x, const uint8_t* w, float* y, const Row
   if (int_rows || (paths.int16_tile_min_rows > 0 && sh.m >= paths.int16_tile_min_rows)) {
     thread_local Int16Rows xq;
     xq.Quantize(x, sh.m, sh.k, int_rows ? 32767 : jvllm::Int16Limit<Fmt>());
+    if (int_rows && sh.m > kIntRowsApart) xq.GroupRows(sh.m, sh.k);
     Matmul<Fmt> work(int_rows ? Path::kIntRows : Path::kIntTiles, sh, x, w, y, &xq);
     jvllm::RunItems(work);
     return;
@@ -376,7 +434,13 @@ struct SiluTimes {
       const V8 v = SiluVector<V8, I8>(LoadV(y + i)) * LoadV(up + i);
       std::memcpy(y + i, &v, sizeof v);
     }
-    for (; i < end; ++i) y[i] = y[i] / (1.0f + std::exp(-y[i])) * up[i];
+    if (i < end) {  // the tail through the same vector code, so that a value's bits do not depend on where it falls
+      float tail_y[kLanes] = {}, tail_up[kLanes] = {};
+      std::memcpy(tail_y, y + i, sizeof(float) * (end - i));
+      std::memcpy(tail_up, up + i, sizeof(float) * (end - i));
+      const V8 v = SiluVector<V8, I8>(LoadV(tail_y)) * LoadV(tail_up);
+      std::memcpy(y + i, &v, sizeof(float) * (end - i));
+    }
   }
 };
 

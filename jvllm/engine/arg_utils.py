@@ -160,11 +160,12 @@ class EngineArgs:
                 "with Q4_0/Q4_1/Q4_K/Q5_K blocks take 8-bit activations on CPUs with AVX-512 VNNI, as llama.cpp computes them "
                 "(prefill ~1.25x faster, greedy outputs further from float32's than with bfloat16)")
     batch_invariant: bool | None = option(
-        None, "each token row of a step of up to 16 rows (8 for models with other than GGUF blocks) "
-              "computes the bits it would alone, as vLLM's VLLM_BATCH_INVARIANT: greedy outputs are then the "
-              "same with and without speculative decoding and whatever else shares such a step. Default: on for "
-              "GGUF blocks with the cpu attention backend on CPUs with AVX-512 BF16 (int16 activations with exact "
-              "block sums: single-stream decode as fast as without), off elsewhere")
+        None, "each token row of a step of up to 16 rows (8 on CPUs without AVX-512 and for models with other "
+              "than GGUF blocks) computes the bits it would alone, as vLLM's VLLM_BATCH_INVARIANT: greedy outputs "
+              "are then the same with and without speculative decoding and whatever else shares such a step. "
+              "Default: on for GGUF blocks with the cpu attention backend on CPUs with AVX-512 or AVX2 (int16 "
+              "activations, each row multiplied alone: it costs nothing; speculation then verifies at most 15 or 7 "
+              "drafts a step), off elsewhere")
     scheduling_policy: str = option("fcfs", "fcfs: requests run in arrival order; priority: by each request's "
                                             "`priority` (lower first, then arrival), preempting running requests of "
                                             "lower priority when a higher one waits without room",

@@ -117,8 +117,7 @@ class Engine(MultiHostRoles, FrontEndViews, PoolingCalls, BeamSearchCalls):
             args.encoder_cache_tokens, allowed_media_domains=args.allowed_media_domains, max_image_pixels=args.max_image_pixels)
         image_tokens = 0 if self.model.vision is None else self.model.vision.max_image_tokens
         speculative = SpeculativeConfig.parse(args.speculative_config)
-        self.batch_invariant = batch_invariant_for(args.batch_invariant, self.model, args.batched_weight_dtype,
-                                                   backend)
+        self.batch_invariant = batch_invariant_for(args.batch_invariant, self.model, backend)
         self.draft_model = None
         if speculative is not None and speculative.method == "draft_model" and not self.model.is_encoder:
             self.draft_model = DraftModelRunner.start(args, cfg, self.tokenizer, speculative, hosts.multi_host)

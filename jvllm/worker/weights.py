@@ -49,16 +49,18 @@ def bf16_block_products(requested: Any) -> bool:
     return requested not in (None, "none", "float32")
 
 
-def batch_invariant_for(requested: bool | None, loaded: Any, batched_weight_dtype: Any, attention_backend: str) -> bool:
-    """The engine's `batch_invariant` (None: on where it costs little: GGUF blocks on the native CPU kernels with
-    bfloat16 rows, whose steps of up to 16 rows take the invariant path, and attention by the native kernel, whose
-    verification rows give decode rows' bits; docs/design.md, speculative decoding)."""
+def batch_invariant_for(requested: bool | None, loaded: Any, attention_backend: str) -> bool:
+    """The engine's `batch_invariant` (None: on where it costs nothing: GGUF blocks on the native CPU kernels, whose
+    products of up to invariant_step_rows rows give each row its own bits on AVX-512 and AVX2 builds, with attention
+    by the native kernel, whose verification rows give decode rows' bits; docs/design.md, speculative decoding).
+    The batched weight dtype does not matter: GGUF blocks get no copy, and their 8-bit tiles (`int8`) take only
+    steps past the invariant rows."""
     if requested is not None:
         return requested
     from models.quantized import invariant_block_rows_available
 
     return (loaded.keeps_blocks and not loaded.is_encoder and attention_backend == "cpu"
-            and bf16_block_products(batched_weight_dtype) and invariant_block_rows_available())
+            and invariant_block_rows_available())
 
 
 def block_formats(loaded: Any) -> frozenset[str]:

@@ -1,13 +1,14 @@
 """The invariant path of the native quantized products (cpu_kernels/invariant_products.h): for every block format,
 each row of x gets the same bits alone as among up to 32 rows, plain and gated, and stays within the int16
-activations' precision of gguf's reference dequantizer followed by a float64 product."""
+activations' precision of gguf's reference dequantizer followed by a float64 product. The int16 row path (the
+invariant rows of AVX2 builds) gives each row its own bits too, up to its row limit."""
 from __future__ import annotations
 
 import jax
 import numpy as np
 import pytest
 
-from cpu_kernels.quantized_matmul import gated_matmul, invariant_max_rows, quantized_matmul
+from cpu_kernels.quantized_matmul import gated_matmul, invariant_max_rows, quantized_matmul, row_path_limits
 from jvllm.model_loader.gguf_blocks import dequantize_blocks
 from models.quantized import FORMATS as BLOCK_FORMATS
 from models.quantized import quantize_reference, random_blocks
@@ -57,6 +58,30 @@ def test_a_row_gives_the_same_bits_alone_as_among_up_to_32_rows(fmt, n, k, gated
         product = jax.jit(lambda a, c: quantized_matmul(a, raw, fmt, live_rows=c, invariant_max_rows=32))
     alone = np.stack([np.asarray(product(x[i:i + 1], np.int32(1)))[0] for i in range(32)])
     for rows in (2, 3, 7, 8, 9, 16, 31, 32):
+        together = np.asarray(product(x, np.int32(rows)))
+        np.testing.assert_array_equal(together[:rows], alone[:rows], err_msg=f"{rows} rows")
+        assert not together[rows:].any()
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("fmt, n, k", [(fmt, n, k) for fmt in FORMATS for n, k in shapes(fmt)])
+def test_the_int16_row_path_gives_each_row_its_own_bits(fmt, n, k, gated):
+    """Up to its row limit (8 on AVX2 builds, where it serves batch_invariant's steps; 4 on AVX-512 builds) the int16
+    row path multiplies each row of x alone: one row or a group of up to 8 (scaled together, Matmul::IntRows), the
+    same bits; padding rows stay zero."""
+    limit = row_path_limits()[0]
+    if not limit:
+        pytest.skip("this build has no int16 row path (AVX2 or AVX-512 builds only)")
+    raw, up = blocks(fmt, n, k, seed=n), blocks(fmt, n, k, seed=n + 1)
+    x = np.random.default_rng(k).standard_normal((limit, k)).astype(np.float32)
+    x[:, :32] *= 1e3
+    paths = dict(int16_max_rows=limit, invariant_max_rows=0)
+    if gated:
+        product = jax.jit(lambda a, c: gated_matmul(a, raw, up, fmt, live_rows=c, **paths))
+    else:
+        product = jax.jit(lambda a, c: quantized_matmul(a, raw, fmt, live_rows=c, **paths))
+    alone = np.stack([np.asarray(product(x[i:i + 1], np.int32(1)))[0] for i in range(limit)])
+    for rows in range(2, limit + 1):
         together = np.asarray(product(x, np.int32(rows)))
         np.testing.assert_array_equal(together[:rows], alone[:rows], err_msg=f"{rows} rows")
         assert not together[rows:].any()

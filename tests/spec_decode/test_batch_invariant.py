@@ -1,7 +1,7 @@
 """batch_invariant on the embedded 4-bit model: greedy outputs with speculative decoding are token for token those
 without it, with the same logprobs to the bit (each row of a verification step computes the bits of a one-token
 step), and steps that verify drafts hold at most the engine's invariant step rows (16 where the kernels' invariant
-path takes the model's formats)."""
+path takes the model's formats, 8 with the int16 rows of AVX2 builds)."""
 from __future__ import annotations
 
 import pathlib
@@ -66,13 +66,20 @@ def test_greedy_outputs_are_those_without_speculation(without, spec):
         assert max(rows) > 8, rows
 
 
-def test_the_default_is_invariant_where_lone_rows_can_take_the_bf16_row_path():
-    """Unset, batch_invariant is on exactly where the kernels have bfloat16 rows (AVX-512 BF16 builds), the engine
-    lets GGUF blocks use them and the native kernel attends; asked for, it is what was asked."""
-    from cpu_kernels.quantized_matmul import bf16_max_rows
+def test_the_default_is_invariant_where_the_kernels_multiply_each_row_alone():
+    """Unset, batch_invariant is on exactly where the native kernels give a product's rows their own bits (the
+    invariant path of AVX-512 builds, the int16 rows of AVX2 builds), whatever the batched weight dtype, and the
+    native kernel attends; asked for, it is what was asked."""
+    from cpu_kernels.quantized_matmul import invariant_max_rows, row_path_limits
+    from models.quantized import invariant_block_rows_available
 
     small = dict(max_model_len=1024, kv_cache_memory_bytes=64 << 20, precompile=False)
-    assert Engine(**small).batch_invariant == (bf16_max_rows() > 0)
-    assert Engine(batched_weight_dtype="none", **small).batch_invariant is False  # no bf16 products at all
+    expected = invariant_block_rows_available()
+    default = Engine(**small)
+    assert default.batch_invariant == expected
+    assert (default.invariant_step_rows > 0) == expected
+    if expected:  # the invariant path's 16 rows, else the int16 rows (8 on AVX2 builds)
+        assert default.invariant_step_rows == (16 if invariant_max_rows() else row_path_limits()[0])
+    assert Engine(batched_weight_dtype="none", **small).batch_invariant == expected
     assert Engine(attention_backend="xla", **small).batch_invariant is False  # attention rounds by its step's rows
     assert Engine(batch_invariant=False, **small).batch_invariant is False
