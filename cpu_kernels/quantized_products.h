@@ -195,6 +195,24 @@ class Matmul {
     }
   }
 
+  // Calls f(b, d, c, w0, w1) for each 32-weight sub-block b of weight row n in order: its scale, its constant term and
+  // its codes as 16-bit integers, the same block kPrefetchRowsAhead rows on asked for meanwhile.
+  template <typename F>
+  void ForSubBlocks(int64_t n, F&& f) const {
+    for (int64_t block = 0; block < blocks_per_row(); ++block) {
+      const uint8_t* w = Row(n) + block * Fmt::kBytes;
+      jvllm::PrefetchBlock<Fmt>(Row(n + kPrefetchRowsAhead) + block * Fmt::kBytes);
+      float d[Fmt::kSubs], c[Fmt::kSubs];
+      Fmt::Scales(w, d, c);
+#pragma GCC unroll 8
+      for (int s = 0; s < Fmt::kSubs; ++s) {
+        __m256i w0, w1;
+        Fmt::Codes16(w, s, w0, w1);
+        f(block * Fmt::kSubs + s, d[s], c[s], w0, w1);
+      }
+    }
+  }
+
   // IntRows for up to kIntRowsApart rows: each row's scales and constants in scalar operations (x as quantized).
   template <int X>
   void IntRowsApart(int64_t m, int64_t n) const {
@@ -205,22 +223,12 @@ class Matmul {
     __m256 acc[X];
     float offset[X] = {};
     for (int i = 0; i < X; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t block = 0; block < blocks_per_row(); ++block) {
-      const uint8_t* w = Row(n) + block * Fmt::kBytes;
-      jvllm::PrefetchBlock<Fmt>(Row(n + kPrefetchRowsAhead) + block * Fmt::kBytes);
-      float d[Fmt::kSubs], c[Fmt::kSubs];
-      Fmt::Scales(w, d, c);
-#pragma GCC unroll 8
-      for (int s = 0; s < Fmt::kSubs; ++s) {
-        const int64_t b = block * Fmt::kSubs + s;
-        __m256i w0, w1;
-        Fmt::Codes16(w, s, w0, w1);
-        for (int i = 0; i < X; ++i) {
-          jvllm::Accumulate(w0, w1, xq + i * k + b * kBlock, _mm256_set1_ps(d[s] * xd[i * blocks + b]), acc[i]);
-          offset[i] = std::fma(c[s], xs[i * blocks + b], offset[i]);
-        }
+    ForSubBlocks(n, [&](int64_t b, float d, float c, __m256i w0, __m256i w1) {
+      for (int i = 0; i < X; ++i) {
+        jvllm::Accumulate(w0, w1, xq + i * k + b * kBlock, _mm256_set1_ps(d * xd[i * blocks + b]), acc[i]);
+        offset[i] = std::fma(c, xs[i * blocks + b], offset[i]);
       }
-    }
+    });
     for (int i = 0; i < X; ++i) y_[(m + i) * sh_.n + n] = jvllm::HorizontalSum(acc[i]) + offset[i];
   }
 
@@ -239,24 +247,14 @@ class Matmul {
     __m256 acc[X];
     __m256 offset = _mm256_setzero_ps();  // lane i: row m + i's constant terms
     for (int i = 0; i < X; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t block = 0; block < blocks_per_row(); ++block) {
-      const uint8_t* w = Row(n) + block * Fmt::kBytes;
-      jvllm::PrefetchBlock<Fmt>(Row(n + kPrefetchRowsAhead) + block * Fmt::kBytes);
-      float d[Fmt::kSubs], c[Fmt::kSubs];
-      Fmt::Scales(w, d, c);
-#pragma GCC unroll 8
-      for (int s = 0; s < Fmt::kSubs; ++s) {
-        const int64_t b = block * Fmt::kSubs + s;
-        const __m256 scales = _mm256_mul_ps(_mm256_set1_ps(d[s]), _mm256_loadu_ps(group_d + b * kGroup));
-        offset = _mm256_fmadd_ps(_mm256_set1_ps(c[s]), _mm256_loadu_ps(group_s + b * kGroup), offset);
-        __m256i w0, w1;
-        Fmt::Codes16(w, s, w0, w1);
-        const int16_t* x = group_q + b * kGroup * kBlock;
-        for (int i = 0; i < X; ++i) {  // row i's scale in every lane by a shuffle, off the multiply ports
-          jvllm::Accumulate(w0, w1, x + i * kBlock, _mm256_permutevar8x32_ps(scales, _mm256_set1_epi32(i)), acc[i]);
-        }
+    ForSubBlocks(n, [&](int64_t b, float d, float c, __m256i w0, __m256i w1) {
+      const __m256 scales = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(group_d + b * kGroup));
+      offset = _mm256_fmadd_ps(_mm256_set1_ps(c), _mm256_loadu_ps(group_s + b * kGroup), offset);
+      const int16_t* x = group_q + b * kGroup * kBlock;
+      for (int i = 0; i < X; ++i) {  // row i's scale in every lane by a shuffle, off the multiply ports
+        jvllm::Accumulate(w0, w1, x + i * kBlock, _mm256_permutevar8x32_ps(scales, _mm256_set1_epi32(i)), acc[i]);
       }
-    }
+    });
     alignas(32) float offsets[kGroup];
     _mm256_store_ps(offsets, offset);
     for (int i = 0; i < X; ++i) y_[(m + i) * sh_.n + n] = jvllm::HorizontalSum(acc[i]) + offsets[i];
