@@ -236,7 +236,7 @@ class Matmul {
   // them all), each block's scales and constants made for the whole group in one vector operation each, so that
   // what a row adds to a block is its dot products, conversion and multiply-add, the multiply ports' work that
   // bounds the loop from a few rows on. (For one or two rows the scalar form of IntRowsApart is as fast or faster:
-  // docs/design.md, "Int16 rows by groups of 8".)
+  // docs/design.md, speculative decoding, "On AVX2: batch_invariant by default, int16 rows by groups of 8".)
   template <int X>
   void IntRowsGrouped(int64_t m, int64_t n) const {
     constexpr int64_t kGroup = Int16Rows::kRowGroup;
