@@ -123,11 +123,7 @@ def invariant_block_rows_available() -> bool:
     """Whether the native kernels here give each row of a product with GGUF blocks the bits it would get alone, up
     to invariant_step_rows, whatever the engine asks (where `batch_invariant` is on by default): AVX-512 builds
     through the invariant path, AVX2 builds through the int16 row path, which multiplies every row alone."""
-    if jax.default_backend() != "cpu" or not native_kernel_available():
-        return False
-    from cpu_kernels.quantized_matmul import invariant_max_rows, row_path_limits
-
-    return invariant_max_rows() > 0 or row_path_limits()[0] > 1
+    return _native_invariant_rows() > 0
 
 
 # The most rows a step takes on the invariant path: to 16 rows its products cost what the bf16 rows and tiles do
@@ -136,16 +132,27 @@ def invariant_block_rows_available() -> bool:
 INVARIANT_PATH_ROWS = 16
 
 
+def _native_invariant_rows() -> int:
+    """The most rows of a product with GGUF blocks whose every row the native kernels here multiply as if alone:
+    INVARIANT_PATH_ROWS on the invariant path (AVX-512 builds), the int16 row path's limit on builds without it
+    (AVX2: 8), 0 without native kernels."""
+    if jax.default_backend() != "cpu" or not native_kernel_available():
+        return 0
+    from cpu_kernels.quantized_matmul import invariant_max_rows, row_path_limits
+
+    return min(invariant_max_rows(), INVARIANT_PATH_ROWS) or row_path_limits()[0]
+
+
 def invariant_step_rows(formats: Iterable[str]) -> int:
     """The most token rows of a step whose every row gets the bits it would get alone, for a model with GGUF blocks
-    of `formats` on the native kernels: INVARIANT_PATH_ROWS where the build has the invariant path and every weight
-    is in GGUF blocks (FORMATS: the invariant path takes them all, and the attention's direct loops then go as far),
-    the int16 row path's rows on builds without it (AVX2: 8), else 8 (no blocks, or a per-channel format)."""
-    from cpu_kernels.quantized_matmul import bf16_max_rows, invariant_max_rows, row_path_limits
+    of `formats` on the native kernels: _native_invariant_rows where every weight is in GGUF blocks (FORMATS: the
+    invariant path takes them all, and the attention's direct loops then go as far), else 8 (no blocks, or a
+    per-channel format)."""
+    from cpu_kernels.quantized_matmul import bf16_max_rows
 
     rows, formats = bf16_max_rows() or 8, set(formats)
-    if jax.default_backend() == "cpu" and native_kernel_available() and formats and formats <= FORMATS.keys():
-        rows = min(invariant_max_rows(), INVARIANT_PATH_ROWS) or row_path_limits()[0] or rows
+    if formats and formats <= FORMATS.keys():
+        rows = _native_invariant_rows() or rows
     return rows
 
 
