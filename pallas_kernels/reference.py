@@ -1,5 +1,10 @@
-"""Pure-jnp references for the Pallas kernels: gather pages into a contiguous context, mask, softmax in f32."""
+"""Pure-jnp references for the Pallas kernels: gather pages into a contiguous context, mask, softmax in f32.
+
+The attention references are jitted: a caller outside jit (the kernel tests, each case with its own shapes) then
+compiles one program per call's shapes instead of one per primitive and shape, which was most of those tests' time."""
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +43,7 @@ def _attend(
     return out.reshape(seqs, max_q, heads, head_dim)
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap"))
 def decode_attention_reference(
     q: jax.Array,  # [S, H, hd]
     k_pages: jax.Array,  # [N, page, KVH, hd]
@@ -60,6 +66,7 @@ def decode_attention_reference(
     return out[:, 0].astype(q.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "max_q_len"))
 def ragged_attention_reference(
     q: jax.Array,  # [T, H, hd] flat tokens of all sequences, back to back
     k_pages: jax.Array,  # [N, page, KVH, hd] already holding every query token's own K/V

@@ -46,6 +46,7 @@ def test_step_channel_framing(monkeypatch):
     assert got[2] == messages[2]
 
 
+@pytest.mark.extended  # the same mesh, steps and shutdown with a vision-language model: test_multimodal_hosts.py
 def test_two_processes_form_one_tp4_mesh_and_match_a_single_process(tiny_models):
     """2 processes x 2 CPU devices on loopback, gloo collectives: rank 0 generates, rank 1 follows its
     steps and exits when rank 0 shuts down; tokens equal a single process's TP=1 tokens."""
@@ -93,7 +94,7 @@ def _serve_once(command_for_rank, prompt: str, http_port: int) -> tuple[str, lis
     return text, codes
 
 
-@pytest.mark.extended  # the engine across two hosts: the test above
+@pytest.mark.extended  # the engine across two hosts: the test above and test_multimodal_hosts.py
 def test_cli_generate_and_serve_across_two_hosts_match_one(tiny_models):
     """`jvllm generate|serve --num-hosts 2 --host-rank R --coordinator ...`: rank 0 prints (or serves) the
     single-process text, rank 1 prints nothing; SIGTERM to the server's rank 0 ends both ranks with 0."""
