@@ -1,7 +1,7 @@
 """Pure-jnp references for the Pallas kernels: gather pages into a contiguous context, mask, softmax in f32.
 
-The attention references are jitted: a caller outside jit (the kernel tests, each case with its own shapes) then
-compiles one program per call's shapes instead of one per primitive and shape, which was most of those tests' time."""
+The attention references are jitted: a caller outside jit (the kernel tests, each case with its own shapes) compiles
+one program per call's shapes, not one per primitive and shape."""
 from __future__ import annotations
 
 import functools
