@@ -28,8 +28,16 @@ typedef uint32_t U32xL __attribute__((vector_size(4 * kLanes)));
 
 inline VF LoadV(const float* p) { return *reinterpret_cast<const VFUnaligned*>(p); }
 inline VF LoadV(const uint16_t* p) {  // bfloat16 bits -> float32
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // one `vpmovzxwd` from memory and a shift: GCC makes the generic conversion below two 128-bit widenings, a byte
+  // shift and an insert on AVX2, shuffles that take the FMA loops' ports
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16);
+  return reinterpret_cast<const VF&>(wide);
+#else
   const U32xL wide = __builtin_convertvector(*reinterpret_cast<const U16xL*>(p), U32xL) << 16;
   return reinterpret_cast<const VF&>(wide);
+#endif
 }
 inline void StoreV(float* p, VF x) { *reinterpret_cast<VFUnaligned*>(p) = x; }
 // Horizontal sum and maximum of a vector's lanes, as a tree of vector steps.
