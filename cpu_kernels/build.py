@@ -17,6 +17,11 @@ import subprocess
 import tempfile
 import time
 
+try:
+    import fcntl
+except ImportError:  # no POSIX file locks (Windows): processes starting together would each build
+    fcntl = None
+
 logger = logging.getLogger("jvllm.cpu_kernels")
 
 HERE = pathlib.Path(__file__).parent
@@ -110,12 +115,20 @@ def _check(command: list[str], returncode: int, stderr: str) -> None:
 def built_library(compiler: str) -> pathlib.Path:
     """The shared library for this machine, built first (and logged: it takes a while) if the cache lacks it."""
     path = _library_path(compiler)
-    if not path.exists():
-        logger.info("building the native CPU kernels for this CPU into %s (first start only: ~30 s on 2 cores)",
-                    path.parent)
-        started = time.perf_counter()
-        _build(compiler, path)
-        logger.info("native CPU kernels built in %.1fs", time.perf_counter() - started)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # One builder at a time per library (processes started together, e.g. test workers, would otherwise each run
+    # the whole build on the same cores); the others wait, then find the file.
+    with open(path.with_suffix(".lock"), "w") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            logger.info("building the native CPU kernels for this CPU into %s (first start only: ~30 s on 2 cores)",
+                        path.parent)
+            started = time.perf_counter()
+            _build(compiler, path)
+            logger.info("native CPU kernels built in %.1fs", time.perf_counter() - started)
     return path
 
 

@@ -90,16 +90,36 @@ def tiny_model_factory(smollm_tokenizer_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def hf_smollm():
-    """transformers' own reading of the default model's GGUF, in float32 (the test oracle)."""
+def hf_smollm(_jvllm_cache):
+    """transformers' own reading of the default model's GGUF, in float32 (the test oracle). That reading takes ~30 s
+    on 2 cores (transformers parses the GGUF's metadata in Python), so the first process to make it stores the
+    result (config and weights, as read) in the run's cache and the others load it from there."""
+    import fcntl
+
+    import safetensors.torch
     import torch
     import transformers
 
     from jvllm.model_loader.default_model import default_model_path
 
-    folder, name = os.path.split(default_model_path())
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    return model.eval()
+    path = pathlib.Path(default_model_path())
+    stored = _jvllm_cache / "test-oracles" / f"{path.stem}-{path.stat().st_size}-transformers-float32"
+    stored.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{stored}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another worker may be writing it
+        if stored.is_dir():
+            config = transformers.AutoConfig.from_pretrained(stored)
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            safetensors.torch.load_model(model, stored / "model.safetensors")
+            return model.eval()
+        model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                  dtype=torch.float32)
+        partial = stored.with_name(stored.name + ".partial")
+        partial.mkdir(exist_ok=True)
+        model.config.to_json_file(partial / "config.json")
+        safetensors.torch.save_model(model, str(partial / "model.safetensors"))  # the tied lm_head stored once
+        partial.rename(stored)
+        return model.eval()
 
 
 # The longest files, longest first (durations on the 2-core CI machine). With `--dist loadfile` each file goes whole

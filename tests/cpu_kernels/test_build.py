@@ -51,3 +51,30 @@ def test_a_build_says_what_it_does_and_how_long_it_took(tmp_path, monkeypatch, c
     assert "building the native CPU kernels" in built[0] and str(tmp_path / "cache") in built[0]
     assert built[1].startswith("native CPU kernels built in ")
     assert not caplog.records
+
+
+def test_builders_starting_together_build_once(tmp_path, monkeypatch):
+    """Two processes (here: threads, each with its own lock file handle) that need the library at once: one builds,
+    the other waits for it and finds the file."""
+    import threading
+    import time
+
+    monkeypatch.setattr(build, "SOURCES", [_write(tmp_path, "one.cc", 'extern "C" int JvllmOne() { return 1; }\n')])
+    monkeypatch.setenv("JVLLM_CACHE_DIR", str(tmp_path / "cache"))
+    real_build, builds = build._build, []
+
+    def slow_build(compiler: str, target: pathlib.Path) -> None:
+        builds.append(target)
+        time.sleep(0.5)  # long enough for the other thread to arrive while this one builds
+        real_build(compiler, target)
+
+    monkeypatch.setattr(build, "_build", slow_build)
+    paths: list[pathlib.Path] = []
+    threads = [threading.Thread(target=lambda: paths.append(build.built_library(build._compiler())))
+               for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(builds) == 1 and paths[0] == paths[1] == builds[0]
+    assert ctypes.CDLL(str(paths[0])).JvllmOne() == 1

@@ -63,13 +63,9 @@ def reference_tokenizer():
 
 
 @pytest.fixture(scope="module")
-def reference_model():
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("accelerate")  # transformers refuses GGUF loading without it
-    from transformers import AutoModelForCausalLM
-
-    folder, name = os.path.split(MODEL_PATH)
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+def reference_model(hf_smollm):
+    """transformers' reading of the GGUF (tests/conftest.py)."""
+    return hf_smollm
 
 
 # ---------------------------------------------------------------- default model
