@@ -53,7 +53,7 @@ def drive(engine: Engine, num_requests: int, seed: int) -> dict[str, int]:
 
 # The default backend takes the 100-request workload; the others walk the same shape set with fewer requests (the
 # reference backend's run is extended: its steps have the default backend's shapes).
-@pytest.mark.parametrize("backend, num_requests", [("cpu", 100), pytest.param("xla", 40, marks=pytest.mark.extended),
+@pytest.mark.parametrize("backend, num_requests", [("cpu", 60), pytest.param("xla", 40, marks=pytest.mark.extended),
                                                    ("pallas", 12)])
 def test_a_random_workload_after_start_compiles_nothing(tiny_model_factory, backend, num_requests):
     engine = Engine(str(tiny_model_factory("llama")), attention_backend=backend, max_num_seqs=8,

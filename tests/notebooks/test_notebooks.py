@@ -172,7 +172,7 @@ CLEANUPS = {"serving_and_metrics": _assert_server_stopped, "multimodal": _assert
 
 
 # The notebooks whose features other tests cover on the same engine (embeddings, images, throughput settings)
-EXTENDED_NOTEBOOKS = {"embeddings", "multimodal", "throughput"}
+EXTENDED_NOTEBOOKS = {"embeddings", "multimodal", "serving_and_metrics", "throughput"}
 
 
 @pytest.mark.slow

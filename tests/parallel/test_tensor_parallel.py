@@ -94,15 +94,17 @@ def test_shard_reads_repeat_kv_heads_transpose_and_pad():
 
 
 # ---- TP=N against TP=1 (subprocesses with virtual devices) ------------------------------------------------
-SAMPLING_CHECKED_ON = ("llama_gqa", "qwen2_moe_padded")  # a dense model at TP 4 and a padded MoE at TP 3 (2: extended)
+SAMPLING_CHECKED_ON = ("phi3_fused", "qwen2_moe_padded")  # a dense model at TP 2 and a padded MoE at TP 3
 
 # One family per sharding feature (CI time): per-head q/k norms and the Pallas experts under qwen3_moe (whose layer 1
 # is dense); Gemma-2's soft-caps and windows shard as Llama's attention does (the extended run has them). KV heads
-# split over the devices: phi3_fused at TP 2; replicated: llama_gqa at TP 4 (its TP 2 is extended) and qwen2_padded.
+# split over the devices: phi3_fused at TP 2; replicated: qwen2_padded at TP 3 (and llama_mqa at TP 4 in the Pallas
+# test below); Llama at TP 2 and 4 is extended (the same attention and MLP sharding as phi3_fused and qwen2_padded).
 EXTENDED = pytest.mark.extended  # families whose sharding the CI run's families already cover
 
 
-@pytest.mark.parametrize("name, tps", [("llama_gqa", [4]), pytest.param("llama_gqa", [2], marks=EXTENDED),
+@pytest.mark.parametrize("name, tps", [pytest.param("llama_gqa", [4], marks=EXTENDED),
+                                       pytest.param("llama_gqa", [2], marks=EXTENDED),
                                        pytest.param("llama_mqa", [4], marks=EXTENDED),
                                        ("qwen2_padded", [3]), pytest.param("qwen2_padded", [2], marks=EXTENDED),
                                        ("qwen2_moe_padded", [3]), pytest.param("qwen2_moe_padded", [2], marks=EXTENDED),
@@ -141,14 +143,13 @@ def test_pallas_backend_under_tp_matches_tp1(tiny_models):
 def test_pallas_experts_under_tp_match_tp1(tiny_models, name, monkeypatch):
     """JVLLM_MOE_EXPERTS=pallas in the worker: the grouped-matmul kernel (interpret mode) runs per device on its
     slice of every expert's intermediate width (Qwen3-MoE's 40 -> 20 per device, padded to 32 in the kernel), and
-    the psum of the partial sums gives TP=1's logits and tokens."""
+    the psum of the partial sums gives TP=1's logits and tokens (the sharded sampler: the test above)."""
     monkeypatch.setenv("JVLLM_MOE_EXPERTS", "pallas")
-    result = run_worker("compare", {"model": tiny_models[name], "tps": [2], "prompts": PROMPTS}, devices=2)
+    result = run_worker("compare", {"model": tiny_models[name], "tps": [2], "prompts": PROMPTS, "sampling": False},
+                        devices=2)
     run = result["runs"]["2"]
     assert run["max_abs_logit_diff"] < LOGITS_ATOL, (name, run["max_abs_logit_diff"])
     assert run["tokens"] == result["reference_tokens"], name
-    assert run["sampled_tokens"] == result["reference_sampled"], name
-    assert run["max_abs_logprob_diff"] < LOGITS_ATOL, (name, run["max_abs_logprob_diff"])
 
 
 def test_pallas_experts_reduce_once_per_layer(tiny_models, monkeypatch):
@@ -180,7 +181,7 @@ def test_decode_step_collectives(tiny_models, backend, tp):
 
 
 @pytest.mark.slow
-@EXTENDED  # the sharding of its family and of tp=3: llama_gqa and qwen2_padded above
+@EXTENDED  # its sharding (phi3_fused, qwen2_padded at tp=3) and the Llama family (llama_mqa under Pallas) above
 def test_smollm2_tp3_greedy_tokens_match_tp1():
     """The default model (9 heads, 3 KV heads, 30 layers): 4 prompts of ~16 tokens, submitted together."""
     from transformers import AutoTokenizer
