@@ -23,7 +23,11 @@ if [ -z "$python" ]; then
     fi
   done
 fi
-[ -n "$python" ] || { echo "no Python 3.12 found; set PYTHON312" >&2; exit 1; }
+if [ -z "$python" ]; then
+  echo "no Python 3.12 found; set PYTHON312" >&2
+  # the background install leaves the failure to the leg's own run, after the main leg's tests
+  [ "${1:-}" = "--install-in-background" ] && exit 0 || exit 1
+fi
 
 versions="${JAX_VERSIONS:-0.12.0.1 0.11.2}"
 # jvllm itself is installed because tests/pallas_kernels/pallas_inputs.py builds engine metadata and
