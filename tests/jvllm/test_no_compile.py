@@ -51,7 +51,7 @@ def drive(engine: Engine, num_requests: int, seed: int) -> dict[str, int]:
     return {"finished": finished, "steps": steps, "preemptions": engine.scheduler.num_preemptions}
 
 
-# The default backend takes the 100-request workload; the others walk the same shape set with fewer requests (the
+# The default backend takes the 60-request workload; the others walk the same shape set with fewer requests (the
 # reference backend's run is extended: its steps have the default backend's shapes).
 @pytest.mark.parametrize("backend, num_requests", [("cpu", 60), pytest.param("xla", 40, marks=pytest.mark.extended),
                                                    ("pallas", 12)])

@@ -62,12 +62,6 @@ def reference_tokenizer():
     return AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
 
-@pytest.fixture(scope="module")
-def reference_model(hf_smollm):
-    """transformers' reading of the GGUF (tests/conftest.py)."""
-    return hf_smollm
-
-
 # ---------------------------------------------------------------- default model
 
 
@@ -138,9 +132,9 @@ def test_chat_template_matches_transformers(ours, reference_tokenizer):
 
 
 @needs_model
-def test_config_matches_transformers(reference_model):
+def test_config_matches_transformers(hf_smollm):
     ours = read_gguf_config(MODEL_PATH)
-    ref = reference_model.config
+    ref = hf_smollm.config
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "max_position_embeddings", "vocab_size", "head_dim",
                 "tie_word_embeddings", "bos_token_id", "eos_token_id", "model_type"):
@@ -152,12 +146,12 @@ def test_config_matches_transformers(reference_model):
 
 
 @needs_model
-def test_weights_match_transformers(reference_model):
+def test_weights_match_transformers(hf_smollm):
     import torch
 
     ours = load_gguf_tensors(MODEL_PATH)
-    ref = reference_model.state_dict()
-    expected = set(ref) - ({"lm_head.weight"} if reference_model.config.tie_word_embeddings else set())
+    ref = hf_smollm.state_dict()
+    expected = set(ref) - ({"lm_head.weight"} if hf_smollm.config.tie_word_embeddings else set())
     assert set(ours) == expected
     assert ours["model.embed_tokens.weight"].shape == (49152, 576)
     assert ours["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)  # [out, in]
