@@ -38,8 +38,18 @@ def test_kernels_build_here():
     assert build.load() is build.load()
 
 
-def random_array(rng: np.random.Generator, shape: tuple[int, ...]) -> jax.Array:
-    return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+def random_array(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def as_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> the bfloat16 pool's uint16 storage (rounded to nearest even)."""
+    return np.asarray(x, np.float32).astype(jnp.bfloat16).view(np.uint16)
+
+
+# The test's inputs are built in numpy and the reference runs jitted: each eager jnp op on a new shape is a compile
+# of its own (~20 of them per case, most of a case's time).
+reference = jax.jit(ragged_attention_reference, static_argnames=("scale", "sliding_window", "soft_cap"))
 
 
 def make_pool(rng: np.random.Generator, kv_lens: list[int], page_size: int, kv_heads: int, head_dim: int):
@@ -56,9 +66,9 @@ def make_pool(rng: np.random.Generator, kv_lens: list[int], page_size: int, kv_h
         cursor += count
         for pos in range(length):
             owned[tables[row, pos // page_size], pos % page_size] = True
-    mask = jnp.asarray(owned)[:, :, None, None]
+    mask = owned[:, :, None, None]
     shape = (num_pages, page_size, kv_heads, head_dim)
-    k_pages, v_pages = (jnp.where(mask, random_array(rng, shape), jnp.nan) for _ in range(2))
+    k_pages, v_pages = (np.where(mask, random_array(rng, shape), np.float32(np.nan)) for _ in range(2))
     return k_pages, v_pages, tables
 
 
@@ -79,70 +89,62 @@ def run_case(rng, chunks: list[tuple[int, int]], *, heads: int, kv_heads: int, h
             pos = cached + i
             rows[starts[s] + i] = (block_tables[s, pos // page_size], pos % page_size)
 
-    def own(pages: jax.Array) -> jax.Array:  # [T, KVH, hd]: each token's K or V, read from the full pool
-        return pages[rows[:, 0], rows[:, 1]]
-
     if pool_dtype == jnp.bfloat16:  # the reference sees the same rounded values, in float32
-        k_pages, v_pages = (p.astype(jnp.bfloat16).astype(jnp.float32) for p in (full_k, full_v))
+        k_pages, v_pages = (p.astype(jnp.bfloat16).astype(np.float32) for p in (full_k, full_v))
     else:
         k_pages, v_pages = full_k, full_v
-    k, v = own(k_pages), own(v_pages)
+    k, v = k_pages[rows[:, 0], rows[:, 1]], v_pages[rows[:, 0], rows[:, 1]]  # [T, KVH, hd] each token's own K, V
 
-    pad = lambda a: jnp.asarray(np.concatenate([np.asarray(a, np.int32), np.zeros(padding_rows, np.int32)]))
-    tables = jnp.asarray(np.concatenate([block_tables, np.zeros((padding_rows, block_tables.shape[1]), np.int32)]))
+    pad = lambda a: np.concatenate([np.asarray(a, np.int32), np.zeros(padding_rows, np.int32)])  # noqa: E731
+    tables = np.concatenate([block_tables, np.zeros((padding_rows, block_tables.shape[1]), np.int32)])
     query_start, q_len, kv_len = pad(starts), pad(q_lens), pad(kv_lens)
-    expected = ragged_attention_reference(q, k_pages, v_pages, query_start, q_len, kv_len, tables,
-                                          scale=head_dim ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap)
+    expected = np.asarray(reference(q, k_pages, v_pages, query_start, q_len, kv_len, tables, scale=head_dim ** -0.5,
+                                    sliding_window=sliding_window, soft_cap=soft_cap))
     in_tiles = np.zeros(num_tokens, bool)
     if bf16_tiles and pool_dtype == jnp.bfloat16 and soft_cap is None and head_dim % 32 == 0 and bf16_prefill_tiles():
         # bf16 tiles: the scaled queries are rounded to bfloat16 (the reference gets them so), and so are the
         # probabilities, each within 2^-9 of itself: an output moves by at most 2^-9 of the largest |value|
         in_tiles[:sum(q_lens)] = tiled_tokens(q_lens, heads // kv_heads)
-        rounded = (q * head_dim ** -0.5).astype(jnp.bfloat16).astype(jnp.float32)
-        expected_in_tiles = ragged_attention_reference(rounded, k_pages, v_pages, query_start, q_len, kv_len, tables,
-                                                       scale=1.0, sliding_window=sliding_window)
-        largest_value = float(np.nanmax(np.abs(np.asarray(v_pages))))
+        rounded = (q * np.float32(head_dim ** -0.5)).astype(jnp.bfloat16).astype(np.float32)
+        expected_in_tiles = np.asarray(reference(rounded, k_pages, v_pages, query_start, q_len, kv_len, tables,
+                                                 scale=1.0, sliding_window=sliding_window))
+        largest_value = float(np.nanmax(np.abs(v_pages)))
 
     poisoned = np.zeros(k_pages.shape[:2], bool)  # this step's slots: the kernel must take them from k/v
     for s, (cached, new) in enumerate(chunks):
         for pos in range(cached, cached + new):
             poisoned[block_tables[s, pos // page_size], pos % page_size] = True
-    mask = jnp.asarray(poisoned)[:, :, None, None]
-    k_in, v_in = jnp.where(mask, jnp.nan, k_pages), jnp.where(mask, jnp.nan, v_pages)
+    mask = poisoned[:, :, None, None]
+    k_in, v_in = np.where(mask, np.float32(np.nan), k_pages), np.where(mask, np.float32(np.nan), v_pages)
     if pool_dtype == jnp.bfloat16:  # stored as bits, as the cpu backend stores a bfloat16 pool
-        k_in, v_in = (jax.lax.bitcast_convert_type(p.astype(jnp.bfloat16), jnp.uint16) for p in (k_in, v_in))
-    got = jax.jit(paged_attention, static_argnames=("scale", "sliding_window", "soft_cap", "bf16_tiles"))(
+        k_in, v_in = as_bf16_bits(k_in), as_bf16_bits(v_in)
+    got = np.asarray(jax.jit(paged_attention, static_argnames=("scale", "sliding_window", "soft_cap", "bf16_tiles"))(
         q, k, v, k_in, v_in, query_start, q_len, kv_len, tables, scale=head_dim ** -0.5,
-        sliding_window=sliding_window, soft_cap=soft_cap, bf16_tiles=bf16_tiles)
-    assert got.shape == q.shape and got.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(got)[~in_tiles], np.asarray(expected, np.float32)[~in_tiles], **TOLERANCE)
+        sliding_window=sliding_window, soft_cap=soft_cap, bf16_tiles=bf16_tiles))
+    assert got.shape == q.shape and got.dtype == np.float32
+    np.testing.assert_allclose(got[~in_tiles], expected[~in_tiles], **TOLERANCE)
     if in_tiles.any():
-        np.testing.assert_allclose(np.asarray(got)[in_tiles], np.asarray(expected_in_tiles, np.float32)[in_tiles],
+        np.testing.assert_allclose(got[in_tiles], expected_in_tiles[in_tiles],
                                    atol=2 ** -9 * largest_value + 2e-5, rtol=0)
     if padding_tokens:
-        assert not np.asarray(got[sum(q_lens):]).any(), "padding tokens must come back as zeros"
+        assert not got[sum(q_lens):].any(), "padding tokens must come back as zeros"
 
-    slots = jnp.asarray(rows[:, 0] * page_size + rows[:, 1])
-    slots = slots.at[sum(q_lens):].set(-1)  # padding tokens: outside the pool, not written
-    stored = (k, v) if pool_dtype == jnp.float32 else tuple(
-        jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16) for x in (k, v))
+    slots = rows[:, 0] * page_size + rows[:, 1]
+    slots[sum(q_lens):] = -1  # padding tokens: outside the pool, not written
+    stored = (k, v) if pool_dtype == jnp.float32 else (as_bf16_bits(k), as_bf16_bits(v))
     written, k_out, v_out = jax.jit(paged_attention_write,
                                     static_argnames=("scale", "sliding_window", "soft_cap", "bf16_tiles"))(
         q, k, v, *stored, k_in, v_in, query_start, q_len, kv_len, tables, slots, scale=head_dim ** -0.5,
         sliding_window=sliding_window, soft_cap=soft_cap, bf16_tiles=bf16_tiles)
+    written = np.asarray(written)
     if pool_dtype == jnp.float32:
-        np.testing.assert_array_equal(np.asarray(written), np.asarray(got))
+        np.testing.assert_array_equal(written, got)
     else:  # the direct loops read the step's own K/V from the pages it wrote (bf16 dot products, as for cached keys)
-        np.testing.assert_allclose(np.asarray(written)[~in_tiles], np.asarray(expected, np.float32)[~in_tiles],
-                                   **TOLERANCE)
-        np.testing.assert_array_equal(np.asarray(written)[in_tiles], np.asarray(got)[in_tiles])
-    expected_k, expected_v = (
-        np.where(np.asarray(mask), np.asarray(full), np.asarray(given)) if pool_dtype == jnp.float32 else
-        np.where(np.asarray(mask), np.asarray(jax.lax.bitcast_convert_type(full.astype(jnp.bfloat16), jnp.uint16)),
-                 np.asarray(given))
-        for full, given in ((k_pages, k_in), (v_pages, v_in)))
-    np.testing.assert_array_equal(np.asarray(k_out), expected_k)
-    np.testing.assert_array_equal(np.asarray(v_out), expected_v)
+        np.testing.assert_allclose(written[~in_tiles], expected[~in_tiles], **TOLERANCE)
+        np.testing.assert_array_equal(written[in_tiles], got[in_tiles])
+    for full, given, out in ((k_pages, k_in, k_out), (v_pages, v_in, v_out)):
+        np.testing.assert_array_equal(
+            np.asarray(out), np.where(mask, full if pool_dtype == jnp.float32 else as_bf16_bits(full), given))
 
 
 MIXED = [(0, 5), (3, 17), (40, 64), (100, 1), (0, 33), (70, 90)]  # fresh, chunked, decode rows, > 64 keys
@@ -234,22 +236,28 @@ def test_a_verification_row_gives_the_bits_of_the_decode_row(cached, drafts, dir
     k_all, v_all = (random_array(rng, (cached + count, kv_heads, head_dim)) for _ in range(2))
     q_all = random_array(rng, (count, heads, head_dim))
     pages = -(-(cached + count) // page_size)
-    table = jnp.asarray(rng.permutation(np.arange(1, pages + 3))[:pages][None].astype(np.int32))
+    table = rng.permutation(np.arange(1, pages + 3))[:pages][None].astype(np.int32)
     slot_of = np.array([int(table[0, p // page_size]) * page_size + p % page_size for p in range(cached + count)])
-    stored = (lambda x: x) if pool_dtype == jnp.float32 else (
-        lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16))
+    stored = (lambda x: x) if pool_dtype == jnp.float32 else as_bf16_bits
     shape = (pages + 3, page_size, kv_heads, head_dim)
-    k_pages, v_pages = (stored(jnp.zeros(shape).reshape(-1, kv_heads, head_dim).at[slot_of[:cached]].set(x[:cached])
-                               .reshape(shape)) for x in (k_all, v_all))
+
+    def cached_pool(x: np.ndarray) -> np.ndarray:  # [cached + count, KVH, hd] -> the pool holding the cached tokens
+        flat = np.zeros((shape[0] * page_size, kv_heads, head_dim), np.float32)
+        flat[slot_of[:cached]] = x[:cached]
+        return stored(flat.reshape(shape))
+
+    k_pages, v_pages = cached_pool(k_all), cached_pool(v_all)
     step = jax.jit(paged_attention_write,
                    static_argnames=("scale", "sliding_window", "soft_cap", "bf16_tiles", "direct_queries"))
 
     def run(first: int, n: int, k_pages, v_pages):
-        pad = lambda x: jnp.zeros((tokens, *x.shape[1:]), x.dtype).at[:n].set(x)  # noqa: E731
+        def pad(x: np.ndarray) -> np.ndarray:  # [n, ...] -> [tokens, ...]
+            return np.concatenate([x, np.zeros((tokens - n, *x.shape[1:]), x.dtype)])
+
         q, k, v = pad(q_all[first - cached:first - cached + n]), pad(k_all[first:first + n]), pad(v_all[first:first + n])
-        slots = jnp.asarray(np.concatenate([slot_of[first:first + n], -np.ones(tokens - n, np.int64)]).astype(np.int32))
-        return step(q, k, v, stored(k), stored(v), k_pages, v_pages, jnp.zeros(1, jnp.int32), jnp.full(1, n, jnp.int32),
-                    jnp.full(1, first + n, jnp.int32), table, slots, scale=head_dim ** -0.5, bf16_tiles=True,
+        slots = np.concatenate([slot_of[first:first + n], -np.ones(tokens - n, np.int64)]).astype(np.int32)
+        return step(q, k, v, stored(k), stored(v), k_pages, v_pages, np.zeros(1, np.int32), np.full(1, n, np.int32),
+                    np.full(1, first + n, np.int32), table, slots, scale=head_dim ** -0.5, bf16_tiles=True,
                     direct_queries=direct_queries)
 
     verified = np.asarray(run(cached, count, k_pages, v_pages)[0])

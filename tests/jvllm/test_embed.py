@@ -41,7 +41,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine(MODEL)
+    return Engine(MODEL, precompile=False)  # shapes compile when first met; test_cross_encoder.py covers precompiling
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +215,7 @@ def test_missing_wheel_error_names_the_pip_command(monkeypatch):
 
 # ---- pooling overrides ---------------------------------------------------------------------------
 def test_cls_pooling_without_normalization_is_the_raw_cls_hidden_state(st_model):
-    engine = Engine(MODEL, pooling="cls", normalize=False, max_num_seqs=4)
+    engine = Engine(MODEL, pooling="cls", normalize=False, max_num_seqs=4, precompile=False)
     texts = TEXTS[1:7]
     ours = vectors(engine.embed(texts, use_tqdm=False))
     bert = st_model[0].auto_model
