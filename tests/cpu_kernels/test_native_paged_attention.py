@@ -254,7 +254,8 @@ def test_a_verification_row_gives_the_bits_of_the_decode_row(cached, drafts, dir
         def pad(x: np.ndarray) -> np.ndarray:  # [n, ...] -> [tokens, ...]
             return np.concatenate([x, np.zeros((tokens - n, *x.shape[1:]), x.dtype)])
 
-        q, k, v = pad(q_all[first - cached:first - cached + n]), pad(k_all[first:first + n]), pad(v_all[first:first + n])
+        q = pad(q_all[first - cached:first - cached + n])
+        k, v = pad(k_all[first:first + n]), pad(v_all[first:first + n])
         slots = np.concatenate([slot_of[first:first + n], -np.ones(tokens - n, np.int64)]).astype(np.int32)
         return step(q, k, v, stored(k), stored(v), k_pages, v_pages, np.zeros(1, np.int32), np.full(1, n, np.int32),
                     np.full(1, first + n, np.int32), table, slots, scale=head_dim ** -0.5, bf16_tiles=True,

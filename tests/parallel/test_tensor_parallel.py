@@ -94,7 +94,7 @@ def test_shard_reads_repeat_kv_heads_transpose_and_pad():
 
 
 # ---- TP=N against TP=1 (subprocesses with virtual devices) ------------------------------------------------
-SAMPLING_CHECKED_ON = ("phi3_fused",)  # at TP 2; the sharded sampler sees only vocab-parallel logits, whatever the family
+SAMPLING_CHECKED_ON = ("phi3_fused",)  # at TP 2: the sharded sampler sees vocab-parallel logits, whatever the family
 
 # One family per sharding feature (CI time): per-head q/k norms and the Pallas experts under qwen3_moe (whose layer 1
 # is dense); Gemma-2's soft-caps and windows shard as Llama's attention does (the extended run has them). KV heads
