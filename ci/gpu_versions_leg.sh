@@ -80,6 +80,7 @@ for jax_version in $versions; do
   # test_pallas_engine.py runs the default model's weights against the xla engine in interpret mode (minutes of
   # CPU): the main leg runs it. JVLLM_REQUIRE_TRITON=1 turns a missing triton into a failure instead of a skip.
   echo "== tests/pallas_kernels on jax $jax_version"
-  JVLLM_REQUIRE_TRITON=1 PYTHONDONTWRITEBYTECODE= "$venv/bin/python" -m pytest -q -n 2 --dist loadfile tests/pallas_kernels \
-    --ignore=tests/pallas_kernels/test_pallas_engine.py "$@"
+  # PYTHONDONTWRITEBYTECODE cleared: pip installed without byte-compiling, so the test processes write what they import
+  JVLLM_REQUIRE_TRITON=1 PYTHONDONTWRITEBYTECODE= "$venv/bin/python" -m pytest -q -n 2 --dist loadfile \
+    tests/pallas_kernels --ignore=tests/pallas_kernels/test_pallas_engine.py "$@"
 done
