@@ -11,6 +11,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # for a core while its partner spins at barriers (the measurement: benchmarks/results/throughput_cpu.md, CI).
     # Inherited by the subprocesses (notebook kernels, servers).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The suite spends more of its time compiling than running what it compiled: with LLVM's optimizations off (XLA CPU's
+# backend optimization level 0) an engine's pieces compile about a third faster, and the default model's steps run as
+# fast (their products are library calls, not generated loops). Users' engines keep XLA's default level. Inherited by
+# the subprocesses; a level already in XLA_FLAGS is kept (docs/design.md, the test suite's time).
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
 import pytest  # noqa: E402
 
