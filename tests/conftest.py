@@ -1,8 +1,10 @@
 """Shared fixtures: offline hub, a per-session cache dir, one default engine, tiny random HF models."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
+from importlib import metadata
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -11,16 +13,25 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # for a core while its partner spins at barriers (the measurement: benchmarks/results/throughput_cpu.md, CI).
     # Inherited by the subprocesses (notebook kernels, servers).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-# The suite spends more of its time compiling than running what it compiled. XLA CPU's older fusion emitters and
+# The suite spends more of its time compiling than running what it compiled. On CPU, XLA's older fusion emitters and
 # LLVM's optimizations off (backend optimization level 0) make an engine's pieces compile in about a quarter of the
 # time (a TP worker's compiles: 27 -> 7 s), while the default model's steps run about as fast (their products are
 # library calls, not generated loops). Users' engines keep XLA's defaults. Inherited by the subprocesses; a flag
 # already in XLA_FLAGS is kept (docs/design.md, the test suite's time).
-TEST_XLA_FLAGS = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false"}
-
 from jvllm.worker.xla_flags import append_unset_flags  # noqa: E402
 
-append_unset_flags(TEST_XLA_FLAGS)
+
+def _test_xla_flags() -> dict[str, str]:
+    """The suite's compile flags: none where a CUDA plugin is installed (GPU kernels compile as users' do)."""
+    if any(importlib.util.find_spec(f"jax_cuda{version}_plugin") for version in (12, 13)):
+        return {}
+    flags = {"xla_backend_optimization_level": "0"}
+    if tuple(int(part) for part in metadata.version("jaxlib").split(".")[:2]) < (0, 11):
+        flags["xla_cpu_use_fusion_emitters"] = "false"  # jaxlib 0.11 removed it, and XLA stops at an unknown flag
+    return flags
+
+
+append_unset_flags(_test_xla_flags())
 
 import pytest  # noqa: E402
 
