@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
+from jvllm.sample.order_search import kth_largest, lowest_with_mass_above_below, order_keys
 from jvllm.sample.tensors import RowSpec, SamplerFlags, SamplingTensors, build_sampling_tensors
 from jvllm.utils import cdiv
 
@@ -80,11 +83,12 @@ def apply_token_masks(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     return jnp.where(allowed, logits, _NEG_INF)
 
 
-# Truncation looks for its thresholds among each row's 256 largest logits first (lax.top_k) and sorts whole rows
-# only when some row's top-k or top-p set reaches past them: XLA CPU sorts a [64, 49152] float32 block in ~0.8-1.3 s,
-# where top_k of 256 takes ~15-30 ms. A second, wider level would add ~0.7 s of compile time to every head
-# executable (docs/design.md, sampling on device), so the list holds one width.
+# Truncation looks for its thresholds among each row's 256 largest logits first (lax.top_k) and searches whole
+# rows (order_search: 32 passes, no sort) only when some row's top-k or top-p set reaches past them. XLA CPU sorts a
+# [64, 49152] float32 block in ~0.8-1.3 s, where top_k of 256 takes ~15-30 ms; the search took ~0.1 s (docs/design.md,
+# sampling on device).
 CANDIDATES = (256,)
+SEARCH_GROUP_ROWS = 8
 
 
 def apply_top_k_top_p_min_p(scaled: jax.Array, t: SamplingTensors) -> jax.Array:
@@ -104,10 +108,10 @@ def apply_top_k_top_p_min_p(scaled: jax.Array, t: SamplingTensors) -> jax.Array:
 
 def _truncation_thresholds(scaled: jax.Array, t: SamplingTensors, row_mass: jax.Array,
                            widths: tuple[int, ...]) -> jax.Array:
-    """Thresholds from the first head width that holds every row's kept set; whole sorted rows past the last."""
+    """Thresholds from the first head width that holds every row's kept set; whole rows searched past the last."""
     vocab = scaled.shape[-1]
     if not widths:
-        return _thresholds(jnp.sort(scaled, axis=-1, descending=True), t, vocab, row_mass)[0]
+        return _searched_thresholds(scaled, t, row_mass)
     # The barrier keeps XLA from turning top_k into a whole-row sort once it sees only some columns are read.
     head = jax.lax.optimization_barrier(jax.lax.top_k(scaled, widths[0])[0])  # [S, K] descending
     thresholds, complete = _thresholds(head, t, vocab, row_mass)
@@ -117,12 +121,12 @@ def _truncation_thresholds(scaled: jax.Array, t: SamplingTensors, row_mass: jax.
 
 def _thresholds(head: jax.Array, t: SamplingTensors, vocab: int, row_mass: jax.Array
                 ) -> tuple[jax.Array, jax.Array]:
-    """head [S, K]: each row's K largest logits, descending (K == V: the whole row); row_mass [S]: the row's
-    sum of exp(logit - max). -> the truncation threshold [S] float32, and whether the head held every token
-    the threshold depends on [S] bool (when not, the threshold is wrong and the caller sorts the whole row)."""
+    """head [S, K]: each row's K largest logits, descending; row_mass [S]: the row's sum of exp(logit - max).
+    -> the truncation threshold [S] float32, and whether the head held every token the threshold depends on
+    [S] bool (when not, the threshold is wrong and the caller searches the whole row)."""
     width = head.shape[-1]
     # top-k: the k-th largest logit.
-    k = jnp.where((t.top_k > 0) & (t.top_k < vocab), t.top_k, vocab)  # [S] int32
+    k = _top_k_or_vocab(t.top_k, vocab)  # [S] int32
     kth = jnp.take_along_axis(head, (jnp.minimum(k, width) - 1)[:, None], axis=-1)[:, 0]  # [S] float32
     thr_k = jnp.where(k < vocab, kth, _NEG_INF)  # [S] float32
 
@@ -141,15 +145,55 @@ def _thresholds(head: jax.Array, t: SamplingTensors, vocab: int, row_mass: jax.A
     # top_p >= 1 must be a no-op even when float cumsum reaches 1.0 early.
     thr_p = jnp.where(t.top_p < 1.0, pth, _NEG_INF)  # [S] float32
 
-    # min-p: prob >= min_p * max_prob  <=>  logit >= max_logit + log(min_p).
-    # Probability ratios survive renormalization, so applying it after top-k/p
-    # with the unfiltered max is exact.
-    safe_min_p = jnp.maximum(t.min_p, jnp.finfo(jnp.float32).tiny)  # [S] float32
-    thr_m = jnp.where(t.min_p > 0, head[:, 0] + jnp.log(safe_min_p), _NEG_INF)  # [S] float32
-
     complete = ((k >= vocab) | (k <= width)) & (
         (t.top_p >= 1.0) | (k <= width) | (reached[:, -1] >= t.top_p))  # [S] bool
-    return jnp.maximum(jnp.maximum(thr_k, thr_p), thr_m), complete
+    return jnp.maximum(jnp.maximum(thr_k, thr_p), _min_p_threshold(head[:, 0], t.min_p)), complete
+
+
+def _searched_thresholds(scaled: jax.Array, t: SamplingTensors, row_mass: jax.Array) -> jax.Array:
+    """_thresholds' thresholds for whole rows [S, V], each found by a search over the row's float order (the
+    k-th largest logit; the smallest logit with less than top_p of the kept mass above it) -> [S] float32.
+    Groups of up to SEARCH_GROUP_ROWS rows are searched one after another, so that a group's rows stay in cache
+    through the search's passes (64 rows at once: ~4x the time on the 2-core CPU)."""
+    rows, vocab = scaled.shape
+    group = math.gcd(rows, SEARCH_GROUP_ROWS)
+    k = _top_k_or_vocab(t.top_k, vocab)  # [S] int32
+    per_row = (scaled, k, t.top_p, t.min_p, row_mass)
+    thresholds = jax.lax.map(lambda args: _group_thresholds(*args),
+                             tuple(a.reshape(rows // group, group, *a.shape[1:]) for a in per_row))
+    return thresholds.reshape(rows)
+
+
+def _group_thresholds(scaled: jax.Array, k: jax.Array, top_p: jax.Array, min_p: jax.Array, row_mass: jax.Array
+                      ) -> jax.Array:
+    """_searched_thresholds for one group of rows: scaled [G, V], k (vocab: off), top_p, min_p, row_mass [G]."""
+    vocab = scaled.shape[-1]
+    keys = order_keys(scaled)  # [G, V] uint32
+    no_thresholds = lambda: jnp.full(k.shape, _NEG_INF, jnp.float32)  # noqa: E731
+    thr_k = jax.lax.cond(jnp.any(k < vocab), lambda: jnp.where(k < vocab, kth_largest(keys, k), _NEG_INF),
+                         no_thresholds)  # [G] float32
+    top = jnp.max(scaled, axis=-1)  # [G]
+    weights = jnp.where(scaled >= thr_k[:, None], jnp.exp(scaled - jnp.where(jnp.isfinite(top), top, 0.0)[:, None]),
+                        0.0)  # [G, V]: top-k's kept tokens
+    total = jnp.where(k < vocab, jnp.sum(weights, axis=-1), row_mass)  # [G]
+    probs = weights / total[:, None]  # [G, V] float32
+    thr_p = jax.lax.cond(jnp.any(top_p < 1.0),
+                         lambda: jnp.where(top_p < 1.0, lowest_with_mass_above_below(keys, probs, top_p), _NEG_INF),
+                         no_thresholds)  # [G] float32
+    return jnp.maximum(jnp.maximum(thr_k, thr_p), _min_p_threshold(top, min_p))
+
+
+def _top_k_or_vocab(top_k: jax.Array, vocab: int) -> jax.Array:
+    """Each row's top-k [S] int32, `vocab` where top-k is off."""
+    return jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+
+
+def _min_p_threshold(top: jax.Array, min_p: jax.Array) -> jax.Array:
+    """min-p as a logit threshold from each row's largest logit `top` [S]: prob >= min_p * max_prob <=> logit >=
+    max_logit + log(min_p). Probability ratios survive renormalization, so applying it after top-k/p with the
+    unfiltered max is exact. -> [S] float32, -inf where min-p is off."""
+    safe_min_p = jnp.maximum(min_p, jnp.finfo(jnp.float32).tiny)  # [S] float32
+    return jnp.where(min_p > 0, top + jnp.log(safe_min_p), _NEG_INF)
 
 
 def _row_uniforms(seeds: jax.Array, positions: jax.Array) -> jax.Array:

@@ -1,5 +1,6 @@
 """The sampler's draw and truncation on vocabularies past its block and candidate sizes: draws follow the softmax,
-never land on a token of zero probability, and thresholds read from the largest logits equal a full sort's."""
+never land on a token of zero probability, and the truncation thresholds, read from the largest logits or
+searched over whole rows, equal those of fully sorted rows."""
 
 from __future__ import annotations
 
@@ -45,11 +46,27 @@ def test_draw_edges_never_pick_zero_mass_and_fall_back_on_rows_without_mass():
     assert list(ids[4:]) == [104, 105]
 
 
+def sorted_truncation(logits: np.ndarray, top_k, top_p, min_p) -> np.ndarray:
+    """The reference: each filter's threshold read off the row sorted in descending order (float64 sums)."""
+    out = np.empty_like(logits)
+    for r, x in enumerate(logits):
+        vocab, order = x.size, np.sort(x)[::-1].astype(np.float64)
+        k = top_k[r] if 0 < top_k[r] < vocab else vocab
+        thr_k = order[k - 1] if k < vocab else -np.inf
+        weights = np.where(order >= thr_k, np.exp(order - order[0]), 0.0)
+        probs = weights / weights.sum()
+        keep = (np.cumsum(probs) - probs < top_p[r]) & (order >= thr_k)  # the mass above each token < p
+        thr_p = order[max(keep.sum(), 1) - 1] if top_p[r] < 1 else -np.inf
+        thr_m = order[0] + np.log(min_p[r]) if min_p[r] > 0 else -np.inf
+        out[r] = np.where(x >= max(thr_k, thr_p, thr_m), x, -np.inf)
+    return out
+
+
 @pytest.mark.parametrize("spread", [8.0, 0.5], ids=["peaked", "flat"])
 def test_truncation_from_the_largest_logits_equals_a_full_sort(spread, monkeypatch):
-    """A vocabulary past sampler.CANDIDATES[0]: thresholds read from lax.top_k's head equal the full sort's, both
-    where the head holds every kept token (peaked rows) and where some row sends the step to the full sort
-    (flat rows, top-k past the head)."""
+    """A vocabulary past sampler.CANDIDATES[0]: the kept tokens equal those of thresholds read off fully sorted
+    rows, both where the head of largest logits holds every kept token (peaked rows) and where some row sends the
+    step to the search over whole rows (flat rows, top-k past the head); and the search alone gives them too."""
     from jvllm.sample import sampler
 
     vocab = 1000
@@ -62,14 +79,37 @@ def test_truncation_from_the_largest_logits_equals_a_full_sort(spread, monkeypat
     head = jax.lax.top_k(logits, sampler.CANDIDATES[0])[0]
     row_mass = np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)
     _, complete = sampler._thresholds(head, t, vocab, row_mass)
-    assert bool(np.all(complete)) == (spread > 1), complete  # peaked: no full sort; flat: a full sort
-    truncate = jax.jit(sampler.apply_top_k_top_p_min_p)
-    from_head = np.asarray(truncate(logits, t))
-    monkeypatch.setattr(sampler, "CANDIDATES", ())  # now every row is sorted whole
-    from_sort = np.asarray(jax.jit(sampler.apply_top_k_top_p_min_p)(logits, t))
-    np.testing.assert_array_equal(from_head, from_sort)
+    assert bool(np.all(complete)) == (spread > 1), complete  # peaked: the head alone; flat: the search
+    expected = sorted_truncation(logits, np.asarray(t.top_k), np.asarray(t.top_p), np.asarray(t.min_p))
+    from_head = np.asarray(jax.jit(sampler.apply_top_k_top_p_min_p)(logits, t))
+    np.testing.assert_array_equal(from_head, expected)
+    monkeypatch.setattr(sampler, "CANDIDATES", ())  # now every row is searched whole
+    np.testing.assert_array_equal(np.asarray(jax.jit(sampler.apply_top_k_top_p_min_p)(logits, t)), expected)
     kept = np.isfinite(from_head).sum(-1)
     assert kept[0] == 5 and 1 <= kept[2] < vocab and kept[5] == vocab, kept
+
+
+@pytest.mark.parametrize("num_rows", [3, 16, 24])
+def test_searched_thresholds_on_masked_tied_and_flat_rows_equal_sorted_ones(num_rows, monkeypatch):
+    """The search over whole rows, row counts that split into groups of the search (16, 24) or not (3): rows with
+    most tokens masked to -inf, a long run of tied logits, top-k past the finite tokens and top-p near 1."""
+    from jvllm.sample import sampler
+
+    vocab = 3000
+    rng = np.random.default_rng(num_rows)
+    logits = rng.normal(0, rng.choice([0.3, 1.0, 4.0], (num_rows, 1)), (num_rows, vocab)).astype(np.float32)
+    logits[0, :2900] = -np.inf
+    logits[1, 100:400] = logits[1, 7]
+    logits[-1, :] = np.float32(0.5)  # every token tied
+    kinds = [dict(top_k=200, top_p=0.9), dict(top_p=0.7), dict(top_k=150, min_p=0.01), dict(top_p=0.999),
+             dict(top_k=2999), dict(top_p=0.3, min_p=0.2), dict()]
+    rows = [row(params(**kinds[i % len(kinds)])) for i in range(num_rows)]
+    t, _ = build_sampling_tensors(rows, num_rows, vocab_size=vocab, history_width=HISTORY)
+    monkeypatch.setattr(sampler, "CANDIDATES", ())
+    got = np.asarray(jax.jit(sampler.apply_top_k_top_p_min_p)(logits, t))
+    np.testing.assert_array_equal(
+        got, sorted_truncation(logits, np.asarray(t.top_k), np.asarray(t.top_p), np.asarray(t.min_p)))
+    assert np.isfinite(got[0]).sum() <= 100 and np.isfinite(got[-1]).all()
 
 
 @pytest.mark.parametrize("length", [1, 100, 128, 129, 1000, 49152])
