@@ -153,10 +153,11 @@ def _thresholds(head: jax.Array, t: SamplingTensors, vocab: int, row_mass: jax.A
 def _searched_thresholds(scaled: jax.Array, t: SamplingTensors, row_mass: jax.Array) -> jax.Array:
     """_thresholds' thresholds for whole rows [S, V], each found by a search over the row's float order (the
     k-th largest logit; the smallest logit with less than top_p of the kept mass above it) -> [S] float32.
-    Groups of up to SEARCH_GROUP_ROWS rows are searched one after another, so that a group's rows stay in cache
-    through the search's passes (64 rows at once: ~4x the time on the 2-core CPU)."""
+    On CPUs, groups of up to SEARCH_GROUP_ROWS rows are searched one after another, so that a group's rows stay in
+    cache through the search's passes (64 rows at once: ~4x the time on the 2-core CPU); accelerators take every
+    row in each pass."""
     rows, vocab = scaled.shape
-    group = math.gcd(rows, SEARCH_GROUP_ROWS)
+    group = math.gcd(rows, SEARCH_GROUP_ROWS) if jax.default_backend() == "cpu" else rows
     k = _top_k_or_vocab(t.top_k, vocab)  # [S] int32
     per_row = (scaled, k, t.top_p, t.min_p, row_mass)
     thresholds = jax.lax.map(lambda args: _group_thresholds(*args),
