@@ -85,7 +85,7 @@ def apply_token_masks(logits: jax.Array, t: SamplingTensors) -> jax.Array:
 
 # Truncation looks for its thresholds among each row's 256 largest logits first (lax.top_k) and searches whole
 # rows (order_search: 32 passes, no sort) only when some row's top-k or top-p set reaches past them. XLA CPU sorts a
-# [64, 49152] float32 block in ~0.8-1.3 s, where top_k of 256 takes ~15-30 ms; the search took ~0.1 s (docs/design.md,
+# [64, 49152] float32 block in ~0.8-1.3 s, where top_k of 256 takes ~15-30 ms and the search ~50 ms (docs/design.md,
 # sampling on device).
 CANDIDATES = (256,)
 SEARCH_GROUP_ROWS = 8
