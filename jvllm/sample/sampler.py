@@ -84,8 +84,8 @@ def apply_token_masks(logits: jax.Array, t: SamplingTensors) -> jax.Array:
 
 
 # Truncation looks for its thresholds among each row's 256 largest logits first (lax.top_k) and searches whole
-# rows (order_search: 32 passes, no sort) only when some row's top-k or top-p set reaches past them. XLA CPU sorts a
-# [64, 49152] float32 block in ~0.8-1.3 s, where top_k of 256 takes ~15-30 ms and the search ~50 ms (docs/design.md,
+# rows (order_search: 32 passes, no sort) only when some row's top-k or top-p set reaches past them: on XLA CPU a
+# whole-row sort costs a 64-row step about a second, the head and the search tens of milliseconds (docs/design.md,
 # sampling on device).
 CANDIDATES = (256,)
 SEARCH_GROUP_ROWS = 8
@@ -154,8 +154,7 @@ def _searched_thresholds(scaled: jax.Array, t: SamplingTensors, row_mass: jax.Ar
     """_thresholds' thresholds for whole rows [S, V], each found by a search over the row's float order (the
     k-th largest logit; the smallest logit with less than top_p of the kept mass above it) -> [S] float32.
     On CPUs, groups of up to SEARCH_GROUP_ROWS rows are searched one after another, so that a group's rows stay in
-    cache through the search's passes (64 rows at once: ~4x the time on the 2-core CPU); accelerators take every
-    row in each pass."""
+    cache through the search's passes; accelerators take every row in each pass."""
     rows, vocab = scaled.shape
     group = math.gcd(rows, SEARCH_GROUP_ROWS) if jax.default_backend() == "cpu" else rows
     k = _top_k_or_vocab(t.top_k, vocab)  # [S] int32
