@@ -132,10 +132,7 @@ def _thresholds(head: jax.Array, t: SamplingTensors, vocab: int, row_mass: jax.A
 
     # top-p on the distribution left after top-k (renormalized).
     in_k = head >= thr_k[:, None]  # [S, K] bool
-    first = jnp.where(jnp.isfinite(head[:, 0]), head[:, 0], 0.0)  # [S]
-    weights = jnp.where(in_k, jnp.exp(head - first[:, None]), 0.0)  # [S, K]
-    total = jnp.where(k < vocab, jnp.sum(weights, axis=-1), row_mass)  # [S]: the kept set's mass
-    probs = weights / total[:, None]  # [S, K] float32
+    probs = _kept_probs(head, head[:, 0], thr_k, k, vocab, row_mass)  # [S, K] float32
     # A token is kept while the mass strictly above it is < p: this is the smallest
     # prefix reaching p, and the top token (mass above = 0) is always kept.
     reached = prefix_sums(probs)  # [S, K]
@@ -169,18 +166,29 @@ def _group_thresholds(scaled: jax.Array, k: jax.Array, top_p: jax.Array, min_p: 
     """_searched_thresholds for one group of rows: scaled [G, V], k (vocab: off), top_p, min_p, row_mass [G]."""
     vocab = scaled.shape[-1]
     keys = order_keys(scaled)  # [G, V] uint32
-    no_thresholds = lambda: jnp.full(k.shape, _NEG_INF, jnp.float32)  # noqa: E731
+
+    def no_thresholds() -> jax.Array:
+        return jnp.full(k.shape, _NEG_INF, jnp.float32)
+
     thr_k = jax.lax.cond(jnp.any(k < vocab), lambda: jnp.where(k < vocab, kth_largest(keys, k), _NEG_INF),
                          no_thresholds)  # [G] float32
     top = jnp.max(scaled, axis=-1)  # [G]
-    weights = jnp.where(scaled >= thr_k[:, None], jnp.exp(scaled - jnp.where(jnp.isfinite(top), top, 0.0)[:, None]),
-                        0.0)  # [G, V]: top-k's kept tokens
-    total = jnp.where(k < vocab, jnp.sum(weights, axis=-1), row_mass)  # [G]
-    probs = weights / total[:, None]  # [G, V] float32
+    probs = _kept_probs(scaled, top, thr_k, k, vocab, row_mass)  # [G, V] float32
     thr_p = jax.lax.cond(jnp.any(top_p < 1.0),
                          lambda: jnp.where(top_p < 1.0, lowest_with_mass_above_below(keys, probs, top_p), _NEG_INF),
                          no_thresholds)  # [G] float32
     return jnp.maximum(jnp.maximum(thr_k, thr_p), _min_p_threshold(top, min_p))
+
+
+def _kept_probs(logits: jax.Array, top: jax.Array, thr_k: jax.Array, k: jax.Array, vocab: int,
+                row_mass: jax.Array) -> jax.Array:
+    """The distribution top-p reads: logits [S, N] at or above the top-k threshold thr_k [S], softmax-weighted
+    from each row's largest logit `top` [S] and renormalized over the kept set (over the whole row, row_mass [S],
+    where top-k is off, k == vocab) -> [S, N] float32."""
+    first = jnp.where(jnp.isfinite(top), top, 0.0)  # [S]
+    weights = jnp.where(logits >= thr_k[:, None], jnp.exp(logits - first[:, None]), 0.0)  # [S, N]
+    total = jnp.where(k < vocab, jnp.sum(weights, axis=-1), row_mass)  # [S]: the kept set's mass
+    return weights / total[:, None]
 
 
 def _top_k_or_vocab(top_k: jax.Array, vocab: int) -> jax.Array:
