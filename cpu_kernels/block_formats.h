@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -230,6 +231,26 @@ struct Q6_K {
 #endif
 };
 
-enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K = 5 };
+// Q4_0 and Q4_1 with the blocks of 8 weight rows interleaved (the projections' layout on AVX2 builds:
+// interleaved_products.h). Per group of 8 rows and 32 weights, kBytes * 8 bytes: the 8 rows' d as halves (16 bytes),
+// Q4_1's 8 m (16 bytes), then 8 chunks of 16 bytes where chunk p's byte 2r + e is row r's qs[2p + e] (its weights
+// 2p + e in the low nibble and 16 + 2p + e in the high one). Widened to 16-bit words, a chunk's low nibbles are the
+// weight pair (2p, 2p + 1) of all 8 rows and its high ones the pair (16 + 2p, 17 + 2p): one vpmaddwd operand each.
+struct InterleavedRowsTag {};
+template <int kHeader>
+struct Nibbles32x8 : InterleavedRowsTag {
+  static constexpr int kWeights = 32, kBytes = kHeader + 16, kSubs = 1, kMaxCode = 15;
+  static constexpr int kRows = 8;                    // weight rows per group
+  static constexpr int kGroupBytes = kRows * kBytes;  // one block of all 8 rows
+  static constexpr int kCodesAt = kRows * kHeader;    // where the 8 chunks of codes start
+  static constexpr bool kHasMin = kHeader == 4;
+};
+using Q4_0x8 = Nibbles32x8<2>;
+using Q4_1x8 = Nibbles32x8<4>;
+
+template <typename Fmt>
+constexpr bool kInterleavedRows = std::is_base_of_v<InterleavedRowsTag, Fmt>;
+
+enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K = 5, kQ4_0x8 = 6, kQ4_1x8 = 7 };
 
 }  // namespace jvllm

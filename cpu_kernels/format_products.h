@@ -23,5 +23,9 @@ JVLLM_FORMAT_PRODUCTS(extern, Q4_1)
 JVLLM_FORMAT_PRODUCTS(extern, Q4_K)
 JVLLM_FORMAT_PRODUCTS(extern, Q5_K)
 JVLLM_FORMAT_PRODUCTS(extern, Q6_K)
+#if defined(__AVX2__)
+JVLLM_FORMAT_PRODUCTS(extern, Q4_0x8)
+JVLLM_FORMAT_PRODUCTS(extern, Q4_1x8)
+#endif
 
 }  // namespace jvllm

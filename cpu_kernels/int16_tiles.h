@@ -17,6 +17,7 @@
 #include "block_formats.h"
 #include "float_tiles.h"
 #include "int16_dots.h"
+#include "interleaved_blocks.h"
 #include "transpose.h"
 
 namespace jvllm {
@@ -92,45 +93,49 @@ class Int16Tiles {
 
   // Weight rows [n, n + cols) -> codes [K / 2, kTileCols, 2] (row n + j's pair p at p * kTileCols + j, as one 32-bit
   // unit) and their scales (zero columns past `cols`): each half of 8 rows is unpacked into `rows` [8, K], then
-  // its 32-bit pairs are transposed 8 x 8 at a time.
+  // its 32-bit pairs are transposed 8 x 8 at a time; interleaved weights unpack straight into the tile.
   void TileCodes(int64_t n, int cols, int16_t* codes, float* scales) const {
-    thread_local std::vector<int16_t> rows;
-    const int64_t k = k_;
-    rows.resize(static_cast<size_t>(kLanes * k));
-    float* d = scales;
-    float* c = scales + subs_ * kTileCols;
-    for (int half = 0; half < kTileCols / kLanes; ++half) {
-      for (int r = 0; r < kLanes; ++r) {
-        const int col = half * kLanes + r;
-        int16_t* dst = rows.data() + r * k;
-        if (col >= cols) {
-          std::fill(dst, dst + k, int16_t{0});
-          for (int64_t s = 0; s < subs_; ++s) d[s * kTileCols + col] = c[s * kTileCols + col] = 0.0f;
-          continue;
-        }
-        const uint8_t* src = Row(n + col);
-        for (int64_t block = 0; block < blocks_per_row(); ++block) {
-          const uint8_t* w_block = src + block * Fmt::kBytes;
-          PrefetchBlock<Fmt>(Row(n + col + kLanes) + block * Fmt::kBytes);
-          float bd[Fmt::kSubs], bc[Fmt::kSubs];
-          Fmt::Scales(w_block, bd, bc);
-#pragma GCC unroll 8
-          for (int s = 0; s < Fmt::kSubs; ++s) {
-            const int64_t sub = block * Fmt::kSubs + s;
-            __m256i w0, w1;
-            Fmt::Codes16(w_block, s, w0, w1);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + sub * kBlock), w0);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + sub * kBlock + 16), w1);
-            d[sub * kTileCols + col] = bd[s];
-            c[sub * kTileCols + col] = bc[s];
+    if constexpr (kInterleavedRows<Fmt>) {
+      InterleavedTileCodes<Fmt>(w_, k_, n, cols, codes, scales, scales + subs_ * kTileCols);
+    } else {
+      thread_local std::vector<int16_t> rows;
+      const int64_t k = k_;
+      rows.resize(static_cast<size_t>(kLanes * k));
+      float* d = scales;
+      float* c = scales + subs_ * kTileCols;
+      for (int half = 0; half < kTileCols / kLanes; ++half) {
+        for (int r = 0; r < kLanes; ++r) {
+          const int col = half * kLanes + r;
+          int16_t* dst = rows.data() + r * k;
+          if (col >= cols) {
+            std::fill(dst, dst + k, int16_t{0});
+            for (int64_t s = 0; s < subs_; ++s) d[s * kTileCols + col] = c[s * kTileCols + col] = 0.0f;
+            continue;
+          }
+          const uint8_t* src = Row(n + col);
+          for (int64_t block = 0; block < blocks_per_row(); ++block) {
+            const uint8_t* w_block = src + block * Fmt::kBytes;
+            PrefetchBlock<Fmt>(Row(n + col + kLanes) + block * Fmt::kBytes);
+            float bd[Fmt::kSubs], bc[Fmt::kSubs];
+            Fmt::Scales(w_block, bd, bc);
+  #pragma GCC unroll 8
+            for (int s = 0; s < Fmt::kSubs; ++s) {
+              const int64_t sub = block * Fmt::kSubs + s;
+              __m256i w0, w1;
+              Fmt::Codes16(w_block, s, w0, w1);
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + sub * kBlock), w0);
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + sub * kBlock + 16), w1);
+              d[sub * kTileCols + col] = bd[s];
+              c[sub * kTileCols + col] = bc[s];
+            }
           }
         }
-      }
-      // the pairs as 32-bit units: an 8 x 8 float transpose moves their bits unchanged
-      const float* src = reinterpret_cast<const float*>(rows.data());
-      float* out = reinterpret_cast<float*>(codes);
-      for (int64_t p = 0; p < k / 2; p += kLanes) {
-        Transpose8x8(src + p, k / 2, out + p * kTileCols + half * kLanes, kTileCols);
+        // the pairs as 32-bit units: an 8 x 8 float transpose moves their bits unchanged
+        const float* src = reinterpret_cast<const float*>(rows.data());
+        float* out = reinterpret_cast<float*>(codes);
+        for (int64_t p = 0; p < k / 2; p += kLanes) {
+          Transpose8x8(src + p, k / 2, out + p * kTileCols + half * kLanes, kTileCols);
+        }
       }
     }
   }

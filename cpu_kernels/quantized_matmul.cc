@@ -41,12 +41,18 @@ ffi::Error LiveShapes(const char* what, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ff
 
 // Calls body(Fmt{}) with the block format named by `format`, after checking that a weight row of `row_bytes` is
 // whole blocks of it.
+// Interleaved formats (groups of 8 rows: block_formats.h) also need whole groups of rows, and an AVX2 build.
 template <typename Body>
-ffi::Error WithFormat(const char* what, int64_t format, int64_t k, int64_t row_bytes, Body body) {
+ffi::Error WithFormat(const char* what, int64_t format, int64_t k, int64_t n, int64_t row_bytes, Body body) {
   auto checked = [&](auto fmt) {
     using Fmt = decltype(fmt);
     if (k % Fmt::kWeights != 0 || row_bytes != k / Fmt::kWeights * Fmt::kBytes) {
       return ffi::Error::InvalidArgument(std::string(what) + ": a weight row must be whole blocks of its format");
+    }
+    if constexpr (jvllm::kInterleavedRows<Fmt>) {
+      if (n % Fmt::kRows != 0) {
+        return ffi::Error::InvalidArgument(std::string(what) + ": interleaved weights come in groups of 8 rows");
+      }
     }
     body(fmt);
     return ffi::Error::Success();
@@ -58,6 +64,10 @@ ffi::Error WithFormat(const char* what, int64_t format, int64_t k, int64_t row_b
     case jvllm::kQ4_K: return checked(jvllm::Q4_K{});
     case jvllm::kQ5_K: return checked(jvllm::Q5_K{});
     case jvllm::kQ6_K: return checked(jvllm::Q6_K{});
+#if defined(__AVX2__)
+    case jvllm::kQ4_0x8: return checked(jvllm::Q4_0x8{});
+    case jvllm::kQ4_1x8: return checked(jvllm::Q4_1x8{});
+#endif
     default: return ffi::Error::InvalidArgument(std::string(what) + ": unknown format");
   }
 }
@@ -72,7 +82,7 @@ ffi::Error QuantizedMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, 
   if (sh.m == 0) return ffi::Error::Success();
   const RowPaths paths{int16_max_rows,     int16_tile_min_rows, bf16_max_rows,
                        bf16_min_rows,      int8_tile_min_rows,  invariant_max_rows};
-  return WithFormat(kWhat, format, sh.k, w.dimensions()[1], [&](auto fmt) {
+  return WithFormat(kWhat, format, sh.k, sh.n, w.dimensions()[1], [&](auto fmt) {
     jvllm::RunProduct<decltype(fmt)>(sh, x.typed_data(), w.typed_data(), y->typed_data(), paths);
   });
 }
@@ -91,7 +101,7 @@ ffi::Error GatedMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> gate, f
   if (sh.m == 0) return ffi::Error::Success();
   const RowPaths paths{int16_max_rows,     int16_tile_min_rows, bf16_max_rows,
                        bf16_min_rows,      int8_tile_min_rows,  invariant_max_rows};
-  return WithFormat(kWhat, format, sh.k, gate.dimensions()[1], [&](auto fmt) {
+  return WithFormat(kWhat, format, sh.k, sh.n, gate.dimensions()[1], [&](auto fmt) {
     jvllm::RunGatedProduct<decltype(fmt)>(sh, x.typed_data(), gate.typed_data(), up.typed_data(), y->typed_data(),
                                           paths);
   });
@@ -139,6 +149,16 @@ constexpr int32_t kInt16MaxRows = 0, kInt16TileMinRows = 0;
 #endif
 
 extern "C" int32_t JvllmInt16MaxRows() { return kInt16MaxRows; }
+// 1 where the build multiplies Q4_0 / Q4_1 weights interleaved by groups of 8 rows (q4_0x8, q4_1x8) and they are
+// this CPU's layout for them: AVX2 builds without AVX-512's 16-bit code tiles, where the row-major blocks' few-row
+// products are bound by their per-output work (docs/design.md, GGUF blocks). AVX-512 builds can multiply them too.
+extern "C" int32_t JvllmInterleavedRowsPreferred() {
+#if defined(__AVX2__) && !JVLLM_INT16_512
+  return 1;
+#else
+  return 0;
+#endif
+}
 extern "C" int32_t JvllmInt16TileMinRows() { return kInt16TileMinRows; }
 // Up to this many rows, products with the formats of invariant_products.h can take its path (0: the build has none).
 extern "C" int32_t JvllmInvariantMaxRows() { return JVLLM_INT16_512 ? 32 : 0; }

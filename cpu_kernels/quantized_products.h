@@ -13,8 +13,9 @@
 // it. From int8_tile_min_rows (CPUs with AVX-512 VNNI; Q4_0, Q4_1, Q4_K, Q5_K) x is quantized to int8 blocks against
 // 8-bit code tiles (int8_tiles.h). Up to the caller's invariant_max_rows (AVX-512 builds), the
 // invariant path instead: int16 x with exact block sums, each row's bits its own at any row count
-// (invariant_products.h). Work items are ranges of output rows, shared by the caller and the kernels' helper
-// threads.
+// (invariant_products.h). Q4_0 / Q4_1 interleaved by groups of 8 rows (AVX2 builds' layout for them) take their own
+// paths with int16 x at every row count (interleaved_products.h). Work items are ranges of output rows, shared by
+// the caller and the kernels' helper threads.
 //
 // The block formats are described in block_formats.h.
 #pragma once
@@ -31,6 +32,7 @@
 #include "int16_dots.h"
 #include "bf16_tiles.h"
 #include "int16_tiles.h"
+#include "interleaved_products.h"
 #include "int8_tiles.h"
 #include "invariant_products.h"
 #include "run_items.h"
@@ -376,44 +378,50 @@ class Matmul {
 
 template <typename Fmt>
 void RunProduct(Shapes sh, const float* x, const uint8_t* w, float* y, const RowPaths& paths) {
-  if (TakesInvariantProduct<Fmt>(sh.m, paths.invariant_max_rows)) {
-    RunInvariantProduct<Fmt>(sh.m, sh.k, sh.n, x, w, y);
-    return;
-  }
-  if (TakesInt8Tiles<Fmt>(sh.m, paths.int8_tile_min_rows)) {
-    RunInt8Product<Fmt>(sh.m, sh.k, sh.n, x, w, y);
-    return;
-  }
-#if defined(__AVX512BF16__)
-  if (paths.bf16_max_rows > 0 && sh.m >= paths.bf16_min_rows) {  // bfloat16 products: rows, tiles past kBf16MaxRows
-    thread_local Bf16Rows xb;
-    xb.Convert(x, sh.m, sh.k);
-    const bool rows = sh.m <= std::min(paths.bf16_max_rows, kBf16MaxRows);
-    Matmul<Fmt> work(rows ? Path::kBf16Rows : Path::kBf16Tiles, sh, x, w, y, nullptr, nullptr, &xb);
-    jvllm::RunItems(work);
-    return;
-  }
-#endif
+  if constexpr (kInterleavedRows<Fmt>) {
 #if defined(__AVX2__)
-  const bool int_rows = sh.m <= paths.int16_max_rows;
-  if (int_rows || (paths.int16_tile_min_rows > 0 && sh.m >= paths.int16_tile_min_rows)) {
-    thread_local Int16Rows xq;
-    xq.Quantize(x, sh.m, sh.k, int_rows ? 32767 : jvllm::Int16Limit<Fmt>());
-    if (int_rows && sh.m > kIntRowsApart) xq.GroupRows(sh.m, sh.k);
-    Matmul<Fmt> work(int_rows ? Path::kIntRows : Path::kIntTiles, sh, x, w, y, &xq);
-    jvllm::RunItems(work);
-    return;
-  }
+    RunInterleavedProduct<Fmt>(sh.m, sh.k, sh.n, x, w, y, paths.int16_tile_min_rows);
 #endif
-  if (sh.m <= kDirectRows) {
-    Matmul<Fmt> work(Path::kDirect, sh, x, w, y);
+  } else {
+    if (TakesInvariantProduct<Fmt>(sh.m, paths.invariant_max_rows)) {
+      RunInvariantProduct<Fmt>(sh.m, sh.k, sh.n, x, w, y);
+      return;
+    }
+    if (TakesInt8Tiles<Fmt>(sh.m, paths.int8_tile_min_rows)) {
+      RunInt8Product<Fmt>(sh.m, sh.k, sh.n, x, w, y);
+      return;
+    }
+  #if defined(__AVX512BF16__)
+    if (paths.bf16_max_rows > 0 && sh.m >= paths.bf16_min_rows) {  // bfloat16 products: rows, tiles past kBf16MaxRows
+      thread_local Bf16Rows xb;
+      xb.Convert(x, sh.m, sh.k);
+      const bool rows = sh.m <= std::min(paths.bf16_max_rows, kBf16MaxRows);
+      Matmul<Fmt> work(rows ? Path::kBf16Rows : Path::kBf16Tiles, sh, x, w, y, nullptr, nullptr, &xb);
+      jvllm::RunItems(work);
+      return;
+    }
+  #endif
+  #if defined(__AVX2__)
+    const bool int_rows = sh.m <= paths.int16_max_rows;
+    if (int_rows || (paths.int16_tile_min_rows > 0 && sh.m >= paths.int16_tile_min_rows)) {
+      thread_local Int16Rows xq;
+      xq.Quantize(x, sh.m, sh.k, int_rows ? 32767 : jvllm::Int16Limit<Fmt>());
+      if (int_rows && sh.m > kIntRowsApart) xq.GroupRows(sh.m, sh.k);
+      Matmul<Fmt> work(int_rows ? Path::kIntRows : Path::kIntTiles, sh, x, w, y, &xq);
+      jvllm::RunItems(work);
+      return;
+    }
+  #endif
+    if (sh.m <= kDirectRows) {
+      Matmul<Fmt> work(Path::kDirect, sh, x, w, y);
+      jvllm::RunItems(work);
+      return;
+    }
+    thread_local std::vector<float> panels;
+    if (jvllm::FloatTiles<Fmt>::TakesPanels(sh.m)) jvllm::PackPanels(x, sh.m, sh.k, panels);
+    Matmul<Fmt> work(Path::kFloatTiles, sh, x, w, y, nullptr, panels.data());
     jvllm::RunItems(work);
-    return;
   }
-  thread_local std::vector<float> panels;
-  if (jvllm::FloatTiles<Fmt>::TakesPanels(sh.m)) jvllm::PackPanels(x, sh.m, sh.k, panels);
-  Matmul<Fmt> work(Path::kFloatTiles, sh, x, w, y, nullptr, panels.data());
-  jvllm::RunItems(work);
 }
 
 // y[i] = silu(y[i]) * up[i] over `total` values, in chunks shared by the caller and the helper threads.
@@ -448,23 +456,25 @@ struct SiluTimes {
 template <typename Fmt>
 void RunGatedProduct(Shapes sh, const float* x, const uint8_t* gate, const uint8_t* up, float* y,
                      const RowPaths& paths) {
-  if (TakesInvariantProduct<Fmt>(sh.m, paths.invariant_max_rows)) {
-    RunInvariantProduct<Fmt>(sh.m, sh.k, sh.n, x, gate, y, up);
-    return;
-  }
-  if (TakesInt8Tiles<Fmt>(sh.m, paths.int8_tile_min_rows)) {
-    RunInt8Product<Fmt>(sh.m, sh.k, sh.n, x, gate, y, up);
-    return;
-  }
+  if constexpr (!kInterleavedRows<Fmt>) {
+    if (TakesInvariantProduct<Fmt>(sh.m, paths.invariant_max_rows)) {
+      RunInvariantProduct<Fmt>(sh.m, sh.k, sh.n, x, gate, y, up);
+      return;
+    }
+    if (TakesInt8Tiles<Fmt>(sh.m, paths.int8_tile_min_rows)) {
+      RunInt8Product<Fmt>(sh.m, sh.k, sh.n, x, gate, y, up);
+      return;
+    }
 #if defined(__AVX512BF16__)
-  if (paths.bf16_max_rows > 0 && sh.m > std::min(paths.bf16_max_rows, kBf16MaxRows)) {
-    thread_local Bf16Rows xb;
-    xb.Convert(x, sh.m, sh.k);
-    Matmul<Fmt> work(Path::kBf16Tiles, sh, x, gate, y, nullptr, nullptr, &xb, up);
-    jvllm::RunItems(work);
-    return;
-  }
+    if (paths.bf16_max_rows > 0 && sh.m > std::min(paths.bf16_max_rows, kBf16MaxRows)) {
+      thread_local Bf16Rows xb;
+      xb.Convert(x, sh.m, sh.k);
+      Matmul<Fmt> work(Path::kBf16Tiles, sh, x, gate, y, nullptr, nullptr, &xb, up);
+      jvllm::RunItems(work);
+      return;
+    }
 #endif
+  }
   thread_local std::vector<float> up_out;  // [M, N]
   up_out.resize(static_cast<size_t>(sh.m * sh.n));
   RunProduct<Fmt>(sh, x, gate, y, paths);

@@ -6,10 +6,12 @@ from typing import Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from models.params import normal_param, value_or_none
-from models.quantized import check_quantized, native_kernel_available, quantized_dot, quantized_gated_dot
+from models.quantized import (check_quantized, native_kernel_available, native_layout, quantized_dot,
+                              quantized_gated_dot)
 
 
 # Up to this many token rows, a kernel stored [out, in] is applied as (kernel @ x^T)^T, which XLA CPU runs faster
@@ -45,10 +47,12 @@ class Linear(nnx.Module):
         self.scale: nnx.Param | None = None  # per-channel formats: [out] float32
 
     def set_quantized(self, blocks: jax.Array, fmt: str, scale: jax.Array | None = None) -> None:
-        """Hold GGUF blocks [out, row bytes] of format `fmt` in place of the float kernel, or for a per-channel
-        format its codes [out, in] and `scale` [out]."""
+        """Hold GGUF blocks [out, row bytes] of format `fmt` in place of the float kernel (in the native kernels'
+        layout: models.quantized.native_layout), or for a per-channel format its codes [out, in] and `scale` [out]."""
         if check_quantized(blocks, scale, self.d_out, self.d_in, fmt, f"a {self.d_in} -> {self.d_out} projection"):
             self.scale = nnx.data(nnx.Param(scale))  # data, though it was a static None
+        elif isinstance(blocks, (np.ndarray, jax.Array)):
+            blocks, fmt = native_layout(blocks, fmt)
         self.kernel = nnx.Param(blocks)
         self.quant = fmt
 

@@ -35,10 +35,68 @@ FORMATS = {f.name: f for f in (BlockFormat("q8_0", 32, 34), BlockFormat("q4_0", 
                                BlockFormat("q4_k", 256, 144), BlockFormat("q5_k", 256, 176),
                                BlockFormat("q6_k", 256, 210))}
 
+# Q4_0 / Q4_1 with the blocks of each 8 weight rows interleaved (the same bytes per row): the layout in which the
+# native kernels multiply them fastest on AVX2 builds (cpu_kernels/interleaved_products.h). Per group of 8 rows and
+# block of 32 weights: the rows' d halves, Q4_1's m halves, then 8 chunks of 16 bytes, chunk p holding bytes
+# 2p, 2p + 1 of each row's 16 code bytes. Name -> the row-major format.
+INTERLEAVED = {"q4_0x8": "q4_0", "q4_1x8": "q4_1"}
+INTERLEAVED_ROWS = 8
+
+
+def block_format(fmt: str) -> BlockFormat:
+    """The BlockFormat of `fmt`, a file's format (FORMATS) or an interleaved one (INTERLEAVED: the same sizes)."""
+    return FORMATS[INTERLEAVED.get(fmt, fmt)]
+
+
+def _interleaved_parts(fmt: str) -> tuple[int, int]:
+    """(header bytes, code bytes) of a block of the row-major format behind `fmt`."""
+    return block_format(fmt).block_bytes - 16, 16
+
+
+def interleave_rows(raw: np.ndarray, fmt: str) -> np.ndarray:
+    """Q4_0 / Q4_1 blocks [N, row bytes] (N a multiple of 8) -> the same weights in format `fmt + "x8"`."""
+    header, codes = _interleaved_parts(fmt)
+    n, row_bytes = raw.shape
+    groups, blocks = n // INTERLEAVED_ROWS, row_bytes // (header + codes)
+    by_block = raw.reshape(groups, INTERLEAVED_ROWS, blocks, header + codes).transpose(0, 2, 1, 3)  # [G, B, 8, bytes]
+    halves = by_block[..., :header].reshape(groups, blocks, INTERLEAVED_ROWS, header // 2, 2).transpose(0, 1, 3, 2, 4)
+    chunks = by_block[..., header:].reshape(groups, blocks, INTERLEAVED_ROWS, codes // 2, 2).transpose(0, 1, 3, 2, 4)
+    out = np.concatenate([halves.reshape(groups, blocks, -1), chunks.reshape(groups, blocks, -1)], axis=-1)
+    return np.ascontiguousarray(out.reshape(n, row_bytes))
+
+
+def _rows_of_interleaved(raw: jax.Array, fmt: str) -> jax.Array:
+    """Interleaved blocks [N, row bytes] (format q4_0x8 / q4_1x8) -> the row-major blocks of the same weights."""
+    header, codes = _interleaved_parts(fmt)
+    n, row_bytes = raw.shape
+    groups, blocks = n // INTERLEAVED_ROWS, row_bytes // (header + codes)
+    by_block = raw.reshape(groups, blocks, INTERLEAVED_ROWS * (header + codes))
+    halves = by_block[..., :INTERLEAVED_ROWS * header].reshape(groups, blocks, header // 2, INTERLEAVED_ROWS, 2)
+    chunks = by_block[..., INTERLEAVED_ROWS * header:].reshape(groups, blocks, codes // 2, INTERLEAVED_ROWS, 2)
+    rows = jnp.concatenate([halves.transpose(0, 1, 3, 2, 4).reshape(groups, blocks, INTERLEAVED_ROWS, header),
+                            chunks.transpose(0, 1, 3, 2, 4).reshape(groups, blocks, INTERLEAVED_ROWS, codes)], axis=-1)
+    return rows.transpose(0, 2, 1, 3).reshape(n, row_bytes)
+
+
+def native_layout(blocks: jax.Array, fmt: str) -> tuple[jax.Array, str]:
+    """A projection's GGUF blocks [N, row bytes] -> (blocks, format) in the layout the native kernels here multiply
+    fastest: Q4_0 / Q4_1 interleaved by groups of 8 rows on AVX2 builds (INTERLEAVED), anything else as given."""
+    if (fmt not in ("q4_0", "q4_1") or blocks.shape[0] % INTERLEAVED_ROWS or jax.default_backend() != "cpu"
+            or not native_kernel_available()):
+        return blocks, fmt
+    from cpu_kernels.quantized_matmul import interleaved_rows_preferred
+
+    if not interleaved_rows_preferred():
+        return blocks, fmt
+    return jnp.asarray(interleave_rows(np.asarray(blocks), fmt)), fmt + "x8"
+
 
 def check_blocks(blocks: jax.Array, rows: int, k: int, fmt: str, what: str) -> None:
-    """ValueError unless `blocks` holds `rows` rows of `k` weights in format `fmt` ([rows, row bytes] uint8)."""
-    expected = (rows, FORMATS[fmt].row_bytes(k))
+    """ValueError unless `blocks` holds `rows` rows of `k` weights in format `fmt` ([rows, row bytes] uint8; FORMATS or
+    INTERLEAVED)."""
+    expected = (rows, block_format(fmt).row_bytes(k))
+    if fmt in INTERLEAVED and rows % INTERLEAVED_ROWS:
+        raise ValueError(f"{fmt} blocks of {what} come in groups of {INTERLEAVED_ROWS} rows, got {rows} rows")
     if tuple(blocks.shape) != expected or blocks.dtype != jnp.uint8:
         raise ValueError(f"{fmt} blocks of {what} are uint8 {expected}, got {blocks.dtype} {tuple(blocks.shape)}")
 
@@ -97,7 +155,10 @@ def check_quantized(raw: jax.Array, scale: jax.Array | None, rows: int, k: int, 
 
 
 def dequantize(raw: jax.Array, fmt: str, k: int) -> jax.Array:
-    """raw [..., row_bytes] uint8, rows of `k` weights in format `fmt` -> float32 [..., k]."""
+    """raw [..., row_bytes] uint8, rows of `k` weights in format `fmt` -> float32 [..., k] (interleaved formats: raw
+    [N, row_bytes])."""
+    if fmt in INTERLEAVED:
+        raw, fmt = _rows_of_interleaved(raw, fmt), INTERLEAVED[fmt]
     spec = FORMATS[fmt]
     blocks = raw.reshape(*raw.shape[:-1], k // spec.block_size, spec.block_bytes)  # [..., B, bytes]
     if spec.block_size == 256:
@@ -145,13 +206,13 @@ def _native_invariant_rows() -> int:
 
 def invariant_step_rows(formats: Iterable[str]) -> int:
     """The most token rows of a step whose every row gets the bits it would get alone, for a model with GGUF blocks
-    of `formats` on the native kernels: _native_invariant_rows where every weight is in GGUF blocks (FORMATS: the
-    invariant path takes them all, and the attention's direct loops then go as far), else 8 (no blocks, or a
-    per-channel format)."""
+    of `formats` on the native kernels: _native_invariant_rows where every weight is in GGUF blocks (FORMATS or
+    INTERLEAVED: the invariant path takes them all, and the attention's direct loops then go as far), else 8 (no
+    blocks, or a per-channel format)."""
     from cpu_kernels.quantized_matmul import bf16_max_rows
 
     rows, formats = bf16_max_rows() or 8, set(formats)
-    if formats and formats <= FORMATS.keys():
+    if formats and formats <= FORMATS.keys() | INTERLEAVED.keys():
         rows = _native_invariant_rows() or rows
     return rows
 

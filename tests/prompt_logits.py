@@ -64,4 +64,15 @@ def blocks_take_float_activations(runner: ModelRunner, length: int) -> bool:
     from cpu_kernels.quantized_matmul import row_path_limits
 
     max_rows, tile_min_rows = row_path_limits()
+    if _interleaved_blocks(runner):  # int16 activations at every row count
+        return False
     return max_rows < length and runner.shapes.prefill(length).tokens < tile_min_rows
+
+
+def _interleaved_blocks(runner: ModelRunner) -> bool:
+    """Whether some projection of the runner's model holds blocks interleaved by rows (models.quantized.INTERLEAVED),
+    which the kernels multiply with int16 activations at every row count."""
+    from jvllm.worker.weights import block_formats
+    from models.quantized import INTERLEAVED
+
+    return bool(block_formats(runner.loaded) & INTERLEAVED.keys())
