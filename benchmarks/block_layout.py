@@ -1,0 +1,91 @@
+"""The embedded model with its Q4_0 / Q4_1 projections in the kernels' layout for this machine (interleaved by groups
+of 8 rows on AVX2 builds: models.quantized.native_layout) against the file's row-major blocks, in one process.
+
+Two `LLM()` engines with default settings, the second built with the layout choice bypassed; after a warm-up,
+each round times a single stream (a chat prompt, 128 greedy tokens, prefill included) and a batch of 32 uneven chat
+prompts x 64 tokens on both, each round's prompts new, the engines' order reversed every other round (a drift of the
+machine's speed reaches both sides of the ratio). Prints the medians and their ratios.
+
+    python -m benchmarks.block_layout --rounds 6 --json benchmarks/results/block_layout_cpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from benchmarks.common import command_line, machine_info, write_json
+from benchmarks.workloads import chat_messages
+
+
+def _single(engine, messages: list[dict]) -> float:
+    """One chat, 128 greedy tokens -> output tok/s."""
+    from jvllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    started = time.perf_counter()
+    out = engine.chat(messages, params, use_tqdm=False)
+    return len(out[0].outputs[0].token_ids) / (time.perf_counter() - started)
+
+
+def _batch(engine, chats: list[list[dict]]) -> float:
+    """Uneven chats in one batch, 64 greedy tokens each -> output tok/s."""
+    from jvllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    started = time.perf_counter()
+    outs = engine.chat(chats, params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - started)
+
+
+def _engines():
+    """(native-layout engine, row-major engine) and the block formats of each."""
+    import models.layers
+    from jvllm import LLM
+    from jvllm.worker.weights import block_formats
+
+    native = LLM()
+    choose = models.layers.native_layout
+    models.layers.native_layout = lambda blocks, fmt: (blocks, fmt)  # the file's blocks as they are
+    try:
+        row_major = LLM()
+    finally:
+        models.layers.native_layout = choose
+    formats = {name: sorted(block_formats(e.runner.loaded)) for name, e in (("native", native), ("row-major", row_major))}
+    return native, row_major, formats
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    native, row_major, formats = _engines()
+    print("block formats:", formats, flush=True)
+    engines = {"native": native, "row-major": row_major}
+    for engine in engines.values():  # warm-up on prompts not timed
+        _single(engine, chat_messages(1, seed=1000)[0])
+        _batch(engine, chat_messages(32, seed=1001))
+    times: dict[str, dict[str, list[float]]] = {name: {"single": [], "batch": []} for name in engines}
+    for r in range(args.rounds):
+        order = list(engines) if r % 2 == 0 else list(reversed(engines))
+        single_chat, batch_chats = chat_messages(1, seed=2 * r)[0], chat_messages(32, seed=2 * r + 1)
+        for name in order:
+            times[name]["single"].append(_single(engines[name], single_chat))
+        for name in order:
+            times[name]["batch"].append(_batch(engines[name], batch_chats))
+        print(f"round {r}: " + ", ".join(f"{name} single {t['single'][-1]:.1f} batch {t['batch'][-1]:.1f}"
+                                        for name, t in times.items()), flush=True)
+    medians = {name: {kind: statistics.median(v) for kind, v in t.items()} for name, t in times.items()}
+    ratios = {kind: medians["native"][kind] / medians["row-major"][kind] for kind in ("single", "batch")}
+    for kind in ("single", "batch"):
+        print(f"{kind}: native {medians['native'][kind]:.1f} tok/s, row-major {medians['row-major'][kind]:.1f} tok/s "
+              f"-> {ratios[kind]:.2f}x")
+    results = {"command": command_line("benchmarks.block_layout", argv), "machine": machine_info(),
+               "formats": formats, "tok_s": times, "medians": medians, "ratios": ratios}
+    write_json(args.json, results)
+    return results
+
+
+if __name__ == "__main__":
+    main()
