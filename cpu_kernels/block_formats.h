@@ -231,26 +231,44 @@ struct Q6_K {
 #endif
 };
 
-// Q4_0 and Q4_1 with the blocks of 8 weight rows interleaved (the projections' layout on AVX2 builds:
-// interleaved_products.h). Per group of 8 rows and 32 weights, kBytes * 8 bytes: the 8 rows' d as halves (16 bytes),
-// Q4_1's 8 m (16 bytes), then 8 chunks of 16 bytes where chunk p's byte 2r + e is row r's qs[2p + e] (its weights
-// 2p + e in the low nibble and 16 + 2p + e in the high one). Widened to 16-bit words, a chunk's low nibbles are the
-// weight pair (2p, 2p + 1) of all 8 rows and its high ones the pair (16 + 2p, 17 + 2p): one vpmaddwd operand each.
+// Q8_0, Q4_0 and Q4_1 with the blocks of 8 weight rows interleaved (the projections' layout on AVX2 builds:
+// interleaved_products.h). Per group of 8 rows and 32 weights, kBytes * 8 bytes: the 8 rows' d as halves (16
+// bytes), Q4_1's 8 m (16 bytes), then chunks of 16 code bytes where chunk q's byte 2r + e is row r's code byte
+// 2q + e. Widened to 16-bit words, a chunk holds one weight pair of all 8 rows per nibble (Q4) or byte (Q8): a
+// vpmaddwd operand. Pairs(block, p) gives the pairs (2p, 2p + 1) and (16 + 2p, 17 + 2p), p < 8, in both.
 struct InterleavedRowsTag {};
-template <int kHeader>
-struct Nibbles32x8 : InterleavedRowsTag {
-  static constexpr int kWeights = 32, kBytes = kHeader + 16, kSubs = 1, kMaxCode = 15;
-  static constexpr int kRows = 8;                    // weight rows per group
-  static constexpr int kGroupBytes = kRows * kBytes;  // one block of all 8 rows
-  static constexpr int kCodesAt = kRows * kHeader;    // where the 8 chunks of codes start
-  static constexpr bool kHasMin = kHeader == 4;
+
+template <int kRowsHeader, int kCodeBytes>
+struct Interleaved32 : InterleavedRowsTag {
+  static constexpr int kWeights = 32, kSubs = 1, kRows = 8;        // kRows weight rows per group
+  static constexpr int kBytes = kRowsHeader / kRows + kCodeBytes;  // per row and block, as row-major
+  static constexpr int kGroupBytes = kRows * kBytes;               // one block of all 8 rows
+  static constexpr int kCodesAt = kRowsHeader;                     // where the chunks of codes start
+  static constexpr bool kHasMin = kRowsHeader == 32;               // Q4_1: w = d * code + m
+  // Q4_0: w = d * (code - 8), the constant -8 d
+  static constexpr float kCodeOffset = kCodeBytes == 16 && !kHasMin ? -8.0f : 0.0f;
+  static constexpr int kMaxCode = kCodeBytes == 32 ? 128 : 15;
+#if defined(__AVX2__)
+  static void Pairs(const uint8_t* block, int p, __m256i& low, __m256i& high) {
+    const uint8_t* codes = block + kCodesAt;
+    if constexpr (kCodeBytes == 16) {
+      Nibbles16(codes + 16 * p, low, high);
+    } else {
+      low = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * p)));
+      high = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * (p + 8))));
+    }
+  }
+#endif
 };
-using Q4_0x8 = Nibbles32x8<2>;
-using Q4_1x8 = Nibbles32x8<4>;
+using Q8_0x8 = Interleaved32<16, 32>;
+using Q4_0x8 = Interleaved32<16, 16>;
+using Q4_1x8 = Interleaved32<32, 16>;
 
 template <typename Fmt>
 constexpr bool kInterleavedRows = std::is_base_of_v<InterleavedRowsTag, Fmt>;
 
-enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K = 5, kQ4_0x8 = 6, kQ4_1x8 = 7 };
+enum Format : int64_t {
+  kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K = 5, kQ4_0x8 = 6, kQ4_1x8 = 7, kQ8_0x8 = 8
+};
 
 }  // namespace jvllm

@@ -1,4 +1,4 @@
-// The products of the 32-weight block formats (Q8_0, Q4_0, Q4_1, and Q4_0 / Q4_1 interleaved by groups of 8 rows):
+// The products of the 32-weight block formats (Q8_0, Q4_0, Q4_1, and the same interleaved by groups of 8 rows):
 // compiled apart from the K-quants' so that the kernels' build runs both at once (format_products.h).
 
 #include "format_products.h"
@@ -11,6 +11,7 @@ JVLLM_FORMAT_PRODUCTS(, Q4_1)
 #if defined(__AVX2__)
 JVLLM_FORMAT_PRODUCTS(, Q4_0x8)
 JVLLM_FORMAT_PRODUCTS(, Q4_1x8)
+JVLLM_FORMAT_PRODUCTS(, Q8_0x8)
 #endif
 
 }  // namespace jvllm

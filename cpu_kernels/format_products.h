@@ -26,6 +26,7 @@ JVLLM_FORMAT_PRODUCTS(extern, Q6_K)
 #if defined(__AVX2__)
 JVLLM_FORMAT_PRODUCTS(extern, Q4_0x8)
 JVLLM_FORMAT_PRODUCTS(extern, Q4_1x8)
+JVLLM_FORMAT_PRODUCTS(extern, Q8_0x8)
 #endif
 
 }  // namespace jvllm

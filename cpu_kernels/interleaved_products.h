@@ -1,13 +1,14 @@
-// Products with Q4_0 / Q4_1 weights whose blocks are interleaved by groups of 8 rows (block_formats.h,
-// Nibbles32x8): y[M, N] = x[M, K] . W[N, K]^T with x quantized to int16 blocks (int16_dots.h).
+// Products with Q8_0 / Q4_0 / Q4_1 weights whose blocks are interleaved by groups of 8 rows (block_formats.h,
+// Interleaved32): y[M, N] = x[M, K] . W[N, K]^T with x quantized to int16 blocks (int16_dots.h).
 //
-// Each 16 bytes of a group's codes widen to two vpmaddwd operands that hold one weight pair of all 8 rows, so a
+// Each 16 bytes of a group's codes widen to vpmaddwd operands that hold one weight pair of all 8 rows, so a
 // broadcast pair of x multiplies 8 outputs at once and a block's int32 sums land one output per lane: per row of x
 // and block, 16 vpmaddwd with their adds for 8 outputs, then one conversion, one scale product and two
-// multiply-adds (y += d * xd * sums + c * xs) for all 8, where the row-major blocks need two vpmaddwd, an add,
-// a conversion, a multiply-add and a horizontal sum per output. Every row of x takes the same operations whatever
-// rows come with it, so a row's bits are its own at any row count. From the caller's tile_min_rows rows, the codes
-// are unpacked into 16-bit tiles instead (int16_tiles.h), which reuse x from cache over many more rows.
+// multiply-adds (y += d * xd * sums + c * xs; Q8_0 has no c) for all 8, where the row-major blocks need two
+// vpmaddwd, an add, a conversion, a multiply-add and a horizontal sum per output. Every row of x takes the same
+// operations whatever rows come with it, so a row's bits are its own at any row count. From the caller's
+// tile_min_rows rows, the codes are unpacked into 16-bit tiles instead (int16_tiles.h), which reuse x from cache over
+// many more rows.
 #pragma once
 
 #if defined(__AVX2__)
@@ -83,7 +84,7 @@ class InterleavedRowProduct {
 #pragma GCC unroll 8
       for (int p = 0; p < 8; ++p) {
         __m256i low, high;  // pairs (2p, 2p + 1) and (16 + 2p, 17 + 2p) of the 8 rows
-        Nibbles16(block + Fmt::kCodesAt + 16 * p, low, high);
+        Fmt::Pairs(block, p, low, high);
         for (int i = 0; i < X; ++i) {
           const int16_t* xb = xq + i * k + b * kBlock;
           int32_t low_pair, high_pair;
@@ -97,7 +98,9 @@ class InterleavedRowProduct {
       for (int i = 0; i < X; ++i) {
         const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[i * blocks + b]));
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i]), scale, acc[i]);
-        acc[i] = _mm256_fmadd_ps(c, _mm256_set1_ps(xs[i * blocks + b]), acc[i]);
+        if constexpr (Fmt::kHasMin || Fmt::kCodeOffset != 0.0f) {
+          acc[i] = _mm256_fmadd_ps(c, _mm256_set1_ps(xs[i * blocks + b]), acc[i]);
+        }
       }
     }
     for (int i = 0; i < X; ++i) _mm256_storeu_ps(y_ + (m0 + i) * n_ + g * Fmt::kRows, acc[i]);

@@ -67,6 +67,7 @@ ffi::Error WithFormat(const char* what, int64_t format, int64_t k, int64_t n, in
 #if defined(__AVX2__)
     case jvllm::kQ4_0x8: return checked(jvllm::Q4_0x8{});
     case jvllm::kQ4_1x8: return checked(jvllm::Q4_1x8{});
+    case jvllm::kQ8_0x8: return checked(jvllm::Q8_0x8{});
 #endif
     default: return ffi::Error::InvalidArgument(std::string(what) + ": unknown format");
   }
@@ -149,7 +150,7 @@ constexpr int32_t kInt16MaxRows = 0, kInt16TileMinRows = 0;
 #endif
 
 extern "C" int32_t JvllmInt16MaxRows() { return kInt16MaxRows; }
-// 1 where the build multiplies Q4_0 / Q4_1 weights interleaved by groups of 8 rows (q4_0x8, q4_1x8) and they are
+// 1 where the build multiplies Q8_0 / Q4_0 / Q4_1 weights interleaved by groups of 8 rows (q8_0x8, ...) and they are
 // this CPU's layout for them: AVX2 builds without AVX-512's 16-bit code tiles, where the row-major blocks' few-row
 // products are bound by their per-output work (docs/design.md, GGUF blocks). AVX-512 builds can multiply them too.
 extern "C" int32_t JvllmInterleavedRowsPreferred() {

@@ -13,9 +13,9 @@
 // it. From int8_tile_min_rows (CPUs with AVX-512 VNNI; Q4_0, Q4_1, Q4_K, Q5_K) x is quantized to int8 blocks against
 // 8-bit code tiles (int8_tiles.h). Up to the caller's invariant_max_rows (AVX-512 builds), the
 // invariant path instead: int16 x with exact block sums, each row's bits its own at any row count
-// (invariant_products.h). Q4_0 / Q4_1 interleaved by groups of 8 rows (AVX2 builds' layout for them) take their own
-// paths with int16 x at every row count (interleaved_products.h). Work items are ranges of output rows, shared by
-// the caller and the kernels' helper threads.
+// (invariant_products.h). Q8_0 / Q4_0 / Q4_1 interleaved by groups of 8 rows (AVX2 builds' layout for them) take
+// their own paths with int16 x at every row count (interleaved_products.h). Work items are ranges of output rows,
+// shared by the caller and the kernels' helper threads.
 //
 // The block formats are described in block_formats.h.
 #pragma once
@@ -391,7 +391,7 @@ void RunProduct(Shapes sh, const float* x, const uint8_t* w, float* y, const Row
       RunInt8Product<Fmt>(sh.m, sh.k, sh.n, x, w, y);
       return;
     }
-  #if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__)
     if (paths.bf16_max_rows > 0 && sh.m >= paths.bf16_min_rows) {  // bfloat16 products: rows, tiles past kBf16MaxRows
       thread_local Bf16Rows xb;
       xb.Convert(x, sh.m, sh.k);
@@ -400,8 +400,8 @@ void RunProduct(Shapes sh, const float* x, const uint8_t* w, float* y, const Row
       jvllm::RunItems(work);
       return;
     }
-  #endif
-  #if defined(__AVX2__)
+#endif
+#if defined(__AVX2__)
     const bool int_rows = sh.m <= paths.int16_max_rows;
     if (int_rows || (paths.int16_tile_min_rows > 0 && sh.m >= paths.int16_tile_min_rows)) {
       thread_local Int16Rows xq;
@@ -411,7 +411,7 @@ void RunProduct(Shapes sh, const float* x, const uint8_t* w, float* y, const Row
       jvllm::RunItems(work);
       return;
     }
-  #endif
+#endif
     if (sh.m <= kDirectRows) {
       Matmul<Fmt> work(Path::kDirect, sh, x, w, y);
       jvllm::RunItems(work);

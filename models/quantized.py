@@ -35,11 +35,11 @@ FORMATS = {f.name: f for f in (BlockFormat("q8_0", 32, 34), BlockFormat("q4_0", 
                                BlockFormat("q4_k", 256, 144), BlockFormat("q5_k", 256, 176),
                                BlockFormat("q6_k", 256, 210))}
 
-# Q4_0 / Q4_1 with the blocks of each 8 weight rows interleaved (the same bytes per row): the layout in which the
-# native kernels multiply them fastest on AVX2 builds (cpu_kernels/interleaved_products.h). Per group of 8 rows and
-# block of 32 weights: the rows' d halves, Q4_1's m halves, then 8 chunks of 16 bytes, chunk p holding bytes
-# 2p, 2p + 1 of each row's 16 code bytes. Name -> the row-major format.
-INTERLEAVED = {"q4_0x8": "q4_0", "q4_1x8": "q4_1"}
+# Q8_0, Q4_0 and Q4_1 with the blocks of each 8 weight rows interleaved (the same bytes per row): the layout in which
+# the native kernels multiply them fastest on AVX2 builds (cpu_kernels/interleaved_products.h). Per group of 8 rows
+# and block of 32 weights: the rows' d halves, Q4_1's m halves, then chunks of 16 bytes, chunk q holding bytes
+# 2q, 2q + 1 of each row's code bytes. Name -> the row-major format.
+INTERLEAVED = {"q8_0x8": "q8_0", "q4_0x8": "q4_0", "q4_1x8": "q4_1"}
 INTERLEAVED_ROWS = 8
 
 
@@ -50,11 +50,12 @@ def block_format(fmt: str) -> BlockFormat:
 
 def _interleaved_parts(fmt: str) -> tuple[int, int]:
     """(header bytes, code bytes) of a block of the row-major format behind `fmt`."""
-    return block_format(fmt).block_bytes - 16, 16
+    codes = 32 if INTERLEAVED.get(fmt, fmt) == "q8_0" else 16
+    return block_format(fmt).block_bytes - codes, codes
 
 
 def interleave_rows(raw: np.ndarray, fmt: str) -> np.ndarray:
-    """Q4_0 / Q4_1 blocks [N, row bytes] (N a multiple of 8) -> the same weights in format `fmt + "x8"`."""
+    """Q8_0 / Q4_0 / Q4_1 blocks [N, row bytes] (N a multiple of 8) -> the same weights in format `fmt + "x8"`."""
     header, codes = _interleaved_parts(fmt)
     n, row_bytes = raw.shape
     groups, blocks = n // INTERLEAVED_ROWS, row_bytes // (header + codes)
@@ -66,7 +67,7 @@ def interleave_rows(raw: np.ndarray, fmt: str) -> np.ndarray:
 
 
 def _rows_of_interleaved(raw: jax.Array, fmt: str) -> jax.Array:
-    """Interleaved blocks [N, row bytes] (format q4_0x8 / q4_1x8) -> the row-major blocks of the same weights."""
+    """Interleaved blocks [N, row bytes] (INTERLEAVED) -> the row-major blocks of the same weights."""
     header, codes = _interleaved_parts(fmt)
     n, row_bytes = raw.shape
     groups, blocks = n // INTERLEAVED_ROWS, row_bytes // (header + codes)
@@ -80,8 +81,8 @@ def _rows_of_interleaved(raw: jax.Array, fmt: str) -> jax.Array:
 
 def native_layout(blocks: jax.Array, fmt: str) -> tuple[jax.Array, str]:
     """A projection's GGUF blocks [N, row bytes] -> (blocks, format) in the layout the native kernels here multiply
-    fastest: Q4_0 / Q4_1 interleaved by groups of 8 rows on AVX2 builds (INTERLEAVED), anything else as given."""
-    if (fmt not in ("q4_0", "q4_1") or blocks.shape[0] % INTERLEAVED_ROWS or jax.default_backend() != "cpu"
+    fastest: Q8_0 / Q4_0 / Q4_1 interleaved by groups of 8 rows on AVX2 builds (INTERLEAVED), anything else as given."""
+    if (fmt + "x8" not in INTERLEAVED or blocks.shape[0] % INTERLEAVED_ROWS or jax.default_backend() != "cpu"
             or not native_kernel_available()):
         return blocks, fmt
     from cpu_kernels.quantized_matmul import interleaved_rows_preferred

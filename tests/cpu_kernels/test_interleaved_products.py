@@ -1,4 +1,4 @@
-"""Q4_0 / Q4_1 weights interleaved by groups of 8 rows (models.quantized.interleave_rows, the native kernels' layout
+"""Q8_0 / Q4_0 / Q4_1 weights interleaved by groups of 8 rows (models.quantized.interleave_rows, the native kernels' layout
 on AVX2 builds: cpu_kernels/interleaved_products.h): the layout round trip, the products of both of its paths (row
 chunks below the int16 tiles' row count, 16-bit code tiles from it) against gguf's reference dequantizer and
 float64 products, each row's bits at every row count, the gated product, and where the layout is chosen."""
@@ -18,7 +18,7 @@ from models.quantized import (INTERLEAVED, check_blocks, dequantize, interleave_
 pytestmark = pytest.mark.skipif(not __import__("cpu_kernels.build").build.available(),
                                 reason="needs a C++ compiler to build the native kernels")
 
-FORMATS = ["q4_0", "q4_1"]
+FORMATS = ["q8_0", "q4_0", "q4_1"]
 # The row counts at which the paths meet, as on AVX2 builds (AVX-512 builds read the layout too, at any limits).
 PATHS = dict(int16_max_rows=8, int16_tile_min_rows=64)
 
@@ -101,12 +101,12 @@ def test_interleaved_blocks_come_in_groups_of_eight_rows():
         product(np.ones((1, 64), np.float32), raw[:12], "q4_1x8")
 
 
-@pytest.mark.parametrize("fmt, rows, interleaves", [("q4_1", 16, True), ("q4_0", 24, True), ("q4_1", 12, False),
-                                                    ("q8_0", 16, False)])
-def test_a_projection_takes_the_layout_of_this_machines_kernels(fmt, rows, interleaves):
-    """Q4_0 / Q4_1 projections of whole groups of 8 rows are interleaved where the build prefers it (AVX2 without
-    AVX-512); the layer's products are the same weights' either way."""
-    k = 64
+@pytest.mark.parametrize("fmt, rows, k, interleaves", [("q4_1", 16, 64, True), ("q4_0", 24, 64, True),
+                                                       ("q8_0", 8, 96, True), ("q4_1", 12, 64, False),
+                                                       ("q6_k", 16, 256, False)])
+def test_a_projection_takes_the_layout_of_this_machines_kernels(fmt, rows, k, interleaves):
+    """Q8_0 / Q4_0 / Q4_1 projections of whole groups of 8 rows are interleaved where the build prefers it (AVX2
+    without AVX-512); the layer's products are the same weights' either way."""
     raw = weights(fmt, rows, k, seed=rows)
     layer = Linear(k, rows, bias=False, dtype=jnp.float32, rngs=None)
     layer.set_quantized(jnp.asarray(raw), fmt)
