@@ -19,6 +19,7 @@
 #include <cstring>
 
 #include "block_formats.h"
+#include "float_tiles.h"
 #include "int16_dots.h"
 #include "int16_tiles.h"
 #include "interleaved_blocks.h"
@@ -31,7 +32,7 @@ namespace jvllm {
 template <typename Fmt>
 class InterleavedRowProduct {
  public:
-  static constexpr int64_t kChunkRows = 8;
+  static constexpr int kChunkRows = 8;
   static constexpr int64_t kPrefetchGroupBlocks = 8;  // the stream's blocks asked for this far ahead
 
   InterleavedRowProduct(int64_t m, int64_t k, int64_t n, const Int16Rows* xq, const uint8_t* w, float* y)
@@ -45,18 +46,7 @@ class InterleavedRowProduct {
   void Run(int64_t item) const {
     const int64_t g0 = item * groups_per_item_, g1 = std::min(n_ / Fmt::kRows, g0 + groups_per_item_);
     for (int64_t g = g0; g < g1; ++g) {
-      for (int64_t m0 = 0; m0 < m_; m0 += kChunkRows) {
-        switch (std::min(kChunkRows, m_ - m0)) {
-          case 1: Chunk<1>(g, m0); break;
-          case 2: Chunk<2>(g, m0); break;
-          case 3: Chunk<3>(g, m0); break;
-          case 4: Chunk<4>(g, m0); break;
-          case 5: Chunk<5>(g, m0); break;
-          case 6: Chunk<6>(g, m0); break;
-          case 7: Chunk<7>(g, m0); break;
-          default: Chunk<8>(g, m0); break;
-        }
-      }
+      ForRowGroups<kChunkRows>(0, m_, [&](auto rows, int64_t m0) { Chunk<decltype(rows)::value>(g, m0); });
     }
   }
 
