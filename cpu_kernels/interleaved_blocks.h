@@ -46,9 +46,8 @@ void InterleavedTileCodes(const uint8_t* w, int64_t k, int64_t n, int cols, int1
     const uint8_t* group = w + (n / Fmt::kRows + half) * blocks * Fmt::kGroupBytes;
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* block = group + b * Fmt::kGroupBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(block + 4 * Fmt::kGroupBytes), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(block + 4 * Fmt::kGroupBytes + 64), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(block + 4 * Fmt::kGroupBytes + 128), _MM_HINT_T0);
+      const char* ahead = reinterpret_cast<const char*>(block + 4 * Fmt::kGroupBytes);
+      for (int line = 0; line < Fmt::kGroupBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
       __m256 bd, bc;
       GroupScales<Fmt>(block, bd, bc);
       _mm256_storeu_ps(d + b * kCols + col0, bd);
