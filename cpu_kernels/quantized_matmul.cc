@@ -40,8 +40,7 @@ ffi::Error LiveShapes(const char* what, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ff
 }
 
 // Calls body(Fmt{}) with the block format named by `format`, after checking that a weight row of `row_bytes` is
-// whole blocks of it.
-// Interleaved formats (groups of 8 rows: block_formats.h) also need whole groups of rows, and an AVX2 build.
+// whole blocks of it (and for the interleaved formats of AVX2 builds, that the n rows are whole groups of 8).
 template <typename Body>
 ffi::Error WithFormat(const char* what, int64_t format, int64_t k, int64_t n, int64_t row_bytes, Body body) {
   auto checked = [&](auto fmt) {
@@ -150,6 +149,7 @@ constexpr int32_t kInt16MaxRows = 0, kInt16TileMinRows = 0;
 #endif
 
 extern "C" int32_t JvllmInt16MaxRows() { return kInt16MaxRows; }
+extern "C" int32_t JvllmInt16TileMinRows() { return kInt16TileMinRows; }
 // 1 where the build multiplies Q8_0 / Q4_0 / Q4_1 weights interleaved by groups of 8 rows (q8_0x8, ...) and they are
 // this CPU's layout for them: AVX2 builds without AVX-512's 16-bit code tiles, where the row-major blocks' few-row
 // products are bound by their per-output work (docs/design.md, GGUF blocks). AVX-512 builds can multiply them too.
@@ -160,7 +160,6 @@ extern "C" int32_t JvllmInterleavedRowsPreferred() {
   return 0;
 #endif
 }
-extern "C" int32_t JvllmInt16TileMinRows() { return kInt16TileMinRows; }
 // Up to this many rows, products with the formats of invariant_products.h can take its path (0: the build has none).
 extern "C" int32_t JvllmInvariantMaxRows() { return JVLLM_INT16_512 ? 32 : 0; }
 extern "C" int32_t JvllmBf16MaxRows() { return static_cast<int32_t>(jvllm::kBf16MaxRows); }

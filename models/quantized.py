@@ -48,35 +48,33 @@ def block_format(fmt: str) -> BlockFormat:
     return FORMATS[INTERLEAVED.get(fmt, fmt)]
 
 
-def _interleaved_parts(fmt: str) -> tuple[int, int]:
-    """(header bytes, code bytes) of a block of the row-major format behind `fmt`."""
+def _interleaved_parts(fmt: str, shape: tuple[int, int]) -> tuple[int, int, int, int]:
+    """(header bytes, code bytes) of a block of the row-major format behind `fmt`, and (groups of 8 rows, blocks a
+    row) of blocks [N, row bytes] of that `shape`."""
     codes = 32 if INTERLEAVED.get(fmt, fmt) == "q8_0" else 16
-    return block_format(fmt).block_bytes - codes, codes
+    header = block_format(fmt).block_bytes - codes
+    return header, codes, shape[0] // INTERLEAVED_ROWS, shape[1] // (header + codes)
 
 
 def interleave_rows(raw: np.ndarray, fmt: str) -> np.ndarray:
     """Q8_0 / Q4_0 / Q4_1 blocks [N, row bytes] (N a multiple of 8) -> the same weights in format `fmt + "x8"`."""
-    header, codes = _interleaved_parts(fmt)
-    n, row_bytes = raw.shape
-    groups, blocks = n // INTERLEAVED_ROWS, row_bytes // (header + codes)
+    header, codes, groups, blocks = _interleaved_parts(fmt, raw.shape)
     by_block = raw.reshape(groups, INTERLEAVED_ROWS, blocks, header + codes).transpose(0, 2, 1, 3)  # [G, B, 8, bytes]
     halves = by_block[..., :header].reshape(groups, blocks, INTERLEAVED_ROWS, header // 2, 2).transpose(0, 1, 3, 2, 4)
     chunks = by_block[..., header:].reshape(groups, blocks, INTERLEAVED_ROWS, codes // 2, 2).transpose(0, 1, 3, 2, 4)
     out = np.concatenate([halves.reshape(groups, blocks, -1), chunks.reshape(groups, blocks, -1)], axis=-1)
-    return np.ascontiguousarray(out.reshape(n, row_bytes))
+    return np.ascontiguousarray(out.reshape(raw.shape))
 
 
 def _rows_of_interleaved(raw: jax.Array, fmt: str) -> jax.Array:
     """Interleaved blocks [N, row bytes] (INTERLEAVED) -> the row-major blocks of the same weights."""
-    header, codes = _interleaved_parts(fmt)
-    n, row_bytes = raw.shape
-    groups, blocks = n // INTERLEAVED_ROWS, row_bytes // (header + codes)
+    header, codes, groups, blocks = _interleaved_parts(fmt, raw.shape)
     by_block = raw.reshape(groups, blocks, INTERLEAVED_ROWS * (header + codes))
     halves = by_block[..., :INTERLEAVED_ROWS * header].reshape(groups, blocks, header // 2, INTERLEAVED_ROWS, 2)
     chunks = by_block[..., INTERLEAVED_ROWS * header:].reshape(groups, blocks, codes // 2, INTERLEAVED_ROWS, 2)
     rows = jnp.concatenate([halves.transpose(0, 1, 3, 2, 4).reshape(groups, blocks, INTERLEAVED_ROWS, header),
                             chunks.transpose(0, 1, 3, 2, 4).reshape(groups, blocks, INTERLEAVED_ROWS, codes)], axis=-1)
-    return rows.transpose(0, 2, 1, 3).reshape(n, row_bytes)
+    return rows.transpose(0, 2, 1, 3).reshape(raw.shape)
 
 
 def native_layout(blocks: jax.Array, fmt: str) -> tuple[jax.Array, str]:
