@@ -1,5 +1,6 @@
 """The embedded model with its Q4_0 / Q4_1 projections in the kernels' layout for this machine (interleaved by groups
-of 8 rows on AVX2 builds: models.quantized.native_layout) against the file's row-major blocks, in one process.
+of 8 rows on AVX2 builds, by code words for 16 rows on AVX-512 builds with BF16: models.quantized.native_layout)
+against the file's row-major blocks, in one process.
 
 Two `LLM()` engines with default settings, the second built with the layout choice bypassed; after a warm-up,
 each round times a single stream (a chat prompt, 128 greedy tokens, prefill included) and a batch of 32 uneven chat

@@ -22,6 +22,7 @@
 #include "run_items.h"
 #include "transpose.h"
 #include "vector_exp.h"
+#include "word_group_blocks.h"
 
 namespace jvllm {
 
@@ -145,13 +146,20 @@ class Bf16Tiles {
   const uint8_t* Row(const uint8_t* w, int64_t n) const { return w + n * blocks_per_row() * Fmt::kBytes; }
 
   // Weight rows [n, n + cols) -> tile [K / 2, kTileCols] of bf16 pairs (zero columns past `cols`). Blocks of 32
-  // weights: from their transposed codes (code_tiles.h). K-quants: each half of 8 rows is dequantized into `rows`
-  // [8, K], then its 32-bit pairs are transposed 8 x 8 at a time.
+  // weights: from their transposed codes (code_tiles.h), or from word groups as they lie (word_group_blocks.h:
+  // whole groups of 16 rows). K-quants: each half of 8 rows is dequantized into `rows` [8, K], then its 32-bit
+  // pairs are transposed 8 x 8 at a time.
   void TileWeights(const uint8_t* w, int64_t n, int cols, uint32_t* tile) const {
-    if constexpr (kTilesFromCodes<Fmt>) {  // 32-weight blocks: their codes transposed instead (code_tiles.h)
+    if constexpr (kWordGroups<Fmt>) {
+      TileFromWordGroups<Fmt>(w, k_, n, tile);
+    } else if constexpr (kTilesFromCodes<Fmt>) {  // 32-weight blocks: their codes transposed instead (code_tiles.h)
       TileFromCodes<Fmt>(w, blocks_per_row() * Fmt::kBytes, k_, n, cols, tile);
-      return;
+    } else {
+      KQuantTile(w, n, cols, tile);
     }
+  }
+
+  void KQuantTile(const uint8_t* w, int64_t n, int cols, uint32_t* tile) const {
     thread_local std::vector<uint16_t> rows;
     const int64_t k = k_;
     rows.resize(static_cast<size_t>(8 * k));

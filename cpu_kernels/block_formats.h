@@ -267,8 +267,37 @@ using Q4_1x8 = Interleaved32<32, 16>;
 template <typename Fmt>
 constexpr bool kInterleavedRows = std::is_base_of_v<InterleavedRowsTag, Fmt>;
 
+// Q8_0, Q4_0 and Q4_1 with the blocks of 16 weight rows grouped by 32-bit code words (the projections' layout on
+// AVX-512 builds with BF16: word_group_blocks.h). Per group of 16 rows and 32 weights, kBytes * 16 bytes: the 16
+// rows' d as halves (32 bytes), Q4_1's 16 m (32 bytes), then per code word t (4 for Q4, 8 for Q8) 64 bytes: row r's
+// code bytes 4t, 4t + 2, 4t + 1, 4t + 3 at 4r. One 512-bit load is then word t of all 16 rows, and the 16-bit halves
+// of each lane hold the codes of two neighbouring weights: (4t, 4t + 1) and (4t + 2, 4t + 3) per byte (Q8) or
+// nibble (Q4), a `vpdpwssd` operand after a mask or a shift.
+struct WordGroupsTag {};
+
+template <int kRowsHeader, int kCodeBytes>
+struct WordGroups32 : WordGroupsTag {
+  static constexpr int kWeights = 32, kSubs = 1, kRows = 16;        // kRows weight rows per group
+  static constexpr int kBytes = kRowsHeader / kRows + kCodeBytes;  // per row and block, as row-major
+  static constexpr int kGroupBytes = kRows * kBytes;               // one block of all 16 rows
+  static constexpr int kCodesAt = kRowsHeader;                     // where the code words start
+  static constexpr int kWords = kCodeBytes / 4;                    // code words per row and block
+  static constexpr bool kHasMin = kRowsHeader == 64;               // Q4_1: w = d * code + m
+  static constexpr bool kSigned = kCodeBytes == 32;                // Q8_0: signed 8-bit codes
+  // Q4_0: w = d * (code - 8), the constant -8 d
+  static constexpr float kCodeOffset = kCodeBytes == 16 && !kHasMin ? -8.0f : 0.0f;
+  static constexpr int kMaxCode = kSigned ? 128 : 15;
+};
+using Q8_0x16 = WordGroups32<32, 32>;
+using Q4_0x16 = WordGroups32<32, 16>;
+using Q4_1x16 = WordGroups32<64, 16>;
+
+template <typename Fmt>
+constexpr bool kWordGroups = std::is_base_of_v<WordGroupsTag, Fmt>;
+
 enum Format : int64_t {
-  kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K = 5, kQ4_0x8 = 6, kQ4_1x8 = 7, kQ8_0x8 = 8
+  kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K = 5, kQ4_0x8 = 6, kQ4_1x8 = 7, kQ8_0x8 = 8,
+  kQ4_0x16 = 9, kQ4_1x16 = 10, kQ8_0x16 = 11
 };
 
 }  // namespace jvllm

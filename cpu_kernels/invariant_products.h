@@ -11,7 +11,9 @@
 // 32-bit lane holds two codes of one row (16 pair vectors a block, one per pair of weights), and every row of x
 // meets them through broadcasts of its matching code pairs (x's codes permuted once per call to the pairs' order):
 // 16 `vpdpwssd` per row of x and block, with no tiles kept in memory: up to 16 rows as fast as the other paths or
-// faster, past that slower than the bf16 tiles (docs/design.md, speculative decoding).
+// faster, past that slower than the bf16 tiles (docs/design.md, speculative decoding). Q8_0 / Q4_0 / Q4_1 weights
+// grouped by code words (word_group_blocks.h) are loaded as the pair vectors' words with no transpose; their pairs
+// are other weights' (x's permutation follows), and the exact block sums give the row-major blocks' bits.
 #pragma once
 
 #include <cstdint>
@@ -44,13 +46,14 @@ constexpr bool TakesInvariantProduct(int64_t m, int64_t max_rows) {
 #include "int16_tiles.h"
 #include "run_items.h"
 #include "vector_exp.h"
+#include "word_group_blocks.h"
 
 namespace jvllm {
 
 template <typename Fmt>
 class InvariantProduct {
  public:
-  static constexpr bool kSigned = std::is_same_v<Fmt, Q8_0>;  // signed 8-bit codes
+  static constexpr bool kSigned = std::is_same_v<Fmt, Q8_0> || std::is_same_v<Fmt, Q8_0x16>;  // signed 8-bit codes
   static constexpr bool kKQuant = Fmt::kWeights == 256;       // 256-weight blocks of 8 sub-blocks of 32
   static constexpr bool kFourPairsAWord = !kSigned && !kKQuant;  // Q4_0, Q4_1: a code word holds 4 pairs' nibbles
   static constexpr bool kConstants = !kSigned && !std::is_same_v<Fmt, Q6_K>;  // blocks with a constant term c
@@ -105,9 +108,15 @@ class InvariantProduct {
   // Q4_0 / Q4_1, from word t (low nibbles: weights 4t .. 4t + 3, high: 16 + 4t ..): j = 0: (4t, 4t + 2),
   // 1: (4t + 1, 4t + 3), 2: (16 + 4t, 18 + 4t), 3: (17 + 4t, 19 + 4t). The others (word t of a (sub-)block's codes:
   // weights 4t .. 4t + 3): j = 0: (4t, 4t + 2), 1: (4t + 1, 4t + 3).
+  // Word groups: WordGroupPairFirst's neighbours.
   static __m512i PairOrder() {
     alignas(64) int16_t order[32];
     for (int p = 0; p < kPairs; ++p) {
+      if constexpr (kWordGroups<Fmt>) {
+        order[2 * p] = static_cast<int16_t>(WordGroupPairFirst<Fmt>(p));
+        order[2 * p + 1] = static_cast<int16_t>(WordGroupPairFirst<Fmt>(p) + 1);
+        continue;
+      }
       const int t = kFourPairsAWord ? p / 4 : p / 2, j = kFourPairsAWord ? p % 4 : p % 2;
       const int first = 4 * t + (j & 1) + (j >= 2 ? 16 : 0);
       order[2 * p] = static_cast<int16_t>(first);
@@ -211,7 +220,12 @@ class InvariantProduct {
   // decoded scales, filled at a block's first sub-block.
   static void BlockPairs(const uint8_t* const (&rows)[16], __mmask16 live, int64_t b, BlockScales& scales,
                          __m512i (&pairs)[kPairs], __m512& d, __m512& c) {
-    if constexpr (kKQuant) {
+    if constexpr (kWordGroups<Fmt>) {  // the group's 16 rows are one run of memory from rows[0]
+      const uint8_t* block = rows[0] + b * Fmt::kGroupBytes;
+      WordGroupScales<Fmt>(block, d, c);
+      WordGroupPairs<Fmt>(block, pairs);
+      return;
+    } else if constexpr (kKQuant) {
       const int64_t at = b / 8 * Fmt::kBytes;
       const int s = static_cast<int>(b % 8);
       if (s == 0) ScalesOf(rows, at, scales);

@@ -48,9 +48,10 @@ ffi::Error WithFormat(const char* what, int64_t format, int64_t k, int64_t n, in
     if (k % Fmt::kWeights != 0 || row_bytes != k / Fmt::kWeights * Fmt::kBytes) {
       return ffi::Error::InvalidArgument(std::string(what) + ": a weight row must be whole blocks of its format");
     }
-    if constexpr (jvllm::kInterleavedRows<Fmt>) {
+    if constexpr (jvllm::kInterleavedRows<Fmt> || jvllm::kWordGroups<Fmt>) {
       if (n % Fmt::kRows != 0) {
-        return ffi::Error::InvalidArgument(std::string(what) + ": interleaved weights come in groups of 8 rows");
+        return ffi::Error::InvalidArgument(std::string(what) + ": interleaved weights come in groups of " +
+                                           std::to_string(Fmt::kRows) + " rows");
       }
     }
     body(fmt);
@@ -67,6 +68,11 @@ ffi::Error WithFormat(const char* what, int64_t format, int64_t k, int64_t n, in
     case jvllm::kQ4_0x8: return checked(jvllm::Q4_0x8{});
     case jvllm::kQ4_1x8: return checked(jvllm::Q4_1x8{});
     case jvllm::kQ8_0x8: return checked(jvllm::Q8_0x8{});
+#endif
+#if JVLLM_WORD_GROUPS
+    case jvllm::kQ4_0x16: return checked(jvllm::Q4_0x16{});
+    case jvllm::kQ4_1x16: return checked(jvllm::Q4_1x16{});
+    case jvllm::kQ8_0x16: return checked(jvllm::Q8_0x16{});
 #endif
     default: return ffi::Error::InvalidArgument(std::string(what) + ": unknown format");
   }
@@ -160,6 +166,10 @@ extern "C" int32_t JvllmInterleavedRowsPreferred() {
   return 0;
 #endif
 }
+// 1 where the build multiplies Q8_0 / Q4_0 / Q4_1 weights grouped by code words for 16 rows (q8_0x16, ...), this
+// CPU's layout for them: AVX-512 builds with BF16, where the invariant path then reads its pair vectors without
+// transposing 16 rows' blocks (docs/design.md, GGUF blocks).
+extern "C" int32_t JvllmWordGroupsPreferred() { return JVLLM_WORD_GROUPS; }
 // Up to this many rows, products with the formats of invariant_products.h can take its path (0: the build has none).
 extern "C" int32_t JvllmInvariantMaxRows() { return JVLLM_INT16_512 ? 32 : 0; }
 extern "C" int32_t JvllmBf16MaxRows() { return static_cast<int32_t>(jvllm::kBf16MaxRows); }

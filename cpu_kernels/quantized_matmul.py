@@ -10,10 +10,12 @@ import numpy as np
 from cpu_kernels.build import load
 
 # GGUF block formats the kernel reads: name -> (its code in the kernel, weights per block, bytes per block).
-# q8_0x8 / q4_0x8 / q4_1x8: the same with the blocks of 8 weight rows interleaved (models.quantized.interleave_rows).
+# q8_0x8 / q4_0x8 / q4_1x8: the same with the blocks of 8 weight rows interleaved; q8_0x16 / ...: grouped by code
+# words for 16 rows (models.quantized.interleave_rows).
 FORMATS = {"q8_0": (0, 32, 34), "q4_0": (1, 32, 18), "q4_1": (2, 32, 20),
            "q4_k": (3, 256, 144), "q5_k": (4, 256, 176), "q6_k": (5, 256, 210),
-           "q4_0x8": (6, 32, 18), "q4_1x8": (7, 32, 20), "q8_0x8": (8, 32, 34)}
+           "q4_0x8": (6, 32, 18), "q4_1x8": (7, 32, 20), "q8_0x8": (8, 32, 34),
+           "q4_0x16": (9, 32, 18), "q4_1x16": (10, 32, 20), "q8_0x16": (11, 32, 34)}
 
 
 @functools.lru_cache(maxsize=1)
@@ -29,6 +31,13 @@ def interleaved_rows_preferred() -> bool:
     """Whether this machine's kernel build multiplies Q8_0 / Q4_0 / Q4_1 weights fastest interleaved by groups of 8 rows
     (AVX2 builds without AVX-512; any AVX2 build reads that layout)."""
     return bool(load().JvllmInterleavedRowsPreferred())
+
+
+@functools.lru_cache(maxsize=1)
+def word_groups_preferred() -> bool:
+    """Whether this machine's kernel build multiplies Q8_0 / Q4_0 / Q4_1 weights fastest grouped by code words for 16
+    rows (AVX-512 builds with BF16; only those read that layout)."""
+    return bool(load().JvllmWordGroupsPreferred())
 
 
 @functools.lru_cache(maxsize=1)

@@ -37,6 +37,7 @@
 #include "invariant_products.h"
 #include "run_items.h"
 #include "vector_exp.h"
+#include "word_group_products.h"
 
 namespace jvllm {
 
@@ -378,7 +379,11 @@ class Matmul {
 
 template <typename Fmt>
 void RunProduct(Shapes sh, const float* x, const uint8_t* w, float* y, const RowPaths& paths) {
-  if constexpr (kInterleavedRows<Fmt>) {
+  if constexpr (kWordGroups<Fmt>) {
+#if JVLLM_WORD_GROUPS
+    RunWordGroupProduct<Fmt>(sh.m, sh.k, sh.n, x, w, y, nullptr, paths.invariant_max_rows, paths.bf16_max_rows > 0);
+#endif
+  } else if constexpr (kInterleavedRows<Fmt>) {
 #if defined(__AVX2__)
     RunInterleavedProduct<Fmt>(sh.m, sh.k, sh.n, x, w, y, paths.int16_tile_min_rows);
 #endif
@@ -454,8 +459,25 @@ struct SiluTimes {
 // rows take bf16 tiles, one pass gives the activations (Bf16Tiles, gated); otherwise the two products are made
 // apart and combined.
 template <typename Fmt>
+void RunGatedRowsProduct(Shapes sh, const float* x, const uint8_t* gate, const uint8_t* up, float* y,
+                         const RowPaths& paths);
+
+template <typename Fmt>
 void RunGatedProduct(Shapes sh, const float* x, const uint8_t* gate, const uint8_t* up, float* y,
                      const RowPaths& paths) {
+  if constexpr (kWordGroups<Fmt>) {
+#if JVLLM_WORD_GROUPS
+    RunWordGroupProduct<Fmt>(sh.m, sh.k, sh.n, x, gate, y, up, paths.invariant_max_rows, paths.bf16_max_rows > 0);
+#endif
+  } else {
+    RunGatedRowsProduct<Fmt>(sh, x, gate, up, y, paths);
+  }
+}
+
+// RunGatedProduct for row-major and x8-interleaved blocks.
+template <typename Fmt>
+void RunGatedRowsProduct(Shapes sh, const float* x, const uint8_t* gate, const uint8_t* up, float* y,
+                         const RowPaths& paths) {
   if constexpr (!kInterleavedRows<Fmt>) {
     if (TakesInvariantProduct<Fmt>(sh.m, paths.invariant_max_rows)) {
       RunInvariantProduct<Fmt>(sh.m, sh.k, sh.n, x, gate, y, up);

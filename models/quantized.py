@@ -35,12 +35,17 @@ FORMATS = {f.name: f for f in (BlockFormat("q8_0", 32, 34), BlockFormat("q4_0", 
                                BlockFormat("q4_k", 256, 144), BlockFormat("q5_k", 256, 176),
                                BlockFormat("q6_k", 256, 210))}
 
-# Q8_0, Q4_0 and Q4_1 with the blocks of each 8 weight rows interleaved (the same bytes per row): the layout in which
-# the native kernels multiply them fastest on AVX2 builds (cpu_kernels/interleaved_products.h). Per group of 8 rows
-# and block of 32 weights: the rows' d halves, Q4_1's m halves, then chunks of 16 bytes, chunk q holding bytes
-# 2q, 2q + 1 of each row's code bytes. Name -> the row-major format.
-INTERLEAVED = {"q8_0x8": "q8_0", "q4_0x8": "q4_0", "q4_1x8": "q4_1"}
+# Q8_0, Q4_0 and Q4_1 with the blocks of each group of weight rows interleaved (the same bytes per row): the layouts in
+# which the native kernels multiply them fastest. Name -> the row-major format.
+# * x8, groups of 8 rows (AVX2 builds: cpu_kernels/interleaved_products.h). Per group and block of 32 weights: the
+#   rows' d halves, Q4_1's m halves, then chunks of 16 bytes, chunk q holding bytes 2q, 2q + 1 of each row's codes.
+# * x16, groups of 16 rows by code words (AVX-512 builds with BF16: cpu_kernels/word_group_blocks.h). Per group and
+#   block: the rows' d halves, Q4_1's m halves, then per 4-byte code word t 64 bytes, each row's code bytes 4t,
+#   4t + 2, 4t + 1, 4t + 3 in turn.
+INTERLEAVED = {"q8_0x8": "q8_0", "q4_0x8": "q4_0", "q4_1x8": "q4_1",
+               "q8_0x16": "q8_0", "q4_0x16": "q4_0", "q4_1x16": "q4_1"}
 INTERLEAVED_ROWS = 8
+_WORD_ORDER = [0, 2, 1, 3]  # an x16 group's bytes of each row's code word (its own inverse)
 
 
 def block_format(fmt: str) -> BlockFormat:
@@ -48,54 +53,67 @@ def block_format(fmt: str) -> BlockFormat:
     return FORMATS[INTERLEAVED.get(fmt, fmt)]
 
 
-def _interleaved_parts(fmt: str, shape: tuple[int, int]) -> tuple[int, int, int, int]:
-    """(header bytes, code bytes) of a block of the row-major format behind `fmt`, and (groups of 8 rows, blocks a
-    row) of blocks [N, row bytes] of that `shape`."""
-    codes = 32 if INTERLEAVED.get(fmt, fmt) == "q8_0" else 16
-    header = block_format(fmt).block_bytes - codes
-    return header, codes, shape[0] // INTERLEAVED_ROWS, shape[1] // (header + codes)
+def group_rows(fmt: str) -> int:
+    """The weight rows of a group of interleaved format `fmt` (INTERLEAVED): 8 or 16."""
+    return int(fmt.rsplit("x", 1)[1])
 
 
-def interleave_rows(raw: np.ndarray, fmt: str) -> np.ndarray:
-    """Q8_0 / Q4_0 / Q4_1 blocks [N, row bytes] (N a multiple of 8) -> the same weights in format `fmt + "x8"`."""
-    header, codes, groups, blocks = _interleaved_parts(fmt, raw.shape)
-    by_block = raw.reshape(groups, INTERLEAVED_ROWS, blocks, header + codes).transpose(0, 2, 1, 3)  # [G, B, 8, bytes]
-    halves = by_block[..., :header].reshape(groups, blocks, INTERLEAVED_ROWS, header // 2, 2).transpose(0, 1, 3, 2, 4)
-    chunks = by_block[..., header:].reshape(groups, blocks, INTERLEAVED_ROWS, codes // 2, 2).transpose(0, 1, 3, 2, 4)
-    out = np.concatenate([halves.reshape(groups, blocks, -1), chunks.reshape(groups, blocks, -1)], axis=-1)
+def _interleaved_parts(fmt: str, shape: tuple[int, int]) -> tuple[int, int, int, int, int, int]:
+    """(header bytes, code bytes) of a block of the row-major format behind interleaved `fmt`, the bytes a code unit
+    spans in the layout (2, or 4 for x16's words), and (rows a group, groups, blocks a row) of blocks [N, row bytes]
+    of that `shape`."""
+    codes = 32 if INTERLEAVED[fmt] == "q8_0" else 16
+    header, rows = block_format(fmt).block_bytes - codes, group_rows(fmt)
+    return header, codes, 2 if rows == 8 else 4, rows, shape[0] // rows, shape[1] // (header + codes)
+
+
+def interleave_rows(raw: np.ndarray, fmt: str, rows: int = INTERLEAVED_ROWS) -> np.ndarray:
+    """Q8_0 / Q4_0 / Q4_1 blocks [N, row bytes] (N a multiple of `rows`, 8 or 16) -> the same weights in format
+    `fmt + f"x{rows}"` (INTERLEAVED)."""
+    header, codes, unit, rows, groups, blocks = _interleaved_parts(f"{fmt}x{rows}", raw.shape)
+    by_block = raw.reshape(groups, rows, blocks, header + codes).transpose(0, 2, 1, 3)  # [G, B, rows, bytes]
+    halves = by_block[..., :header].reshape(groups, blocks, rows, header // 2, 2).transpose(0, 1, 3, 2, 4)
+    units = by_block[..., header:].reshape(groups, blocks, rows, codes // unit, unit)
+    if unit == 4:
+        units = units[..., _WORD_ORDER]
+    units = units.transpose(0, 1, 3, 2, 4)
+    out = np.concatenate([halves.reshape(groups, blocks, -1), units.reshape(groups, blocks, -1)], axis=-1)
     return np.ascontiguousarray(out.reshape(raw.shape))
 
 
 def _rows_of_interleaved(raw: jax.Array, fmt: str) -> jax.Array:
     """Interleaved blocks [N, row bytes] (INTERLEAVED) -> the row-major blocks of the same weights."""
-    header, codes, groups, blocks = _interleaved_parts(fmt, raw.shape)
-    by_block = raw.reshape(groups, blocks, INTERLEAVED_ROWS * (header + codes))
-    halves = by_block[..., :INTERLEAVED_ROWS * header].reshape(groups, blocks, header // 2, INTERLEAVED_ROWS, 2)
-    chunks = by_block[..., INTERLEAVED_ROWS * header:].reshape(groups, blocks, codes // 2, INTERLEAVED_ROWS, 2)
-    rows = jnp.concatenate([halves.transpose(0, 1, 3, 2, 4).reshape(groups, blocks, INTERLEAVED_ROWS, header),
-                            chunks.transpose(0, 1, 3, 2, 4).reshape(groups, blocks, INTERLEAVED_ROWS, codes)], axis=-1)
-    return rows.transpose(0, 2, 1, 3).reshape(raw.shape)
+    header, codes, unit, rows, groups, blocks = _interleaved_parts(fmt, raw.shape)
+    by_block = raw.reshape(groups, blocks, rows * (header + codes))
+    halves = by_block[..., :rows * header].reshape(groups, blocks, header // 2, rows, 2)
+    units = by_block[..., rows * header:].reshape(groups, blocks, codes // unit, rows, unit)
+    if unit == 4:
+        units = units[..., jnp.asarray(_WORD_ORDER)]
+    out = jnp.concatenate([halves.transpose(0, 1, 3, 2, 4).reshape(groups, blocks, rows, header),
+                           units.transpose(0, 1, 3, 2, 4).reshape(groups, blocks, rows, codes)], axis=-1)
+    return out.transpose(0, 2, 1, 3).reshape(raw.shape)
 
 
 def native_layout(blocks: jax.Array, fmt: str) -> tuple[jax.Array, str]:
     """A projection's GGUF blocks [N, row bytes] -> (blocks, format) in the layout the native kernels here multiply
-    fastest: Q8_0 / Q4_0 / Q4_1 interleaved by groups of 8 rows on AVX2 builds (INTERLEAVED), anything else as given."""
-    if (fmt + "x8" not in INTERLEAVED or blocks.shape[0] % INTERLEAVED_ROWS or jax.default_backend() != "cpu"
-            or not native_kernel_available()):
+    fastest: Q8_0 / Q4_0 / Q4_1 interleaved by groups of 8 rows on AVX2 builds, by code words for 16 rows on AVX-512
+    builds with BF16 (INTERLEAVED), anything else as given."""
+    if fmt + "x8" not in INTERLEAVED or jax.default_backend() != "cpu" or not native_kernel_available():
         return blocks, fmt
-    from cpu_kernels.quantized_matmul import interleaved_rows_preferred
+    from cpu_kernels.quantized_matmul import interleaved_rows_preferred, word_groups_preferred
 
-    if not interleaved_rows_preferred():
+    rows = 16 if word_groups_preferred() else INTERLEAVED_ROWS if interleaved_rows_preferred() else 0
+    if not rows or blocks.shape[0] % rows:
         return blocks, fmt
-    return jnp.asarray(interleave_rows(np.asarray(blocks), fmt)), fmt + "x8"
+    return jnp.asarray(interleave_rows(np.asarray(blocks), fmt, rows)), f"{fmt}x{rows}"
 
 
 def check_blocks(blocks: jax.Array, rows: int, k: int, fmt: str, what: str) -> None:
     """ValueError unless `blocks` holds `rows` rows of `k` weights in format `fmt` ([rows, row bytes] uint8; FORMATS or
     INTERLEAVED)."""
     expected = (rows, block_format(fmt).row_bytes(k))
-    if fmt in INTERLEAVED and rows % INTERLEAVED_ROWS:
-        raise ValueError(f"{fmt} blocks of {what} come in groups of {INTERLEAVED_ROWS} rows, got {rows} rows")
+    if fmt in INTERLEAVED and rows % group_rows(fmt):
+        raise ValueError(f"{fmt} blocks of {what} come in groups of {group_rows(fmt)} rows, got {rows} rows")
     if tuple(blocks.shape) != expected or blocks.dtype != jnp.uint8:
         raise ValueError(f"{fmt} blocks of {what} are uint8 {expected}, got {blocks.dtype} {tuple(blocks.shape)}")
 

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpu_kernels.quantized_matmul import gated_matmul, interleaved_rows_preferred, quantized_matmul
+from cpu_kernels.quantized_matmul import (gated_matmul, interleaved_rows_preferred, quantized_matmul,
+                                          word_groups_preferred)
 from jvllm.model_loader.gguf_blocks import dequantize_blocks
 from models.layers import Linear
 from models.quantized import (INTERLEAVED, check_blocks, dequantize, interleave_rows, native_layout,
@@ -101,18 +102,18 @@ def test_interleaved_blocks_come_in_groups_of_eight_rows():
         product(np.ones((1, 64), np.float32), raw[:12], "q4_1x8")
 
 
-@pytest.mark.parametrize("fmt, rows, k, interleaves", [("q4_1", 16, 64, True), ("q4_0", 24, 64, True),
-                                                       ("q8_0", 8, 96, True), ("q4_1", 12, 64, False),
-                                                       ("q6_k", 16, 256, False)])
-def test_a_projection_takes_the_layout_of_this_machines_kernels(fmt, rows, k, interleaves):
-    """Q8_0 / Q4_0 / Q4_1 projections of whole groups of 8 rows are interleaved where the build prefers it (AVX2
-    without AVX-512); the layer's products are the same weights' either way."""
+@pytest.mark.parametrize("fmt, rows, k", [("q4_1", 16, 64), ("q4_0", 24, 64), ("q8_0", 8, 96), ("q4_1", 12, 64),
+                                          ("q6_k", 16, 256)])
+def test_a_projection_takes_the_layout_of_this_machines_kernels(fmt, rows, k):
+    """Q8_0 / Q4_0 / Q4_1 projections of whole groups are interleaved where the build prefers it (groups of 8 rows on
+    AVX2 without AVX-512, word groups of 16 on AVX-512 with BF16); the layer's products are the same weights' either
+    way."""
     raw = weights(fmt, rows, k, seed=rows)
     layer = Linear(k, rows, bias=False, dtype=jnp.float32, rngs=None)
     layer.set_quantized(jnp.asarray(raw), fmt)
-    expected = interleaves and interleaved_rows_preferred()
-    assert layer.quant == (fmt + "x8" if expected else fmt)
-    assert (layer.quant in INTERLEAVED) == expected
+    group = 16 if word_groups_preferred() else 8 if interleaved_rows_preferred() else 0
+    expected = f"{fmt}x{group}" if group and f"{fmt}x{group}" in INTERLEAVED and rows % group == 0 else fmt
+    assert layer.quant == expected
     x = np.random.default_rng(0).standard_normal((3, k)).astype(np.float32)
     w = dequantize_blocks(raw, fmt)
     got = np.asarray(layer(jnp.asarray(x)))

@@ -1,0 +1,45 @@
+// Products with Q8_0 / Q4_0 / Q4_1 weights grouped by code words for 16 rows (block_formats.h, WordGroups32; the
+// projections' layout on AVX-512 builds with BF16): up to the invariant path's rows on that path, which reads the
+// groups' pair vectors straight from memory (each row's bits the same whatever rows come with it, and the same as
+// with the row-major blocks), and more rows through bfloat16 tiles made from the groups (bf16_tiles.h).
+#pragma once
+
+#include "word_group_blocks.h"
+
+#if JVLLM_WORD_GROUPS
+#include <algorithm>
+#include <cstdint>
+
+#include "bf16_tiles.h"
+#include "invariant_products.h"
+#include "run_items.h"
+
+namespace jvllm {
+
+// y[M, N] = x[M, K] . W[N, K]^T, or with `up` silu(x . W^T) * (x . U^T), for word-grouped W (and U): the invariant
+// path up to `invariant_max_rows` rows of x or where `bf16_tiles` is false, bfloat16 tiles past it.
+template <typename Fmt>
+void RunWordGroupProduct(int64_t m, int64_t k, int64_t n, const float* x, const uint8_t* w, float* y,
+                         const uint8_t* up, int64_t invariant_max_rows, bool bf16_tiles) {
+  if (m <= invariant_max_rows || !bf16_tiles) {
+    RunInvariantProduct<Fmt>(m, k, n, x, w, y, up);
+    return;
+  }
+  thread_local Bf16Rows xb;
+  xb.Convert(x, m, k);
+  struct Items {
+    Bf16Tiles<Fmt> tiles;
+    int64_t n, columns_per_item;
+    int64_t num_items() const { return (n + columns_per_item - 1) / columns_per_item; }
+    void Run(int64_t item) const { tiles.Run(item * columns_per_item, std::min(n, (item + 1) * columns_per_item)); }
+  };
+  Items items{Bf16Tiles<Fmt>(m, k, n, &xb, w, y, up), n, 0};
+  const int64_t unit = items.tiles.ColumnsPerTilePair();
+  const int64_t threads = HelperPool::Get().num_helpers() + 1;
+  items.columns_per_item = BalancedUnits((n + unit - 1) / unit, threads) * unit;
+  RunItems(items);
+}
+
+}  // namespace jvllm
+
+#endif  // JVLLM_WORD_GROUPS

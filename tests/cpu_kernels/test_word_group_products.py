@@ -1,0 +1,92 @@
+"""Q8_0 / Q4_0 / Q4_1 weights grouped by code words for 16 rows (models.quantized.interleave_rows(.., 16), the native
+kernels' layout on AVX-512 builds with BF16: cpu_kernels/word_group_blocks.h): the layout round trip, and products
+with the same bits as the row-major blocks' on both of its paths (the invariant path, the bfloat16 tiles past it),
+gated too; without bfloat16 the invariant path at every row count, against float64."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cpu_kernels.quantized_matmul import gated_matmul, quantized_matmul, word_groups_preferred
+from jvllm.model_loader.gguf_blocks import dequantize_blocks
+from models.quantized import check_blocks, dequantize, interleave_rows
+from tests.cpu_kernels.test_interleaved_products import int16_bound, weights
+
+pytestmark = [
+    pytest.mark.skipif(not __import__("cpu_kernels.build").build.available(),
+                       reason="needs a C++ compiler to build the native kernels"),
+]
+FORMATS = ["q8_0", "q4_0", "q4_1"]
+# The engine's row limits on AVX-512 builds (models.quantized._bf16_rows): the invariant path to 16 rows, bf16 past.
+PATHS = dict(bf16_max_rows=8, invariant_max_rows=16)
+
+
+def needs_word_groups() -> None:
+    if not word_groups_preferred():
+        pytest.skip("the kernels multiply word groups on AVX-512 builds with BF16 only")
+
+
+def product(x: np.ndarray, raw: np.ndarray, fmt: str, **paths: int) -> np.ndarray:
+    return np.asarray(jax.jit(lambda a, b: quantized_matmul(a, b, fmt, **{**PATHS, **paths}))(x, raw))
+
+
+def gated(x: np.ndarray, gate: np.ndarray, up: np.ndarray, fmt: str, **paths: int) -> np.ndarray:
+    return np.asarray(jax.jit(lambda a, b, c: gated_matmul(a, b, c, fmt, **{**PATHS, **paths}))(x, gate, up))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_word_groups_keep_every_weight(fmt):
+    raw = weights(fmt, 32, 96, seed=1)
+    grouped = interleave_rows(raw, fmt, 16)
+    assert grouped.shape == raw.shape and grouped.dtype == np.uint8
+    assert not np.array_equal(grouped, raw)
+    np.testing.assert_array_equal(np.asarray(dequantize(jnp.asarray(grouped), fmt + "x16", 96)),
+                                  dequantize_blocks(raw, fmt))
+
+
+# (m, n, k): the invariant path (1-16 rows; to 32 where a step asks for it), the bf16 tiles (17+ rows: a lone tile
+# of 16 columns where n is an odd multiple of 16, K = 8,192 over several depth slices).
+CASES = [(1, 16, 32), (3, 48, 576), (16, 32, 96), (32, 16, 576), (17, 48, 576), (40, 32, 96), (130, 16, 8192)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m, n, k", CASES)
+def test_products_have_the_row_major_blocks_bits(fmt, m, n, k):
+    needs_word_groups()
+    paths = dict(invariant_max_rows=32) if m == 32 else {}
+    raw = weights(fmt, n, k, seed=m * 100 + n)
+    x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+    got = product(x, interleave_rows(raw, fmt, 16), fmt + "x16", **paths)
+    assert got.shape == (m, n) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, product(x, raw, fmt, **paths))
+    gate, up = weights(fmt, n, k, seed=m + 1), weights(fmt, n, k, seed=m + 2)
+    np.testing.assert_array_equal(gated(x, interleave_rows(gate, fmt, 16), interleave_rows(up, fmt, 16), fmt + "x16",
+                                        **paths),
+                                  gated(x, gate, up, fmt, **paths))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_without_bfloat16_every_row_count_takes_the_invariant_path(fmt):
+    """bf16_products(False) (batched_weight_dtype=None): int16 activations at every row count, each row's bits its
+    own."""
+    needs_word_groups()
+    n, k = 32, 576
+    raw = weights(fmt, n, k, seed=9)
+    grouped = interleave_rows(raw, fmt, 16)
+    x = np.random.default_rng(9).standard_normal((40, k)).astype(np.float32)
+    got = product(x, grouped, fmt + "x16", bf16_max_rows=0)
+    w = dequantize_blocks(raw, fmt)
+    np.testing.assert_array_less(np.abs(got - x.astype(np.float64) @ w.astype(np.float64).T), int16_bound(x, w))
+    np.testing.assert_array_equal(got[:1], product(x[:1], grouped, fmt + "x16", bf16_max_rows=0))
+
+
+def test_word_groups_come_in_groups_of_sixteen_rows():
+    raw = interleave_rows(weights("q4_1", 32, 64, seed=3), "q4_1", 16)
+    check_blocks(jnp.asarray(raw), 32, 64, "q4_1x16", "a projection")
+    with pytest.raises(ValueError, match="groups of 16 rows"):
+        check_blocks(jnp.asarray(raw[:24]), 24, 64, "q4_1x16", "a projection")
+    if word_groups_preferred():
+        with pytest.raises(Exception, match="groups of 16 rows"):
+            product(np.ones((1, 64), np.float32), raw[:24], "q4_1x16")
