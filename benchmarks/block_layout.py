@@ -1,6 +1,6 @@
-"""The embedded model with its Q4_0 / Q4_1 projections in the kernels' layout for this machine (interleaved by groups
-of 8 rows on AVX2 builds, by code words for 16 rows on AVX-512 builds with BF16: models.quantized.native_layout)
-against the file's row-major blocks, in one process.
+"""The embedded model with its Q4_0 / Q4_1 projections (and, word-grouped, its Q8_0 table) in the kernels' layout for
+this machine (interleaved by groups of 8 rows on AVX2 builds, by code words for 16 rows on AVX-512 builds with BF16:
+models.quantized.native_layout) against the file's row-major blocks, in one process.
 
 Two `LLM()` engines with default settings, the second built with the layout choice bypassed; after a warm-up,
 each round times a single stream (a chat prompt, 128 greedy tokens, prefill included) and a batch of 32 uneven chat
@@ -42,16 +42,17 @@ def _batch(engine, chats: list[list[dict]]) -> float:
 def _engines():
     """(native-layout engine, row-major engine) and the block formats of each."""
     import models.layers
+    import models.llama
     from jvllm import LLM
     from jvllm.worker.weights import block_formats
 
     native = LLM()
     choose = models.layers.native_layout
-    models.layers.native_layout = lambda blocks, fmt: (blocks, fmt)  # the file's blocks as they are
+    models.layers.native_layout = models.llama.native_layout = lambda blocks, fmt, table=False: (blocks, fmt)
     try:
-        row_major = LLM()
+        row_major = LLM()  # the file's blocks as they are, projections and table
     finally:
-        models.layers.native_layout = choose
+        models.layers.native_layout = models.llama.native_layout = choose
     formats = {name: sorted(block_formats(e.runner.loaded)) for name, e in (("native", native), ("row-major", row_major))}
     return native, row_major, formats
 

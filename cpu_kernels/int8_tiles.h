@@ -23,7 +23,8 @@ namespace jvllm {
 
 template <typename Fmt>
 constexpr bool kInt8Tiles = JVLLM_INT8_TILES && (std::is_same_v<Fmt, Q4_0> || std::is_same_v<Fmt, Q4_1> ||
-                                                  std::is_same_v<Fmt, Q4_K> || std::is_same_v<Fmt, Q5_K>);
+                                                  std::is_same_v<Fmt, Q4_K> || std::is_same_v<Fmt, Q5_K> ||
+                                                  std::is_same_v<Fmt, Q4_0x16> || std::is_same_v<Fmt, Q4_1x16>);
 
 // Whether a product of `m` rows takes the 8-bit tiles: the build has them, the format is a 4-bit one and the rows
 // are at least the caller's limit (0: never).
@@ -47,6 +48,7 @@ constexpr bool TakesInt8Tiles(int64_t m, int64_t min_rows) {
 #include "float_tiles.h"
 #include "run_items.h"
 #include "vector_exp.h"
+#include "word_group_blocks.h"
 
 namespace jvllm {
 
@@ -148,10 +150,39 @@ class Int8Tiles {
   // hold weights i (low nibble of byte i) and 16 + i (high nibble): word t of a row gives, masked, the quad of
   // weights 4t .. 4t + 3 and, shifted, that of 16 + 4t .. 19 + 4t, so the quads come in the weights' own order.
   void TileCodes(const uint8_t* w, int64_t n, int cols, uint32_t* tile) const {
-    if constexpr (Fmt::kWeights == 32) {
+    if constexpr (kWordGroups<Fmt>) {
+      TileCodesWordGroups(w, n, tile);
+    } else if constexpr (Fmt::kWeights == 32) {
       TileCodes32(w, n, cols, tile);
     } else {
       TileCodesK(w, n, cols, tile);
+    }
+  }
+
+  // Q4_0 / Q4_1 grouped by code words (word_group_blocks.h; whole groups of 16 rows): word t of the 16 rows is one
+  // load, its bytes put back in each row's order (4t .. 4t + 3) by one shuffle; the scales are loaded as they lie.
+  void TileCodesWordGroups(const uint8_t* w, int64_t n, uint32_t* tile) const {
+    const int64_t blocks = k_ / 32;
+    const uint8_t* group = w + n / Fmt::kRows * blocks * Fmt::kGroupBytes;
+    const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F);
+    const __m512i row_order =  // each 32-bit lane's stored bytes 0, 2, 1, 3 -> 0, 1, 2, 3 (indices within 128 bits)
+        _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15));
+    float* scales = const_cast<float*>(Scales(tile, k_));
+    float* constants = scales + blocks * kTileCols;
+    for (int64_t block = 0; block < blocks; ++block) {
+      const uint8_t* at = group + block * Fmt::kGroupBytes;
+      const char* ahead = reinterpret_cast<const char*>(at + 4 * Fmt::kGroupBytes);
+      for (int line = 0; line < Fmt::kGroupBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      __m512 d, c;
+      WordGroupScales<Fmt>(at, d, c);
+      _mm512_storeu_ps(scales + block * kTileCols, d);
+      _mm512_storeu_ps(constants + block * kTileCols, c);
+      uint32_t* quads = tile + block * 8 * kTileCols;
+      for (int t = 0; t < 4; ++t) {
+        const __m512i word = _mm512_shuffle_epi8(_mm512_loadu_si512(at + Fmt::kCodesAt + 64 * t), row_order);
+        _mm512_storeu_si512(quads + t * kTileCols, _mm512_and_si512(word, nibbles));
+        _mm512_storeu_si512(quads + (4 + t) * kTileCols, _mm512_and_si512(_mm512_srli_epi32(word, 4), nibbles));
+      }
     }
   }
 

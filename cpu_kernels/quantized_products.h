@@ -381,7 +381,8 @@ template <typename Fmt>
 void RunProduct(Shapes sh, const float* x, const uint8_t* w, float* y, const RowPaths& paths) {
   if constexpr (kWordGroups<Fmt>) {
 #if JVLLM_WORD_GROUPS
-    RunWordGroupProduct<Fmt>(sh.m, sh.k, sh.n, x, w, y, nullptr, paths.invariant_max_rows, paths.bf16_max_rows > 0);
+    RunWordGroupProduct<Fmt>(sh.m, sh.k, sh.n, x, w, y, nullptr, paths.invariant_max_rows, paths.bf16_max_rows > 0,
+                             paths.int8_tile_min_rows);
 #endif
   } else if constexpr (kInterleavedRows<Fmt>) {
 #if defined(__AVX2__)
@@ -467,7 +468,8 @@ void RunGatedProduct(Shapes sh, const float* x, const uint8_t* gate, const uint8
                      const RowPaths& paths) {
   if constexpr (kWordGroups<Fmt>) {
 #if JVLLM_WORD_GROUPS
-    RunWordGroupProduct<Fmt>(sh.m, sh.k, sh.n, x, gate, y, up, paths.invariant_max_rows, paths.bf16_max_rows > 0);
+    RunWordGroupProduct<Fmt>(sh.m, sh.k, sh.n, x, gate, y, up, paths.invariant_max_rows, paths.bf16_max_rows > 0,
+                             paths.int8_tile_min_rows);
 #endif
   } else {
     RunGatedRowsProduct<Fmt>(sh, x, gate, up, y, paths);

@@ -15,7 +15,7 @@ from models.layers import MLP, Linear, RMSNorm, mlp_hf_parameters
 from models.hf_names import ArraySource, DerivedTensors, row_range
 from models.moe import SparseMoE
 from models.params import normal_param, value_or_none
-from models.quantized import check_quantized, dequantized_rows, quantized_dot
+from models.quantized import CHANNEL_FORMATS, check_quantized, dequantized_rows, native_layout, quantized_dot
 from models.rope import apply_rotary, attention_factor, inverse_frequencies, mrope_rotary_tables, rotary_tables
 
 LayerResults = list  # per layer: what the attention call returned beside its output
@@ -104,6 +104,8 @@ class LlamaForCausalLM(nnx.Module):
         """Hold the embedding table (and, tied, the LM head) as GGUF blocks [V, row bytes] of format `fmt`, or as
         per-channel codes [V, D] with `scale` [V]."""
         self.embed_scale = self._check_quantized(blocks, fmt, scale, "the embedding table")
+        if fmt not in CHANNEL_FORMATS:
+            blocks, fmt = native_layout(blocks, fmt, table=True)
         self.embed_tokens = nnx.Param(blocks)
         self.embed_quant = fmt
 

@@ -94,18 +94,32 @@ def _rows_of_interleaved(raw: jax.Array, fmt: str) -> jax.Array:
     return out.transpose(0, 2, 1, 3).reshape(raw.shape)
 
 
-def native_layout(blocks: jax.Array, fmt: str) -> tuple[jax.Array, str]:
+def native_layout(blocks: jax.Array, fmt: str, table: bool = False) -> tuple[jax.Array, str]:
     """A projection's GGUF blocks [N, row bytes] -> (blocks, format) in the layout the native kernels here multiply
     fastest: Q8_0 / Q4_0 / Q4_1 interleaved by groups of 8 rows on AVX2 builds, by code words for 16 rows on AVX-512
-    builds with BF16 (INTERLEAVED), anything else as given."""
+    builds with BF16 (INTERLEAVED), anything else as given. A `table` (an embedding table, which a tied LM head
+    multiplies; its lookups gather rows from the groups: dequantized_rows) takes only the word groups."""
     if fmt + "x8" not in INTERLEAVED or jax.default_backend() != "cpu" or not native_kernel_available():
         return blocks, fmt
     from cpu_kernels.quantized_matmul import interleaved_rows_preferred, word_groups_preferred
 
-    rows = 16 if word_groups_preferred() else INTERLEAVED_ROWS if interleaved_rows_preferred() else 0
+    rows = 16 if word_groups_preferred() else INTERLEAVED_ROWS if interleaved_rows_preferred() and not table else 0
     if not rows or blocks.shape[0] % rows:
         return blocks, fmt
     return jnp.asarray(interleave_rows(np.asarray(blocks), fmt, rows)), f"{fmt}x{rows}"
+
+
+def _interleaved_row_bytes(fmt: str, shape: tuple[int, int]) -> np.ndarray:
+    """For blocks [N, row bytes] of interleaved `fmt`: where each byte of a row-major block lies in its group's block,
+    per row of the group -> offsets [rows a group, block bytes] int32."""
+    header, codes, unit, rows, _, _ = _interleaved_parts(fmt, shape)
+    lane = np.arange(rows)[:, None]
+    h = np.arange(header)
+    header_at = h // 2 * 2 * rows + 2 * lane + h % 2  # [rows, header]: half h // 2 of each row, one after another
+    j = np.arange(codes)
+    within = np.asarray(_WORD_ORDER)[j % unit] if unit == 4 else j % unit
+    codes_at = header * rows + j // unit * unit * rows + unit * lane + within  # [rows, codes]
+    return np.concatenate([header_at, codes_at], axis=1).astype(np.int32)
 
 
 def check_blocks(blocks: jax.Array, rows: int, k: int, fmt: str, what: str) -> None:
@@ -329,6 +343,12 @@ def dequantized_rows(raw: jax.Array, ids: jax.Array, fmt: str, k: int, scale: ja
     [T, k] (an embedding lookup)."""
     if fmt in CHANNEL_FORMATS:
         return channel_rows(raw, scale, ids)
+    if fmt in INTERLEAVED:  # each row's bytes gathered from its group's blocks, as row-major blocks
+        rows, block_bytes = group_rows(fmt), block_format(fmt).block_bytes
+        groups = raw.reshape(raw.shape[0] // rows, -1, rows * block_bytes)  # [G, B, group block bytes]
+        at = jnp.asarray(_interleaved_row_bytes(fmt, raw.shape))[ids % rows]  # [T, block bytes]
+        blocks = groups[(ids // rows)[:, None, None], jnp.arange(groups.shape[1])[None, :, None], at[:, None, :]]
+        return dequantize(blocks.reshape(ids.shape[0], -1), INTERLEAVED[fmt], k)  # blocks [T, B, block bytes]
     return dequantize(raw[ids], fmt, k)
 
 

@@ -1,7 +1,8 @@
 """Q8_0 / Q4_0 / Q4_1 weights grouped by code words for 16 rows (models.quantized.interleave_rows(.., 16), the native
 kernels' layout on AVX-512 builds with BF16: cpu_kernels/word_group_blocks.h): the layout round trip, and products
 with the same bits as the row-major blocks' on both of its paths (the invariant path, the bfloat16 tiles past it),
-gated too; without bfloat16 the invariant path at every row count, against float64."""
+gated too, and the 8-bit tiles asked for; without bfloat16 the invariant path at every row count, against float64; embedding lookups from the
+groups."""
 from __future__ import annotations
 
 import jax
@@ -11,7 +12,7 @@ import pytest
 
 from cpu_kernels.quantized_matmul import gated_matmul, quantized_matmul, word_groups_preferred
 from jvllm.model_loader.gguf_blocks import dequantize_blocks
-from models.quantized import check_blocks, dequantize, interleave_rows
+from models.quantized import check_blocks, dequantize, dequantized_rows, interleave_rows, native_layout
 from tests.cpu_kernels.test_interleaved_products import int16_bound, weights
 
 pytestmark = [
@@ -67,6 +68,22 @@ def test_products_have_the_row_major_blocks_bits(fmt, m, n, k):
                                   gated(x, gate, up, fmt, **paths))
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("m", [9, 40, 130])
+def test_8_bit_tiles_have_the_row_major_blocks_bits(fmt, m):
+    """batched_weight_dtype="int8": 8-bit tiles from 9 rows (AVX-512 VNNI), the codes' bytes put back in order."""
+    needs_word_groups()
+    paths = dict(invariant_max_rows=8, int8_tile_min_rows=9)
+    n, k = 48, 576
+    raw, up = weights(fmt, n, k, seed=m), weights(fmt, n, k, seed=m + 1)
+    x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+    np.testing.assert_array_equal(product(x, interleave_rows(raw, fmt, 16), fmt + "x16", **paths),
+                                  product(x, raw, fmt, **paths))
+    np.testing.assert_array_equal(gated(x, interleave_rows(raw, fmt, 16), interleave_rows(up, fmt, 16), fmt + "x16",
+                                        **paths),
+                                  gated(x, raw, up, fmt, **paths))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_without_bfloat16_every_row_count_takes_the_invariant_path(fmt):
     """bf16_products(False) (batched_weight_dtype=None): int16 activations at every row count, each row's bits its
@@ -90,3 +107,21 @@ def test_word_groups_come_in_groups_of_sixteen_rows():
     if word_groups_preferred():
         with pytest.raises(Exception, match="groups of 16 rows"):
             product(np.ones((1, 64), np.float32), raw[:24], "q4_1x16")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [8, 16])
+def test_a_lookup_gathers_each_rows_blocks_from_its_group(fmt, rows):
+    """An embedding table in a group layout (a tied LM head multiplies it) gives the row-major table's rows."""
+    raw = weights(fmt, 64, 96, seed=11)
+    ids = jnp.asarray([0, 5, 17, 63, 31, 16, 5], jnp.int32)
+    got = dequantized_rows(jnp.asarray(interleave_rows(raw, fmt, rows)), ids, f"{fmt}x{rows}", 96)
+    np.testing.assert_array_equal(np.asarray(got), dequantize_blocks(raw, fmt)[np.asarray(ids)])
+
+
+def test_an_embedding_table_takes_word_groups_only():
+    """Tables (lookups, and the tied head's products) take the word groups where the build prefers them, never the
+    groups of 8 rows."""
+    raw = jnp.asarray(weights("q8_0", 32, 64, seed=12))
+    fmt = native_layout(raw, "q8_0", table=True)[1]
+    assert fmt == ("q8_0x16" if word_groups_preferred() else "q8_0")
