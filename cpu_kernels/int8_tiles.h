@@ -352,18 +352,8 @@ void RunInt8Product(int64_t m, int64_t k, int64_t n, const float* x, const uint8
   if constexpr (kInt8Tiles<Fmt>) {  // other formats: TakesInt8Tiles says no first
     thread_local Int8Rows xi;
     xi.Quantize(x, m, k);
-    struct Items {
-      Int8Tiles<Fmt> tiles;
-      int64_t n, columns_per_item;
-      int64_t num_items() const { return (n + columns_per_item - 1) / columns_per_item; }
-      void Run(int64_t item) const {
-        tiles.Run(item * columns_per_item, std::min(n, (item + 1) * columns_per_item));
-      }
-    };
-    Items items{Int8Tiles<Fmt>(m, k, n, &xi, w, y, up), n, 0};
-    const int64_t unit = items.tiles.ColumnsPerTilePair(), threads = HelperPool::Get().num_helpers() + 1;
-    items.columns_per_item = BalancedUnits((n + unit - 1) / unit, threads) * unit;
-    RunItems(items);
+    const Int8Tiles<Fmt> tiles(m, k, n, &xi, w, y, up);
+    RunColumnItems(tiles, n, tiles.ColumnsPerTilePair());
   }
 }
 

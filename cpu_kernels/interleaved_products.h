@@ -115,15 +115,7 @@ void RunInterleavedProduct(int64_t m, int64_t k, int64_t n, const float* x, cons
     RunItems(InterleavedRowProduct<Fmt>(m, k, n, &xq, w, y));
     return;
   }
-  struct Items {
-    Int16Tiles<Fmt> tiles;
-    int64_t n, columns_per_item;
-    int64_t num_items() const { return (n + columns_per_item - 1) / columns_per_item; }
-    void Run(int64_t item) const { tiles.Run(item * columns_per_item, std::min(n, (item + 1) * columns_per_item)); }
-  };
-  const int64_t threads = HelperPool::Get().num_helpers() + 1;
-  const int64_t columns_per_item = BalancedUnits((n + kTileCols - 1) / kTileCols, threads) * kTileCols;
-  RunItems(Items{Int16Tiles<Fmt>(m, k, n, &xq, w, y), n, columns_per_item});
+  RunColumnItems(Int16Tiles<Fmt>(m, k, n, &xq, w, y), n, kTileCols);
 }
 
 }  // namespace jvllm

@@ -154,4 +154,18 @@ void RunItems(const Work& work, int64_t max_helpers = INT64_MAX) {
   HelperPool::Get().Run(drain, &job, std::min<int64_t>(max_helpers, total - 1));
 }
 
+// Runs tiles.Run(n0, n1) over output columns [0, n) in items of whole `unit`s of columns (a tiled product's tiles or
+// tile pairs), as evenly split over the caller and the helper threads as they allow.
+template <typename Tiles>
+void RunColumnItems(const Tiles& tiles, int64_t n, int64_t unit) {
+  struct Items {
+    const Tiles& tiles;
+    int64_t n, columns_per_item;
+    int64_t num_items() const { return (n + columns_per_item - 1) / columns_per_item; }
+    void Run(int64_t item) const { tiles.Run(item * columns_per_item, std::min(n, (item + 1) * columns_per_item)); }
+  };
+  const int64_t threads = HelperPool::Get().num_helpers() + 1;
+  RunItems(Items{tiles, n, BalancedUnits((n + unit - 1) / unit, threads) * unit});
+}
+
 }  // namespace jvllm

@@ -34,17 +34,8 @@ void RunWordGroupProduct(int64_t m, int64_t k, int64_t n, const float* x, const 
   }
   thread_local Bf16Rows xb;
   xb.Convert(x, m, k);
-  struct Items {
-    Bf16Tiles<Fmt> tiles;
-    int64_t n, columns_per_item;
-    int64_t num_items() const { return (n + columns_per_item - 1) / columns_per_item; }
-    void Run(int64_t item) const { tiles.Run(item * columns_per_item, std::min(n, (item + 1) * columns_per_item)); }
-  };
-  Items items{Bf16Tiles<Fmt>(m, k, n, &xb, w, y, up), n, 0};
-  const int64_t unit = items.tiles.ColumnsPerTilePair();
-  const int64_t threads = HelperPool::Get().num_helpers() + 1;
-  items.columns_per_item = BalancedUnits((n + unit - 1) / unit, threads) * unit;
-  RunItems(items);
+  const Bf16Tiles<Fmt> tiles(m, k, n, &xb, w, y, up);
+  RunColumnItems(tiles, n, tiles.ColumnsPerTilePair());
 }
 
 }  // namespace jvllm
