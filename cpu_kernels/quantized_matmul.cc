@@ -40,7 +40,7 @@ ffi::Error LiveShapes(const char* what, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ff
 }
 
 // Calls body(Fmt{}) with the block format named by `format`, after checking that a weight row of `row_bytes` is
-// whole blocks of it (and for the interleaved formats of AVX2 builds, that the n rows are whole groups of 8).
+// whole blocks of it (and for the interleaved formats, x8 and x16, that the n rows are whole groups of their rows).
 template <typename Body>
 ffi::Error WithFormat(const char* what, int64_t format, int64_t k, int64_t n, int64_t row_bytes, Body body) {
   auto checked = [&](auto fmt) {

@@ -456,26 +456,6 @@ struct SiluTimes {
   }
 };
 
-// y[M, N] = silu(x . G^T) * (x . U^T), G and U [N, K] in one format (an MLP's gate and up projections). Where the
-// rows take bf16 tiles, one pass gives the activations (Bf16Tiles, gated); otherwise the two products are made
-// apart and combined.
-template <typename Fmt>
-void RunGatedRowsProduct(Shapes sh, const float* x, const uint8_t* gate, const uint8_t* up, float* y,
-                         const RowPaths& paths);
-
-template <typename Fmt>
-void RunGatedProduct(Shapes sh, const float* x, const uint8_t* gate, const uint8_t* up, float* y,
-                     const RowPaths& paths) {
-  if constexpr (kWordGroups<Fmt>) {
-#if JVLLM_WORD_GROUPS
-    RunWordGroupProduct<Fmt>(sh.m, sh.k, sh.n, x, gate, y, up, paths.invariant_max_rows, paths.bf16_max_rows > 0,
-                             paths.int8_tile_min_rows);
-#endif
-  } else {
-    RunGatedRowsProduct<Fmt>(sh, x, gate, up, y, paths);
-  }
-}
-
 // RunGatedProduct for row-major and x8-interleaved blocks.
 template <typename Fmt>
 void RunGatedRowsProduct(Shapes sh, const float* x, const uint8_t* gate, const uint8_t* up, float* y,
@@ -504,6 +484,22 @@ void RunGatedRowsProduct(Shapes sh, const float* x, const uint8_t* gate, const u
   RunProduct<Fmt>(sh, x, gate, y, paths);
   RunProduct<Fmt>(sh, x, up, up_out.data(), paths);
   jvllm::RunItems(SiluTimes{y, up_out.data(), sh.m * sh.n});
+}
+
+// y[M, N] = silu(x . G^T) * (x . U^T), G and U [N, K] in one format (an MLP's gate and up projections). Where the
+// rows take bf16 tiles, one pass gives the activations (Bf16Tiles, gated); otherwise the two products are made
+// apart and combined.
+template <typename Fmt>
+void RunGatedProduct(Shapes sh, const float* x, const uint8_t* gate, const uint8_t* up, float* y,
+                     const RowPaths& paths) {
+  if constexpr (kWordGroups<Fmt>) {
+#if JVLLM_WORD_GROUPS
+    RunWordGroupProduct<Fmt>(sh.m, sh.k, sh.n, x, gate, y, up, paths.invariant_max_rows, paths.bf16_max_rows > 0,
+                             paths.int8_tile_min_rows);
+#endif
+  } else {
+    RunGatedRowsProduct<Fmt>(sh, x, gate, up, y, paths);
+  }
 }
 
 }  // namespace jvllm
