@@ -1,0 +1,202 @@
+"""The native CPU kernels of another commit against this checkout's, alternating in one process.
+
+Two processes minutes apart differ by 20-40% on a shared 2-core VM, more than most kernel changes; one process that
+alternates the two builds call by call sees the same machine for both. The other commit's `cpu_kernels/` is built
+(with its own build script, plus `-fno-gnu-unique`, so that the two libraries' function-local statics stay apart)
+and its custom calls registered under `base_*` names; the same jitted graphs then run with either build's targets:
+the products of the embedded model's layer shapes (30 layers, Q4_1 projections in this machine's native layout,
+random codes) at several row counts, and 30 layers of paged attention (9 heads, 3 KV heads, head_dim 64, bf16 pages)
+for one sequence of q queries after `context` keys. Each line prints both medians, their ratio, and whether the two
+builds give the same bits. Both builds must take the same custom-call attributes.
+
+    python -m benchmarks.native_ab --base HEAD   # uncommitted kernel changes against the last commit
+    python -m benchmarks.native_ab --base 670729b --rows 1,8,16 --queries 1,16 --context 100,700 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib.util
+import pathlib
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from typing import Callable
+
+import numpy as np
+
+from benchmarks.common import command_line, machine_info, write_json
+
+LAYERS = 30
+PROJECTIONS = [(576, 576, 2), (192, 576, 2), (576, 1536, 1)]  # (rows, K, per layer): q/o, k/v, down
+GATE_UP = (1536, 576)
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
+
+
+def build_base(base: str, workdir: pathlib.Path) -> pathlib.Path:
+    """Builds the cpu_kernels of `base` (a git revision, or a directory holding cpu_kernels/) into workdir/base.so
+    with their own build script."""
+    source = pathlib.Path(base)
+    if not (source / "cpu_kernels" / "build.py").is_file():
+        repo = pathlib.Path(__file__).resolve().parent.parent
+        archive = workdir / "base.tar"
+        subprocess.run(["git", "-C", str(repo), "archive", "-o", str(archive), base, "cpu_kernels"], check=True)
+        with tarfile.open(archive) as tar:
+            tar.extractall(workdir, filter="data")
+        source = workdir
+    spec = importlib.util.spec_from_file_location("base_kernels_build", source / "cpu_kernels" / "build.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    build.FLAGS = [*build.FLAGS, "-fno-gnu-unique"]
+    target = workdir / "base.so"
+    build._build(build._compiler(), target)
+    return target
+
+
+def register_base(library: pathlib.Path) -> None:
+    """The base library's custom calls as base_<name without the jvllm_ prefix>."""
+    import jax
+
+    from cpu_kernels.build import TARGETS
+
+    handle = ctypes.CDLL(str(library))
+    for name, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target("base_" + name.removeprefix("jvllm_"), jax.ffi.pycapsule(getattr(handle, symbol)),
+                                    platform="cpu")
+
+
+def products(prefix: str, rng: np.random.Generator) -> Callable:
+    """A jitted (x576 [M, 576], x1536 [M, 1536]) -> per-product sums, over LAYERS layers of the model's shapes."""
+    import jax
+    import jax.numpy as jnp
+
+    from cpu_kernels import quantized_matmul as qm
+    from models.quantized import _bf16_rows, native_layout
+
+    def blocks(n: int, k: int) -> tuple[jax.Array, str]:
+        raw = rng.integers(0, 256, size=(n, k // 32, 20), dtype=np.uint8)
+        raw[:, :, 0:4] = np.frombuffer(np.float16([0.01, 0.002]).tobytes(), np.uint8)  # d and m halves
+        return native_layout(jnp.asarray(raw.reshape(n, -1)), "q4_1")
+
+    layers = [([blocks(n, k) for n, k, _ in PROJECTIONS], (blocks(*GATE_UP), blocks(*GATE_UP))) for _ in range(LAYERS)]
+    int16_max, int16_tile_min = qm.row_path_limits()
+    limits = {**_bf16_rows(), "int16_max_rows": int16_max, "int16_tile_min_rows": int16_tile_min}
+
+    def run(x576: jax.Array, x1536: jax.Array) -> jax.Array:
+        sums = []
+        for weights, ((gate, fmt), (up, _)) in layers:
+            for ((w, f), (_, k, count)) in zip(weights, PROJECTIONS):
+                x = x576 if k == 576 else x1536
+                sums += [qm._call(prefix + "quantized_matmul", x, (w,), f, None, **limits).sum()] * count
+            sums.append(qm._call(prefix + "gated_matmul", x576, (gate, up), fmt, None, **limits).sum())
+        return jnp.stack(sums)
+
+    return jax.jit(run)
+
+
+def attention(prefix: str) -> Callable:
+    """A jitted 30-layer chain of the writing paged attention (queries nudged by each layer's output)."""
+    import jax
+    import jax.numpy as jnp
+
+    def layers(q, k, k_pages, v_pages, query_start, q_lens, kv_lens, page_tables, slots):
+        stored = k.astype(jnp.bfloat16).view(jnp.uint16)
+        outs = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype))
+        call = jax.ffi.ffi_call(prefix + "paged_attention_write", outs, input_output_aliases={5: 1, 6: 2})
+        for _ in range(LAYERS):
+            out, k_pages, v_pages = call(q, k, k, stored, stored, k_pages, v_pages, query_start, q_lens, kv_lens,
+                                         page_tables, slots, scale=np.float32(HEAD_DIM ** -0.5),
+                                         sliding_window=np.int64(0), soft_cap=np.float32(0.0), bf16_tiles=np.int64(1),
+                                         direct_queries=np.int64(16))
+            q = q + out * 1e-3
+        return q, k_pages, v_pages
+
+    return jax.jit(layers, donate_argnums=(2, 3))
+
+
+def attention_inputs(rng: np.random.Generator, queries: int, context: int) -> tuple:
+    """One sequence: `context` keys in pages 1.. of a random bf16 pool, its last `queries` tokens this step's."""
+    import jax.numpy as jnp
+
+    pages = -(-context // PAGE)
+    pool = (pages + 2, PAGE, KV_HEADS, HEAD_DIM)
+    bits = lambda: jnp.asarray(rng.integers(0, 1 << 14, pool).astype(np.uint16) | 0x3000)  # bf16 values in [0.5, 4)
+    positions = np.arange(context - queries, context)
+    return (jnp.asarray(rng.standard_normal((queries, HEADS, HEAD_DIM)), jnp.float32),
+            jnp.asarray(rng.standard_normal((queries, KV_HEADS, HEAD_DIM)), jnp.float32), bits(), bits(),
+            jnp.zeros(1, jnp.int32), jnp.full(1, queries, jnp.int32), jnp.full(1, context, jnp.int32),
+            jnp.arange(1, pages + 1, dtype=jnp.int32)[None], jnp.asarray(positions + PAGE, jnp.int32))
+
+
+def alternate(calls: dict[str, Callable[[], object]], reps: int) -> dict:
+    """Runs each call `reps` times, alternating -> {"base_ms", "new_ms", "new_over_base", "same_bits"}."""
+    import jax
+
+    first = {name: [np.asarray(x) for x in jax.tree.leaves(call())] for name, call in calls.items()}
+    times = {name: [] for name in calls}
+    for _ in range(reps):
+        for name, call in calls.items():
+            started = time.perf_counter()
+            jax.block_until_ready(call())
+            times[name].append(time.perf_counter() - started)
+    base, new = (statistics.median(times[name]) * 1e3 for name in ("base", "new"))
+    same = all(np.array_equal(a, b) for a, b in zip(first["base"], first["new"]))
+    return {"base_ms": base, "new_ms": new, "new_over_base": new / base, "same_bits": same}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", required=True,
+                        help="the git revision to compare against, or a directory holding another cpu_kernels/")
+    parser.add_argument("--rows", default="1,8,16", help="row counts of the products (empty: none)")
+    parser.add_argument("--queries", default="1,16", help="queries of the attention's sequence (empty: none)")
+    parser.add_argument("--context", default="100,700", help="its keys, after this step's")
+    parser.add_argument("--reps", type=int, default=30, help="calls of each build per case")
+    parser.add_argument("--json", dest="json_path", help="write the results here")
+    args = parser.parse_args(argv)
+    ints = lambda text: [int(v) for v in text.split(",") if v]
+
+    import jax
+    import jax.numpy as jnp
+
+    from cpu_kernels.build import load
+
+    load()
+    with tempfile.TemporaryDirectory() as workdir:
+        print(f"building {args.base}'s cpu_kernels ...", flush=True)
+        register_base(build_base(args.base, pathlib.Path(workdir)))
+    rng = np.random.default_rng(0)
+    results = {"command": command_line("benchmarks.native_ab", argv), "machine": machine_info(), "base": args.base,
+               "products": {}, "attention": {}}
+    if ints(args.rows):
+        fns = {name: products(prefix, np.random.default_rng(1)) for name, prefix in (("base", "base_"),
+                                                                                     ("new", "jvllm_"))}
+    for m in ints(args.rows):
+        x576, x1536 = (jnp.asarray(rng.standard_normal((m, k)), jnp.float32) for k in (576, 1536))
+        row = alternate({name: (lambda f=f: f(x576, x1536)) for name, f in fns.items()}, args.reps)
+        results["products"][m] = row
+        print(f"products, {m:2d} rows: base {row['base_ms']:.2f} ms, new {row['new_ms']:.2f} ms -> "
+              f"{row['new_over_base']:.3f}x; same bits: {row['same_bits']}", flush=True)
+    runs = {name: attention(prefix) for name, prefix in (("base", "base_"), ("new", "jvllm_"))}
+    for q in ints(args.queries):
+        for context in ints(args.context):
+            inputs = {name: list(attention_inputs(np.random.default_rng(context + q), q, context)) for name in runs}
+
+            def step(name: str):
+                out, inputs[name][2], inputs[name][3] = runs[name](*inputs[name])  # the pools come back donated
+                return out
+
+            row = alternate({name: (lambda name=name: step(name)) for name in runs}, args.reps)
+            results["attention"][f"{q}x{context}"] = row
+            print(f"attention, {q:2d} queries after {context} keys: base {row['base_ms']:.2f} ms, new "
+                  f"{row['new_ms']:.2f} ms -> {row['new_over_base']:.3f}x; same bits: {row['same_bits']}", flush=True)
+    write_json(args.json_path, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
