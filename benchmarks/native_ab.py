@@ -160,7 +160,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ints = lambda text: [int(v) for v in text.split(",") if v]
 
-    import jax
     import jax.numpy as jnp
 
     from cpu_kernels.build import load
