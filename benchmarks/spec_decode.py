@@ -4,9 +4,10 @@ a summary that quotes its source, JSON extraction) and free-form chat.
 One `LLM()` per setting (default settings otherwise: the embedded SmolLM2-135M-Instruct), each warmed up on other
 prompts of the same kind; then every prompt is sent alone through `chat` (greedy, up to --max-tokens) once per
 setting, the settings in turn, their order reversed every other prompt (the engine built first in a process runs a
-few percent slower), and tokens per second are counted from the call to the last token, prefill
-included. Every measured prompt is new to every engine (the suffix method's cache of earlier outputs holds only
-other prompts' outputs).
+few percent slower), and tokens per second are counted from the call to the last token, prefill included (the last
+column: the share of the time without speculation that went to the prefill, which speculation cannot shorten). Every
+measured prompt is new to every engine (the suffix method's cache of earlier outputs holds only other prompts'
+outputs).
 
     python -m benchmarks.spec_decode --json benchmarks/results/spec_decode_cpu.json
     python -m benchmarks.spec_decode --crossover 1,2,4,8,16   # batch sizes where speculation stops paying
@@ -14,6 +15,7 @@ other prompts' outputs).
     python -m benchmarks.spec_decode --no-batch-invariant   # verification steps of up to 31 drafts, not invariant
     python -m benchmarks.spec_decode --workloads 3   # 32 chats and 256 requests: ngram against off, 3 rounds
     python -m benchmarks.spec_decode --workloads 3 --method suffix
+    python -m benchmarks.spec_decode --batched-weight-dtype int8   # 8-bit products for prefill, every engine
 """
 from __future__ import annotations
 
@@ -41,13 +43,15 @@ def prompts() -> dict[str, list[list[str]]]:
     return json.loads(PROMPTS.read_text())
 
 
-def run_one(engine, message: str, max_tokens: int) -> tuple[list[int], float]:
+def run_one(engine, message: str, max_tokens: int) -> tuple[list[int], float, float]:
+    """-> (output token ids, seconds from the call to the last token, of which to the first token: the prefill)."""
     from jvllm import SamplingParams
 
     started = time.perf_counter()
     out = engine.chat([{"role": "user", "content": message}], SamplingParams(temperature=0, max_tokens=max_tokens),
                       use_tqdm=False)[0]
-    return out.outputs[0].token_ids, time.perf_counter() - started
+    wall = time.perf_counter() - started
+    return out.outputs[0].token_ids, wall, min(wall, out.metrics.time_to_first_token or 0.0)
 
 
 def crossover(max_tokens: int, batch_sizes: list[int]) -> dict:
@@ -124,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="instead: 32 chats and 256 requests, --method against off in one process, ROUNDS rounds")
     parser.add_argument("--method", choices=["ngram", "suffix"], default="ngram",
                         help="the method --workloads measures (default ngram)")
+    parser.add_argument("--batched-weight-dtype", default=None,
+                        help="every engine's batched_weight_dtype (e.g. int8: 8-bit products for prefill; default: "
+                             "the engine's)")
     args = parser.parse_args(argv)
     if args.workloads:
         table = many_requests(args.workloads, args.method)
@@ -141,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = dict(SETTINGS)
     if args.draft_model:
         settings["draft_model"] = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": 3}
-    engines = {name: LLM(speculative_config=config, batch_invariant=args.batch_invariant)
+    options = {} if args.batched_weight_dtype is None else {"batched_weight_dtype": args.batched_weight_dtype}
+    engines = {name: LLM(speculative_config=config, batch_invariant=args.batch_invariant, **options)
                for name, config in settings.items()}
     kinds = prompts()
     for engine in engines.values():
@@ -150,25 +158,29 @@ def main(argv: list[str] | None = None) -> int:
                 run_one(engine, message, args.max_tokens)
     tokens = {(kind, name): 0 for kind in kinds for name in engines}
     seconds = {(kind, name): 0.0 for kind in kinds for name in engines}
+    prefill = {(kind, name): 0.0 for kind in kinds for name in engines}
     same = {(kind, name): 0 for kind in kinds for name in engines}  # prompts whose tokens equal those without
     for kind, (_, measured) in kinds.items():
         for index, message in enumerate(measured):
             outputs = {}
             for name in list(engines) if index % 2 == 0 else list(reversed(engines)):
-                outputs[name], wall = run_one(engines[name], message, args.max_tokens)
+                outputs[name], wall, to_first = run_one(engines[name], message, args.max_tokens)
                 tokens[kind, name] += len(outputs[name])
                 seconds[kind, name] += wall
+                prefill[kind, name] += to_first
             for name in engines:
                 same[kind, name] += outputs[name] == outputs["off"]
     results = {"command": command_line("benchmarks.spec_decode", argv), "machine": machine_info(),
                "settings": settings, "max_tokens": args.max_tokens, "kinds": {}}
-    print(f"{'prompts':18s} " + " ".join(f"{name:>16s}" for name in engines))
+    print(f"{'prompts':18s} " + " ".join(f"{name:>16s}" for name in engines) + "  prefill share (off)")
     for kind in kinds:
         row = {name: tokens[kind, name] / seconds[kind, name] for name in engines}
         results["kinds"][kind] = {name: {"tok_s": row[name], "tokens": tokens[kind, name],
                                          "ratio_to_off": row[name] / row["off"], "prompts": len(kinds[kind][1]),
+                                         "prefill_share": prefill[kind, name] / seconds[kind, name],
                                          "same_tokens_as_off": same[kind, name]} for name in engines}
-        print(f"{kind:18s} " + " ".join(f"{row[name]:7.1f} ({row[name] / row['off']:4.2f}x)" for name in engines))
+        print(f"{kind:18s} " + " ".join(f"{row[name]:7.1f} ({row[name] / row['off']:4.2f}x)" for name in engines)
+              + f"  {prefill[kind, 'off'] / seconds[kind, 'off']:.2f}")
     for name, engine in engines.items():
         if engine.drafter is not None:
             stats = engine.drafter.stats
