@@ -11,7 +11,9 @@ in the engine on the 2-core Zen 5 VM (2026-11-29, SmolLM2 Q4_1 at a few hundred 
 1.05, a verification step of k drafts 1.26 + 0.165 k, prefill 0.077 per prompt token. On that VM the replay
 reproduced the benchmark's measured ratios to within their run-to-run spread; on a faster day of the same VM it
 was within 0.2 (low on three kinds of prompts of four): give the costs of the machine at hand (--verify-base ...)
-when absolute ratios matter, rather than comparisons of policies. A verification step's cost is not linear in its
+when absolute ratios matter, rather than comparisons of policies. `python -m benchmarks.spec_step_costs` measures
+them inside a speculating engine and prints them as --row-costs and --prefill-per-token (captured steps replayed
+alone time the one-token step slower than the engine runs it, which understates verification steps). A verification step's cost is not linear in its
 rows past 8 (the kernels switch from row loops to tiles, and steps come in 16-, 32-, ... token buckets):
 --row-costs gives it by token rows instead (1 known token + the drafts; interpolated between the rows given), e.g.
 as replays of captured steps measured it on that VM, against a one-token step (the same measurement for both):
