@@ -5,9 +5,10 @@ alternates the two builds call by call sees the same machine for both. The other
 (with its own build script, plus `-fno-gnu-unique`, so that the two libraries' function-local statics stay apart)
 and its custom calls registered under `base_*` names; the same jitted graphs then run with either build's targets:
 the products of the embedded model's layer shapes (30 layers, Q4_1 projections in this machine's native layout,
-random codes) at several row counts, and 30 layers of paged attention (9 heads, 3 KV heads, head_dim 64, bf16 pages)
-for one sequence of q queries after `context` keys. Each line prints both medians, their ratio, and whether the two
-builds give the same bits. Both builds must take the same custom-call attributes.
+random codes) at several row counts, and 30 calls of paged attention (9 heads, 3 KV heads, head_dim 64, bf16 pages;
+one pool for all, so its pages stay in the caches) for one sequence of q queries after `context` keys. Each line
+prints both medians, their ratio, and whether the two builds give the same bits. Both builds must take the same
+custom-call attributes.
 
     python -m benchmarks.native_ab --base HEAD   # uncommitted kernel changes against the last commit
     python -m benchmarks.native_ab --base 670729b --rows 1,8,16 --queries 1,16 --context 100,700 --json out.json
@@ -74,7 +75,7 @@ def products(prefix: str, rng: np.random.Generator) -> Callable:
     import jax.numpy as jnp
 
     from cpu_kernels import quantized_matmul as qm
-    from models.quantized import _bf16_rows, native_layout
+    from models.quantized import kernel_row_limits, native_layout
 
     def blocks(n: int, k: int) -> tuple[jax.Array, str]:
         raw = rng.integers(0, 256, size=(n, k // 32, 20), dtype=np.uint8)
@@ -83,7 +84,7 @@ def products(prefix: str, rng: np.random.Generator) -> Callable:
 
     layers = [([blocks(n, k) for n, k, _ in PROJECTIONS], (blocks(*GATE_UP), blocks(*GATE_UP))) for _ in range(LAYERS)]
     int16_max, int16_tile_min = qm.row_path_limits()
-    limits = {**_bf16_rows(), "int16_max_rows": int16_max, "int16_tile_min_rows": int16_tile_min}
+    limits = {**kernel_row_limits(), "int16_max_rows": int16_max, "int16_tile_min_rows": int16_tile_min}
 
     def run(x576: jax.Array, x1536: jax.Array) -> jax.Array:
         sums = []

@@ -8,7 +8,7 @@ engine runs it (on the 2-core Zen 4 VM, 2026-12-02: 8.2 against 6.4 ms), so rati
 what verification steps cost; these are the costs to give the replay.
 
     python -m benchmarks.spec_step_costs [--method suffix] [--kind "code edit"] [--prompts 2]
-    python -m benchmarks.spec_replay --outputs /tmp/spec_outputs.json --row-costs <printed> --prefill-per-token <printed>
+    python -m benchmarks.spec_replay --outputs /tmp/spec_outputs.json --row-costs ... --prefill-per-token ...
 """
 from __future__ import annotations
 

@@ -296,7 +296,7 @@ def invariant_rows() -> int:
     return _INVARIANT_ROWS.get()
 
 
-def _bf16_rows() -> dict[str, int]:
+def kernel_row_limits() -> dict[str, int]:
     """The row limits of the kernels' products here: bfloat16 rows and tiles, 8-bit tiles for products of 9+ rows
     with 4- and 5-bit blocks where the build has them (bf16_products(True, int8_tiles=True)), and the invariant
     path's rows: INVARIANT_PATH_ROWS, or the invariant rows asked for (bf16_products(.., invariant_rows=R)), or 8
@@ -321,7 +321,8 @@ def quantized_dot(x: jax.Array, raw: jax.Array, fmt: str, scale: jax.Array | Non
     if jax.default_backend() == "cpu" and native_kernel_available():
         from cpu_kernels.quantized_matmul import quantized_matmul, row_path_limits
 
-        return quantized_matmul(x, raw, fmt, *row_path_limits(), live_rows_of(x.shape[0]), **_bf16_rows())
+        return quantized_matmul(x, raw, fmt, *row_path_limits(), live_rows_of(x.shape[0]),
+                                **kernel_row_limits())
     w = dequantize(raw, fmt, x.shape[-1])  # [N, K]
     return jnp.einsum("tk,nk->tn", x.astype(jnp.float32), w, preferred_element_type=jnp.float32)
 
@@ -335,7 +336,8 @@ def quantized_gated_dot(x: jax.Array, gate: jax.Array, up: jax.Array, fmt: str) 
         return None
     from cpu_kernels.quantized_matmul import gated_matmul, row_path_limits
 
-    return gated_matmul(x, gate, up, fmt, *row_path_limits(), live_rows_of(x.shape[0]), **_bf16_rows())
+    return gated_matmul(x, gate, up, fmt, *row_path_limits(), live_rows_of(x.shape[0]),
+                        **kernel_row_limits())
 
 
 def dequantized_rows(raw: jax.Array, ids: jax.Array, fmt: str, k: int, scale: jax.Array | None = None) -> jax.Array:

@@ -20,7 +20,8 @@ pytestmark = [
                        reason="needs a C++ compiler to build the native kernels"),
 ]
 FORMATS = ["q8_0", "q4_0", "q4_1"]
-# The engine's row limits on AVX-512 builds (models.quantized._bf16_rows): the invariant path to 16 rows, bf16 past.
+# The engine's row limits on AVX-512 builds (models.quantized.kernel_row_limits): the invariant path to 16 rows, bf16
+# past.
 PATHS = dict(bf16_max_rows=8, invariant_max_rows=16)
 
 
