@@ -1,13 +1,16 @@
 """The embedded model with its Q4_0 / Q4_1 projections (and, word-grouped, its Q8_0 table) in the kernels' layout for
 this machine (interleaved by groups of 8 rows on AVX2 builds, by code words for 16 rows on AVX-512 builds with BF16:
-models.quantized.native_layout) against the file's row-major blocks, in one process.
+models.quantized.native_layout) against the file's row-major blocks, in one process; or with `--against
+qkv-apart`, the default engine against one whose q, k and v stay three projections (models.llama.fuse_qkv_blocks
+bypassed).
 
-Two `LLM()` engines with default settings, the second built with the layout choice bypassed; after a warm-up,
-each round times a single stream (a chat prompt, 128 greedy tokens, prefill included) and a batch of 32 uneven chat
-prompts x 64 tokens on both, each round's prompts new, the engines' order reversed every other round (a drift of the
-machine's speed reaches both sides of the ratio). Prints the medians and their ratios.
+Two `LLM()` engines with default settings, the second built with the layout choice (or the fusion) bypassed; after a
+warm-up, each round times a single stream (a chat prompt, 128 greedy tokens, prefill included) and a batch of 32
+uneven chat prompts x 64 tokens on both, each round's prompts new, the engines' order reversed every other round (a
+drift of the machine's speed reaches both sides of the ratio). Prints the medians and their ratios.
 
     python -m benchmarks.block_layout --rounds 6 --json benchmarks/results/block_layout_cpu.json
+    python -m benchmarks.block_layout --against qkv-apart
 """
 from __future__ import annotations
 
@@ -39,32 +42,38 @@ def _batch(engine, chats: list[list[dict]]) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - started)
 
 
-def _engines():
-    """(native-layout engine, row-major engine) and the block formats of each."""
+def _engines(against: str):
+    """(default engine, the engine it is compared with) and the block formats of each."""
     import models.layers
     import models.llama
     from jvllm import LLM
     from jvllm.worker.weights import block_formats
 
     native = LLM()
-    choose = models.layers.native_layout
-    models.layers.native_layout = models.llama.native_layout = lambda blocks, fmt, table=False: (blocks, fmt)
+    choose, fuse = models.layers.native_layout, models.llama.fuse_qkv_blocks
+    if against == "row-major":  # the file's blocks as they are, projections and table
+        models.layers.native_layout = models.llama.native_layout = lambda blocks, fmt, table=False: (blocks, fmt)
+    else:  # q, k and v as three projections
+        models.llama.fuse_qkv_blocks = lambda module: 0
     try:
-        row_major = LLM()  # the file's blocks as they are, projections and table
+        other = LLM()
     finally:
         models.layers.native_layout = models.llama.native_layout = choose
-    formats = {name: sorted(block_formats(e.runner.loaded)) for name, e in (("native", native), ("row-major", row_major))}
-    return native, row_major, formats
+        models.llama.fuse_qkv_blocks = fuse
+    formats = {name: sorted(block_formats(e.runner.loaded)) for name, e in (("native", native), (against, other))}
+    return native, other, formats
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--against", choices=["row-major", "qkv-apart"], default="row-major",
+                        help="what the default engine is compared with (default: the file's row-major blocks)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
-    native, row_major, formats = _engines()
+    native, other, formats = _engines(args.against)
     print("block formats:", formats, flush=True)
-    engines = {"native": native, "row-major": row_major}
+    engines = {"native": native, args.against: other}
     for engine in engines.values():  # warm-up on prompts not timed
         _single(engine, chat_messages(1, seed=1000)[0])
         _batch(engine, chat_messages(32, seed=1001))
@@ -79,10 +88,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"round {r}: " + ", ".join(f"{name} single {t['single'][-1]:.1f} batch {t['batch'][-1]:.1f}"
                                         for name, t in times.items()), flush=True)
     medians = {name: {kind: statistics.median(v) for kind, v in t.items()} for name, t in times.items()}
-    ratios = {kind: medians["native"][kind] / medians["row-major"][kind] for kind in ("single", "batch")}
+    ratios = {kind: medians["native"][kind] / medians[args.against][kind] for kind in ("single", "batch")}
     for kind in ("single", "batch"):
-        print(f"{kind}: native {medians['native'][kind]:.1f} tok/s, row-major {medians['row-major'][kind]:.1f} tok/s "
-              f"-> {ratios[kind]:.2f}x")
+        print(f"{kind}: native {medians['native'][kind]:.1f} tok/s, {args.against} {medians[args.against][kind]:.1f} "
+              f"tok/s -> {ratios[kind]:.2f}x")
     results = {"command": command_line("benchmarks.block_layout", argv), "machine": machine_info(),
                "formats": formats, "tok_s": times, "medians": medians, "ratios": ratios}
     write_json(args.json, results)

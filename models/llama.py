@@ -47,9 +47,14 @@ class Attention(nnx.Module):
                  md: AttentionMetadata, attention: LayerAttention) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """x [T, D] -> (out [T, D], the attention call's per-layer result)."""
         tokens = x.shape[0]
-        q = self.q_proj(x).reshape(tokens, self.num_heads, self.head_dim)  # [T, H, hd]
-        k = self.k_proj(x).reshape(tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
-        v = self.v_proj(x).reshape(tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
+        if self.k_proj is None:  # q, k and v as one projection (fuse_qkv_blocks): columns [q | k | v]
+            q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = jnp.split(self.q_proj(x), [q_width, q_width + kv_width], axis=1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(tokens, self.num_heads, self.head_dim)  # [T, H, hd]
+        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
         if self.q_norm is not None:
             q, k = self.q_norm(q).astype(q.dtype), self.k_norm(k).astype(k.dtype)
         if self.rope_table is not None:
@@ -57,6 +62,30 @@ class Attention(nnx.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out, layer_kv = attention(q, k, v, pages, md, self.scale, self.sliding_window, self.soft_cap)  # [T, H, hd]
         return self.o_proj(out.reshape(tokens, -1)), layer_kv
+
+
+    def fuse_qkv_blocks(self) -> bool:
+        """Hold q, k and v as one projection where all three hold GGUF blocks of one format: q_proj then multiplies
+        their rows together (output columns [q | k | v]) and k_proj, v_proj are None. One native product a step
+        instead of three, with the same bits (each output row of a block product is computed alone); for weights
+        already loaded, on one device (tensor parallelism shards q and k/v by different heads). -> whether fused."""
+        q, k, v = self.q_proj, self.k_proj, self.v_proj
+        if k is None or v is None:
+            return False
+        fmt = q.quant
+        if fmt is None or fmt in CHANNEL_FORMATS or fmt != k.quant or fmt != v.quant:
+            return False
+        q.kernel = nnx.Param(jnp.concatenate([p.kernel[...] for p in (q, k, v)]))  # [Nq + 2 Nkv, row bytes]
+        if q.bias is not None:
+            q.bias = nnx.Param(jnp.concatenate([p.bias[...] for p in (q, k, v)]))
+        q.d_out = q.d_out + k.d_out + v.d_out
+        self.k_proj = self.v_proj = None
+        return True
+
+
+def fuse_qkv_blocks(module: nnx.Module) -> int:
+    """Attention.fuse_qkv_blocks on every attention layer of a loaded model -> how many fused."""
+    return sum(m.fuse_qkv_blocks() for _, m in nnx.iter_modules(module) if isinstance(m, Attention))
 
 
 class DecoderLayer(nnx.Module):
@@ -217,6 +246,8 @@ class LlamaForCausalLM(nnx.Module):
 def attention_hf_parameters(attn: Attention, prefix: str, fused: bool) -> Iterator[HFParameter]:
     """q/k/v split by output columns (heads), o by input rows; biases and per-head norms where present. `fused`:
     q, k and v are row ranges of one qkv_proj tensor."""
+    if attn.k_proj is None:
+        raise ValueError("q, k and v were fused after loading (Attention.fuse_qkv_blocks): their HF tensors are gone")
     q_rows, kv_rows = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
     fused_rows = {"q_proj": (0, q_rows), "k_proj": (q_rows, q_rows + kv_rows),
                   "v_proj": (q_rows + kv_rows, q_rows + 2 * kv_rows)}

@@ -309,10 +309,20 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
         from jvllm.model_loader.quantize_weights import quantize_module
 
         logger.info("quantized %d tensors to %s at load", quantize_module(module, quantization), quantization)
+        _fuse_projections(module)
     graphdef, state = nnx.split(module)
     vision = load_vision(folder, hf_config, tok, jdtype, vision_tensors, seed,
                          mm_processor_kwargs) if multimodal else None
     return LoadedModel(config, graphdef, state, tok, served_model_name or name, jdtype, folder, vision=vision)
+
+
+def _fuse_projections(module: Any) -> None:
+    """Each attention layer's q, k and v blocks as one projection, where they share a format (one device only)."""
+    from models.llama import fuse_qkv_blocks
+
+    fused = fuse_qkv_blocks(module)
+    if fused:
+        logger.info("q, k and v as one projection in %d layers", fused)
 
 
 def _load_gguf_blocks(path: str, config: Any, model_cls: Any, jdtype: Any, partial: LoadedModel) -> LoadedModel:
@@ -328,6 +338,7 @@ def _load_gguf_blocks(path: str, config: Any, model_cls: Any, jdtype: Any, parti
     weights = read_gguf_weights(header)
     kept = load_gguf_weights(module, weights, jdtype)
     logger.info("kept %d tensors in their GGUF blocks (%.1f MB)", kept, weights.block_bytes / 1e6)
+    _fuse_projections(module)
     graphdef, state = nnx.split(module)
     return dataclasses.replace(partial, graphdef=graphdef, state=state)
 

@@ -19,6 +19,7 @@ from jvllm.worker.batch import ChunkRow, HostBatch, build_batch
 from jvllm.worker.compile_watch import compile_watch
 from jvllm.worker.compiled_steps import CompiledSteps
 from jvllm.worker.encoder_runner import EncoderBufferLayout, encoder_runner
+from jvllm.worker.huge_pages import back_with_huge_pages
 from jvllm.worker.input_transfer import InputTransfer
 from jvllm.worker.page_copy import copy_list
 from jvllm.worker.step_functions import build_step_functions
@@ -119,6 +120,9 @@ class ModelRunner:
         self.compiled = CompiledSteps(steps, self)
         logger.info("KV pool: %d pages x %d tokens, %.1f MiB", num_pages, page_size,
                     self.kv_pool_bytes(cfg, self.kv_cache_dtype, num_pages, page_size) / 2**20)
+        if self._on_cpu:  # every decode step streams the weights: fewer TLB misses (jvllm.worker.huge_pages)
+            huge = back_with_huge_pages([*jax.tree.leaves(loaded.state), *jax.tree.leaves(self.kv_cache)])
+            logger.info("%.0f MiB of weights and KV pages in 2 MiB pages", huge / 2**20)
 
     @property
     def weights(self) -> list[jax.Array]:
