@@ -121,8 +121,8 @@ class ModelRunner:
         logger.info("KV pool: %d pages x %d tokens, %.1f MiB", num_pages, page_size,
                     self.kv_pool_bytes(cfg, self.kv_cache_dtype, num_pages, page_size) / 2**20)
         if self._on_cpu:  # every decode step streams the weights: fewer TLB misses (jvllm.worker.huge_pages)
-            huge = back_with_huge_pages([*jax.tree.leaves(loaded.state), *jax.tree.leaves(self.kv_cache)])
-            logger.info("%.0f MiB of weights and KV pages in 2 MiB pages", huge / 2**20)
+            huge = back_with_huge_pages(jax.tree.leaves(loaded.state))
+            logger.info("%.0f MiB of weights in 2 MiB pages", huge / 2**20)
 
     @property
     def weights(self) -> list[jax.Array]:
