@@ -63,7 +63,6 @@ class Attention(nnx.Module):
         out, layer_kv = attention(q, k, v, pages, md, self.scale, self.sliding_window, self.soft_cap)  # [T, H, hd]
         return self.o_proj(out.reshape(tokens, -1)), layer_kv
 
-
     def fuse_qkv_blocks(self) -> bool:
         """Hold q, k and v as one projection where all three hold GGUF blocks of one format: q_proj then multiplies
         their rows together (output columns [q | k | v]) and k_proj, v_proj are None. One native product a step

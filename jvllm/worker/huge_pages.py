@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 import sys
 from typing import Iterable
 
 import jax
-
-logger = logging.getLogger("jvllm")
 
 HUGE_PAGE = 2 << 20  # bytes
 MADV_HUGEPAGE = 14
