@@ -1,13 +1,13 @@
-"""Single-stream speed with speculative decoding against without, same run: copy-heavy prompts (a code edit,
-a summary that quotes its source, JSON extraction) and free-form chat.
+"""Single-stream speed with speculative decoding against without, same run: copy-heavy prompts (a code edit, a summary
+that quotes its source, JSON extraction) and free-form chat.
 
 One `LLM()` per setting (default settings otherwise: the embedded SmolLM2-135M-Instruct), each warmed up on other
 prompts of the same kind; then every prompt is sent alone through `chat` (greedy, up to --max-tokens) once per
 setting, the settings in turn, their order reversed every other prompt (so that an engine's place in the process
-weighs on every setting alike), and tokens per second are counted from the call to the last token, prefill
-included (the last column: the share of the time without speculation that went to the prefill, which speculation
-cannot shorten). Every measured prompt is new to every engine (the suffix method's cache of earlier outputs holds only other prompts'
-outputs).
+weighs on every setting alike), and tokens per second are counted from the call to the last token, prefill included
+(the last column: the share of the time without speculation that went to the prefill, which speculation cannot
+shorten). Every measured prompt is new to every engine (the suffix method's cache of earlier outputs holds only
+other prompts' outputs).
 
     python -m benchmarks.spec_decode --json benchmarks/results/spec_decode_cpu.json
     python -m benchmarks.spec_decode --crossover 1,2,4,8,16   # batch sizes where speculation stops paying
