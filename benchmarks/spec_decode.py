@@ -80,15 +80,20 @@ def crossover(max_tokens: int, batch_sizes: list[int]) -> dict:
 
 def many_requests(rounds: int, method: str = "ngram") -> dict:
     """Batches too large to speculate but at their tail, in one process: `method` (SETTINGS) against no speculation,
-    alternating which goes first each round, on 32 uneven chat prompts x 64 tokens and on 256 requests of fixed
-    (64 in, 64 out) and varied (log-normal, same totals) lengths, as benchmarks.throughput builds them.
-    -> {workload: {"off": [tok/s per round], method: [...], "ratio": sum method / sum off}}."""
+    alternating which goes first each round, on 32 uneven chat prompts x 64 tokens, the same prompts with
+    long-tailed output lengths (16-256, 64 on average: a few long answers run alone at the end), and 256 requests
+    of fixed (64 in, 64 out) and varied (log-normal, same totals) lengths, as benchmarks.throughput builds them.
+    -> {workload: {"off": [tok/s per round], method: [...], "ratio": sum method / sum off,
+    "verification_steps": [steps that verified drafts, per round of `method`]}}: where that count is 0 the two
+    engines ran the same steps, and their ratio is the machine's noise."""
     from jvllm import LLM
     from benchmarks import traffic, workloads
 
     engines = {"off": LLM(), method: LLM(speculative_config=SETTINGS[method])}
     vocab = engines["off"].model.config.vocab_size
-    loads = {"32 chats": workloads.chat(engines["off"].get_tokenizer(), 32, 64, seed=0),
+    tokenizer = engines["off"].get_tokenizer()
+    loads = {"32 chats": workloads.chat(tokenizer, 32, 64, seed=0),
+             "32 chats varied": workloads.chat_varied(tokenizer, 32, 64 * 32, seed=0),
              "256 fixed": workloads.fixed(256, 64, 64, vocab, seed=100),
              "256 varied": workloads.varied(256, 64 * 256, 64 * 256, vocab, seed=200)}
 
@@ -96,20 +101,26 @@ def many_requests(rounds: int, method: str = "ngram") -> dict:
         engine.reset_prefix_cache()  # every round computes the same prompts in full
         return load.output_tokens / traffic.jvllm_pass(engine, load)
 
+    def verification_steps() -> int:
+        return engines[method].drafter.stats.num_drafts
+
     for load in loads.values():  # warm-up: every step shape the workloads need
         for engine in engines.values():
             tokens_per_second(engine, load)
-    table = {name: {"off": [], method: []} for name in loads}
+    table = {name: {"off": [], method: [], "verification_steps": []} for name in loads}
     for round_index in range(rounds):
         order = list(engines) if round_index % 2 == 0 else list(reversed(engines))
         for name, load in loads.items():
+            verified_before = verification_steps()
             for setting in order:
                 table[name][setting].append(tokens_per_second(engines[setting], load))
-            print(f"round {round_index + 1} {name:10s} off {table[name]['off'][-1]:6.1f} tok/s, "
-                  f"{method} {table[name][method][-1]:6.1f}", flush=True)
+            table[name]["verification_steps"].append(verification_steps() - verified_before)
+            print(f"round {round_index + 1} {name:15s} off {table[name]['off'][-1]:6.1f} tok/s, "
+                  f"{method} {table[name][method][-1]:6.1f} ({table[name]['verification_steps'][-1]} steps "
+                  "verified drafts)", flush=True)
     for name, row in table.items():
         row["ratio"] = sum(row[method]) / sum(row["off"])
-        print(f"{name:10s} {method} / off {row['ratio']:.3f}")
+        print(f"{name:15s} {method} / off {row['ratio']:.3f}")
     return table
 
 

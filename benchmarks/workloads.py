@@ -60,6 +60,13 @@ def varied(num: int, input_tokens: int, output_tokens: int, vocab: int, seed: in
     return Workload([rng.integers(100, vocab - 100, size=n).tolist() for n in input_lens], output_lens)
 
 
+def chat_varied(tokenizer, num: int, output_tokens: int, seed: int) -> Workload:
+    """`chat` prompts with long-tailed output lengths (16-256, `output_tokens` in all): the batch thins out to a
+    few long answers at its end."""
+    prompts = chat(tokenizer, num, 0, seed).prompts
+    return Workload(prompts, _long_tailed(np.random.default_rng(seed), num, 16, 256, output_tokens))
+
+
 def chat_messages(num: int, seed: int) -> list[list[dict]]:
     """`num` single-turn chats of uneven length, drawn from the topics and asks above."""
     rng = np.random.default_rng(seed)
