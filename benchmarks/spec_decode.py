@@ -55,26 +55,33 @@ def run_one(engine, message: str, max_tokens: int) -> tuple[list[int], float, fl
 
 
 def crossover(max_tokens: int, batch_sizes: list[int]) -> dict:
-    """Batches of b copy-heavy prompts at once, ngram speculation (every batch size allowed) against none: where
-    verifying drafts stops paying for itself. -> {b: {"off": tok/s, "ngram": tok/s}}."""
+    """Batches of b copy-heavy prompts at once, no speculation against ngram speculation in every batch ("ngram",
+    every batch size allowed, untimed) and against the default policy ("policy": up to max_batch_size requests,
+    batches of several only while timed faster): where verifying drafts stops paying for itself, and what the
+    policy makes of it. The engines take turns, their order reversed at every batch size.
+    -> {b: {"off": tok/s, "ngram": tok/s, "policy": tok/s}}."""
     from jvllm import LLM, SamplingParams
 
-    engines = {"off": LLM(), "ngram": LLM(speculative_config={**SETTINGS["ngram"], "max_batch_size": 256})}
+    engines = {"off": LLM(),
+               "ngram": LLM(speculative_config={**SETTINGS["ngram"], "max_batch_size": 256, "timed_batches": False}),
+               "policy": LLM(speculative_config=SETTINGS["ngram"])}
     edits, quotes = prompts()["code edit"][1], prompts()["quote summary"][1]
     messages = [[{"role": "user", "content": text}] for pair in zip(edits, quotes) for text in pair]
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     for engine in engines.values():
         engine.chat(messages[:2], params, use_tqdm=False)
     table = {}
-    for size in batch_sizes:
+    for index, size in enumerate(batch_sizes):
         batch = [messages[i % len(messages)] for i in range(size)]
         table[size] = {}
-        for name, engine in engines.items():
+        for name in (list(engines) if index % 2 == 0 else list(reversed(engines))):
             started = time.perf_counter()
-            outs = engine.chat(batch, params, use_tqdm=False)
+            outs = engines[name].chat(batch, params, use_tqdm=False)
             table[size][name] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - started)
-        print(f"batch {size:3d}: off {table[size]['off']:7.1f} tok/s, ngram {table[size]['ngram']:7.1f} "
-              f"({table[size]['ngram'] / table[size]['off']:4.2f}x)", flush=True)
+        off = table[size]["off"]
+        print(f"batch {size:3d}: off {off:7.1f} tok/s, ngram {table[size]['ngram']:7.1f} "
+              f"({table[size]['ngram'] / off:4.2f}x), policy {table[size]['policy']:7.1f} "
+              f"({table[size]['policy'] / off:4.2f}x)", flush=True)
     return table
 
 
