@@ -10,7 +10,7 @@ shorten). Every measured prompt is new to every engine (the suffix method's cach
 other prompts' outputs).
 
     python -m benchmarks.spec_decode --json benchmarks/results/spec_decode_cpu.json
-    python -m benchmarks.spec_decode --crossover 1,2,4,8,16   # batch sizes where speculation stops paying
+    python -m benchmarks.spec_decode --crossover 1,2,3,4,8 --rounds 10   # where speculation stops paying
     python -m benchmarks.spec_decode --draft-model SmolLM2-135M-Instruct   # also a draft model (3 drafts)
     python -m benchmarks.spec_decode --no-batch-invariant   # verification steps of up to 31 drafts, not invariant
     python -m benchmarks.spec_decode --workloads 3   # 32 chats and 256 requests: ngram against off, 3 rounds
@@ -54,34 +54,43 @@ def run_one(engine, message: str, max_tokens: int) -> tuple[list[int], float, fl
     return out.outputs[0].token_ids, wall, min(wall, out.metrics.time_to_first_token or 0.0)
 
 
-def crossover(max_tokens: int, batch_sizes: list[int]) -> dict:
-    """Batches of b copy-heavy prompts at once, no speculation against ngram speculation in every batch ("ngram",
-    every batch size allowed, untimed) and against the default policy ("policy": up to max_batch_size requests,
-    batches of several only while timed faster): where verifying drafts stops paying for itself, and what the
-    policy makes of it. The engines take turns, their order reversed at every batch size.
-    -> {b: {"off": tok/s, "ngram": tok/s, "policy": tok/s}}."""
+def crossover(max_tokens: int, batch_sizes: list[int], rounds: int) -> dict:
+    """Batches of b copy-heavy prompts at once, ngram speculation in every batch (max_batch_size lifted) against
+    none, in one process, `rounds` rounds (each a different set of prompts, the engines' order reversed every
+    other round): where verifying drafts stops paying for itself.
+    -> {b: {"off": tok/s, "ngram": tok/s, "ratio": ..., "rounds": [[off, ngram] tok/s per round]}}."""
     from jvllm import LLM, SamplingParams
 
-    engines = {"off": LLM(),
-               "ngram": LLM(speculative_config={**SETTINGS["ngram"], "max_batch_size": 256, "timed_batches": False}),
-               "policy": LLM(speculative_config=SETTINGS["ngram"])}
+    engines = {"off": LLM(), "ngram": LLM(speculative_config={**SETTINGS["ngram"], "max_batch_size": 256})}
     edits, quotes = prompts()["code edit"][1], prompts()["quote summary"][1]
     messages = [[{"role": "user", "content": text}] for pair in zip(edits, quotes) for text in pair]
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     for engine in engines.values():
         engine.chat(messages[:2], params, use_tqdm=False)
-    table = {}
-    for index, size in enumerate(batch_sizes):
-        batch = [messages[i % len(messages)] for i in range(size)]
-        table[size] = {}
-        for name in (list(engines) if index % 2 == 0 else list(reversed(engines))):
-            started = time.perf_counter()
-            outs = engines[name].chat(batch, params, use_tqdm=False)
-            table[size][name] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - started)
-        off = table[size]["off"]
-        print(f"batch {size:3d}: off {off:7.1f} tok/s, ngram {table[size]['ngram']:7.1f} "
-              f"({table[size]['ngram'] / off:4.2f}x), policy {table[size]['policy']:7.1f} "
-              f"({table[size]['policy'] / off:4.2f}x)", flush=True)
+    tokens = {(size, name): 0 for size in batch_sizes for name in engines}
+    seconds = {(size, name): 0.0 for size in batch_sizes for name in engines}
+    table = {size: {"rounds": []} for size in batch_sizes}
+    for round_index in range(rounds):
+        order = list(engines) if round_index % 2 == 0 else list(reversed(engines))
+        for size in batch_sizes:
+            batch = [messages[(i + 3 * round_index) % len(messages)] for i in range(size)]
+            rates = {}
+            for name in order:
+                started = time.perf_counter()
+                outs = engines[name].chat(batch, params, use_tqdm=False)
+                elapsed = time.perf_counter() - started
+                count = sum(len(o.outputs[0].token_ids) for o in outs)
+                tokens[size, name] += count
+                seconds[size, name] += elapsed
+                rates[name] = count / elapsed
+            table[size]["rounds"].append([rates["off"], rates["ngram"]])
+            print(f"round {round_index + 1} batch {size:3d}: off {rates['off']:7.1f} tok/s, ngram "
+                  f"{rates['ngram']:7.1f} ({rates['ngram'] / rates['off']:4.2f}x)", flush=True)
+    for size in batch_sizes:
+        row = table[size]
+        row["off"], row["ngram"] = (tokens[size, name] / seconds[size, name] for name in ("off", "ngram"))
+        row["ratio"] = row["ngram"] / row["off"]
+        print(f"batch {size:3d}: off {row['off']:7.1f} tok/s, ngram {row['ngram']:7.1f} ({row['ratio']:.3f}x)")
     return table
 
 
@@ -135,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="with --crossover: rounds over the batch sizes (the VM's noise needs several)")
     parser.add_argument("--crossover", default=None, metavar="SIZES",
                         help="instead: batches of these sizes (e.g. 1,2,4,8,16) with and without ngram speculation")
     parser.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
@@ -156,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                                "workloads": table})
         return 0
     if args.crossover:
-        table = crossover(args.max_tokens, [int(size) for size in args.crossover.split(",")])
+        table = crossover(args.max_tokens, [int(size) for size in args.crossover.split(",")], args.rounds)
         write_json(args.json, {"command": command_line("benchmarks.spec_decode", argv), "machine": machine_info(),
                                "max_tokens": args.max_tokens, "batches": table})
         return 0

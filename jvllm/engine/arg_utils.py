@@ -178,8 +178,7 @@ class EngineArgs:
               'from the longest matching suffix in this and earlier outputs) or \'{"method": "draft_model", "model": '
               'PATH, "num_speculative_tokens": 3}\' (a smaller model of the same tokenizer drafts greedily, in an '
               'engine of its own). Greedy and seeded outputs are those '
-              'without it; only batches of at most max_batch_size (default 4) requests speculate, several only '
-              'while timed faster than without (timed_batches, default true)',
+              'without it; only batches of at most max_batch_size (default 4) requests speculate',
         parse=json_speculative, metavar="JSON")
     precompile: bool = option(True, "compile every step shape before serving (default on; loaded from the cache "
                                     "after the first start; `generate` compiles only the shapes its one prompt can "

@@ -276,12 +276,9 @@ class Engine(MultiHostRoles, FrontEndViews, PoolingCalls, BeamSearchCalls):
     def _step(self, finished_only: bool) -> list[RequestOutput]:
         """`step`; with `finished_only`, outputs only of the prompts that finished (generate's way: building
         every advancing prompt's output each step is host work that competes with the step's kernels)."""
-        started = time.perf_counter()
         current, self._ahead = self._ahead or self._schedule_and_dispatch(), None
         if current is None:
             return []
-        verifies = None if self.drafter is None else current.decode_kind()
-        tokens_before = 0 if verifies is None else current.output_tokens()
         try:
             self._ahead = self._dispatch_ahead(current)
             results = self.runner.collect(current.groups)
@@ -290,9 +287,6 @@ class Engine(MultiHostRoles, FrontEndViews, PoolingCalls, BeamSearchCalls):
         except BaseException:
             self._ahead = None
             raise
-        if verifies is not None:  # the speculation policy learns what a decode step of this batch size costs
-            self.drafter.record_step(len(current.chunks), verifies, current.output_tokens() - tokens_before,
-                                     time.perf_counter() - started)
         return outputs
 
     def _schedule_and_dispatch(self) -> StepInFlight | None:

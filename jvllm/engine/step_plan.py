@@ -114,16 +114,6 @@ class StepInFlight:
         by_id = {chunk.request.request_id: chunk for chunk in self.chunks}
         return [by_id[plan.request_id] for group in self.groups for plan in group.plans]
 
-    def decode_kind(self) -> bool | None:
-        """For a step where every request decodes: whether it verifies drafts; None for a step with prompt tokens."""
-        if any(not chunk.lookahead and chunk.num_tokens - len(chunk.draft_ids) != 1 for chunk in self.chunks):
-            return None
-        return any(chunk.draft_ids for chunk in self.chunks)
-
-    def output_tokens(self) -> int:
-        """Output tokens its requests hold so far."""
-        return sum(len(chunk.request.output_token_ids) for chunk in self.chunks)
-
     def grammar_bits(self) -> list[np.ndarray | None]:
         """Per row of the (single) group: the allowed-token bits of its request's grammar now, None for a request
         without one or finished."""

@@ -38,9 +38,6 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     max_batch_size: int = DEFAULT_MAX_BATCH  # speculate only while at most this many requests run
-    # batches of 2..max_batch_size requests speculate only while the engine times their verifying steps faster than
-    # plain ones (jvllm.spec_decode.batch_policy); False: always
-    timed_batches: bool = True
     model: str | None = None  # draft_model: its folder, .gguf file or known name
 
     def __post_init__(self) -> None:
@@ -50,8 +47,6 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config {name} must be a positive integer, got {value!r}")
-        if not isinstance(self.timed_batches, bool):
-            raise ValueError(f"speculative_config timed_batches must be true or false, got {self.timed_batches!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) is larger than "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")

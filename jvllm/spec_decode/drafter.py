@@ -8,7 +8,6 @@ from typing import Protocol
 import numpy as np
 
 from jvllm.core.request import Request
-from jvllm.spec_decode.batch_policy import BatchPolicy
 from jvllm.spec_decode.config import SpeculativeConfig
 from jvllm.spec_decode.ngram import propose_ngram
 from jvllm.spec_decode.suffix import OutputCache, propose_suffix
@@ -105,7 +104,6 @@ class Drafter:
             raise ValueError("a Drafter needs a draft model for method draft_model, and takes one only then")
         self.config = config
         self.stats = SpecDecodeStats()
-        self.batch_policy = BatchPolicy(config.max_batch_size, config.timed_batches)
         self.cache = OutputCache(config.suffix_decoding_max_cached_requests)
         self.draft_model = draft_model
         self.max_step_rows = max_step_rows or max(SHARED_STEP_ROWS, config.num_speculative_tokens + 1)
@@ -113,13 +111,8 @@ class Drafter:
         self._prepared: dict[str, list[int]] = {}  # draft_model: this step's continuations by request id
 
     def speculates(self, num_running: int) -> bool:
-        """Whether a batch of `num_running` requests speculates at all: small batches only (see the config), and
-        of several requests only while verifying steps emit more tokens a second (BatchPolicy)."""
-        return self.batch_policy.speculates(num_running)
-
-    def record_step(self, num_requests: int, verified: bool, tokens: int, seconds: float) -> None:
-        """A decode step of `num_requests` requests, which verified drafts or not, emitted `tokens` in `seconds`."""
-        self.batch_policy.record(num_requests, verified, tokens, seconds)
+        """Whether a batch of `num_running` requests speculates at all (small batches only: see the config)."""
+        return num_running <= self.config.max_batch_size
 
     def _state(self, request: Request) -> _RequestSpeculation:
         state = self._requests.get(request.request_id)

@@ -34,9 +34,8 @@ def without() -> Engine:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 5, "timed_batches": False},
-                                  pytest.param({"method": "suffix", "timed_batches": False},
-                                               marks=pytest.mark.extended)],  # same steps
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 5},
+                                  pytest.param({"method": "suffix"}, marks=pytest.mark.extended)],  # same steps
                          ids=["ngram", "suffix"])
 def test_greedy_outputs_are_those_without_speculation(without, spec):
     engine = Engine(speculative_config=spec, **ENGINE)

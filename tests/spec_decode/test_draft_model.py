@@ -41,8 +41,7 @@ def test_any_draft_keeps_the_outputs_and_the_target_drafting_itself_is_accepted(
     expected = plain.generate(prompts, params, use_tqdm=False)
     for draft, accepted_share in ((target, 0.95), (other_draft, None)):
         engine = Engine(target, precompile=False, speculative_config={
-            "method": "draft_model", "model": draft, "num_speculative_tokens": 3, "max_batch_size": 8,
-            "timed_batches": False}, **ENGINE)
+            "method": "draft_model", "model": draft, "num_speculative_tokens": 3, "max_batch_size": 8}, **ENGINE)
         got = engine.generate(prompts, params, use_tqdm=False)
         assert _tokens(got) == _tokens(expected)
         stats = engine.drafter.stats

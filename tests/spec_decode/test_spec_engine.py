@@ -94,9 +94,9 @@ def _summary(outputs) -> list:
 
 
 @pytest.mark.parametrize("spec", [
-    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "max_batch_size": ALWAYS, "timed_batches": False},
-    {"method": "suffix", "num_speculative_tokens": 6, "max_batch_size": ALWAYS, "timed_batches": False},
-    {"method": "draft_model", "num_speculative_tokens": 3, "max_batch_size": ALWAYS, "timed_batches": False},
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "max_batch_size": ALWAYS},
+    {"method": "suffix", "num_speculative_tokens": 6, "max_batch_size": ALWAYS},
+    {"method": "draft_model", "num_speculative_tokens": 3, "max_batch_size": ALWAYS},
 ], ids=["ngram", "suffix", "draft_model"])
 def test_outputs_equal_those_without_speculation(model, plain, spec):
     if spec["method"] == "draft_model":
@@ -128,7 +128,7 @@ def test_long_drafts_rejected_anywhere_keep_the_outputs(model, plain, spec, chan
     a fraction `changed` of its tokens changed, so drafts are accepted up to any position (at least up to
     `longest`), and preemptions happen (a small pool)."""
     # every request its full drafts at once: steps of up to 11 x 32 token rows
-    engine = Engine(model, kv_cache_memory_bytes=3 << 15, speculative_config={**spec, "max_batch_size": ALWAYS, "timed_batches": False},
+    engine = Engine(model, kv_cache_memory_bytes=3 << 15, speculative_config={**spec, "max_batch_size": ALWAYS},
                     **{**ENGINE, "max_num_seqs": 512})
     engine.drafter.max_step_rows = 512
     jobs = _workload(plain, 4)
@@ -155,7 +155,7 @@ def test_requests_verifying_together_share_one_step_of_rows(model, plain):
     """With the default step limit (SHARED_STEP_ROWS), decoding requests that all could draft 31 tokens share a
     step's rows evenly; a request decoding alone verifies all 31 drafts at once."""
     engine = Engine(model, kv_cache_memory_bytes=1 << 18, speculative_config={"method": "suffix",
-                                                                          "max_batch_size": ALWAYS, "timed_batches": False}, **ENGINE)
+                                                                          "max_batch_size": ALWAYS}, **ENGINE)
     assert engine.drafter.max_step_rows == SHARED_STEP_ROWS == 32
     rng = random.Random(3)
     jobs = [([rng.randrange(5, 3000) for _ in range(8 + 3 * index)],
@@ -181,7 +181,7 @@ def test_requests_verifying_together_share_one_step_of_rows(model, plain):
 
 def test_a_large_batch_does_not_speculate(model, plain):
     engine = Engine(model, kv_cache_memory_bytes=1 << 18, speculative_config={
-        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "max_batch_size": 2, "timed_batches": False}, **ENGINE)
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "max_batch_size": 2}, **ENGINE)
     jobs = _workload(plain, 3)[:6]
     for _, params in jobs:
         params.max_tokens = 8
@@ -205,7 +205,7 @@ def test_sampled_tokens_follow_the_target_distribution(model, plain):
     from scipy import stats as scipy_stats
 
     engine = Engine(model, kv_cache_memory_bytes=1 << 18, speculative_config={
-        "method": "ngram", "num_speculative_tokens": 2, "max_batch_size": ALWAYS, "timed_batches": False}, **ENGINE)
+        "method": "ngram", "num_speculative_tokens": 2, "max_batch_size": ALWAYS}, **ENGINE)
     prompt = [17, 400, 23, 99, 5]
     params = dict(temperature=1.5, top_k=3, max_tokens=3, ignore_eos=True)
 
@@ -247,7 +247,7 @@ def test_sampled_tokens_follow_the_target_distribution(model, plain):
 
 def test_failing_drafts_back_off(model):
     engine = Engine(model, kv_cache_memory_bytes=1 << 18, speculative_config={
-        "method": "ngram", "num_speculative_tokens": 3, "max_batch_size": ALWAYS, "timed_batches": False}, **ENGINE)
+        "method": "ngram", "num_speculative_tokens": 3, "max_batch_size": ALWAYS}, **ENGINE)
     engine.drafter._proposal = lambda tokens, num_tokens, limit: [3] * limit  # never what the model picks
     engine.generate({"prompt_token_ids": [40, 41, 42]}, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
                     use_tqdm=False)
