@@ -98,8 +98,8 @@ def many_requests(rounds: int, method: str = "ngram") -> dict:
     """Batches larger than the speculating batch size, in one process: `method` (SETTINGS) against no speculation,
     alternating which goes first each round, on 32 uneven chat prompts x 64 tokens, the same prompts with
     long-tailed output lengths (16-256, 64 on average: a few long answers run alone at the end, where the batch
-    speculates), and 256 requests
-    of fixed (64 in, 64 out) and varied (log-normal, same totals) lengths, as benchmarks.throughput builds them.
+    speculates), and 256 requests of fixed (64 in, 64 out) and varied (log-normal, same totals) lengths, as
+    benchmarks.throughput builds them.
     -> {workload: {"off": [tok/s per round], method: [...], "ratio": sum method / sum off,
     "verification_steps": [steps that verified drafts, per round of `method`]}}: where that count is 0 the two
     engines ran the same steps, and their ratio is the machine's noise."""
