@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 
+from benchmarks.common import command_line, machine_info, write_json
+
 # Trace events that are runtime bookkeeping or Python frames rather than XLA ops.
 _RUNTIME_PREFIXES = ("$", "PjitFunction", "ThunkExecutor", "SlinkyThreadPool", "CommonPjRt", "Handle inputs",
                      "ParseArguments", "end: ")
@@ -208,8 +210,6 @@ def main(argv: list[str] | None = None) -> int:
     dump_dir = tempfile.mkdtemp(prefix="step-profile-hlo-")  # to name each custom call by its target
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump_dir} --xla_dump_hlo_as_text"
 
-    import jax
-
     from jvllm import Engine
 
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -217,17 +217,15 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(args.model, load_format=args.load_format, dtype=args.dtype, max_num_seqs=max(rows_list),
                     batched_weight_dtype=None if args.batched_weight_dtype == "none" else args.batched_weight_dtype,
                     kv_cache_dtype=args.kv_cache_dtype, precompile=args.precompile)
-    record = {"command": " ".join(sys.argv), "backend": jax.default_backend(), "device": str(jax.devices()[0]),
-              "jax": jax.__version__, "engine_start_s": time.perf_counter() - started, "steps": []}
+    record = {"command": command_line("benchmarks.step_profile", argv), "machine": machine_info(),
+              "engine_start_s": time.perf_counter() - started, "steps": []}
     for rows in rows_list:
         if args.prefill:
             call = capture_prefill_call(engine, rows, args.prompt_len)
         else:
             call = capture_decode_call(engine, rows, args.prompt_len, args.output_len)
         record["steps"].append(profile_step(engine, call, args.steps, args.top, dump_dir))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(record, f, indent=1)
+        write_json(args.json, record)
     return 0
 
 
