@@ -1,8 +1,8 @@
 """The embedded model with its Q4_0 / Q4_1 projections (and, word-grouped, its Q8_0 table) in the kernels' layout for
 this machine (interleaved by groups of 8 rows on AVX2 builds, by code words for 16 rows on AVX-512 builds with BF16:
 models.quantized.native_layout) against the file's row-major blocks, in one process; or with `--against
-qkv-apart`, the default engine against one whose q, k and v stay three projections (models.llama.fuse_qkv_blocks
-bypassed).
+projections-apart`, the default engine against one whose q, k and v stay three projections and gate and up two
+(models.llama.fuse_projections bypassed), for any `--model` (a float checkpoint's folder, say).
 
 Two `LLM()` engines with default settings, the second built with the layout choice (or the fusion) bypassed; after a
 warm-up, each round times a single stream (a chat prompt, 128 greedy tokens, prefill included) and a batch of 32
@@ -10,7 +10,7 @@ uneven chat prompts x 64 tokens on both, each round's prompts new, the engines' 
 drift of the machine's speed reaches both sides of the ratio). Prints the medians and their ratios.
 
     python -m benchmarks.block_layout --rounds 6 --json benchmarks/results/block_layout_cpu.json
-    python -m benchmarks.block_layout --against qkv-apart
+    python -m benchmarks.block_layout --against projections-apart [--model FOLDER]
 """
 from __future__ import annotations
 
@@ -42,24 +42,24 @@ def _batch(engine, chats: list[list[dict]]) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - started)
 
 
-def _engines(against: str):
+def _engines(against: str, model: str | None):
     """(default engine, the engine it is compared with) and the block formats of each."""
     import models.layers
     import models.llama
     from jvllm import LLM
     from jvllm.worker.weights import block_formats
 
-    native = LLM()
-    choose, fuse = models.layers.native_layout, models.llama.fuse_qkv_blocks
+    native = LLM(model)
+    choose, fuse = models.layers.native_layout, models.llama.fuse_projections
     if against == "row-major":  # the file's blocks as they are, projections and table
         models.layers.native_layout = models.llama.native_layout = lambda blocks, fmt, table=False: (blocks, fmt)
-    else:  # q, k and v as three projections
-        models.llama.fuse_qkv_blocks = lambda module: 0
+    else:  # q, k and v as three projections, gate and up as two
+        models.llama.fuse_projections = lambda module: (0, 0)
     try:
-        other = LLM()
+        other = LLM(model)
     finally:
         models.layers.native_layout = models.llama.native_layout = choose
-        models.llama.fuse_qkv_blocks = fuse
+        models.llama.fuse_projections = fuse
     formats = {name: sorted(block_formats(e.runner.loaded)) for name, e in (("native", native), (against, other))}
     return native, other, formats
 
@@ -67,11 +67,12 @@ def _engines(against: str):
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--against", choices=["row-major", "qkv-apart"], default="row-major",
+    parser.add_argument("--model", default=None, help="the model of both engines (default: the embedded one)")
+    parser.add_argument("--against", choices=["row-major", "projections-apart"], default="row-major",
                         help="what the default engine is compared with (default: the file's row-major blocks)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
-    native, other, formats = _engines(args.against)
+    native, other, formats = _engines(args.against, args.model)
     print("block formats:", formats, flush=True)
     engines = {"native": native, args.against: other}
     for engine in engines.values():  # warm-up on prompts not timed

@@ -5,10 +5,11 @@
 # start counted; kernel timings (decode GB/s against the copy bandwidth, ragged prefill against jax's Mosaic GPU
 # flash attention, a block/warp/stage sweep); the engine in bf16 on Llama-3-8B- and SmolLM2-shaped dummy weights
 # (prefill tok/s, decode at batch 1, 64 and 256, start-up with precompiling, compiles after start); weight-only
-# int8/fp8 projections; where the 8B-shaped engine's decode steps spend their time (each kernel's device time by
-# the jitted piece that launched it, the device's busy time against the step's wall time and the host's time to
-# dispatch it). The default stages' limits add up to 8 minutes (tests, greedy, kernels, llama8b); STAGES
-# (space-separated names) picks others: sweep, flash, decode, llama8b_mosaic, smollm2, quant, profile, e.g.
+# int8/fp8 projections; q/k/v and gate/up as separate products or one; where the 8B-shaped engine's decode steps
+# spend their time (each kernel's device time by the jitted piece that launched it, the device's busy time against
+# the step's wall time and the host's time to dispatch it). The default stages' limits add up to 8 minutes (tests,
+# greedy, kernels, llama8b); STAGES (space-separated names) picks others: sweep, flash, decode, llama8b_mosaic,
+# smollm2, quant, projections, profile, e.g.
 # STAGES="tests flash decode llama8b_mosaic" for the Mosaic GPU kernels' first run. Everything
 # printed goes to $out/log.txt, the results to one JSON file per stage (the device tool brings back 8 files at most).
 # benchmarks/results/gpu_h100_2026-11-27/summary.md holds the first runs' figures and what each stage took.
@@ -81,4 +82,7 @@ step profile 100 python3 -m benchmarks.step_profile --model .gpu/llama8b-shape -
     --json "$out/profile_llama8b_gpu.json"
 # bf16 vs per-channel int8 / fp8 weights at M = 1, 16, 64, 256 on Llama-3-8B projections
 step quant 40 python3 -m benchmarks.gpu_quant_matmul --budget-s 30 --json "$out/quant_matmul_gpu.json"
+# q/k/v and gate/up as separate bf16 products against one product of their joined weights (the loader's), and
+# whether XLA concatenates the separate products' weights inside the step
+step projections 40 python3 -m benchmarks.gpu_projections --budget-s 30 --json "$out/projections_gpu.json"
 exit $status

@@ -2,13 +2,14 @@
 and Gemma's) and the gated MLP."""
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.channel_quant import CHANNEL_FORMATS
 from models.params import normal_param, value_or_none
 from models.quantized import (check_quantized, native_kernel_available, native_layout, quantized_dot,
                               quantized_gated_dot)
@@ -73,6 +74,33 @@ class Linear(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
         return y.astype(x.dtype)
+
+
+def merge_output_columns(projections: Sequence[Linear]) -> bool:
+    """Make the first projection compute all of them, their outputs side by side ([first | second | ...] columns),
+    where they take the same input width and hold the same kind of weights: float kernels [in, out] of one dtype,
+    GGUF blocks of one format, or per-channel codes of one format (their scales joined too); biases on all or none.
+    One product instead of several: one weight stream, one launch or native call per step, and no concatenation
+    for XLA to make at run time (XLA GPU's DotMerger joins small dots that share an operand by concatenating their
+    weights inside every step). Each output column is computed as before. -> whether merged (the others are then
+    for the caller to drop)."""
+    first, rest = projections[0], projections[1:]
+    kernels = [p.kernel[...] for p in projections]
+    if (not rest or any(p.quant != first.quant or p.d_in != first.d_in for p in rest)
+            or len({k.dtype for k in kernels}) != 1 or len({p.bias is None for p in projections}) != 1):
+        return False
+    if first.quant is None:
+        if any(k.shape != (p.d_in, p.d_out) for k, p in zip(kernels, projections)):
+            return False  # an [out, in] copy: merged only as loaded
+        first.kernel = nnx.Param(jnp.concatenate(kernels, axis=1))  # [in, sum of outs]
+    else:  # one row per output
+        first.kernel = nnx.Param(jnp.concatenate(kernels, axis=0))  # [sum of outs, row bytes or in]
+        if first.scale is not None:
+            first.scale = nnx.Param(jnp.concatenate([p.scale[...] for p in projections]))  # [sum of outs]
+    if first.bias is not None:
+        first.bias = nnx.Param(jnp.concatenate([p.bias[...] for p in projections]))
+    first.d_out = sum(p.d_out for p in projections)
+    return True
 
 
 def _dot_out_in(x: jax.Array, kernel: jax.Array) -> jax.Array:
@@ -142,15 +170,29 @@ class MLP(nnx.Module):
 
     def __init__(self, d: int, f: int, dtype: jnp.dtype, rngs: nnx.Rngs | None, activation=jax.nn.silu):
         self.gate_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
+        self.up_proj: Linear | None = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(f, d, bias=False, dtype=dtype, rngs=rngs)
         self.activation = activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.up_proj is None:  # gate and up as one projection (fuse_gate_up): columns [gate | up]
+            gate, up = jnp.split(self.gate_proj(x), 2, axis=1)  # [T, f] each
+            return self.down_proj(self.activation(gate) * up)
         hidden = self._fused_silu_hidden(x)  # [T, f]
         if hidden is None:
             hidden = self.activation(self.gate_proj(x)) * self.up_proj(x)
         return self.down_proj(hidden)
+
+    def fuse_gate_up(self) -> bool:
+        """Hold gate and up as one projection (models.layers.merge_output_columns), except GGUF blocks, whose
+        native gated product already makes both in one call. -> whether fused."""
+        gate, up = self.gate_proj, self.up_proj
+        if up is None or (gate.quant is not None and gate.quant not in CHANNEL_FORMATS):
+            return False
+        if not merge_output_columns([gate, up]):
+            return False
+        self.up_proj = None
+        return True
 
     def _fused_silu_hidden(self, x: jax.Array) -> jax.Array | None:
         """silu(gate(x)) * up(x) from one native call where gate and up hold GGUF blocks of one format, else None."""
@@ -165,6 +207,8 @@ class MLP(nnx.Module):
 def mlp_hf_parameters(mlp: MLP, prefix: str, axis: str = "mlp") -> Iterator[tuple]:
     """(parameter, HF name, transposed, logical axes) of a gated MLP: gate/up split by output columns, down by
     input rows, along the logical axis `axis` (tensor parallelism all-reduces down's partial sums)."""
+    if mlp.up_proj is None:
+        raise ValueError("gate and up were fused after loading (MLP.fuse_gate_up): their HF tensors are gone")
     for name in ("gate_proj", "up_proj"):
         yield getattr(mlp, name).kernel, prefix + name + ".weight", True, ("embed", axis)
     yield mlp.down_proj.kernel, prefix + "down_proj.weight", True, (axis, "embed")

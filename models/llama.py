@@ -11,7 +11,7 @@ from flax import nnx
 
 from models.attention import AttentionMetadata, KVCache, LayerAttention, attention_mesh, value_dtype
 from models.config import ModelConfig
-from models.layers import MLP, Linear, RMSNorm, mlp_hf_parameters
+from models.layers import MLP, Linear, RMSNorm, merge_output_columns, mlp_hf_parameters
 from models.hf_names import ArraySource, DerivedTensors, row_range
 from models.moe import SparseMoE
 from models.params import normal_param, value_or_none
@@ -47,7 +47,7 @@ class Attention(nnx.Module):
                  md: AttentionMetadata, attention: LayerAttention) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """x [T, D] -> (out [T, D], the attention call's per-layer result)."""
         tokens = x.shape[0]
-        if self.k_proj is None:  # q, k and v as one projection (fuse_qkv_blocks): columns [q | k | v]
+        if self.k_proj is None:  # q, k and v as one projection (fuse_qkv): columns [q | k | v]
             q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             q, k, v = jnp.split(self.q_proj(x), [q_width, q_width + kv_width], axis=1)
         else:
@@ -63,28 +63,24 @@ class Attention(nnx.Module):
         out, layer_kv = attention(q, k, v, pages, md, self.scale, self.sliding_window, self.soft_cap)  # [T, H, hd]
         return self.o_proj(out.reshape(tokens, -1)), layer_kv
 
-    def fuse_qkv_blocks(self) -> bool:
-        """Hold q, k and v as one projection where all three hold GGUF blocks of one format: q_proj then multiplies
-        their rows together (output columns [q | k | v]) and k_proj, v_proj are None. One native product a step
-        instead of three, with the same bits (each output row of a block product is computed alone); for weights
-        already loaded, on one device (tensor parallelism shards q and k/v by different heads). -> whether fused."""
+    def fuse_qkv(self) -> bool:
+        """Hold q, k and v as one projection where all three hold the same kind of weights
+        (models.layers.merge_output_columns): q_proj then computes them together (output columns [q | k | v]) and
+        k_proj, v_proj are None. For weights already loaded, on one device (tensor parallelism shards q and k/v by
+        different heads). -> whether fused."""
         q, k, v = self.q_proj, self.k_proj, self.v_proj
-        if k is None or v is None:
+        if k is None or v is None or not merge_output_columns([q, k, v]):
             return False
-        fmt = q.quant
-        if fmt is None or fmt in CHANNEL_FORMATS or fmt != k.quant or fmt != v.quant:
-            return False
-        q.kernel = nnx.Param(jnp.concatenate([p.kernel[...] for p in (q, k, v)]))  # [Nq + 2 Nkv, row bytes]
-        if q.bias is not None:
-            q.bias = nnx.Param(jnp.concatenate([p.bias[...] for p in (q, k, v)]))
-        q.d_out = q.d_out + k.d_out + v.d_out
         self.k_proj = self.v_proj = None
         return True
 
 
-def fuse_qkv_blocks(module: nnx.Module) -> int:
-    """Attention.fuse_qkv_blocks on every attention layer of a loaded model -> how many fused."""
-    return sum(m.fuse_qkv_blocks() for _, m in nnx.iter_modules(module) if isinstance(m, Attention))
+def fuse_projections(module: nnx.Module) -> tuple[int, int]:
+    """Attention.fuse_qkv and MLP.fuse_gate_up on every layer of a loaded model -> (attention layers fused, MLPs
+    fused)."""
+    modules = [m for _, m in nnx.iter_modules(module)]
+    return (sum(m.fuse_qkv() for m in modules if isinstance(m, Attention)),
+            sum(m.fuse_gate_up() for m in modules if isinstance(m, MLP)))
 
 
 class DecoderLayer(nnx.Module):
@@ -246,7 +242,7 @@ def attention_hf_parameters(attn: Attention, prefix: str, fused: bool) -> Iterat
     """q/k/v split by output columns (heads), o by input rows; biases and per-head norms where present. `fused`:
     q, k and v are row ranges of one qkv_proj tensor."""
     if attn.k_proj is None:
-        raise ValueError("q, k and v were fused after loading (Attention.fuse_qkv_blocks): their HF tensors are gone")
+        raise ValueError("q, k and v were fused after loading (Attention.fuse_qkv): their HF tensors are gone")
     q_rows, kv_rows = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
     fused_rows = {"q_proj": (0, q_rows), "k_proj": (q_rows, q_rows + kv_rows),
                   "v_proj": (q_rows + kv_rows, q_rows + 2 * kv_rows)}

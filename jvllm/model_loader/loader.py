@@ -309,7 +309,7 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
         from jvllm.model_loader.quantize_weights import quantize_module
 
         logger.info("quantized %d tensors to %s at load", quantize_module(module, quantization), quantization)
-        _fuse_projections(module)
+    _fuse_projections(module)
     graphdef, state = nnx.split(module)
     vision = load_vision(folder, hf_config, tok, jdtype, vision_tensors, seed,
                          mm_processor_kwargs) if multimodal else None
@@ -317,12 +317,13 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
 
 
 def _fuse_projections(module: Any) -> None:
-    """Each attention layer's q, k and v blocks as one projection, where they share a format (one device only)."""
-    from models.llama import fuse_qkv_blocks
+    """Each layer's q, k and v as one projection, and its MLP's gate and up, where they hold the same kind of
+    weights (one device only: models.llama.fuse_projections)."""
+    from models.llama import fuse_projections
 
-    fused = fuse_qkv_blocks(module)
-    if fused:
-        logger.info("q, k and v as one projection in %d layers", fused)
+    attention, mlps = fuse_projections(module)
+    if attention or mlps:
+        logger.info("q, k and v as one projection in %d layers; gate and up in %d", attention, mlps)
 
 
 def _load_gguf_blocks(path: str, config: Any, model_cls: Any, jdtype: Any, partial: LoadedModel) -> LoadedModel:

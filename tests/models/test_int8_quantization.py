@@ -65,7 +65,7 @@ def test_int8_blocks_give_the_float32_logits_of_the_rounded_weights(untied_llama
     int8 = _engine(untied_llama, quantization="int8")
     float32 = _engine(untied_llama, dtype="float32")
     rounded = _engine(_rounded_through_int8(untied_llama, tmp_path), dtype="float32")
-    # 5 projections a layer (q, k and v in one: models.llama.Attention.fuse_qkv_blocks), the table, the head
+    # 5 projections a layer (q, k and v in one: models.llama.Attention.fuse_qkv), the table, the head
     assert len(_blocks(int8)) == 2 * 5 + 2 and not _blocks(float32)
     assert int8.weight_bytes < 0.3 * float32.weight_bytes
     prompt = int8.get_tokenizer().encode(LOGITS_TEXT)[:32]  # one 32-row step

@@ -48,8 +48,8 @@ def donated_arguments(text: str) -> dict[str, list[int]]:
 
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
 def test_engine_step_pieces_lower_for_cuda(engine, kind, monkeypatch):
-    """The layer (one executable for all 30 layers): exactly one Triton kernel, the shape's attention kernel;
-    the KV write two XLA scatters (K and V) into the donated pools, each aliased to its own output. The
+    """The layer (one executable for all 30 layers): exactly one Triton kernel, the shape's attention kernel, and
+    four products; the KV write two XLA scatters (K and V) into the donated pools, each aliased to its own output. The
     embedding, last rows and the sampling head lower too, with no Triton kernel."""
     monkeypatch.setenv("JVLLM_PALLAS_INTERPRET", "0")  # read when the kernels are traced
     runner = engine.runner
@@ -70,6 +70,8 @@ def test_engine_step_pieces_lower_for_cuda(engine, kind, monkeypatch):
     assert text.count(f"@{TRITON_CALL}(") == 1
     assert [kernel.name for kernel in triton_kernels(layer)] == [attention]
     assert text.count('"stablehlo.scatter"(') == 2  # write_kv's default method: an XLA scatter per pool
+    # four products: q/k/v joined at load (models.llama.fuse_projections), o, gate/up joined, down
+    assert text.count("stablehlo.dot_general") == 4
     config = engine.model.config
     pool_type = f"tensor<{engine.config.num_pages}x{engine.config.page_size}x{config.num_kv_heads}x" \
                 f"{config.head_dim}xbf16>"
