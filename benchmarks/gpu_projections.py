@@ -13,17 +13,18 @@ prove the script works.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from benchmarks.gpu_quant_matmul import batched_call, copy_bandwidth, data_sheet, median_seconds
+from benchmarks.gpu_quant_matmul import (batched_call, bench_arguments, device_ceilings, median_seconds,
+                                         roofline_timing, timing_columns)
 from models.layers import Linear, merge_output_columns
 
 # group -> each projection's (in, out): Llama-3-8B (32 query heads, 8 KV heads of 128; MLP 14336)
@@ -75,12 +76,9 @@ def weights_concatenated(run, states, xs, d_in: int) -> bool:
     return False
 
 
-def bench(args: argparse.Namespace) -> list[dict]:
-    device = jax.devices()[0]
-    bandwidth, flops = data_sheet(device.device_kind)
-    measured = copy_bandwidth(args.tiny)
-    print(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}; data sheet "
-          f"{'-' if bandwidth is None else f'{bandwidth / 1e12:.2f} TB/s'}, measured copy {measured / 1e9:.0f} GB/s")
+def bench(args: Any) -> list[dict]:
+    """args: bench_arguments' namespace -> the records."""
+    device, bandwidth, flops, measured = device_ceilings(args.tiny)
     started, results = time.perf_counter(), []
     copies, iters = (2, 2) if args.tiny else (COPIES, 20)
     print(f"{'group':>28} {'weights':>7} {'M':>4} {'us':>9} {'GB/s':>7} {'roofline':>8}  notes")
@@ -98,7 +96,7 @@ def bench(args: argparse.Namespace) -> list[dict]:
                 seconds = median_seconds(run, states, xs, iters=iters) / copies
                 outputs[name] = run(states, xs)[0].astype(jnp.float32)  # [M, sum of outs]
                 notes = []
-                concatenated = None
+                concatenated = error = None
                 if name == "apart":
                     concatenated = weights_concatenated(run, states, xs, d_in)
                     notes.append("WEIGHTS CONCATENATED IN THE PROGRAM" if concatenated else "no weight concatenation")
@@ -107,27 +105,19 @@ def bench(args: argparse.Namespace) -> list[dict]:
                     error = float(jnp.abs(outputs[name] - reference).max() / jnp.abs(reference).max())
                     notes.append(f"max|joined - apart| / max|apart| = {error:.3g}")
                 moved = 2 * d_in * d_out + 2 * rows * (d_in + d_out)  # bf16 weights + activations in and out
-                bound = None if bandwidth is None else max(moved / bandwidth, 2 * rows * d_in * d_out / flops)
-                results.append({"group": group, "weights": name, "rows": rows, "us": seconds * 1e6,
-                                "gb_per_s": moved / seconds / 1e9, "bytes": moved,
-                                "roofline_us": None if bound is None else bound * 1e6,
-                                "roofline_fraction": None if bound is None else bound / seconds,
-                                "weights_concatenated": concatenated, "device": device.device_kind,
+                timing = roofline_timing(seconds, moved, 2 * rows * d_in * d_out, bandwidth, flops)
+                results.append({"group": group, "weights": name, "rows": rows, **timing,
+                                "weights_concatenated": concatenated, "rel_error_vs_apart": error,
+                                "device": device.device_kind,
                                 "measured_copy_gb_per_s": measured / 1e9})
-                fraction = "-" if bound is None else f"{bound / seconds:.0%}"
-                print(f"{group:>28} {name:>7} {rows:>4} {seconds * 1e6:>9.1f} {moved / seconds / 1e9:>7.0f} "
-                      f"{fraction:>8}  {'; '.join(notes)}")
+                print(f"{group:>28} {name:>7} {rows:>4} {timing_columns(timing)}  {'; '.join(notes)}")
                 if args.json:
                     Path(args.json).write_text(json.dumps(results, indent=1))  # as it goes: a timeout keeps these
     return results
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="small shapes, 2 copies: a CPU smoke run")
-    parser.add_argument("--json", default=None, help="write the records here (rewritten after each one)")
-    parser.add_argument("--budget-s", type=float, default=30.0, help="start no measurement after this many seconds")
-    bench(parser.parse_args())
+    bench(bench_arguments(__doc__, 30.0))
 
 
 if __name__ == "__main__":

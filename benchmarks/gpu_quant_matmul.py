@@ -102,18 +102,39 @@ def convert_fused(fn: Callable, *args: Any, d_in: int, d_out: int) -> bool:
     return not re.search(rf"= (bf16|f16|f32)\[{dims}\]", entry)
 
 
+def roofline_timing(seconds: float, moved: int, flop: int, bandwidth: float | None, flops: float | None) -> dict:
+    """A call's time against its roofline, max(bytes moved / HBM bandwidth, FLOPs / peak) (None without a data
+    sheet)."""
+    bound = None if bandwidth is None else max(moved / bandwidth, flop / flops)
+    return {"us": seconds * 1e6, "gb_per_s": moved / seconds / 1e9, "bytes": moved,
+            "roofline_us": None if bound is None else bound * 1e6,
+            "roofline_fraction": None if bound is None else bound / seconds}
+
+
+def timing_columns(timing: dict) -> str:
+    """us, GB/s and roofline fraction, as the benchmarks' tables print them."""
+    fraction = "-" if timing["roofline_fraction"] is None else f"{timing['roofline_fraction']:.0%}"
+    return f"{timing['us']:>9.1f} {timing['gb_per_s']:>7.0f} {fraction:>8}"
+
+
 def copy_bandwidth(tiny: bool) -> float:
     """Bytes read + written per second by a large elementwise add (this run's own HBM figure)."""
     x = jnp.ones(((8 << 20) if tiny else (1 << 30)) // 2, jnp.bfloat16)
     return 2 * x.nbytes / median_seconds(jax.jit(lambda a: a + 1), x, iters=3 if tiny else 20)
 
 
-def bench(args: argparse.Namespace) -> list[dict]:
+def device_ceilings(tiny: bool) -> tuple[Any, float | None, float | None, float]:
+    """-> (the device, its data sheet's HBM bytes/s and bf16 FLOP/s, this run's copy bandwidth), printed."""
     device = jax.devices()[0]
     bandwidth, flops = data_sheet(device.device_kind)
-    measured = copy_bandwidth(args.tiny)
+    measured = copy_bandwidth(tiny)
     print(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}; data sheet "
           f"{'-' if bandwidth is None else f'{bandwidth / 1e12:.2f} TB/s'}, measured copy {measured / 1e9:.0f} GB/s")
+    return device, bandwidth, flops, measured
+
+
+def bench(args: argparse.Namespace) -> list[dict]:
+    device, bandwidth, flops, measured = device_ceilings(args.tiny)
     started, results = time.perf_counter(), []
     copies, iters = (2, 2) if args.tiny else (8, 20)
     hopper = jax.default_backend() == "gpu" and any(name in device.device_kind for name in ("H100", "H200", "H800"))
@@ -155,28 +176,27 @@ def bench(args: argparse.Namespace) -> list[dict]:
                                           xs[0], d_in=d_in, d_out=d_out)
                     notes.append("convert fused into the GEMM" if fused else "DEQUANTIZED WEIGHT MATERIALIZED")
                 moved = weight_bytes + 2 * rows * (d_in + d_out)  # + bf16 activations in and out
-                bound = None if bandwidth is None else max(moved / bandwidth, 2 * rows * d_in * d_out / flops)
-                record = {"shape": shape, "d_in": d_in, "d_out": d_out, "variant": variant, "rows": rows,
-                          "us": seconds * 1e6, "gb_per_s": moved / seconds / 1e9, "bytes": moved,
-                          "roofline_us": None if bound is None else bound * 1e6,
-                          "roofline_fraction": None if bound is None else bound / seconds,
-                          "rel_error_vs_bf16": error, "convert_fused": fused,
-                          "device": device.device_kind, "measured_copy_gb_per_s": measured / 1e9}
-                results.append(record)
-                fraction = "-" if bound is None else f"{bound / seconds:.0%}"
-                print(f"{shape:>22} {variant:>14} {rows:>4} {seconds * 1e6:>9.1f} {moved / seconds / 1e9:>7.0f} "
-                      f"{fraction:>8}  {'; '.join(notes)}")
+                timing = roofline_timing(seconds, moved, 2 * rows * d_in * d_out, bandwidth, flops)
+                results.append({"shape": shape, "d_in": d_in, "d_out": d_out, "variant": variant, "rows": rows,
+                                **timing, "rel_error_vs_bf16": error, "convert_fused": fused,
+                                "device": device.device_kind, "measured_copy_gb_per_s": measured / 1e9})
+                print(f"{shape:>22} {variant:>14} {rows:>4} {timing_columns(timing)}  {'; '.join(notes)}")
                 if args.json:
                     Path(args.json).write_text(json.dumps(results, indent=1))  # as it goes: a timeout keeps these
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def bench_arguments(doc: str, budget_s: float) -> argparse.Namespace:
+    """The command line of a projection benchmark: --tiny, --json, --budget-s."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="small shapes, 2 copies: a CPU smoke run")
     parser.add_argument("--json", default=None, help="write the records here (rewritten after each one)")
-    parser.add_argument("--budget-s", type=float, default=50.0, help="start no measurement after this many seconds")
-    bench(parser.parse_args())
+    parser.add_argument("--budget-s", type=float, default=budget_s, help="start no measurement after this many seconds")
+    return parser.parse_args()
+
+
+def main() -> None:
+    bench(bench_arguments(__doc__, 50.0))
 
 
 if __name__ == "__main__":
