@@ -2,15 +2,18 @@
 this machine (interleaved by groups of 8 rows on AVX2 builds, by code words for 16 rows on AVX-512 builds with BF16:
 models.quantized.native_layout) against the file's row-major blocks, in one process; or with `--against
 projections-apart`, the default engine against one whose q, k and v stay three projections and gate and up two
-(models.llama.fuse_projections bypassed), for any `--model` (a float checkpoint's folder, say).
+(models.llama.fuse_projections bypassed); or with `--against one-row-float32`, against one whose one-token steps
+read the float32 weights instead of the bf16 copy through the native product (models.bf16_rows bypassed). Any
+`--model` (a float checkpoint's folder, say).
 
-Two `LLM()` engines with default settings, the second built with the layout choice (or the fusion) bypassed; after a
-warm-up, each round times a single stream (a chat prompt, 128 greedy tokens, prefill included) and a batch of 32
-uneven chat prompts x 64 tokens on both, each round's prompts new, the engines' order reversed every other round (a
-drift of the machine's speed reaches both sides of the ratio). Prints the medians and their ratios.
+Two `LLM()` engines with default settings, the second built with the layout choice (or the other feature)
+bypassed; after a warm-up, each round times a single stream (a chat prompt, 128 greedy tokens, prefill included)
+and a batch of 32 uneven chat prompts x 64 tokens on both, each round's prompts new, the engines' order reversed
+every other round (a drift of the machine's speed reaches both sides of the ratio). Prints the medians and their ratios.
 
     python -m benchmarks.block_layout --rounds 6 --json benchmarks/results/block_layout_cpu.json
     python -m benchmarks.block_layout --against projections-apart [--model FOLDER]
+    python -m benchmarks.block_layout --against one-row-float32 --model FLOAT_CHECKPOINT_FOLDER
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ def _batch(engine, chats: list[list[dict]]) -> float:
 
 def _engines(against: str, model: str | None):
     """(default engine, the engine it is compared with) and the block formats of each."""
+    import jvllm.worker.weights
     import models.layers
     import models.llama
     from jvllm import LLM
@@ -51,8 +55,11 @@ def _engines(against: str, model: str | None):
 
     native = LLM(model)
     choose, fuse = models.layers.native_layout, models.llama.fuse_projections
+    one_row = jvllm.worker.weights.bf16_rows_available
     if against == "row-major":  # the file's blocks as they are, projections and table
         models.layers.native_layout = models.llama.native_layout = lambda blocks, fmt, table=False: (blocks, fmt)
+    elif against == "one-row-float32":  # one-token steps on the float32 weights
+        jvllm.worker.weights.bf16_rows_available = lambda: False
     else:  # q, k and v as three projections, gate and up as two
         models.llama.fuse_projections = lambda module: (0, 0)
     try:
@@ -60,6 +67,7 @@ def _engines(against: str, model: str | None):
     finally:
         models.layers.native_layout = models.llama.native_layout = choose
         models.llama.fuse_projections = fuse
+        jvllm.worker.weights.bf16_rows_available = one_row
     formats = {name: sorted(block_formats(e.runner.loaded)) for name, e in (("native", native), (against, other))}
     return native, other, formats
 
@@ -68,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--model", default=None, help="the model of both engines (default: the embedded one)")
-    parser.add_argument("--against", choices=["row-major", "projections-apart"], default="row-major",
+    parser.add_argument("--against", choices=["row-major", "projections-apart", "one-row-float32"], default="row-major",
                         help="what the default engine is compared with (default: the file's row-major blocks)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)

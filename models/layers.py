@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.bf16_rows import bf16_rows_dot
 from models.channel_quant import CHANNEL_FORMATS
 from models.params import normal_param, value_or_none
 from models.quantized import (check_quantized, native_kernel_available, native_layout, quantized_dot,
@@ -64,13 +65,14 @@ class Linear(nnx.Module):
             if self.bias is not None:
                 y = y + self.bias[...].astype(jnp.float32)
             return y.astype(x.dtype)
-        # Cast the activation to the weight dtype, never the weights up: bf16 weights with f32 activations
-        # must stay a bf16 x bf16 -> f32 dot (the fast CPU path), not a per-step f32 copy of the weights.
-        xk = x.astype(kernel.dtype)  # [T, in]
-        if self.d_in != self.d_out and kernel.shape == (self.d_out, self.d_in):
-            y = _dot_out_in(xk, kernel)
-        else:
-            y = jnp.einsum("td,de->te", xk, kernel, preferred_element_type=jnp.float32)
+        out_in = self.d_in != self.d_out and kernel.shape == (self.d_out, self.d_in)
+        y = bf16_rows_dot(x, kernel, out_in)  # one-token CPU steps with bf16 weights, else None
+        if y is None:
+            # Cast the activation to the weight dtype, never the weights up: bf16 weights with f32 activations
+            # must stay a bf16 x bf16 -> f32 dot (the fast CPU path), not a per-step f32 copy of the weights.
+            xk = x.astype(kernel.dtype)  # [T, in]
+            y = _dot_out_in(xk, kernel) if out_in else jnp.einsum("td,de->te", xk, kernel,
+                                                                   preferred_element_type=jnp.float32)
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
         return y.astype(x.dtype)

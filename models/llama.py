@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 
 from models.attention import AttentionMetadata, KVCache, LayerAttention, attention_mesh, value_dtype
+from models.bf16_rows import bf16_rows_dot
 from models.config import ModelConfig
 from models.layers import MLP, Linear, RMSNorm, merge_output_columns, mlp_hf_parameters
 from models.hf_names import ArraySource, DerivedTensors, row_range
@@ -196,10 +197,16 @@ class LlamaForCausalLM(nnx.Module):
             table = self.embed_tokens[...]
             if self.embed_quant is not None:
                 return quantized_dot(hidden, table, self.embed_quant, value_or_none(self.embed_scale))
+            native = bf16_rows_dot(hidden, table, out_in=True)  # one-token CPU steps with a bf16 table
+            if native is not None:
+                return native
             return jnp.einsum("sd,vd->sv", hidden.astype(table.dtype), table, preferred_element_type=jnp.float32)
         head = self.lm_head[...]
         if self.head_quant is not None:
             return quantized_dot(hidden, head, self.head_quant, value_or_none(self.head_scale))
+        native = bf16_rows_dot(hidden, head, out_in=False)
+        if native is not None:
+            return native
         return jnp.einsum("sd,dv->sv", hidden.astype(head.dtype), head, preferred_element_type=jnp.float32)
 
     def hf_parameters(self, available: Container[str]) -> Iterator[HFParameter]:

@@ -116,12 +116,13 @@ class ModelRunner:
         steps = build_step_functions(self.step_weights.parts, self.backend, activations, shapes.max_num_seqs,
                                      self.mesh, cfg.vocab_size, multimodal=self.encoder is not None,
                                      bf16_block_products=bf16_block_products, invariant_rows=invariant_rows,
-                                     int8_block_products=int8_block_products)
+                                     int8_block_products=int8_block_products,
+                                     one_row_bf16=self.step_weights.one_row_bf16)
         self.compiled = CompiledSteps(steps, self)
         logger.info("KV pool: %d pages x %d tokens, %.1f MiB", num_pages, page_size,
                     self.kv_pool_bytes(cfg, self.kv_cache_dtype, num_pages, page_size) / 2**20)
         if self._on_cpu:  # every decode step streams the weights: fewer TLB misses (jvllm.worker.huge_pages)
-            huge = back_with_huge_pages(jax.tree.leaves(loaded.state))
+            huge = back_with_huge_pages(self.step_weights.for_rows(1).leaves)
             logger.info("%.0f MiB of weights in 2 MiB pages", huge / 2**20)
 
     @property

@@ -6,8 +6,9 @@ Each piece closes over the static structure (graphdefs, tree structures, mesh), 
 weight lists and the step's arrays."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,7 @@ from jvllm.sample.tensors import SamplingTensors
 from jvllm.worker.model_parts import ModelParts
 from jvllm.worker.page_copy import page_copier
 from models.attention import AttentionMetadata
+from models.bf16_rows import native_bf16_rows
 from models.live_rows import live_rows
 from models.quantized import bf16_products
 
@@ -71,7 +73,8 @@ def _zero_stats(rows: int) -> LogprobStats:
 def build_step_functions(parts: ModelParts, backend: AttentionBackend, activation_dtype: Any, max_num_seqs: int,
                          mesh: Mesh | None = None, vocab_size: int | None = None,
                          multimodal: bool = False, bf16_block_products: bool = True,
-                         invariant_rows: int = 0, int8_block_products: bool = False) -> StepFunctions:
+                         invariant_rows: int = 0, int8_block_products: bool = False,
+                         one_row_bf16: bool = False) -> StepFunctions:
     """With a mesh (tensor parallelism) the weights and the pool arrive sharded: attention and the pool write
     run per shard, the embedding lookup is vocab-parallel, activations between the pieces are replicated,
     and logits are replicated (and stripped of any vocab padding past `vocab_size`) before sampling.
@@ -79,7 +82,8 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
     `bf16_block_products`: products of 2+ rows with GGUF blocks may run in bfloat16 (models.quantized);
     `invariant_rows`: steps of up to that many token rows give each row the bits it would get alone (speculative
     decoding: verification rows then give a decode step's bits; 0: no such promise);
-    `int8_block_products`: products of 9+ rows with 4- and 5-bit blocks may take 8-bit activations instead."""
+    `int8_block_products`: products of 9+ rows with 4- and 5-bit blocks may take 8-bit activations instead;
+    `one_row_bf16`: one-token products with bf16 weights take the native CPU kernel (unsharded weights on CPU)."""
     attention = backend.layer_attention(mesh)
     embed_lookup = None if mesh is None else ops.vocab_parallel_lookup(mesh)
     gather = (lambda x: x) if mesh is None else ops.replicate(mesh)
@@ -107,9 +111,12 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
         features = mm_buffer[jnp.maximum(mm_rows, 0)].astype(x.dtype)  # [T, D]
         return jnp.where((mm_rows >= 0)[:, None], features, x), cos, sin
 
-    def products() -> Any:
-        """The reduced-precision products the engine allows for GGUF blocks (models.quantized.bf16_products)."""
-        return bf16_products(bf16_block_products, invariant_rows, int8_block_products)
+    @contextlib.contextmanager
+    def products() -> Iterator[None]:
+        """The reduced-precision products the engine allows for GGUF blocks (models.quantized.bf16_products), and
+        the native one-row products with bf16 weights where they apply (models.bf16_rows)."""
+        with bf16_products(bf16_block_products, invariant_rows, int8_block_products), native_bf16_rows(one_row_bf16):
+            yield
 
     def layer(weights: list[jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array, pages: tuple,
               md: AttentionMetadata, *, group: int = 0):

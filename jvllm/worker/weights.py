@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jvllm.worker.model_parts import ModelParts, PartWeights, split_model
+from models.bf16_rows import bf16_rows_available
 from models.layers import out_in_kernel_leaves
 
 # Steps of at least this many token rows take the batched (e.g. bf16) copy. XLA CPU runs dots of 2+ rows through
@@ -119,6 +120,8 @@ class StepWeights:
         self.parts: ModelParts
         self.parts, self.weights, outer_state, layer_states = split_model(graphdef, state)
         self.batched_min_rows = batched_min_rows
+        # one-token products with bf16 weights by the native kernel: unsharded weights on CPU (models.bf16_rows)
+        self.one_row_bf16 = not sharded and bf16_rows_available()
         self.batched: PartWeights | None = None
         if batched_dtype is not None:
             # The batched copy keeps narrowing projections [out, in] on one CPU device, where YNNPACK multiplies
@@ -130,6 +133,8 @@ class StepWeights:
 
             self.batched = PartWeights(cast(self.weights.outer, outer_state),
                                        [cast(w, s) for w, s in zip(self.weights.layers, layer_states)])
+            if self.one_row_bf16 and jnp.dtype(batched_dtype) == jnp.bfloat16 and not self._stacked_16_bit(self.batched):
+                self.batched_min_rows = 1  # one-token steps read the bf16 copy too: half float32's bytes
 
     @property
     def copy_bytes(self) -> int:
@@ -147,7 +152,20 @@ class StepWeights:
     @property
     def one_row_dots_slow(self) -> bool:
         """XLA CPU multiplies one row by a 16-bit matrix ~10x slower than by a float32 one, and two rows as fast
-        as one float32 row: with 16-bit weights for 1-row steps, every step should get at least 2 rows."""
-        return jax.default_backend() == "cpu" and any(
-            w.ndim >= 2 and jnp.issubdtype(w.dtype, jnp.floating) and w.dtype.itemsize == 2
-            for w in self.for_rows(1).leaves)
+        as one float32 row: with 16-bit weights for 1-row steps that the native kernel does not take (float16,
+        stacked experts, sharded weights), every step should get at least 2 rows."""
+        weights = self.for_rows(1)
+        sixteen_bit = [w for w in weights.leaves if _float_16_bit(w) and w.ndim >= 2]
+        if not sixteen_bit or jax.default_backend() != "cpu":
+            return False
+        return not self.one_row_bf16 or self._stacked_16_bit(weights) or any(w.dtype != jnp.bfloat16 for w in sixteen_bit)
+
+    @staticmethod
+    def _stacked_16_bit(weights: PartWeights) -> bool:
+        """Whether 16-bit float weights of rank 3+ (a mixture of experts' stacked projections) are among `weights`:
+        the native one-row product takes matrices only."""
+        return any(_float_16_bit(w) and w.ndim >= 3 for w in weights.leaves)
+
+
+def _float_16_bit(w: jax.Array) -> bool:
+    return jnp.issubdtype(w.dtype, jnp.floating) and w.dtype.itemsize == 2

@@ -1,0 +1,24 @@
+"""Products of a few float32 rows with bfloat16 weights (bf16_rows.cc) as a JAX function, for XLA CPU."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from cpu_kernels.build import load
+
+
+@functools.lru_cache(maxsize=1)
+def bf16_rows_max() -> int:
+    """The most rows of x a call takes."""
+    return int(load().JvllmBf16RowsMaxRows())
+
+
+def bf16_rows_product(x: jax.Array, w: jax.Array, out_in: bool) -> jax.Array:
+    """x [M, K] float32 (M <= bf16_rows_max()) with bfloat16 weights w [N, K] (`out_in`) or [K, N] -> x @ W
+    [M, N] float32: the bf16 weights widened exactly, float32 products and sums."""
+    load()
+    n = w.shape[0] if out_in else w.shape[1]
+    call = jax.ffi.ffi_call("jvllm_bf16_rows", jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+    return call(x.astype(jnp.float32), w, out_in=out_in)
