@@ -133,7 +133,8 @@ class StepWeights:
 
             self.batched = PartWeights(cast(self.weights.outer, outer_state),
                                        [cast(w, s) for w, s in zip(self.weights.layers, layer_states)])
-            if self.one_row_bf16 and jnp.dtype(batched_dtype) == jnp.bfloat16 and not self._stacked_16_bit(self.batched):
+            bf16 = jnp.dtype(batched_dtype) == jnp.bfloat16
+            if self.one_row_bf16 and bf16 and not self._stacked_16_bit(self.batched):
                 self.batched_min_rows = 1  # one-token steps read the bf16 copy too: half float32's bytes
 
     @property
@@ -158,7 +159,8 @@ class StepWeights:
         sixteen_bit = [w for w in weights.leaves if _float_16_bit(w) and w.ndim >= 2]
         if not sixteen_bit or jax.default_backend() != "cpu":
             return False
-        return not self.one_row_bf16 or self._stacked_16_bit(weights) or any(w.dtype != jnp.bfloat16 for w in sixteen_bit)
+        native = self.one_row_bf16 and not self._stacked_16_bit(weights)
+        return not native or any(w.dtype != jnp.bfloat16 for w in sixteen_bit)
 
     @staticmethod
     def _stacked_16_bit(weights: PartWeights) -> bool:

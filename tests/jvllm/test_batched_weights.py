@@ -8,7 +8,6 @@ import pytest
 from flax import nnx
 
 from jvllm import Engine, SamplingParams
-from jvllm.worker.weights import BATCHED_MIN_ROWS
 from models.layers import OUT_IN_TRANSPOSED_DOT_MAX_ROWS, Linear, out_in_kernel_leaves, stored_out_in
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog", "Paris is the capital of", "One, two, three,"]
@@ -41,10 +40,10 @@ def test_batched_copy_holds_bf16_matrices_and_serves_multi_row_steps(tiny_llama)
         np.testing.assert_array_equal(np.asarray(batched, np.float32),
                                       np.asarray(jnp.asarray(full.T if flipped else full, batched.dtype), np.float32))
         assert batched.dtype == (jnp.bfloat16 if full.ndim >= 2 else full.dtype)  # norms stay float32
-    assert BATCHED_MIN_ROWS == 2
     weights = runner.step_weights
-    assert weights.for_rows(1) is weights.weights  # a 1-row bf16 dot is a slow matrix-vector product
-    assert weights.for_rows(BATCHED_MIN_ROWS) is weights.batched
+    # one-token steps too, through the native one-row product (models.bf16_rows); XLA's own is slow
+    assert weights.one_row_bf16 and weights.batched_min_rows == 1
+    assert weights.for_rows(1) is weights.batched and not weights.one_row_dots_slow
 
 
 def test_bf16_weights_compute_the_same_model_within_bf16_rounding(tiny_llama):
@@ -101,4 +100,25 @@ def test_auto_adds_a_bf16_copy_only_when_dtype_is_auto_too(tiny_llama, options, 
     if copy is not None:
         assert {str(w.dtype) for w in batched.leaves if w.ndim >= 2} == {copy}
         assert engine.runner.step_weights.for_rows(2) is batched
-    assert engine.runner.step_weights.for_rows(1) is engine.runner.step_weights.weights
+    assert engine.runner.step_weights.for_rows(1) is (batched or engine.runner.step_weights.weights)
+
+
+def test_one_token_steps_on_the_bf16_copy_keep_the_float32_models_tokens(tiny_llama):
+    """Greedy one-token steps of the default engine run the native product on the bf16 copy (one custom call per
+    product in the one-token layer); each token's logprob is the float32 engine's within bf16 rounding."""
+    prompt = "The quick brown fox jumps over the lazy dog"
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0, ignore_eos=True)
+    engine = Engine(tiny_llama, precompile=False, max_num_seqs=4)
+    (out,) = engine.generate(prompt, params, use_tqdm=False)
+    one_token = min(s for s in engine.runner.compiled._by_shape if s.kind == "decode")
+    assert one_token.tokens == 1
+    text = engine.runner.compiled.get(one_token).layers[0].as_text()
+    assert text.count("jvllm_bf16_rows") >= 4  # q/k/v, o, gate/up, down
+    tokens = list(out.outputs[0].token_ids)
+    got = np.array([entry[token].logprob for entry, token in zip(out.outputs[0].logprobs, tokens)])
+    exact = Engine(tiny_llama, precompile=False, max_num_seqs=4, dtype="float32")
+    ids = exact.get_tokenizer().encode(prompt) + tokens
+    (scored,) = exact.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                               use_tqdm=False)
+    want = np.array([entry[token].logprob for entry, token in zip(scored.prompt_logprobs[-len(tokens):], tokens)])
+    np.testing.assert_allclose(got, want, atol=5e-3, rtol=0)
