@@ -27,13 +27,16 @@ inline float Widen(uint16_t bits) {
   return value;
 }
 
-// y [M, N] = x [M, K] . w^T with w [N, K].
-struct RowsTimesOutIn {
+// x [M, K] float32, bf16 weights w, y [M, N] float32.
+struct Operands {
   const float* x;
   const uint16_t* w;
   float* y;
   int64_t m, n, k;
+};
 
+// y = x . w^T with w [N, K]: a dot over contiguous K per output, kOutputsPerItem outputs an item.
+struct RowsTimesOutIn : Operands {
   int64_t num_items() const { return (n + kOutputsPerItem - 1) / kOutputsPerItem; }
 
   void Run(int64_t item) const {
@@ -51,13 +54,8 @@ struct RowsTimesOutIn {
   }
 };
 
-// y [M, N] = x [M, K] . w with w [K, N].
-struct RowsTimesInOut {
-  const float* x;
-  const uint16_t* w;
-  float* y;
-  int64_t m, n, k;
-
+// y = x . w with w [K, N]: each input's weights added into kColumnsPerItem output columns an item.
+struct RowsTimesInOut : Operands {
   int64_t num_items() const { return (n + kColumnsPerItem - 1) / kColumnsPerItem; }
 
   void Run(int64_t item) const {
@@ -86,11 +84,11 @@ ffi::Error Bf16RowsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w, ffi::
   const int64_t n = out_in ? wd[0] : wd[1];
   if ((out_in ? wd[1] : wd[0]) != k) return ffi::Error::InvalidArgument("bf16_rows: w does not take x's K");
   if (m > kMaxRows) return ffi::Error::InvalidArgument("bf16_rows: at most 4 rows of x");
-  const auto* weights = reinterpret_cast<const uint16_t*>(w.typed_data());
+  const Operands operands{x.typed_data(), reinterpret_cast<const uint16_t*>(w.typed_data()), y->typed_data(), m, n, k};
   if (out_in) {
-    jvllm::RunItems(RowsTimesOutIn{x.typed_data(), weights, y->typed_data(), m, n, k});
+    jvllm::RunItems(RowsTimesOutIn{operands});
   } else {
-    jvllm::RunItems(RowsTimesInOut{x.typed_data(), weights, y->typed_data(), m, n, k});
+    jvllm::RunItems(RowsTimesInOut{operands});
   }
   return ffi::Error::Success();
 }
