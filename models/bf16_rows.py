@@ -15,11 +15,9 @@ _ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("native_bf16_row
 
 def bf16_rows_available() -> bool:
     """Whether this process can run the native product: XLA CPU with the native kernels built."""
-    if jax.default_backend() != "cpu":
-        return False
-    from cpu_kernels.build import available
+    from models.quantized import native_kernel_available
 
-    return available()
+    return jax.default_backend() == "cpu" and native_kernel_available()
 
 
 @contextlib.contextmanager
