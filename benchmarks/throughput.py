@@ -216,8 +216,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats must be at least 1")
     scenarios = set(args.scenarios.split(","))
 
-    import jax
-
     from benchmarks import traffic, workloads
     from jvllm import Engine
     from jvllm.worker.compile_watch import compile_watch
@@ -287,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{', '.join(f'{r:.2f}x' for r in batch['pass_ratios'])})", flush=True)
     del baseline
     if "single" in scenarios:
-        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(engine.model.state))
+        weight_bytes = sum(x.nbytes for x in engine.runner.step_weights.for_rows(1).leaves)  # a token's reads
         prompt = random_prompts(1, args.input_len, cfg.vocab_size, seed=0)[0]
         single = run_single_decode(engine, prompt, args.single_output_len, args.repeats, weight_bytes)
         results["single"] = single

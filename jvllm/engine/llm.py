@@ -17,8 +17,8 @@ from jvllm.worker.compile_cache import enable_compilation_cache
 from jvllm.worker.compile_watch import during_start_up
 from jvllm.config import EngineConfig, UsageContext
 from jvllm.engine.arg_utils import EngineArgs, keyword_help
-from jvllm.engine.start_up import (attention_backend_for, engine_config_for, eos_token_ids, log_ready,
-                                   model_sampling_defaults)
+from jvllm.engine.start_up import (attention_backend_for, drop_unread_weights, engine_config_for, eos_token_ids,
+                                   log_ready, model_sampling_defaults)
 from jvllm.engine.detokenizer import IncrementalDetokenizer
 from jvllm.engine.pooling_calls import PoolingCalls
 from jvllm.engine.beam_calls import BeamSearchCalls
@@ -144,6 +144,7 @@ class Engine(MultiHostRoles, FrontEndViews, PoolingCalls, BeamSearchCalls):
         self.embedder = build_embedder(self.model, cfg, pooling=args.pooling, normalize=args.normalize,
                                        batched_weight_dtype=None if args.batched_weight_dtype == "auto"
                                        else batched_dtype)
+        drop_unread_weights(self.model, self.runner, self.embedder)
         self.async_scheduling = bool(args.async_scheduling and self.runner is not None and self.runner.can_look_ahead)
         self._ahead: StepInFlight | None = None  # the look-ahead step in flight, if any
         # Set by a front end whose callers add requests between steps (AsyncEngine): whether one is queued now.
@@ -163,8 +164,9 @@ class Engine(MultiHostRoles, FrontEndViews, PoolingCalls, BeamSearchCalls):
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes the weights take: as loaded (GGUF blocks as stored), and the batched low-precision copy."""
-        return self.model.weight_bytes + (self.runner.step_weights.copy_bytes if self.runner is not None else 0)
+        """Bytes the weights take: as loaded and kept (GGUF blocks as stored), and the batched low-precision copy."""
+        arrays = self.model.arrays + (self.runner.step_weights.arrays if self.runner is not None else [])
+        return sum(int(a.nbytes) for a in {id(a): a for a in arrays}.values())
 
     # ---- step shapes ----------------------------------------------------------------------------
     def step_shapes(self) -> list[Any]:

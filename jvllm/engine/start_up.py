@@ -43,6 +43,14 @@ def attention_backend_for(name: str, model: Any) -> str:
     return "xla" if name == "auto" and model.is_encoder else resolve_backend_name(name)
 
 
+def drop_unread_weights(model: Any, runner: Any, embedder: Any) -> None:
+    """Free the loaded float matrices where no step reads them: a float checkpoint on CPU, whose steps of every row
+    count read the bf16 copy (an embedder on the generative model reads the loaded ones)."""
+    if runner is not None and embedder is None and runner.step_weights.every_step_reads_the_copy:
+        runner.step_weights.drop_loaded()
+        model.drop_float_matrices()
+
+
 def log_ready(engine: Any, backend: str, seconds: float) -> None:
     """One line with what the engine loaded and how long start-up took."""
     model, cfg = engine.model, engine.config

@@ -57,10 +57,23 @@ class LoadedModel:
         return bool(getattr(self.config, "is_cross_encoder", False))
 
     @property
+    def arrays(self) -> list[jax.Array]:
+        """Every weight array it holds (GGUF blocks as stored), the vision side's included."""
+        leaves = jax.tree.leaves(self.state) + (jax.tree.leaves(self.vision.state) if self.vision else [])
+        return [a for a in leaves if isinstance(a, jax.Array)]
+
+    @property
     def weight_bytes(self) -> int:
-        """Bytes of every weight array (GGUF blocks as stored), the vision side's included."""
-        arrays = jax.tree.leaves(self.state) + (jax.tree.leaves(self.vision.state) if self.vision else [])
-        return sum(int(a.nbytes) for a in arrays)
+        return sum(int(a.nbytes) for a in self.arrays)
+
+    def drop_float_matrices(self) -> None:
+        """Keep only the shapes of the language model's float matrices (an engine whose steps all read a copy of
+        them in another dtype): their memory is freed once nothing else holds them."""
+        def shape_only(a: Any) -> Any:
+            float_matrix = a.ndim >= 2 and jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize > 1
+            return jax.ShapeDtypeStruct(a.shape, a.dtype) if float_matrix else a
+
+        self.state = jax.tree.map(shape_only, self.state)
 
     @property
     def keeps_blocks(self) -> bool:

@@ -138,12 +138,22 @@ class StepWeights:
                 self.batched_min_rows = 1  # one-token steps read the bf16 copy too: half float32's bytes
 
     @property
-    def copy_bytes(self) -> int:
-        """Bytes of the batched copy's own arrays (leaves it shares with the loaded weights not counted)."""
-        if self.batched is None:
-            return 0
-        loaded = {id(a) for a in self.weights.leaves}
-        return sum(int(a.nbytes) for a in self.batched.leaves if id(a) not in loaded)
+    def every_step_reads_the_copy(self) -> bool:
+        """Whether steps of every row count take the batched copy, so no step reads the loaded matrices."""
+        return self.batched is not None and self.batched_min_rows <= 1
+
+    def drop_loaded(self) -> None:
+        """Forget the loaded weights where every step reads the batched copy (their arrays are freed once nothing
+        else holds them: LoadedModel.drop_float_matrices)."""
+        if not self.every_step_reads_the_copy:
+            raise ValueError("steps of some row counts read the loaded weights")
+        self.weights = self.batched
+
+    @property
+    def arrays(self) -> list[jax.Array]:
+        """Every array the steps may read, each once: the loaded weights and the batched copy's own."""
+        leaves = self.weights.leaves + ([] if self.batched is None else self.batched.leaves)
+        return list({id(a): a for a in leaves}.values())
 
     def for_rows(self, rows: int) -> PartWeights:
         if self.batched is not None and rows >= self.batched_min_rows:

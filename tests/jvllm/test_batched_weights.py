@@ -25,17 +25,18 @@ def prompt_logprobs(engine: Engine) -> list[np.ndarray]:
     return [np.array([next(iter(entry.values())).logprob for entry in out.prompt_logprobs[1:]]) for out in outputs]
 
 
-def test_batched_copy_holds_bf16_matrices_and_serves_multi_row_steps(tiny_llama):
+def test_batched_copy_holds_bf16_matrices_and_serves_every_step(tiny_llama):
+    full_engine = Engine(tiny_llama, precompile=False, max_num_seqs=4, batched_weight_dtype=None)
     engine = Engine(tiny_llama, precompile=False, max_num_seqs=4, batched_weight_dtype="bfloat16")
     runner = engine.runner
     from jvllm.worker.model_parts import split_model
 
-    _, _, outer_state, layer_states = split_model(engine.model.graphdef, engine.model.state)
+    _, _, outer_state, layer_states = split_model(full_engine.model.graphdef, full_engine.model.state)
     out_in = out_in_kernel_leaves(outer_state) + [flag for state in layer_states for flag in out_in_kernel_leaves(state)]
     # down_proj in each of the 2 layers; q/k/v (joined at load: 64 -> 128) and gate/up (64 -> 256) widen
     assert sum(out_in) == 2
-    assert len(out_in) == len(runner.weights) == len(jax.tree.leaves(engine.model.state))
-    for full, batched, flipped in zip(runner.weights, runner.batched_weights, out_in):
+    assert len(out_in) == len(full_engine.runner.weights) == len(runner.batched_weights)
+    for full, batched, flipped in zip(full_engine.runner.weights, runner.batched_weights, out_in):
         assert batched.shape == (full.T.shape if flipped else full.shape)
         np.testing.assert_array_equal(np.asarray(batched, np.float32),
                                       np.asarray(jnp.asarray(full.T if flipped else full, batched.dtype), np.float32))
@@ -44,6 +45,35 @@ def test_batched_copy_holds_bf16_matrices_and_serves_multi_row_steps(tiny_llama)
     # one-token steps too, through the native one-row product (models.bf16_rows); XLA's own is slow
     assert weights.one_row_bf16 and weights.batched_min_rows == 1
     assert weights.for_rows(1) is weights.batched and not weights.one_row_dots_slow
+
+
+def test_an_engine_whose_steps_all_read_the_copy_frees_the_float32_matrices(tiny_llama):
+    """No step reads the loaded float32 matrices, so the engine keeps only their shapes: what it holds is the bf16
+    copy and the float32 norms, and no float32 matrix of the model is left alive in the process."""
+    full = Engine(tiny_llama, precompile=False, max_num_seqs=4, batched_weight_dtype=None)
+    matrix_shapes = {a.shape for a in full.runner.weights if a.ndim >= 2}
+    full_bytes = full.weight_bytes
+    del full
+    engine = Engine(tiny_llama, precompile=False, max_num_seqs=4)  # "auto": a bf16 copy on CPU
+    assert engine.runner.step_weights.every_step_reads_the_copy
+    assert engine.runner.step_weights.weights is engine.runner.step_weights.batched
+    kept = [a for a in jax.tree.leaves(engine.model.state) if isinstance(a, jax.Array)]
+    assert kept and all(a.ndim == 1 and a.dtype == jnp.float32 for a in kept)  # the norms
+    assert engine.weight_bytes == sum(a.nbytes for a in engine.runner.weights)
+    assert engine.weight_bytes < 0.6 * full_bytes  # half the matrices' bytes, the norms unchanged
+    alive = [a for a in jax.live_arrays() if a.dtype == jnp.float32 and a.shape in matrix_shapes]
+    assert not alive
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in out)
+
+
+def test_pooling_on_a_generative_model_keeps_the_loaded_weights(tiny_llama):
+    """The embedder of a generative model with pooling= reads the loaded weights, so they stay."""
+    engine = Engine(tiny_llama, precompile=False, max_num_seqs=4, pooling="mean")
+    assert engine.runner.step_weights.every_step_reads_the_copy
+    assert engine.runner.step_weights.weights is not engine.runner.step_weights.batched
+    assert any(a.ndim >= 2 and a.dtype == jnp.float32 for a in engine.runner.weights)
+    assert len(engine.embed(["One, two, three,"], use_tqdm=False)[0].outputs.embedding) == 64
 
 
 def test_bf16_weights_compute_the_same_model_within_bf16_rounding(tiny_llama):
