@@ -15,6 +15,12 @@ def bf16_rows_max() -> int:
     return int(load().JvllmBf16RowsMaxRows())
 
 
+@functools.lru_cache(maxsize=1)
+def bf16_rows_preferred() -> int:
+    """The most rows of x for which this build's product beats XLA CPU's bf16 dot (4 with AVX-512, else 1)."""
+    return int(load().JvllmBf16RowsPreferredRows())
+
+
 def bf16_rows_product(x: jax.Array, w: jax.Array, out_in: bool) -> jax.Array:
     """x [M, K] float32 (M <= bf16_rows_max()) with bfloat16 weights w [N, K] (`out_in`) or [K, N] -> x @ W
     [M, N] float32: the bf16 weights widened exactly, float32 products and sums."""

@@ -1,6 +1,6 @@
-"""One-token products with bfloat16 weights on XLA CPU through the native kernel (cpu_kernels.bf16_rows): XLA CPU
-multiplies one row by a bf16 matrix ~10x slower than by a float32 one, so without it a one-token step reads float32
-weights (twice the bytes) or runs two rows."""
+"""Products of 1-4 token rows with bfloat16 weights on XLA CPU through the native kernel (cpu_kernels.bf16_rows):
+XLA CPU multiplies one row by a bf16 matrix ~10x slower than by a float32 one, so without it a one-token step reads
+float32 weights (twice the bytes) or runs two rows, and its 2-4 row bf16 dots are slower than the kernel's."""
 from __future__ import annotations
 
 import contextlib
@@ -32,11 +32,15 @@ def native_bf16_rows(enabled: bool) -> Iterator[None]:
 
 
 def bf16_rows_dot(x: jax.Array, kernel: jax.Array, out_in: bool) -> jax.Array | None:
-    """x [1, K] times a bf16 kernel ([N, K] with `out_in`, else [K, N]) -> [1, N] float32 (the weights widened
-    exactly, float32 products and sums) where native_bf16_rows(True) is in effect; None otherwise (more rows,
-    other dtypes), for the caller's XLA product."""
-    if not _ENABLED.get() or x.shape[0] != 1 or kernel.dtype != jnp.bfloat16 or kernel.ndim != 2:
+    """x [M, K] times a bf16 kernel ([N, K] with `out_in`, else [K, N]) -> [M, N] float32 (the weights widened
+    exactly, float32 products and sums) where native_bf16_rows(True) is in effect and the build's kernel is the
+    faster one for M rows (cpu_kernels.bf16_rows.bf16_rows_preferred: 1-4 with AVX-512, else 1); None otherwise
+    (more rows, other dtypes), for the caller's XLA product."""
+    if not _ENABLED.get() or x.ndim != 2 or kernel.dtype != jnp.bfloat16 or kernel.ndim != 2:
         return None
-    from cpu_kernels.bf16_rows import bf16_rows_product
+    from cpu_kernels.bf16_rows import bf16_rows_preferred, bf16_rows_product
+
+    if not 1 <= x.shape[0] <= bf16_rows_preferred():
+        return None
 
     return bf16_rows_product(x, kernel, out_in)

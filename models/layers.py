@@ -66,7 +66,7 @@ class Linear(nnx.Module):
                 y = y + self.bias[...].astype(jnp.float32)
             return y.astype(x.dtype)
         out_in = self.d_in != self.d_out and kernel.shape == (self.d_out, self.d_in)
-        y = bf16_rows_dot(x, kernel, out_in)  # one-token CPU steps with bf16 weights, else None
+        y = bf16_rows_dot(x, kernel, out_in)  # CPU steps of 1-4 token rows with bf16 weights, else None
         if y is None:
             # Cast the activation to the weight dtype, never the weights up: bf16 weights with f32 activations
             # must stay a bf16 x bf16 -> f32 dot (the fast CPU path), not a per-step f32 copy of the weights.

@@ -197,7 +197,7 @@ class LlamaForCausalLM(nnx.Module):
             table = self.embed_tokens[...]
             if self.embed_quant is not None:
                 return quantized_dot(hidden, table, self.embed_quant, value_or_none(self.embed_scale))
-            native = bf16_rows_dot(hidden, table, out_in=True)  # one-token CPU steps with a bf16 table
+            native = bf16_rows_dot(hidden, table, out_in=True)  # CPU steps of 1-4 rows with a bf16 table
             if native is not None:
                 return native
             return jnp.einsum("sd,vd->sv", hidden.astype(table.dtype), table, preferred_element_type=jnp.float32)

@@ -83,7 +83,8 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
     `invariant_rows`: steps of up to that many token rows give each row the bits it would get alone (speculative
     decoding: verification rows then give a decode step's bits; 0: no such promise);
     `int8_block_products`: products of 9+ rows with 4- and 5-bit blocks may take 8-bit activations instead;
-    `one_row_bf16`: one-token products with bf16 weights take the native CPU kernel (unsharded weights on CPU)."""
+    `one_row_bf16`: products of 1-4 token rows with bf16 weights take the native CPU kernel where it is the faster
+    one (unsharded weights on CPU; models.bf16_rows)."""
     attention = backend.layer_attention(mesh)
     embed_lookup = None if mesh is None else ops.vocab_parallel_lookup(mesh)
     gather = (lambda x: x) if mesh is None else ops.replicate(mesh)
@@ -114,7 +115,7 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
     @contextlib.contextmanager
     def products() -> Iterator[None]:
         """The reduced-precision products the engine allows for GGUF blocks (models.quantized.bf16_products), and
-        the native one-row products with bf16 weights where they apply (models.bf16_rows)."""
+        the native few-row products with bf16 weights where they apply (models.bf16_rows)."""
         with bf16_products(bf16_block_products, invariant_rows, int8_block_products), native_bf16_rows(one_row_bf16):
             yield
 

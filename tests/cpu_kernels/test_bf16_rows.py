@@ -8,17 +8,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cpu_kernels.bf16_rows import bf16_rows_max, bf16_rows_product
+from cpu_kernels.bf16_rows import bf16_rows_max, bf16_rows_preferred, bf16_rows_product
 from models.bf16_rows import native_bf16_rows
 from models.layers import Linear
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4])
-@pytest.mark.parametrize("k, n", [(576, 960), (1536, 576), (100, 37), (64, 300), (33, 129)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("k, n", [(576, 960), (1536, 576), (100, 37), (64, 300), (33, 129), (31, 17)])
 @pytest.mark.parametrize("out_in", [False, True], ids=["in_out", "out_in"])
 def test_products_are_the_bf16_weights_in_float32(rows, k, n, out_in):
-    """Sizes around the kernel's items (16 outputs of [N, K] weights, 128 columns of [K, N] ones) and vector
-    widths: within float32 summation of the exact products."""
+    """Sizes around the kernel's items (16 outputs of [N, K] weights, 128 columns of [K, N] ones), its 32-weight
+    loads (K or N not a multiple of 32, or under 32) and row counts (two rows a pass): within float32 summation of
+    the exact products."""
     rng = np.random.default_rng(k * n + rows)
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)  # [K, N]
@@ -36,9 +37,10 @@ def test_more_rows_than_the_kernel_takes_are_refused():
 
 
 @pytest.mark.parametrize("d_in, d_out", [(64, 160), (160, 64)])
-def test_a_linear_takes_the_kernel_for_one_row_only_where_allowed(d_in, d_out):
-    """One row with bf16 weights inside native_bf16_rows(True): one custom call, the float32 product of the bf16
-    weights (stored [out, in] for a narrowing kernel, as the batched copy does); two rows, or outside it: XLA."""
+def test_a_linear_takes_the_kernel_for_the_preferred_rows_only_where_allowed(d_in, d_out):
+    """Up to bf16_rows_preferred() rows with bf16 weights inside native_bf16_rows(True): one custom call, the
+    float32 product of the bf16 weights (stored [out, in] for a narrowing kernel, as the batched copy does); more
+    rows, or outside it: XLA."""
     layer = Linear(d_in, d_out, bias=True, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     layer.bias = nnx.Param(jnp.asarray(np.random.default_rng(1).standard_normal(d_out), jnp.bfloat16))
     if d_in > d_out:
@@ -49,9 +51,12 @@ def test_a_linear_takes_the_kernel_for_one_row_only_where_allowed(d_in, d_out):
         with native_bf16_rows(enabled):
             return jax.jit(lambda a: layer(a)).lower(rows_x).as_text()
 
+    preferred = bf16_rows_preferred()
     assert "jvllm_bf16_rows" in text(x, True)
     assert "jvllm_bf16_rows" not in text(x, False)
-    assert "jvllm_bf16_rows" not in text(jnp.concatenate([x, x]), True)
+    assert ("jvllm_bf16_rows" in text(jnp.concatenate([x, x]), True)) == (preferred >= 2)
+    assert "jvllm_bf16_rows" not in text(jnp.concatenate([x] * (preferred + 1)), True)
+    x = jnp.concatenate([x * (i + 1) for i in range(preferred)])  # the most rows the kernel takes here
     with native_bf16_rows(True):
         got = np.asarray(jax.jit(lambda a: layer(a))(x))
     kernel = np.asarray(layer.kernel[...].astype(jnp.float32), np.float64)
