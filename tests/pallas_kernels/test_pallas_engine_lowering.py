@@ -21,12 +21,15 @@ POOL_PAGES = 12
 
 @pytest.fixture(scope="module", params=[16, 32], ids=lambda size: f"page{size}")
 def engine(request) -> Engine:
-    """SmolLM2-135M's architecture with random bfloat16 weights; no step compiled (nor run)."""
+    """SmolLM2-135M's architecture with random bfloat16 weights; no step compiled (nor run). Its steps are built as
+    on a GPU, without the CPU's native bf16 products (models.bf16_rows)."""
     block_size = request.param
     model_bytes_per_page = 2 * 30 * 3 * 64 * 2 * block_size  # K and V, 30 layers, 3 KV heads of 64, bf16
-    return Engine(load_format="dummy", dtype="bfloat16", attention_backend="pallas", block_size=block_size,
-                  kv_cache_memory_bytes=POOL_PAGES * model_bytes_per_page, max_model_len=128, max_num_seqs=4,
-                  precompile=False)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("jvllm.worker.weights.bf16_rows_available", lambda: False)
+        return Engine(load_format="dummy", dtype="bfloat16", attention_backend="pallas", block_size=block_size,
+                      kv_cache_memory_bytes=POOL_PAGES * model_bytes_per_page, max_model_len=128, max_num_seqs=4,
+                      precompile=False)
 
 
 def step_shape(engine: Engine, kind: str) -> StepShape:
