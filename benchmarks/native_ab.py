@@ -6,12 +6,15 @@ alternates the two builds call by call sees the same machine for both. The other
 and its custom calls registered under `base_*` names; the same jitted graphs then run with either build's targets:
 the products of the embedded model's layer shapes (30 layers, Q4_1 projections in this machine's native layout,
 random codes) at several row counts, and 30 calls of paged attention (9 heads, 3 KV heads, head_dim 64, bf16 pages;
-one pool for all, so its pages stay in the caches) for one sequence of q queries after `context` keys. Each line
+one pool for all, so its pages stay in the caches) for one sequence of q queries after `context` keys; with
+`--bf16-rows`, the products of a float checkpoint's bf16 copy (30 layers of the model's shapes and the tied head,
+bf16_rows) at those row counts. Each line
 prints both medians, their ratio, and whether the two builds give the same bits. Both builds must take the same
 custom-call attributes.
 
     python -m benchmarks.native_ab --base HEAD   # uncommitted kernel changes against the last commit
     python -m benchmarks.native_ab --base 670729b --rows 1,8,16 --queries 1,16 --context 100,700 --json out.json
+    python -m benchmarks.native_ab --base 94a511d --rows "" --queries "" --bf16-rows 1,2,3,4
 """
 from __future__ import annotations
 
@@ -98,6 +101,40 @@ def products(prefix: str, rng: np.random.Generator) -> Callable:
     return jax.jit(run)
 
 
+# A float checkpoint's bf16 copy as the model's one-token steps read it (jvllm.worker.weights): (K, N, out_in) of
+# q/k/v joined, o, gate/up joined ([K, N] Linear kernels) and down ([N, K], a narrowing projection)
+BF16_LAYER = [(576, 960, False), (576, 576, False), (576, 3072, False), (1536, 576, True)]
+VOCAB = 49152
+
+
+def bf16_products(prefix: str, rng: np.random.Generator) -> Callable:
+    """A jitted x [M, 576] -> per-product sums over LAYERS layers of bf16 weights of the model's shapes and the tied
+    head [V, 576] (bf16_rows; the down projection's x is a slice of the gate/up output, as in a layer)."""
+    import jax
+    import jax.numpy as jnp
+
+    def weights(k: int, n: int, out_in: bool) -> jax.Array:
+        return jnp.asarray(rng.standard_normal((n, k) if out_in else (k, n)) * 0.05, jnp.bfloat16)
+
+    layers = [[weights(*shape) for shape in BF16_LAYER] for _ in range(LAYERS)]
+    head = weights(576, VOCAB, True)
+
+    def product(x: jax.Array, w: jax.Array, out_in: bool) -> jax.Array:
+        n = w.shape[0] if out_in else w.shape[1]
+        return jax.ffi.ffi_call(prefix + "bf16_rows", jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
+            x, w, out_in=out_in)
+
+    def run(x: jax.Array) -> jax.Array:
+        sums = []
+        for layer in layers:
+            outs = [product(x, w, out_in) for w, (k, _, out_in) in zip(layer[:3], BF16_LAYER[:3])]
+            down = product(outs[2][:, :1536], layer[3], True)
+            sums += [o.sum() for o in outs] + [down.sum()]
+        return jnp.stack(sums + [product(x, head, True).sum()])
+
+    return jax.jit(run)
+
+
 def attention(prefix: str) -> Callable:
     """A jitted 30-layer chain of the writing paged attention (queries nudged by each layer's output)."""
     import jax
@@ -154,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", required=True,
                         help="the git revision to compare against, or a directory holding another cpu_kernels/")
     parser.add_argument("--rows", default="1,8,16", help="row counts of the products (empty: none)")
+    parser.add_argument("--bf16-rows", default="", help="row counts of the bf16 products (bf16_rows; empty: none)")
     parser.add_argument("--queries", default="1,16", help="queries of the attention's sequence (empty: none)")
     parser.add_argument("--context", default="100,700", help="its keys, after this step's")
     parser.add_argument("--reps", type=int, default=30, help="calls of each build per case")
@@ -171,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         register_base(build_base(args.base, pathlib.Path(workdir)))
     rng = np.random.default_rng(0)
     results = {"command": command_line("benchmarks.native_ab", argv), "machine": machine_info(), "base": args.base,
-               "products": {}, "attention": {}}
+               "products": {}, "bf16_products": {}, "attention": {}}
     if ints(args.rows):
         fns = {name: products(prefix, np.random.default_rng(1)) for name, prefix in (("base", "base_"),
                                                                                      ("new", "jvllm_"))}
@@ -180,6 +218,15 @@ def main(argv: list[str] | None = None) -> int:
         row = alternate({name: (lambda f=f: f(x576, x1536)) for name, f in fns.items()}, args.reps)
         results["products"][m] = row
         print(f"products, {m:2d} rows: base {row['base_ms']:.2f} ms, new {row['new_ms']:.2f} ms -> "
+              f"{row['new_over_base']:.3f}x; same bits: {row['same_bits']}", flush=True)
+    if ints(args.bf16_rows):
+        fns = {name: bf16_products(prefix, np.random.default_rng(2)) for name, prefix in (("base", "base_"),
+                                                                                          ("new", "jvllm_"))}
+    for m in ints(args.bf16_rows):
+        x = jnp.asarray(rng.standard_normal((m, 576)), jnp.float32)
+        row = alternate({name: (lambda f=f: f(x)) for name, f in fns.items()}, args.reps)
+        results["bf16_products"][m] = row
+        print(f"bf16 products, {m} rows: base {row['base_ms']:.2f} ms, new {row['new_ms']:.2f} ms -> "
               f"{row['new_over_base']:.3f}x; same bits: {row['same_bits']}", flush=True)
     runs = {name: attention(prefix) for name, prefix in (("base", "base_"), ("new", "jvllm_"))}
     for q in ints(args.queries):

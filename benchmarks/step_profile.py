@@ -82,18 +82,31 @@ def replay_times(engine, call) -> tuple[float, float]:
     return dispatched, time.perf_counter() - started
 
 
-def custom_call_targets(dump_dir: str) -> dict[tuple[str, str], str]:
-    """(module name, op name) -> custom-call target, from the optimized HLO text XLA dumped into `dump_dir`."""
+def custom_call_targets(texts: list[str]) -> dict[tuple[str, str], str]:
+    """(module name, op name) -> custom-call target, from optimized HLO texts (one or more modules each)."""
     import re
 
     targets = {}
-    for path in glob.glob(f"{dump_dir}/*after_optimizations.txt"):
-        module = path.split("/")[-1].split(".")[1]  # module_0014.jit_layer.cpu_after_optimizations.txt
-        for line in open(path):
+    module = ""
+    for text in texts:
+        for line in text.splitlines():
+            if line.startswith("HloModule "):
+                module = line.split()[1].rstrip(",")  # HloModule jit_layer, entry_computation_layout=...
+                continue
             found = re.search(r"%(\S+) = .* custom-call\(.*custom_call_target=\"([^\"]+)\"", line)
             if found:
-                targets[(module, found.group(1))] = found.group(2)
+                targets.setdefault((module, found.group(1)), found.group(2))
     return targets
+
+
+def step_hlo_texts(engine, call) -> list[str]:
+    """The optimized HLO of the executables a step of `call`'s shape runs: the trace names an op by its module's
+    name (`jit_layer`) and op, which other shapes' executables of the same name reuse for other ops."""
+    executables = engine.runner.compiled.get(call.shape)
+    pieces = [executables.embed, *executables.layers, executables.last_rows, executables.store_kv,
+              executables.take_ids, executables.prompt_stats]
+    texts = [piece.as_text() for piece in pieces if hasattr(piece, "as_text")]
+    return texts + [executables.head.as_text(call.flags)]
 
 
 def trace_events(trace_dir: str) -> list[dict]:
@@ -143,7 +156,7 @@ def op_times(events: list[dict], steps: int, targets: dict[tuple[str, str], str]
     return totals
 
 
-def profile_step(engine, call, steps: int, top: int, dump_dir: str) -> dict:
+def profile_step(engine, call, steps: int, top: int) -> dict:
     """Replay `call` `steps` times outside and then under the profiler; -> its wall and dispatch times and where
     the time went (ms per step), printed too."""
     import jax
@@ -169,7 +182,7 @@ def profile_step(engine, call, steps: int, top: int, dump_dir: str) -> dict:
         print(f"  {busy / 1e3:8.2f}  device busy (ms per step, under the profiler); the device waited "
               f"{max(0.0, wall_ms - busy / 1e3):.2f} ms of the wall time")
     else:
-        totals = op_times(events, steps, custom_call_targets(dump_dir))
+        totals = op_times(events, steps, custom_call_targets(step_hlo_texts(engine, call)))
         kinds = collections.Counter()
         for name, micros in totals.items():
             kinds[name.split(":")[0] if ":" in name else name.split(".")[0]] += micros
@@ -205,11 +218,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="compile every step shape at start (--no-precompile: only the shapes the capture runs)")
     parser.add_argument("--json", default=None, help="write the results here (rewritten after each --rows value)")
     args = parser.parse_args(argv)
-    import os
-
-    dump_dir = tempfile.mkdtemp(prefix="step-profile-hlo-")  # to name each custom call by its target
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump_dir} --xla_dump_hlo_as_text"
-
     from jvllm import Engine
 
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -224,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             call = capture_prefill_call(engine, rows, args.prompt_len)
         else:
             call = capture_decode_call(engine, rows, args.prompt_len, args.output_len)
-        record["steps"].append(profile_step(engine, call, args.steps, args.top, dump_dir))
+        record["steps"].append(profile_step(engine, call, args.steps, args.top))
         write_json(args.json, record)
     return 0
 
