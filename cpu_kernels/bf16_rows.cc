@@ -92,24 +92,31 @@ inline __m512 OddWeights(__m512i v) {
 }
 inline __mmask32 FirstWords(int64_t count) { return count >= 32 ? ~__mmask32{0} : (__mmask32{1} << count) - 1; }
 
-// y = x . w^T with w [N, K] for one row of x: one output at a time (one stream of weights per thread, as fast as
-// reading them; four outputs at once measured ~1.2-1.4x slower here), even and odd sums apart. `split` holds x as
-// [even elements, odd elements], each half `padded` / 2 long (K rounded up to 32, zeros past K), so the same 16
-// lanes of a weight vector and of x's halves pair up.
-struct SplitRowTimesOutIn : Operands {
+// Operands of [N, K] weights with `split` holding each row of x as [even elements, odd elements], each half
+// `padded` / 2 long (K rounded up to 32, zeros past K), so the same 16 lanes of a weight vector and of x's halves
+// pair up; kOutputsPerItem outputs an item.
+struct SplitOutInOperands : Operands {
   const float* split;
   int64_t padded;
 
   int64_t num_items() const { return (n + kOutputsPerItem - 1) / kOutputsPerItem; }
 
+  // Output j's 32 weights from i (zeros past K).
+  __m512i Weights(int64_t j, int64_t i) const {
+    const uint16_t* p = w + j * k + i;
+    return i + 32 <= k ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(FirstWords(k - i), p);
+  }
+};
+
+// y = x . w^T with w [N, K] for one row of x: one output at a time (one stream of weights per thread, as fast as
+// reading them; four outputs at once measured ~1.2-1.4x slower here), even and odd sums apart.
+struct SplitRowTimesOutIn : SplitOutInOperands {
   void Run(int64_t item) const {
     const int64_t end = std::min(n, (item + 1) * kOutputsPerItem);
-    const int64_t whole = k / 32 * 32;
     for (int64_t j = item * kOutputsPerItem; j < end; ++j) {
-      const uint16_t* wj = w + j * k;
       __m512 even_sum = _mm512_setzero_ps(), odd_sum = _mm512_setzero_ps();
       for (int64_t i = 0; i < padded; i += 32) {
-        const __m512i v = i < whole ? _mm512_loadu_si512(wj + i) : _mm512_maskz_loadu_epi16(FirstWords(k - i), wj + i);
+        const __m512i v = Weights(j, i);
         even_sum = _mm512_fmadd_ps(EvenWeights(v), _mm512_loadu_ps(split + i / 2), even_sum);
         odd_sum = _mm512_fmadd_ps(OddWeights(v), _mm512_loadu_ps(split + padded / 2 + i / 2), odd_sum);
       }
@@ -121,15 +128,9 @@ struct SplitRowTimesOutIn : Operands {
 // The same for M = 2-4 rows of x (`split` [M, padded]): 4 outputs at a time, each 64-byte load of an output's
 // weights met by every row.
 template <int M>
-struct SplitRowsTimesOutIn : Operands {
-  const float* split;
-  int64_t padded;
-
-  int64_t num_items() const { return (n + kOutputsPerItem - 1) / kOutputsPerItem; }
-
+struct SplitRowsTimesOutIn : SplitOutInOperands {
   void Run(int64_t item) const {
     const int64_t end = std::min(n, (item + 1) * kOutputsPerItem);
-    const int64_t whole = k / 32 * 32;
     for (int64_t j0 = item * kOutputsPerItem; j0 < end; j0 += 4) {
       const int outputs = static_cast<int>(std::min<int64_t>(4, end - j0));
       __m512 sums[4][M];
@@ -142,8 +143,7 @@ struct SplitRowsTimesOutIn : Operands {
           odd_x[r] = _mm512_loadu_ps(split + r * padded + padded / 2 + i / 2);
         }
         for (int t = 0; t < outputs; ++t) {
-          const uint16_t* p = w + (j0 + t) * k + i;
-          const __m512i v = i < whole ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(FirstWords(k - i), p);
+          const __m512i v = Weights(j0 + t, i);
           const __m512 even = EvenWeights(v), odd = OddWeights(v);
           for (int r = 0; r < M; ++r) {
             sums[t][r] = _mm512_fmadd_ps(odd, odd_x[r], _mm512_fmadd_ps(even, even_x[r], sums[t][r]));
@@ -228,9 +228,9 @@ void RunSplit(const Operands& operands, bool out_in) {
     const int64_t padded = (operands.k + 31) / 32 * 32;
     const std::vector<float> split = SplitEvenOdd(operands.x, M, operands.k, padded);
     if constexpr (M == 1) {
-      jvllm::RunItems(SplitRowTimesOutIn{operands, split.data(), padded});
+      jvllm::RunItems(SplitRowTimesOutIn{{operands, split.data(), padded}});
     } else {
-      jvllm::RunItems(SplitRowsTimesOutIn<M>{operands, split.data(), padded});
+      jvllm::RunItems(SplitRowsTimesOutIn<M>{{operands, split.data(), padded}});
     }
   } else {
     jvllm::RunItems(SplitRowsTimesInOut<M>{operands});
