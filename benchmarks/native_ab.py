@@ -8,9 +8,8 @@ the products of the embedded model's layer shapes (30 layers, Q4_1 projections i
 random codes) at several row counts, and 30 calls of paged attention (9 heads, 3 KV heads, head_dim 64, bf16 pages;
 one pool for all, so its pages stay in the caches) for one sequence of q queries after `context` keys; with
 `--bf16-rows`, the products of a float checkpoint's bf16 copy (30 layers of the model's shapes and the tied head,
-bf16_rows) at those row counts. Each line
-prints both medians, their ratio, and whether the two builds give the same bits. Both builds must take the same
-custom-call attributes.
+bf16_rows) at those row counts. Each line prints both medians, their ratio, and whether the two builds give the
+same bits. Both builds must take the same custom-call attributes.
 
     python -m benchmarks.native_ab --base HEAD   # uncommitted kernel changes against the last commit
     python -m benchmarks.native_ab --base 670729b --rows 1,8,16 --queries 1,16 --context 100,700 --json out.json
@@ -127,7 +126,7 @@ def bf16_products(prefix: str, rng: np.random.Generator) -> Callable:
     def run(x: jax.Array) -> jax.Array:
         sums = []
         for layer in layers:
-            outs = [product(x, w, out_in) for w, (k, _, out_in) in zip(layer[:3], BF16_LAYER[:3])]
+            outs = [product(x, w, out_in) for w, (_, _, out_in) in zip(layer[:3], BF16_LAYER[:3])]
             down = product(outs[2][:, :1536], layer[3], True)
             sums += [o.sum() for o in outs] + [down.sum()]
         return jnp.stack(sums + [product(x, head, True).sum()])

@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -90,7 +89,7 @@ inline __m512 EvenWeights(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_ep
 inline __m512 OddWeights(__m512i v) {
   return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
-inline __mmask32 FirstWords(int64_t count) { return count >= 32 ? ~__mmask32{0} : (__mmask32{1} << count) - 1; }
+inline __mmask32 FirstWords(int64_t count) { return (__mmask32{1} << count) - 1; }  // count < 32
 
 // Operands of [N, K] weights with `split` holding each row of x as [even elements, odd elements], each half
 // `padded` / 2 long (K rounded up to 32, zeros past K), so the same 16 lanes of a weight vector and of x's halves
@@ -108,8 +107,8 @@ struct SplitOutInOperands : Operands {
   }
 };
 
-// y = x . w^T with w [N, K] for one row of x: one output at a time (one stream of weights per thread, as fast as
-// reading them; four outputs at once measured ~1.2-1.4x slower here), even and odd sums apart.
+// y = x . w^T with w [N, K] for one row of x: one output at a time, so a thread reads one stream of weights (four
+// interleaved streams read slower at one row: docs/design.md), even and odd sums apart.
 struct SplitRowTimesOutIn : SplitOutInOperands {
   void Run(int64_t item) const {
     const int64_t end = std::min(n, (item + 1) * kOutputsPerItem);

@@ -2,7 +2,7 @@
 and Gemma's) and the gated MLP."""
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,11 +27,17 @@ def stored_out_in(d_in: int, d_out: int) -> bool:
     return d_in > d_out
 
 
+def is_float_matrix(a: Any) -> bool:
+    """A weight matrix in a float dtype of 16+ bits (what a lower-precision copy of the weights recasts; float8 codes
+    of a per-channel format stay as they are)."""
+    return a.ndim >= 2 and jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize > 1
+
+
 def out_in_kernel_leaves(state: nnx.State) -> list[bool]:
     """Per leaf of a Llama state, in jax.tree.flatten order: whether it is a Linear kernel [in, out] that the
     batched copy stores [out, in] (float8 codes of a per-channel format are [out, in] already, and stay)."""
-    return [getattr(path[-2], "key", None) == "kernel" and leaf.ndim == 2 and jnp.issubdtype(leaf.dtype, jnp.floating)
-            and leaf.dtype.itemsize > 1 and stored_out_in(*leaf.shape)
+    return [getattr(path[-2], "key", None) == "kernel" and leaf.ndim == 2 and is_float_matrix(leaf)
+            and stored_out_in(*leaf.shape)
             for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]]
 
 

@@ -20,6 +20,7 @@ from flax import nnx
 from jvllm.model_loader.read_progress import weight_bar
 from jvllm.model_loader.vision import complete_config, is_vision_language, load_vision, split_tensors
 from models.config import EncoderConfig, ModelConfig
+from models.layers import is_float_matrix
 from models.registry import config_from_hf, model_class_for
 
 logger = logging.getLogger("jvllm")
@@ -69,11 +70,8 @@ class LoadedModel:
     def drop_float_matrices(self) -> None:
         """Keep only the shapes of the language model's float matrices (an engine whose steps all read a copy of
         them in another dtype): their memory is freed once nothing else holds them."""
-        def shape_only(a: Any) -> Any:
-            float_matrix = a.ndim >= 2 and jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize > 1
-            return jax.ShapeDtypeStruct(a.shape, a.dtype) if float_matrix else a
-
-        self.state = jax.tree.map(shape_only, self.state)
+        self.state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if is_float_matrix(a) else a,
+                                  self.state)
 
     @property
     def keeps_blocks(self) -> bool:

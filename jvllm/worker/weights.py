@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from jvllm.worker.model_parts import ModelParts, PartWeights, split_model
 from models.bf16_rows import bf16_rows_available
-from models.layers import out_in_kernel_leaves
+from models.layers import is_float_matrix, out_in_kernel_leaves
 
 # Steps of at least this many token rows take the batched (e.g. bf16) copy. XLA CPU runs dots of 2+ rows through
 # YNNPACK, where bf16 is faster from 2 rows; a 1-row bf16 dot is a slow matrix-vector product (docs/design.md).
@@ -106,9 +106,7 @@ def cast_matrices(weights: list[jax.Array], dtype: Any, out_in: list[bool] | Non
     (GGUF blocks, int8 and float8 codes) keep theirs. The leaves flagged in `out_in` (Linear kernels [in, out]) are
     stored transposed, [out, in]."""
     flags = out_in or [False] * len(weights)
-    return [(a.T if flip else a).astype(dtype)
-            if a.ndim >= 2 and jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize > 1 else a
-            for a, flip in zip(weights, flags)]
+    return [(a.T if flip else a).astype(dtype) if is_float_matrix(a) else a for a, flip in zip(weights, flags)]
 
 
 class StepWeights:
