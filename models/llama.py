@@ -13,7 +13,7 @@ from models.attention import AttentionMetadata, KVCache, LayerAttention, attenti
 from models.bf16_rows import bf16_rows_dot
 from models.config import ModelConfig
 from models.layers import MLP, Linear, RMSNorm, merge_output_columns, mlp_hf_parameters
-from models.hf_names import ArraySource, DerivedTensors, row_range
+from models.hf_names import ArraySource, DerivedTensors, TensorSource, row_range
 from models.moe import SparseMoE
 from models.params import normal_param, value_or_none
 from models.quantized import CHANNEL_FORMATS, check_quantized, dequantized_rows, native_layout, quantized_dot
@@ -235,14 +235,19 @@ class LlamaForCausalLM(nnx.Module):
             name = "lm_head.weight" if "lm_head.weight" in available else "model.embed_tokens.weight"
             yield self.lm_head, name, True, ("embed", "vocab")
 
-    def load_hf_weights(self, tensors: Mapping[str, np.ndarray], dtype: jnp.dtype) -> None:
-        """Fill every parameter from HF-named tensors (whole, on the default device)."""
-        source = DerivedTensors(ArraySource(dict(tensors)), self.config.moe.num_experts if self.config.moe else 0)
+    def load_hf_weights(self, tensors: Mapping[str, np.ndarray] | TensorSource, dtype: jnp.dtype,
+                        matrix_dtype: jnp.dtype | None = None) -> None:
+        """Fill every parameter from HF-named tensors (whole, on the default device), read one at a time from a
+        TensorSource or taken from a dict. `matrix_dtype`: the dtype of the weight matrices (norms and biases keep
+        `dtype`; None: `dtype` for all)."""
+        source = DerivedTensors(ArraySource(dict(tensors)) if isinstance(tensors, Mapping) else tensors,
+                                self.config.moe.num_experts if self.config.moe else 0)
         for param, name, transpose, _ in self.hf_parameters(source):
             if name not in source:
                 raise ValueError(f"weights are missing tensor {source.source_name(name)!r}")
             array = source.whole(name)
-            param.set_value(jnp.asarray(array.T if transpose else array, dtype=dtype))
+            wanted = dtype if matrix_dtype is None or array.ndim < 2 else matrix_dtype
+            param.set_value(jnp.asarray(array.T if transpose else array, dtype=wanted))
 
 
 def attention_hf_parameters(attn: Attention, prefix: str, fused: bool) -> Iterator[HFParameter]:

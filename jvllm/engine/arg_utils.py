@@ -115,9 +115,9 @@ class EngineArgs:
     served_model_name: str | list[str] | None = option(
         None, "name(s) clients use in 'model'; the first is reported (default: the model's name)", nargs="+",
         metavar="NAME")
-    dtype: str = option("auto", "auto (float32 on CPU, with a bfloat16 copy for batched steps; bfloat16 on GPU; a "
-                                "GGUF model keeps its quantized blocks on CPU), float32 (every step in float32, GGUF "
-                                "dequantized), bfloat16")
+    dtype: str = option("auto", "auto (on CPU float32 activations with bfloat16 weight matrices, loaded so where "
+                                "every step reads them in bfloat16; bfloat16 on GPU; a GGUF model keeps its quantized "
+                                "blocks on CPU), float32 (every step in float32, GGUF dequantized), bfloat16")
     quantization: str | None = option(
         None, "gguf: keep a GGUF model's quantized blocks whatever the dtype and backend (by default they are kept "
               "with dtype auto on one CPU device, as llama.cpp does); int8: quantize a float checkpoint's projections "

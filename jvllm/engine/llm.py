@@ -29,7 +29,7 @@ from jvllm.core.lookahead import plan_lookahead, settle_lookahead
 from jvllm.worker.model_runner import ModelRunner
 from jvllm.engine.step_plan import StepInFlight, encoder_buffer_layout
 from jvllm.worker.weights import (batch_invariant_for, batched_weights_for, bf16_block_products,
-                                  int8_block_products, invariant_step_rows_for)
+                                  int8_block_products, invariant_step_rows_for, matrix_dtype_at_load)
 from jvllm.worker.step_shapes import ShapeSet
 from jvllm.sample.logprobs import MAX_LOGPROBS
 from jvllm.parallel import distributed
@@ -103,7 +103,11 @@ class Engine(MultiHostRoles, FrontEndViews, PoolingCalls, BeamSearchCalls):
         self.model = load_model(args.model, dtype=args.dtype, load_format=args.load_format, tokenizer=args.tokenizer,
                                 served_model_name=(args.served_model_names or [None])[0], seed=args.seed,
                                 tensor_parallel_size=args.tensor_parallel_size,
-                                mm_processor_kwargs=args.mm_processor_kwargs, quantization=args.quantization)
+                                mm_processor_kwargs=args.mm_processor_kwargs, quantization=args.quantization,
+                                matrix_dtype=matrix_dtype_at_load(args.dtype, args.batched_weight_dtype,
+                                                                  pooling=args.pooling,
+                                                                  tensor_parallel_size=args.tensor_parallel_size))
+        release_freed_memory()  # the loader's staging reads, before the weight copy adds to the heap
         self.tokenizer = self.model.tokenizer
         self.default_sampling = model_sampling_defaults(args, self.model.folder)
         backend = attention_backend_for(args.attention_backend, self.model)
@@ -145,6 +149,9 @@ class Engine(MultiHostRoles, FrontEndViews, PoolingCalls, BeamSearchCalls):
                                        batched_weight_dtype=None if args.batched_weight_dtype == "auto"
                                        else batched_dtype)
         drop_unread_weights(self.model, self.runner, self.embedder)
+        release_freed_memory()  # the dropped weights and the copy's staging, before ...
+        if self.runner is not None:
+            self.runner.back_weights_with_huge_pages()  # ... collapsing backs free memory beside the weights too
         self.async_scheduling = bool(args.async_scheduling and self.runner is not None and self.runner.can_look_ahead)
         self._ahead: StepInFlight | None = None  # the look-ahead step in flight, if any
         # Set by a front end whose callers add requests between steps (AsyncEngine): whether one is queued now.

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jvllm.model_loader.float_weights import cast_float_matrices, load_float_weights, takes_matrix_dtype
 from jvllm.model_loader.read_progress import weight_bar
 from jvllm.model_loader.vision import complete_config, is_vision_language, load_vision, split_tensors
 from models.config import EncoderConfig, ModelConfig
@@ -259,14 +260,15 @@ def processor_chat_template(folder: Path) -> str | None:
 def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_format: str = "auto",
                tokenizer: str | None = None, served_model_name: str | None = None, seed: int = 0,
                tensor_parallel_size: int = 1, mm_processor_kwargs: dict[str, Any] | None = None,
-               quantization: str | None = None) -> LoadedModel:
+               quantization: str | None = None, matrix_dtype: Any = None) -> LoadedModel:
     """Load config, tokenizer and weights (or random weights with load_format='dummy'). With
     tensor_parallel_size > 1 the weights are placed shard by shard on a mesh (jvllm.parallel.sharding) and
     the returned config holds the KV heads the model really has (repeated when tp exceeds them).
     `mm_processor_kwargs`: a vision-language model's image-processor settings (jvllm.model_loader.vision).
     `quantization`: a GGUF model keeps its quantized blocks as `keeps_gguf_blocks` says; a float checkpoint with
     "int8" or "fp8" has its projections and embeddings quantized at load, in the format of the backend
-    (jvllm.model_loader.quantize_weights)."""
+    (jvllm.model_loader.quantize_weights). `matrix_dtype`: a float decoder's weight matrices in this dtype rather
+    than `dtype` (an engine whose steps read them only in that dtype; float_weights.takes_matrix_dtype)."""
     if load_format not in ("auto", "safetensors", "gguf", "dummy"):
         raise ValueError(f"unknown load_format {load_format!r}; choose auto, safetensors, gguf or dummy")
     path, name = resolve_model_path(model)
@@ -307,15 +309,21 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
     if blocks:
         return _load_gguf_blocks(path, config, model_cls, jdtype, LoadedModel(
             config, None, None, tok, served_model_name or name, jdtype, folder))
-    tensors = None if load_format == "dummy" else read_safetensors(folder)
+    if not takes_matrix_dtype(config, matrix_dtype, blocks=blocks, quantization=quantization,
+                              tensor_parallel_size=tensor_parallel_size):
+        matrix_dtype = None
     vision_tensors = None
-    if multimodal and tensors is not None:
-        vision_tensors, tensors = split_tensors(hf_config, tensors)
-    if tensors is None:
+    if load_format == "dummy":
         module = model_cls(config, jdtype, nnx.Rngs(seed))
+        if matrix_dtype is not None:
+            cast_float_matrices(module, matrix_dtype)
+    elif multimodal:
+        vision_tensors, tensors = split_tensors(hf_config, read_safetensors(folder))
+        module = abstract_module(model_cls, config, jdtype)
+        module.load_hf_weights(tensors, jdtype, matrix_dtype)
     else:
         module = abstract_module(model_cls, config, jdtype)
-        module.load_hf_weights(tensors, jdtype)
+        load_float_weights(module, folder, jdtype, matrix_dtype)
     if quantization is not None:
         from jvllm.model_loader.quantize_weights import quantize_module
 

@@ -121,7 +121,12 @@ class ModelRunner:
         self.compiled = CompiledSteps(steps, self)
         logger.info("KV pool: %d pages x %d tokens, %.1f MiB", num_pages, page_size,
                     self.kv_pool_bytes(cfg, self.kv_cache_dtype, num_pages, page_size) / 2**20)
-        if self._on_cpu:  # every decode step streams the weights: fewer TLB misses (jvllm.worker.huge_pages)
+
+    def back_weights_with_huge_pages(self) -> None:
+        """On CPU, put the weights one-token steps read on 2 MiB pages (each decode step streams them: fewer TLB
+        misses, jvllm.worker.huge_pages). Called once the engine has freed what no step reads: collapsing a range
+        also backs the free memory beside the weights."""
+        if self._on_cpu:
             huge = back_with_huge_pages(self.step_weights.for_rows(1).leaves)
             logger.info("%.0f MiB of weights in 2 MiB pages", huge / 2**20)
 

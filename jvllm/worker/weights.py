@@ -24,7 +24,8 @@ def batched_weights_for(requested: Any, dtype: Any, loaded: Any) -> Any:
 
     `requested` is the engine's `batched_weight_dtype`: None or "none" (no copy), a dtype, or "auto": bfloat16 for a
     generative model in float32 on CPU when its `dtype` was "auto" itself (YNNPACK's bf16 dots run batched steps
-    ~1.6x faster than float32 ones), unless the float32 weights already take a quarter of the host's memory. "int8"
+    ~1.6x faster than float32 ones), unless weights held in float32 already take a quarter of the host's memory
+    (matrices loaded in bf16, matrix_dtype_at_load, are the copy themselves). "int8"
     is "auto" here (it concerns the products with GGUF blocks: int8_block_products)."""
     from jvllm.model_loader.loader import resolve_dtype
 
@@ -38,9 +39,27 @@ def batched_weights_for(requested: Any, dtype: Any, loaded: Any) -> Any:
         return None
     if any(leaf.dtype.itemsize == 1 for leaf in jax.tree.leaves(loaded.state)):
         return None  # quantized weights (GGUF blocks: the native kernels serve batched steps from the blocks)
-    weight_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(loaded.state))
-    if weight_bytes > AUTO_COPY_MAX_RAM_FRACTION * _host_memory_bytes():
+    float32_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(loaded.state) if leaf.dtype == jnp.float32)
+    if float32_bytes > AUTO_COPY_MAX_RAM_FRACTION * _host_memory_bytes():
         return None
+    return jnp.dtype(jnp.bfloat16)
+
+
+def matrix_dtype_at_load(dtype: Any, requested: Any, *, pooling: str | None, tensor_parallel_size: int) -> Any:
+    """bfloat16 where the engine's steps of every row count will read only the bf16 copy of the weight matrices
+    (StepWeights.every_step_reads_the_copy), so that a float checkpoint's matrices are loaded in bfloat16 and never
+    held in float32: CPU, `dtype` and `batched_weight_dtype` "auto" (or a bf16 copy asked for), one device, the
+    native one-row bf16 product, and no pooling (an embedder reads the loaded weights). None otherwise. The loader
+    applies it only to decoders it suits (model_loader.float_weights.takes_matrix_dtype)."""
+    if dtype != "auto" or jax.default_backend() != "cpu" or tensor_parallel_size != 1 or pooling is not None:
+        return None
+    if requested in (None, "none") or not bf16_rows_available():
+        return None
+    if requested not in ("auto", "int8"):
+        from jvllm.model_loader.loader import resolve_dtype
+
+        if resolve_dtype(requested) != jnp.bfloat16:
+            return None
     return jnp.dtype(jnp.bfloat16)
 
 

@@ -50,21 +50,27 @@ def test_batched_copy_holds_bf16_matrices_and_serves_every_step(tiny_llama):
     assert weights.for_rows(1) is weights.batched and not weights.one_row_dots_slow
 
 
-def test_an_engine_whose_steps_all_read_the_copy_frees_the_float32_matrices(tiny_llama, monkeypatch):
-    """No step reads the loaded float32 matrices, so the engine keeps only their shapes: what it holds is the bf16
-    copy and the float32 norms, and the loaded matrices themselves are freed."""
+@pytest.mark.parametrize("options,loaded_dtype", [({}, jnp.bfloat16),
+                                                  ({"dtype": "float32", "batched_weight_dtype": "bfloat16"},
+                                                   jnp.float32)])
+def test_an_engine_whose_steps_all_read_the_copy_keeps_only_the_copy(tiny_llama, monkeypatch, options, loaded_dtype):
+    """No step reads the loaded matrices, so the engine keeps only their shapes: what it holds is the bf16 copy and
+    the float32 norms. By default (dtype "auto") the matrices are loaded in bf16 and never exist in float32; with
+    dtype="float32" they are loaded in float32, copied and freed."""
     from jvllm.model_loader.loader import LoadedModel
 
     dropped: list[weakref.ref] = []
     drop = LoadedModel.drop_float_matrices
 
     def watched_drop(model: LoadedModel) -> None:
-        dropped.extend(weakref.ref(a) for a in jax.tree.leaves(model.state) if a.ndim >= 2)
+        matrices = [a for a in jax.tree.leaves(model.state) if a.ndim >= 2]
+        assert matrices and all(a.dtype == loaded_dtype for a in matrices)
+        dropped.extend(weakref.ref(a) for a in matrices)
         drop(model)
 
     monkeypatch.setattr(LoadedModel, "drop_float_matrices", watched_drop)
     full_bytes = Engine(tiny_llama, precompile=False, max_num_seqs=4, batched_weight_dtype=None).weight_bytes
-    engine = Engine(tiny_llama, precompile=False, max_num_seqs=4)  # "auto": a bf16 copy on CPU
+    engine = Engine(tiny_llama, precompile=False, max_num_seqs=4, **options)
     assert engine.runner.step_weights.every_step_reads_the_copy
     assert engine.runner.step_weights.weights is engine.runner.step_weights.batched
     kept = [a for a in jax.tree.leaves(engine.model.state) if isinstance(a, jax.Array)]
@@ -72,9 +78,39 @@ def test_an_engine_whose_steps_all_read_the_copy_frees_the_float32_matrices(tiny
     assert engine.weight_bytes == sum(a.nbytes for a in engine.runner.weights)
     assert engine.weight_bytes < 0.6 * full_bytes  # half the matrices' bytes, the norms unchanged
     gc.collect()
-    assert len(dropped) >= 2 * 4 + 1 and all(ref() is None for ref in dropped)  # 4 matrices a layer, the table
+    assert len(dropped) >= 2 * 4 + 1  # 4 matrices a layer, the table
+    held = {id(a) for a in engine.runner.weights}
+    assert all(ref() is None or id(ref()) in held for ref in dropped)  # freed unless the copy is that array
     out = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 4 for o in out)
+
+
+def test_matrices_loaded_in_bf16_give_the_tokens_of_a_bf16_copy_of_float32_ones(tiny_llama):
+    """Loading the matrices in bf16 (the default engine) rounds them as the copy of float32 matrices does: same
+    logprobs, bit for bit, in multi-row and one-token steps."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, prompt_logprobs=0, ignore_eos=True)
+    runs = []
+    for options in ({}, {"dtype": "float32", "batched_weight_dtype": "bfloat16"}):
+        engine = Engine(tiny_llama, precompile=False, max_num_seqs=4, **options)
+        runs.append([(o.outputs[0].token_ids, [next(iter(e.values())).logprob for e in o.prompt_logprobs[1:]],
+                      [e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                     for o in engine.generate(PROMPTS, params, use_tqdm=False)])
+    assert runs[0] == runs[1]
+
+
+def test_load_model_gives_a_decoder_its_matrices_in_the_matrix_dtype(tiny_llama):
+    """`matrix_dtype`: every weight matrix in it, rounded from the checkpoint's values; norms keep the dtype."""
+    from jvllm.model_loader.loader import load_model
+
+    exact = load_model(tiny_llama, dtype="float32")
+    rounded = load_model(tiny_llama, dtype="float32", matrix_dtype=jnp.bfloat16)
+    pairs = list(zip(jax.tree.leaves(exact.state), jax.tree.leaves(rounded.state)))
+    assert sum(a.ndim >= 2 for a, _ in pairs) >= 2 * 4 + 1 and any(a.ndim == 1 for a, _ in pairs)
+    for a, b in pairs:
+        assert b.dtype == (jnp.bfloat16 if a.ndim >= 2 else jnp.float32)
+        np.testing.assert_array_equal(np.asarray(b, np.float32), np.asarray(a.astype(b.dtype), np.float32))
+    drawn = load_model(tiny_llama, dtype="float32", load_format="dummy", matrix_dtype=jnp.bfloat16)
+    assert [str(a.dtype) for a in jax.tree.leaves(drawn.state)] == [str(b.dtype) for _, b in pairs]
 
 
 def test_pooling_on_a_generative_model_keeps_the_loaded_weights(tiny_llama):
@@ -127,13 +163,14 @@ def test_a_step_of_more_rows_than_the_transposed_dot_limit_matches_float32(tiny_
     assert not np.array_equal(rounded, exact)
 
 
-@pytest.mark.parametrize("options,copy", [({}, "bfloat16"), ({"dtype": "float32"}, None),
-                                          ({"batched_weight_dtype": "none"}, None),
-                                          ({"batched_weight_dtype": None}, None),
-                                          ({"dtype": "bfloat16"}, None),
-                                          ({"dtype": "float32", "batched_weight_dtype": "bfloat16"}, "bfloat16")])
-def test_auto_adds_a_bf16_copy_only_when_dtype_is_auto_too(tiny_llama, options, copy):
-    """On CPU the default engine runs batched steps on a bf16 copy; dtype="float32" keeps every step in float32."""
+@pytest.mark.parametrize("options,copy,loaded", [
+    ({}, "bfloat16", "bfloat16"), ({"dtype": "float32"}, None, "float32"),
+    ({"batched_weight_dtype": "none"}, None, "float32"), ({"batched_weight_dtype": None}, None, "float32"),
+    ({"dtype": "bfloat16"}, None, "bfloat16"), ({"batched_weight_dtype": "bfloat16"}, "bfloat16", "bfloat16"),
+    ({"dtype": "float32", "batched_weight_dtype": "bfloat16"}, "bfloat16", "float32")])
+def test_auto_adds_a_bf16_copy_only_when_dtype_is_auto_too(tiny_llama, options, copy, loaded):
+    """On CPU the default engine runs batched steps on a bf16 copy; dtype="float32" keeps every step in float32.
+    The matrices are loaded in bf16 where dtype is "auto" and every step reads a bf16 copy (none in float32 then)."""
     engine = Engine(tiny_llama, precompile=False, max_num_seqs=4, **options)
     batched = engine.runner.step_weights.batched
     assert (batched is None) == (copy is None)
@@ -141,6 +178,7 @@ def test_auto_adds_a_bf16_copy_only_when_dtype_is_auto_too(tiny_llama, options, 
         assert {str(w.dtype) for w in batched.leaves if w.ndim >= 2} == {copy}
         assert engine.runner.step_weights.for_rows(2) is batched
     assert engine.runner.step_weights.for_rows(1) is (batched or engine.runner.step_weights.weights)
+    assert {str(leaf.dtype) for leaf in jax.tree.leaves(engine.model.state) if leaf.ndim >= 2} == {loaded}
 
 
 def test_one_token_steps_on_the_bf16_copy_keep_the_float32_models_tokens(tiny_llama):
