@@ -321,6 +321,9 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
         vision_tensors, tensors = split_tensors(hf_config, read_safetensors(folder))
         module = abstract_module(model_cls, config, jdtype)
         module.load_hf_weights(tensors, jdtype, matrix_dtype)
+    elif config.is_encoder:  # BERT-sized encoders read whole
+        module = abstract_module(model_cls, config, jdtype)
+        module.load_hf_weights(read_safetensors(folder), jdtype)
     else:
         module = abstract_module(model_cls, config, jdtype)
         load_float_weights(module, folder, jdtype, matrix_dtype)
