@@ -73,14 +73,10 @@ def write_random_checkpoint(folder: str, seed: int = 0) -> None:
             shard = {}
 
 
-def _anon_mib() -> int:
+def _status_mib(field: str) -> int:
+    """A memory field of /proc/self/status (RssAnon, VmRSS, ...) in MiB."""
     status = open("/proc/self/status").read()
-    return int(status.split("RssAnon:")[1].split()[0]) // 1024
-
-
-def _resident_mib() -> int:
-    status = open("/proc/self/status").read()
-    return int(status.split("VmRSS:")[1].split()[0]) // 1024
+    return int(status.split(field + ":")[1].split()[0]) // 1024
 
 
 def measure(model: str, setting: str, num_prompts: int, tokens: int) -> dict:
@@ -89,7 +85,7 @@ def measure(model: str, setting: str, num_prompts: int, tokens: int) -> dict:
 
     def sample() -> None:
         while True:
-            peak[0] = max(peak[0], _anon_mib())
+            peak[0] = max(peak[0], _status_mib("RssAnon"))
             time.sleep(0.02)
 
     threading.Thread(target=sample, daemon=True).start()
@@ -100,7 +96,7 @@ def measure(model: str, setting: str, num_prompts: int, tokens: int) -> dict:
     engine = Engine(model, **SETTINGS[setting])
     start_s = time.perf_counter() - started
     result = {"setting": setting, "start_s": round(start_s, 1), "peak_anon_mib_at_start": peak[0],
-              "resident_mib_ready": _resident_mib(), "weight_mb": round(engine.weight_bytes / 1e6, 1)}
+              "resident_mib_ready": _status_mib("VmRSS"), "weight_mb": round(engine.weight_bytes / 1e6, 1)}
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     messages = workloads.chat_messages(num_prompts + 1, seed=7)
     engine.chat(messages[0], params, use_tqdm=False)  # warm-up on another prompt

@@ -48,10 +48,9 @@ def load_float_weights(module: Any, folder: Path, dtype: Any, matrix_dtype: Any 
     `dtype`)."""
     from jvllm.parallel.sharding import SafetensorsSource
 
-    files = sorted(Path(folder).glob("*.safetensors"))
     with contextlib.ExitStack() as stack:
         source = SafetensorsSource(folder, stack)
-        bar = stack.enter_context(weight_bar(sum(os.path.getsize(file) for file in files)))
+        bar = stack.enter_context(weight_bar(sum(os.path.getsize(file) for file in Path(folder).glob("*.safetensors"))))
         module.load_hf_weights(_ReadProgress(source, bar), dtype, matrix_dtype)
 
 
