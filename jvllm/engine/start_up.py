@@ -54,9 +54,16 @@ def drop_unread_weights(model: Any, runner: Any, embedder: Any) -> None:
 def log_ready(engine: Any, backend: str, seconds: float) -> None:
     """One line with what the engine loaded and how long start-up took."""
     model, cfg = engine.model, engine.config
+    step_weights = None if engine.runner is None else engine.runner.step_weights
+    if model.keeps_blocks:
+        matrices = " with GGUF blocks"
+    elif step_weights is not None and step_weights.every_step_reads_the_copy \
+            and step_weights.batched_dtype != jnp.dtype(model.dtype):
+        matrices = f" with {step_weights.batched_dtype.name} matrices"  # e.g. a float checkpoint's bf16 copy on CPU
+    else:
+        matrices = ""
     logger.info("engine ready: %s (%s%s, weights %.0f MB, %s attention, max_model_len %d, tensor_parallel_size %d) in "
-                "%.1fs", model.served_name, jnp.dtype(model.dtype).name,
-                " with GGUF blocks" if model.keeps_blocks else "", engine.weight_bytes / 1e6,
+                "%.1fs", model.served_name, jnp.dtype(model.dtype).name, matrices, engine.weight_bytes / 1e6,
                 backend if engine.runner is None else engine.runner.backend.name, cfg.max_model_len,
                 engine.args.tensor_parallel_size, seconds)
 

@@ -140,6 +140,7 @@ class StepWeights:
         # one-token products with bf16 weights by the native kernel: unsharded weights on CPU (models.bf16_rows)
         self.one_row_bf16 = not sharded and bf16_rows_available()
         self.batched: PartWeights | None = None
+        self.batched_dtype = None if batched_dtype is None else jnp.dtype(batched_dtype)
         if batched_dtype is not None:
             # The batched copy keeps narrowing projections [out, in] on one CPU device, where YNNPACK multiplies
             # them faster (models.layers.stored_out_in); sharded and GPU weights keep the loaded layout.

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import weakref
 
 import jax
@@ -53,7 +54,8 @@ def test_batched_copy_holds_bf16_matrices_and_serves_every_step(tiny_llama):
 @pytest.mark.parametrize("options,loaded_dtype", [({}, jnp.bfloat16),
                                                   ({"dtype": "float32", "batched_weight_dtype": "bfloat16"},
                                                    jnp.float32)])
-def test_an_engine_whose_steps_all_read_the_copy_keeps_only_the_copy(tiny_llama, monkeypatch, options, loaded_dtype):
+def test_an_engine_whose_steps_all_read_the_copy_keeps_only_the_copy(tiny_llama, monkeypatch, caplog, options,
+                                                                     loaded_dtype):
     """No step reads the loaded matrices, so the engine keeps only their shapes: what it holds is the bf16 copy and
     the float32 norms. By default (dtype "auto") the matrices are loaded in bf16 and never exist in float32; with
     dtype="float32" they are loaded in float32, copied and freed."""
@@ -69,8 +71,11 @@ def test_an_engine_whose_steps_all_read_the_copy_keeps_only_the_copy(tiny_llama,
         drop(model)
 
     monkeypatch.setattr(LoadedModel, "drop_float_matrices", watched_drop)
-    full_bytes = Engine(tiny_llama, precompile=False, max_num_seqs=4, batched_weight_dtype=None).weight_bytes
-    engine = Engine(tiny_llama, precompile=False, max_num_seqs=4, **options)
+    with caplog.at_level(logging.INFO, logger="jvllm"):
+        full_bytes = Engine(tiny_llama, precompile=False, max_num_seqs=4, batched_weight_dtype=None).weight_bytes
+        engine = Engine(tiny_llama, precompile=False, max_num_seqs=4, **options)
+    ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready")]
+    assert len(ready) == 2 and "(float32, weights" in ready[0] and "(float32 with bfloat16 matrices," in ready[1]
     assert engine.runner.step_weights.every_step_reads_the_copy
     assert engine.runner.step_weights.weights is engine.runner.step_weights.batched
     kept = [a for a in jax.tree.leaves(engine.model.state) if isinstance(a, jax.Array)]
