@@ -8,12 +8,15 @@ the products of the embedded model's layer shapes (30 layers, Q4_1 projections i
 random codes) at several row counts, and 30 calls of paged attention (9 heads, 3 KV heads, head_dim 64, bf16 pages;
 one pool for all, so its pages stay in the caches) for one sequence of q queries after `context` keys; with
 `--bf16-rows`, the products of a float checkpoint's bf16 copy (30 layers of the model's shapes and the tied head,
-bf16_rows) at those row counts. Each line prints both medians, their ratio, and whether the two builds give the
+or of the shapes given, bf16_rows, the weights on 2 MiB pages where Linux allows, as the engine's) at those row
+counts. Each line prints both medians, their ratio, and whether the two builds give the
 same bits. Both builds must take the same custom-call attributes.
 
     python -m benchmarks.native_ab --base HEAD   # uncommitted kernel changes against the last commit
     python -m benchmarks.native_ab --base 670729b --rows 1,8,16 --queries 1,16 --context 100,700 --json out.json
     python -m benchmarks.native_ab --base 94a511d --rows "" --queries "" --bf16-rows 1,2,3,4
+    python -m benchmarks.native_ab --base HEAD --rows "" --queries "" --bf16-rows 1 \\
+        --bf16-model 2048,5632,512,49152,untied --bf16-layers 8   # a 1.6B model's shapes
 """
 from __future__ import annotations
 
@@ -100,23 +103,41 @@ def products(prefix: str, rng: np.random.Generator) -> Callable:
     return jax.jit(run)
 
 
-# A float checkpoint's bf16 copy as the model's one-token steps read it (jvllm.worker.weights): (K, N, out_in) of
-# q/k/v joined, o, gate/up joined ([K, N] Linear kernels) and down ([N, K], a narrowing projection)
-BF16_LAYER = [(576, 960, False), (576, 576, False), (576, 3072, False), (1536, 576, True)]
-VOCAB = 49152
+# A float checkpoint's bf16 copy as the model's one-token steps read it (jvllm.worker.weights), by default the
+# embedded model's shapes: hidden, intermediate and K/V widths, vocabulary, whether the head is its own matrix
+BF16_MODEL = "576,1536,192,49152,tied"
 
 
-def bf16_products(prefix: str, rng: np.random.Generator) -> Callable:
-    """A jitted x [M, 576] -> per-product sums over LAYERS layers of bf16 weights of the model's shapes and the tied
-    head [V, 576] (bf16_rows; the down projection's x is a slice of the gate/up output, as in a layer)."""
+def bf16_shapes(model: str) -> tuple[list[tuple[int, int, bool]], tuple[int, int, bool]]:
+    """From "hidden,intermediate,kv,vocab,tied|untied": (K, N, out_in) of a layer's q/k/v joined, o, gate/up joined
+    ([K, N] Linear kernels) and down ([N, K], a narrowing projection); and of the head (a tied head is the
+    embedding table [V, hidden], an untied one a Linear kernel [hidden, V])."""
+    *dims, head = model.split(",")
+    hidden, inner, kv, vocab = (int(v) for v in dims)
+    layer = [(hidden, hidden + 2 * kv, False), (hidden, hidden, False), (hidden, 2 * inner, False),
+             (inner, hidden, True)]
+    return layer, (hidden, vocab, head == "tied")
+
+
+def bf16_products(prefix: str, rng: np.random.Generator, model: str = BF16_MODEL, layers: int = LAYERS) -> Callable:
+    """A jitted x [M, hidden] -> per-product sums over `layers` layers of bf16 weights of the model's shapes and its
+    head (bf16_rows; the down projection's x is a slice of the gate/up output, as in a layer)."""
     import jax
     import jax.numpy as jnp
 
-    def weights(k: int, n: int, out_in: bool) -> jax.Array:
-        return jnp.asarray(rng.standard_normal((n, k) if out_in else (k, n)) * 0.05, jnp.bfloat16)
+    from jvllm.worker.huge_pages import back_with_huge_pages
 
-    layers = [[weights(*shape) for shape in BF16_LAYER] for _ in range(LAYERS)]
-    head = weights(576, VOCAB, True)
+    layer_shapes, head_shape = bf16_shapes(model)
+    inner = layer_shapes[3][0]
+
+    def weights(k: int, n: int, out_in: bool) -> jax.Array:
+        bits = rng.integers(0, 1 << 13, (n, k) if out_in else (k, n), dtype=np.uint16) | 0x3800  # [0.03, 0.5)
+        signs = rng.integers(0, 2, bits.shape, dtype=np.uint16) << 15
+        return jnp.asarray(bits | signs).view(jnp.bfloat16)
+
+    stack = [[weights(*shape) for shape in layer_shapes] for _ in range(layers)]
+    head = weights(*head_shape)
+    back_with_huge_pages([w for layer in stack for w in layer] + [head])  # as the engine's weights are
 
     def product(x: jax.Array, w: jax.Array, out_in: bool) -> jax.Array:
         n = w.shape[0] if out_in else w.shape[1]
@@ -125,11 +146,11 @@ def bf16_products(prefix: str, rng: np.random.Generator) -> Callable:
 
     def run(x: jax.Array) -> jax.Array:
         sums = []
-        for layer in layers:
-            outs = [product(x, w, out_in) for w, (_, _, out_in) in zip(layer[:3], BF16_LAYER[:3])]
-            down = product(outs[2][:, :1536], layer[3], True)
+        for layer in stack:
+            outs = [product(x, w, out_in) for w, (_, _, out_in) in zip(layer[:3], layer_shapes[:3])]
+            down = product(outs[2][:, :inner] * 1e-2, layer[3], True)
             sums += [o.sum() for o in outs] + [down.sum()]
-        return jnp.stack(sums + [product(x, head, True).sum()])
+        return jnp.stack(sums + [product(x, head, head_shape[2]).sum()])
 
     return jax.jit(run)
 
@@ -191,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the git revision to compare against, or a directory holding another cpu_kernels/")
     parser.add_argument("--rows", default="1,8,16", help="row counts of the products (empty: none)")
     parser.add_argument("--bf16-rows", default="", help="row counts of the bf16 products (bf16_rows; empty: none)")
+    parser.add_argument("--bf16-model", default=BF16_MODEL,
+                        help="their shapes: hidden,intermediate,kv,vocab,tied|untied (default: the embedded model's)")
+    parser.add_argument("--bf16-layers", type=int, default=LAYERS, help="their layers (each its own weights)")
     parser.add_argument("--queries", default="1,16", help="queries of the attention's sequence (empty: none)")
     parser.add_argument("--context", default="100,700", help="its keys, after this step's")
     parser.add_argument("--reps", type=int, default=30, help="calls of each build per case")
@@ -219,10 +243,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"products, {m:2d} rows: base {row['base_ms']:.2f} ms, new {row['new_ms']:.2f} ms -> "
               f"{row['new_over_base']:.3f}x; same bits: {row['same_bits']}", flush=True)
     if ints(args.bf16_rows):
-        fns = {name: bf16_products(prefix, np.random.default_rng(2)) for name, prefix in (("base", "base_"),
-                                                                                          ("new", "jvllm_"))}
+        fns = {name: bf16_products(prefix, np.random.default_rng(2), args.bf16_model, args.bf16_layers)
+               for name, prefix in (("base", "base_"), ("new", "jvllm_"))}
     for m in ints(args.bf16_rows):
-        x = jnp.asarray(rng.standard_normal((m, 576)), jnp.float32)
+        x = jnp.asarray(rng.standard_normal((m, bf16_shapes(args.bf16_model)[1][0])), jnp.float32)
         row = alternate({name: (lambda f=f: f(x)) for name, f in fns.items()}, args.reps)
         results["bf16_products"][m] = row
         print(f"bf16 products, {m} rows: base {row['base_ms']:.2f} ms, new {row['new_ms']:.2f} ms -> "
