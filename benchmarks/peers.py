@@ -109,8 +109,12 @@ def chat_prompts(num: int, seed: int) -> list[str]:
 
 
 def float_folder(gguf: str) -> str:
-    """jvllm's converted float32 folder of a GGUF file (written if absent): the same weights for vLLM."""
+    """jvllm's converted float32 folder of a GGUF file (written if absent): the same weights for vLLM; an HF folder
+    is its own."""
     from jvllm import LLM
+
+    if pathlib.Path(gguf).is_dir():
+        return gguf
 
     return str(LLM(gguf, dtype="float32", precompile=False, kv_cache_memory_bytes=16 << 20,
                    max_model_len=256).model.folder)
@@ -123,7 +127,8 @@ def _last_json(stdout: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="a GGUF file (default: the embedded SmolLM2 Q4_1)")
+    parser.add_argument("--model", default=None, help="a GGUF file (default: the embedded SmolLM2 Q4_1), or an HF "
+                        "folder of float weights for jvllm and vLLM alone")
     parser.add_argument("--scenario", default="single", help="comma-separated: single, long, chat, traffic")
     parser.add_argument("--llama-python", default="/work/bench-venvs/llama-cpp/bin/python",
                         help="python of the virtualenv with llama-cpp-python ('' to leave llama.cpp out)")
@@ -184,7 +189,7 @@ def compare(args: argparse.Namespace, scenario: str, model: str) -> dict:
     jvllm_model = float_folder(model) if args.jvllm_weights == "float" else model
     commands = {"jvllm": ([sys.executable, "-m", "benchmarks.peers", "--run-jvllm", "--model", jvllm_model,
                            "--scenario", scenario, *common], {})}
-    if args.llama_python and scenario in ("single", "long"):
+    if args.llama_python and scenario in ("single", "long") and pathlib.Path(model).is_file():  # a GGUF file
         long = ["--n-ctx", "8192", "--first-is-warmup"] if scenario == "long" else []
         commands["llama.cpp"] = ([args.llama_python, str(HERE / "peer_llama_cpp.py"), "--model", model,
                                   "--threads", str(args.threads), *long, *common], {})
