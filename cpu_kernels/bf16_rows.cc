@@ -156,10 +156,11 @@ struct SplitRowsTimesOutIn : SplitOutInOperands {
   }
 };
 
-// y = x . w with w [K, N], items being slices of K: an item reads its weight rows whole and in order (one run of
-// memory, which the prefetchers follow; strips of 128 columns of every row read ~1.4x slower, each 256-byte piece a
-// row's length from the last) into its own sums of all N outputs, kept in memory per 32 columns as 16 even then 16
-// odd sums (`partial` [items, M, padded_n]); AddSlices adds the items' sums in item order.
+// y = x . w with w [K, N], items being slices of K: an item reads its weight rows whole and in order, one run of
+// memory that the prefetchers follow (items of a few columns of every row would read short pieces a row's length
+// apart, which they do not: ~1.4x the time), into its own sums of all N outputs, kept in memory per 32 columns as
+// 16 even then 16 odd sums (`partial` [items, M, padded_n]); AddSlices adds the items' sums in item order, so the
+// bits do not depend on which thread ran an item.
 template <int M>
 struct SlicedRowsTimesInOut : Operands {
   // weight rows met per load and store of the sums (8 read the model's products of 2-4 rows ~5-15% faster than 4)
