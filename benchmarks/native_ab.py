@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import importlib.util
 import pathlib
 import statistics
@@ -119,9 +120,12 @@ def bf16_shapes(model: str) -> tuple[list[tuple[int, int, bool]], tuple[int, int
     return layer, (hidden, vocab, head == "tied")
 
 
-def bf16_products(prefix: str, rng: np.random.Generator, model: str = BF16_MODEL, layers: int = LAYERS) -> Callable:
-    """A jitted x [M, hidden] -> per-product sums over `layers` layers of bf16 weights of the model's shapes and its
-    head (bf16_rows; the down projection's x is a slice of the gate/up output, as in a layer)."""
+def bf16_products(prefixes: tuple[str, ...], rng: np.random.Generator, model: str = BF16_MODEL,
+                  layers: int = LAYERS) -> dict[str, Callable]:
+    """Per custom-call prefix, a jitted x [M, hidden] -> per-product sums over `layers` layers of bf16 weights of the
+    model's shapes and its head (bf16_rows). As in a model, the down projection's x is a slice of the gate/up output
+    and each layer's x adds the last one's down output (layers that do not wait for each other would let XLA run
+    their products side by side). The builds read the same arrays, so neither gets luckier pages."""
     import jax
     import jax.numpy as jnp
 
@@ -139,20 +143,24 @@ def bf16_products(prefix: str, rng: np.random.Generator, model: str = BF16_MODEL
     head = weights(*head_shape)
     back_with_huge_pages([w for layer in stack for w in layer] + [head])  # as the engine's weights are
 
-    def product(x: jax.Array, w: jax.Array, out_in: bool) -> jax.Array:
-        n = w.shape[0] if out_in else w.shape[1]
-        return jax.ffi.ffi_call(prefix + "bf16_rows", jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
-            x, w, out_in=out_in)
+    def jitted(prefix: str) -> Callable:
+        def product(x: jax.Array, w: jax.Array, out_in: bool) -> jax.Array:
+            n = w.shape[0] if out_in else w.shape[1]
+            return jax.ffi.ffi_call(prefix + "bf16_rows", jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(
+                x, w, out_in=out_in)
 
-    def run(x: jax.Array) -> jax.Array:
-        sums = []
-        for layer in stack:
-            outs = [product(x, w, out_in) for w, (_, _, out_in) in zip(layer[:3], layer_shapes[:3])]
-            down = product(outs[2][:, :inner] * 1e-2, layer[3], True)
-            sums += [o.sum() for o in outs] + [down.sum()]
-        return jnp.stack(sums + [product(x, head, head_shape[2]).sum()])
+        def run(x: jax.Array, stack: list, head: jax.Array) -> jax.Array:
+            sums = []
+            for layer in stack:
+                outs = [product(x, w, out_in) for w, (_, _, out_in) in zip(layer[:3], layer_shapes[:3])]
+                down = product(outs[2][:, :inner] * 1e-2, layer[3], True)
+                sums += [o.sum() for o in outs] + [down.sum()]
+                x = x + 1e-2 * down  # the next layer waits for this one, as in a model
+            return jnp.stack(sums + [product(x, head, head_shape[2]).sum()])
 
-    return jax.jit(run)
+        return functools.partial(jax.jit(run), stack=stack, head=head)
+
+    return {prefix: jitted(prefix) for prefix in prefixes}
 
 
 def attention(prefix: str) -> Callable:
@@ -243,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"products, {m:2d} rows: base {row['base_ms']:.2f} ms, new {row['new_ms']:.2f} ms -> "
               f"{row['new_over_base']:.3f}x; same bits: {row['same_bits']}", flush=True)
     if ints(args.bf16_rows):
-        fns = {name: bf16_products(prefix, np.random.default_rng(2), args.bf16_model, args.bf16_layers)
-               for name, prefix in (("base", "base_"), ("new", "jvllm_"))}
+        by_prefix = bf16_products(("base_", "jvllm_"), np.random.default_rng(2), args.bf16_model, args.bf16_layers)
+        fns = {"base": by_prefix["base_"], "new": by_prefix["jvllm_"]}
     for m in ints(args.bf16_rows):
         x = jnp.asarray(rng.standard_normal((m, bf16_shapes(args.bf16_model)[1][0])), jnp.float32)
         row = alternate({name: (lambda f=f: f(x)) for name, f in fns.items()}, args.reps)

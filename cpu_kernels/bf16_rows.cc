@@ -29,6 +29,9 @@ namespace {
 constexpr int64_t kMaxRows = 4;          // rows of x a call takes
 constexpr int64_t kOutputsPerItem = 16;  // [N, K] weights: output rows per item
 constexpr int64_t kColumnsPerItem = 128; // [K, N] weights without AVX-512: output columns per item
+// [N, K] weights, one row of x: the longest K read one output at a time (x's 12 KB beside the weight stream in L1;
+// from 4,096 eight outputs at a time were faster on a Zen 4's 32 KB L1, and one at a time at 2,048)
+constexpr int64_t kMaxOneStreamK = 3072;
 
 inline float Widen(uint16_t bits) {
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;
@@ -108,19 +111,27 @@ struct SplitOutInOperands : Operands {
   }
 };
 
-// y = x . w^T with w [N, K] for one row of x: one output at a time, so a thread reads one stream of weights (four
-// interleaved streams read slower at one row: docs/design.md), even and odd sums apart.
+// y = x . w^T with w [N, K] for one row of x, T outputs at a time, even and odd sums apart (so the bits do not depend
+// on T). One output at a time a thread reads one stream of weights, the fastest while x (K float32) stays in the
+// 32-48 KB L1 beside it; for longer K (x from L2 for every output) eight outputs at a time, each x load met by eight
+// weight streams, read faster (kMaxOneStreamK; docs/design.md).
+template <int T>
 struct SplitRowTimesOutIn : SplitOutInOperands {
   void Run(int64_t item) const {
     const int64_t end = std::min(n, (item + 1) * kOutputsPerItem);
-    for (int64_t j = item * kOutputsPerItem; j < end; ++j) {
-      __m512 even_sum = _mm512_setzero_ps(), odd_sum = _mm512_setzero_ps();
+    for (int64_t j0 = item * kOutputsPerItem; j0 < end; j0 += T) {
+      const int outputs = static_cast<int>(std::min<int64_t>(T, end - j0));
+      __m512 even_sums[T], odd_sums[T];
+      for (int t = 0; t < T; ++t) even_sums[t] = odd_sums[t] = _mm512_setzero_ps();
       for (int64_t i = 0; i < padded; i += 32) {
-        const __m512i v = Weights(j, i);
-        even_sum = _mm512_fmadd_ps(EvenWeights(v), _mm512_loadu_ps(split + i / 2), even_sum);
-        odd_sum = _mm512_fmadd_ps(OddWeights(v), _mm512_loadu_ps(split + padded / 2 + i / 2), odd_sum);
+        const __m512 even_x = _mm512_loadu_ps(split + i / 2), odd_x = _mm512_loadu_ps(split + padded / 2 + i / 2);
+        for (int t = 0; t < outputs; ++t) {
+          const __m512i v = Weights(j0 + t, i);
+          even_sums[t] = _mm512_fmadd_ps(EvenWeights(v), even_x, even_sums[t]);
+          odd_sums[t] = _mm512_fmadd_ps(OddWeights(v), odd_x, odd_sums[t]);
+        }
       }
-      y[j] = _mm512_reduce_add_ps(_mm512_add_ps(even_sum, odd_sum));
+      for (int t = 0; t < outputs; ++t) y[j0 + t] = _mm512_reduce_add_ps(_mm512_add_ps(even_sums[t], odd_sums[t]));
     }
   }
 };
@@ -259,7 +270,11 @@ void RunSplit(const Operands& operands, bool out_in) {
     const int64_t padded = (operands.k + 31) / 32 * 32;
     const std::vector<float> split = SplitEvenOdd(operands.x, M, operands.k, padded);
     if constexpr (M == 1) {
-      jvllm::RunItems(SplitRowTimesOutIn{{operands, split.data(), padded}});
+      if (operands.k <= kMaxOneStreamK) {
+        jvllm::RunItems(SplitRowTimesOutIn<1>{{operands, split.data(), padded}});
+      } else {
+        jvllm::RunItems(SplitRowTimesOutIn<8>{{operands, split.data(), padded}});
+      }
     } else {
       jvllm::RunItems(SplitRowsTimesOutIn<M>{{operands, split.data(), padded}});
     }
