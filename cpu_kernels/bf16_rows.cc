@@ -29,8 +29,9 @@ namespace {
 constexpr int64_t kMaxRows = 4;          // rows of x a call takes
 constexpr int64_t kOutputsPerItem = 16;  // [N, K] weights: output rows per item
 constexpr int64_t kColumnsPerItem = 128; // [K, N] weights without AVX-512: output columns per item
-// [N, K] weights, one row of x: the longest K read one output at a time (x's 12 KB beside the weight stream in L1;
-// from 4,096 eight outputs at a time were faster on a Zen 4's 32 KB L1, and one at a time at 2,048)
+// [N, K] weights: the longest K read one output at a time for one row of x, four for 2-4 rows (x's 12 KB a row beside
+// the weight streams in L1); from 4,096 eight outputs at a time were faster on a Zen 4's 32 KB L1 (one at a time at
+// 2,048, for one row)
 constexpr int64_t kMaxOneStreamK = 3072;
 
 inline float Widen(uint16_t bits) {
@@ -136,16 +137,16 @@ struct SplitRowTimesOutIn : SplitOutInOperands {
   }
 };
 
-// The same for M = 2-4 rows of x (`split` [M, padded]): 4 outputs at a time, each 64-byte load of an output's
-// weights met by every row.
-template <int M>
+// The same for M = 2-4 rows of x (`split` [M, padded]): T outputs at a time (4, or 8 for K over kMaxOneStreamK, where
+// x's rows no longer stay in L1), each 64-byte load of an output's weights met by every row.
+template <int M, int T>
 struct SplitRowsTimesOutIn : SplitOutInOperands {
   void Run(int64_t item) const {
     const int64_t end = std::min(n, (item + 1) * kOutputsPerItem);
-    for (int64_t j0 = item * kOutputsPerItem; j0 < end; j0 += 4) {
-      const int outputs = static_cast<int>(std::min<int64_t>(4, end - j0));
-      __m512 sums[4][M];
-      for (int t = 0; t < 4; ++t)
+    for (int64_t j0 = item * kOutputsPerItem; j0 < end; j0 += T) {
+      const int outputs = static_cast<int>(std::min<int64_t>(T, end - j0));
+      __m512 sums[T][M];
+      for (int t = 0; t < T; ++t)
         for (int r = 0; r < M; ++r) sums[t][r] = _mm512_setzero_ps();
       for (int64_t i = 0; i < padded; i += 32) {
         __m512 even_x[M], odd_x[M];
@@ -276,7 +277,11 @@ void RunSplit(const Operands& operands, bool out_in) {
         jvllm::RunItems(SplitRowTimesOutIn<8>{{operands, split.data(), padded}});
       }
     } else {
-      jvllm::RunItems(SplitRowsTimesOutIn<M>{{operands, split.data(), padded}});
+      if (operands.k > kMaxOneStreamK) {
+        jvllm::RunItems(SplitRowsTimesOutIn<M, 8>{{operands, split.data(), padded}});
+      } else {
+        jvllm::RunItems(SplitRowsTimesOutIn<M, 4>{{operands, split.data(), padded}});
+      }
     }
   } else {
     RunSliced<M>(operands);
