@@ -164,8 +164,10 @@ def main() -> None:
     for scenario in args.scenario.split(","):
         results[scenario] = compare(args, scenario, model)
     if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(dict(model=model, jvllm_weights=args.jvllm_weights, **results),
-                                                     indent=1) + "\n")
+        # an HF folder is float weights whatever --jvllm-weights says
+        weights = "gguf" if args.jvllm_weights == "gguf" and pathlib.Path(model).is_file() else "float"
+        pathlib.Path(args.out).write_text(json.dumps(dict(model=model, jvllm_weights=weights, **results), indent=1)
+                                          + "\n")
 
 
 def compare(args: argparse.Namespace, scenario: str, model: str) -> dict:
