@@ -29,9 +29,9 @@ namespace {
 constexpr int64_t kMaxRows = 4;          // rows of x a call takes
 constexpr int64_t kOutputsPerItem = 16;  // [N, K] weights: output rows per item
 constexpr int64_t kColumnsPerItem = 128; // [K, N] weights without AVX-512: output columns per item
-// [N, K] weights: the longest K read one output at a time for one row of x, four for 2-4 rows (x's 12 KB a row beside
-// the weight streams in L1); from 4,096 eight outputs at a time were faster on a Zen 4's 32 KB L1 (one at a time at
-// 2,048, for one row)
+// [N, K] weights: the longest K read one output at a time for one row of x, four for 2-4 rows (x's 12 KB a row stays
+// in L1 beside the weight streams); longer K read eight outputs at a time, which a 32 KB L1 (Zen 4) reads faster from
+// K = 4,096 on, and slower at 2,048 for one row
 constexpr int64_t kMaxOneStreamK = 3072;
 
 inline float Widen(uint16_t bits) {
