@@ -1,4 +1,5 @@
-"""Products of a few float32 rows with bfloat16 weights (bf16_rows.cc) as a JAX function, for XLA CPU."""
+"""Products of float32 rows with bfloat16 weights as JAX functions, for XLA CPU: a few rows (bf16_rows.cc), many rows
+in bf16 tiles (bf16_weight_tiles.cc)."""
 from __future__ import annotations
 
 import functools
@@ -28,3 +29,24 @@ def bf16_rows_product(x: jax.Array, w: jax.Array, out_in: bool) -> jax.Array:
     n = w.shape[0] if out_in else w.shape[1]
     call = jax.ffi.ffi_call("jvllm_bf16_rows", jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
     return call(x.astype(jnp.float32), w, out_in=out_in)
+
+
+BF16_TILES_DEPTH_MULTIPLE = 32  # K of a tiled product: whole 32-value chunks
+
+
+@functools.lru_cache(maxsize=1)
+def bf16_tiles_available() -> bool:
+    """Whether this machine's build multiplies rows with bf16 weights in bf16 tiles (AVX-512 BF16)."""
+    return bool(load().JvllmBf16TilesAvailable())
+
+
+def bf16_tiles_product(x: jax.Array, w: jax.Array, out_in: bool, live_rows: jax.Array | None = None) -> jax.Array:
+    """x [M, K] float32 (K a multiple of 32) with bfloat16 weights w [N, K] (`out_in`) or [K, N] -> x @ W [M, N]
+    float32: x rounded to bfloat16, float32 sums (XLA's bf16 x bf16 -> f32 dot, in another order). `live_rows` ([]
+    int32, default M): only the first rows are multiplied, the others of the result are 0 (a step's padding)."""
+    load()
+    m = x.shape[0]
+    n = w.shape[0] if out_in else w.shape[1]
+    call = jax.ffi.ffi_call("jvllm_bf16_tiles", jax.ShapeDtypeStruct((m, n), jnp.float32))
+    live = jnp.asarray(m if live_rows is None else live_rows, jnp.int32).reshape(())
+    return call(x.astype(jnp.float32), w, live, out_in=out_in)

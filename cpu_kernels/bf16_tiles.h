@@ -4,7 +4,8 @@
 // multiplies many rows (prefill and wide decode steps) with weight rows dequantized once per call into tiles of 16
 // rows, kept as bf16 pairs, so the scale of each block is inside the weights and every instruction of the inner loop
 // is a load, a broadcast or a product (the int16 tiles scale each sub-block's integer sums into float apart); with
-// an MLP's gate and up weights, Bf16Tiles gives silu(gate) * up without writing either product.
+// an MLP's gate and up weights, Bf16Tiles gives silu(gate) * up without writing either product. The same tiles take
+// plain bfloat16 weights (a float checkpoint's bf16 copy: Bf16OutIn, Bf16InOut), whose pairs are moved, not computed.
 #pragma once
 
 #if defined(__AVX512BF16__)
@@ -57,6 +58,11 @@ inline __m512bh WeightsBf16(const uint8_t* b, int s, float d, float c) {
                                _mm512_insertf32x8(_mm512_castps256_ps512(w[0]), w[1], 1));
   }
 }
+
+// Plain bfloat16 weights in place of GGUF blocks: [N, K] (one row of K per output) or [K, N] (a Linear kernel
+// [in, out]); Bf16Tiles<Bf16OutIn> / Bf16Tiles<Bf16InOut> take w as their bits.
+struct Bf16OutIn {};
+struct Bf16InOut {};
 
 // x [M, K] rounded to bfloat16 (K a multiple of 32), in chunks shared by the caller and the helper threads: a
 // prefill step's x comes from DRAM, which one core alone reads at a fraction of the machine's bandwidth.
@@ -150,12 +156,44 @@ class Bf16Tiles {
   // whole groups of 16 rows). K-quants: each half of 8 rows is dequantized into `rows` [8, K], then its 32-bit
   // pairs are transposed 8 x 8 at a time.
   void TileWeights(const uint8_t* w, int64_t n, int cols, uint32_t* tile) const {
-    if constexpr (kWordGroups<Fmt>) {
+    if constexpr (std::is_same_v<Fmt, Bf16OutIn>) {
+      OutInTile(reinterpret_cast<const float*>(w), n, cols, tile);
+    } else if constexpr (std::is_same_v<Fmt, Bf16InOut>) {
+      InOutTile(reinterpret_cast<const uint16_t*>(w), n, cols, tile);
+    } else if constexpr (kWordGroups<Fmt>) {
       TileFromWordGroups<Fmt>(w, k_, n, tile);
     } else if constexpr (kTilesFromCodes<Fmt>) {  // 32-weight blocks: their codes transposed instead (code_tiles.h)
       TileFromCodes<Fmt>(w, blocks_per_row() * Fmt::kBytes, k_, n, cols, tile);
     } else {
       KQuantTile(w, n, cols, tile);
+    }
+  }
+
+  // Plain [N, K] weights: row n + j's pairs (32-bit units, K / 2 of them a row) -> column j, 8 x 8 transposes;
+  // columns past `cols` read zeros.
+  void OutInTile(const float* pairs_of_rows, int64_t n, int cols, uint32_t* tile) const {
+    static const float kZeros[8] = {};
+    const int64_t pairs = k_ / 2;
+    float* out = reinterpret_cast<float*>(tile);
+    for (int half = 0; half < kTileCols / 8; ++half) {
+      const float* first = pairs_of_rows + (n + half * 8) * pairs;
+      for (int64_t p = 0; p < pairs; p += 8) {
+        const auto row = [&](int i) { return half * 8 + i < cols ? first + i * pairs + p : kZeros; };
+        Transpose8(row, out + p * kTileCols + half * 8, kTileCols);
+      }
+    }
+  }
+
+  // Plain [K, N] weights: weights 2p and 2p + 1 of columns [n, n + cols) -> pair p of the tile's columns, the
+  // first in each lane's low half; columns past `cols` are 0.
+  void InOutTile(const uint16_t* w, int64_t n, int cols, uint32_t* tile) const {
+    const __mmask16 live = static_cast<__mmask16>((1u << cols) - 1u);
+    for (int64_t p = 0; p < k_ / 2; ++p) {
+      const __m256i even = _mm256_maskz_loadu_epi16(live, w + 2 * p * n_ + n);
+      const __m256i odd = _mm256_maskz_loadu_epi16(live, w + (2 * p + 1) * n_ + n);
+      const __m512i lanes = _mm512_or_si512(_mm512_cvtepu16_epi32(even),
+                                            _mm512_slli_epi32(_mm512_cvtepu16_epi32(odd), 16));
+      _mm512_storeu_si512(tile + p * kTileCols, lanes);
     }
   }
 

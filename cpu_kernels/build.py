@@ -25,8 +25,8 @@ except ImportError:  # no POSIX file locks (Windows): processes starting togethe
 logger = logging.getLogger("jvllm.cpu_kernels")
 
 HERE = pathlib.Path(__file__).parent
-SOURCES = [HERE / name for name in ("bf16_rows.cc", "blocks32_products.cc", "kquant_products.cc",
-                                    "paged_attention.cc", "quantized_matmul.cc", "rms_norm.cc")]
+SOURCES = [HERE / name for name in ("bf16_rows.cc", "bf16_weight_tiles.cc", "blocks32_products.cc",
+                                    "kquant_products.cc", "paged_attention.cc", "quantized_matmul.cc", "rms_norm.cc")]
 HEADERS = sorted(HERE.glob("*.h"))
 TARGETS = {  # XLA custom-call name -> exported handler symbol
     "jvllm_paged_attention": "JvllmPagedAttention",
@@ -36,6 +36,7 @@ TARGETS = {  # XLA custom-call name -> exported handler symbol
     "jvllm_rms_norm": "JvllmRmsNorm",
     "jvllm_add_rms_norm": "JvllmAddRmsNorm",
     "jvllm_bf16_rows": "JvllmBf16Rows",
+    "jvllm_bf16_tiles": "JvllmBf16Tiles",
 }
 FLAGS = ["-std=c++17", "-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC"]
 
