@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 
 _ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("native_bf16_rows", default=False)
-# Where the tiles beat XLA's bf16 dot at every row count measured (5-2,048, 2-core Zen 4): not for the widest
-# outputs (an LM head's vocabulary: each call moves every weight into tiles for a few rows), and for [K, N] kernels
-# only up to this K (their tiles gather 16 columns from every row of K; past it XLA's row-order reads were faster
-# at 5-16 rows)
+# The shapes the tiles take, those where they are as fast as XLA's bf16 dot or faster at 5-2,048 rows (2-core Zen 4):
+# not the widest outputs (an LM head's vocabulary: each call moves every weight into tiles for a few rows), and
+# [K, N] kernels only up to this K (their tiles gather 16 columns from every row of K; past it XLA's row-order reads
+# are faster at 5-16 rows)
 TILES_MAX_OUTPUTS = 16384
 TILES_MAX_IN_OUT_DEPTH = 1024
 
