@@ -12,8 +12,9 @@ held false). Any `--model` (a float checkpoint's folder, say).
 Two `LLM()` engines with default settings, the second built with the layout choice (or the other feature)
 bypassed; after a warm-up, each round times a single stream (a chat prompt, 128 greedy tokens, prefill included),
 three uneven chats together x 128 tokens (decode steps of 3 rows), a batch of 32 uneven chat prompts x 64 tokens
-and the prefill of one prompt of 1,100 random tokens (one output token: prompt tok/s) on both, each round's prompts new, the engines' order reversed every other round (a drift of the machine's speed
-reaches both sides of the ratio). Prints the medians and their ratios.
+and the prefill of one prompt of 1,100 random tokens (one output token: prompt tok/s) on both, each round's prompts
+new, the engines' order reversed every other round (a drift of the machine's speed reaches both sides of the
+ratio). Prints the medians and their ratios.
 
     python -m benchmarks.block_layout --rounds 6 --json benchmarks/results/block_layout_cpu.json
     python -m benchmarks.block_layout --against projections-apart [--model FOLDER]
