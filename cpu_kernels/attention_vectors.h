@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "prefetch_line.h"
 #include "vector_exp.h"
 
 #if defined(__AVX__)
@@ -90,16 +91,6 @@ inline float SoftCap(float x, float cap) {
   const float t = VecExp(-2.0f * std::fabs(x / cap));
   const float tanh_abs = (1.0f - t) / (1.0f + t);
   return cap * std::copysign(tanh_abs, x);
-}
-
-// Asks the memory system for the cache line holding p. Inline assembly on x86, which the compiler keeps: GCC removes
-// __builtin_prefetch calls from some of the paged attention's loops (those over the bf16 pages).
-inline void PrefetchLine(const void* p) {
-#if defined(__x86_64__)
-  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
-#else
-  __builtin_prefetch(p);
-#endif
 }
 
 inline float Load(const float* p) { return *p; }

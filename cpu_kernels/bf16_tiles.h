@@ -20,6 +20,7 @@
 #include "block_formats.h"
 #include "code_tiles.h"
 #include "float_tiles.h"
+#include "prefetch_line.h"
 #include "run_items.h"
 #include "transpose.h"
 #include "vector_exp.h"
@@ -59,6 +60,26 @@ inline __m512bh WeightsBf16(const uint8_t* b, int s, float d, float c) {
   }
 }
 
+// Cache lines asked for a few at a time while products run (the weights of the tiles made next): line i of
+// `count` at first + i * stride, then as many of `second` (a gated product's up weights) at the same offsets.
+struct LinesAhead {
+  const char* first = nullptr;
+  const char* second = nullptr;
+  int64_t stride = 0, count = 0, next = 0;
+  int64_t per_step = 0;
+
+  void Ask() {
+    const int64_t total = second == nullptr ? count : 2 * count;
+    for (int64_t i = 0; i < per_step && next < total; ++i, ++next) {
+      if (next < count) {
+        PrefetchLine(first + next * stride);
+      } else if (second != nullptr) {
+        PrefetchLine(second + (next - count) * stride);
+      }
+    }
+  }
+};
+
 // Plain bfloat16 weights in place of GGUF blocks: [N, K] (one row of K per output) or [K, N] (a Linear kernel
 // [in, out]); Bf16Tiles<Bf16OutIn> / Bf16Tiles<Bf16InOut> take w as their bits.
 struct Bf16OutIn {};
@@ -97,7 +118,8 @@ struct Bf16Rows {
 // up to kChunkBytes of its weight rows into tiles of kTileCols rows ([K / 2, kTileCols] bf16 pairs: weights 2p and
 // 2p + 1 of a row as one 32-bit lane, so one 512-bit load holds pair p of all 16 rows), then sweeps x kBlockRows
 // rows and kDepthPairs pairs at a time, kRowGroup rows against two tiles: 24 float accumulators, two tile vectors and
-// a broadcast pair of x per step.
+// a broadcast pair of x per step. Up to kBlockRows rows, the chunk is one pair of tiles, and the weights of the
+// next pair are prefetched during its products.
 //
 // Gated (`up` given): output column n is silu(x . gate_n) * (x . up_n). The two tiles of each step are then a gate
 // tile and the up tile of the same 16 columns, summed over the whole depth at once (one slice: the tiles come from
@@ -121,8 +143,12 @@ class Bf16Tiles {
 
   void Run(int64_t n0, int64_t n1) const {
     thread_local std::vector<uint32_t> tiles;  // [tiles, K / 2, kTileCols] bf16 pairs, one tile after another
-    const int64_t pairs = k_ / 2, tile_values = pairs * kTileCols;
-    const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (k_ * 2 * kTileCols * 2)) * ColumnsPerTilePair();
+    const int64_t pairs = k_ / 2, tile_values = pairs * kTileCols, step = ColumnsPerTilePair();
+    // One block of rows (decode steps, short prompts): each pair of tiles is made right before its products, and the
+    // next pair's weights are asked for while those run, so they stream in behind the arithmetic. More rows: a
+    // chunk's tiles are made at once and reused by every block of rows.
+    const bool streamed = m_ <= kBlockRows;
+    const int64_t chunk = streamed ? step : std::max<int64_t>(1, kChunkBytes / (k_ * 2 * kTileCols * 2)) * step;
     const int64_t tiles_per_column_tile = up_ == nullptr ? 1 : 2;
     const int64_t most_tiles = (std::min(chunk, n1 - n0) + kTileCols - 1) / kTileCols * tiles_per_column_tile;
     const int64_t depth = up_ == nullptr ? kDepthPairs : pairs;
@@ -134,7 +160,15 @@ class Bf16Tiles {
     };
     auto pair = [&](int64_t t, int64_t p0, int64_t p1, int64_t n, int cols, int64_t m0, int64_t m1) {
       const Slice slice{tiles.data() + t * tile_values, p0, p1, n, cols};
-      ForRowGroups<kRowGroup>(m0, m1, [&](auto rows, int64_t m) { GroupTimesSlice<decltype(rows)::value>(slice, m); });
+      LinesAhead ahead;
+      if (streamed && p0 == 0 && n + step < n1) {
+        ahead = WeightLines(n + step, static_cast<int>(std::min(step, n1 - n - step)));
+        const int64_t steps = (m1 - m0 + kRowGroup - 1) / kRowGroup * (p1 - p0);
+        ahead.per_step = (ahead.count * (up_ == nullptr ? 1 : 2) + steps - 1) / steps;
+      }
+      ForRowGroups<kRowGroup>(m0, m1, [&](auto rows, int64_t m) {
+        GroupTimesSlice<decltype(rows)::value>(slice, m, ahead);
+      });
     };
     SweepTilePairs(m_, n0, n1, chunk, up_ != nullptr, pairs, depth, make, pair);
     if (stream_) _mm_sfence();  // streamed stores are seen before the call returns
@@ -149,6 +183,28 @@ class Bf16Tiles {
   };
 
   int64_t blocks_per_row() const { return k_ / Fmt::kWeights; }
+
+  // The cache lines tiles of columns [n, n + cols) are made from (both weights of a gated product).
+  LinesAhead WeightLines(int64_t n, int cols) const {
+    LinesAhead lines;
+    if constexpr (std::is_same_v<Fmt, Bf16InOut>) {  // 32 columns' bf16 values of each row of K: one line
+      lines.first = reinterpret_cast<const char*>(w_) + n * 2;
+      lines.stride = n_ * 2;
+      lines.count = k_;
+    } else {  // whole rows of K, one after another
+      int64_t row_bytes;
+      if constexpr (std::is_same_v<Fmt, Bf16OutIn>) {
+        row_bytes = k_ * 2;
+      } else {
+        row_bytes = blocks_per_row() * Fmt::kBytes;
+      }
+      lines.first = reinterpret_cast<const char*>(w_) + n * row_bytes;
+      lines.second = up_ == nullptr ? nullptr : reinterpret_cast<const char*>(up_) + n * row_bytes;
+      lines.stride = 64;
+      lines.count = (cols * row_bytes + 63) / 64;
+    }
+    return lines;
+  }
   const uint8_t* Row(const uint8_t* w, int64_t n) const { return w + n * blocks_per_row() * Fmt::kBytes; }
 
   // Weight rows [n, n + cols) -> tile [K / 2, kTileCols] of bf16 pairs (zero columns past `cols`). Blocks of 32
@@ -233,7 +289,7 @@ class Bf16Tiles {
   // Rows [m, m + R) of x times the slice -> y[m .. m + R, n .. n + cols), written by the first depth slice and added
   // to by the others. Per pair: each tile's vector, and per row a broadcast pair of x into two products.
   template <int R>
-  void GroupTimesSlice(const Slice& slice, int64_t m) const {
+  void GroupTimesSlice(const Slice& slice, int64_t m, LinesAhead& ahead) const {
     const int64_t pairs = k_ / 2;
     const uint32_t* x = reinterpret_cast<const uint32_t*>(xb_->bits.data()) + m * pairs;
     const uint32_t* t0 = slice.tiles;
@@ -242,6 +298,7 @@ class Bf16Tiles {
     for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
     if (slice.cols > kTileCols || up_ != nullptr) {
       for (int64_t p = slice.p0; p < slice.p1; ++p) {
+        ahead.Ask();
         const __m512bh w0 = Pairs(t0 + p * kTileCols), w1 = Pairs(t1 + p * kTileCols);
 #pragma GCC unroll 12
         for (int r = 0; r < R; ++r) {
@@ -252,6 +309,7 @@ class Bf16Tiles {
       }
     } else {
       for (int64_t p = slice.p0; p < slice.p1; ++p) {
+        ahead.Ask();
         const __m512bh w0 = Pairs(t0 + p * kTileCols);
 #pragma GCC unroll 12
         for (int r = 0; r < R; ++r) a0[r] = _mm512_dpbf16_ps(a0[r], w0, Broadcast(x + r * pairs + p));
