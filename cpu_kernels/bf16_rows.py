@@ -32,6 +32,9 @@ def bf16_rows_product(x: jax.Array, w: jax.Array, out_in: bool) -> jax.Array:
 
 
 BF16_TILES_DEPTH_MULTIPLE = 32  # K of a tiled product: whole 32-value chunks
+# Up to this many live rows, [N, K] weights are read in place against tiles of x (bf16_x_tiles.h) rather than moved
+# into tiles themselves
+BF16_X_TILES_MAX_ROWS = 48
 
 
 @functools.lru_cache(maxsize=1)
@@ -43,7 +46,8 @@ def bf16_tiles_available() -> bool:
 def bf16_tiles_product(x: jax.Array, w: jax.Array, out_in: bool, live_rows: jax.Array | None = None) -> jax.Array:
     """x [M, K] float32 (K a multiple of 32) with bfloat16 weights w [N, K] (`out_in`) or [K, N] -> x @ W [M, N]
     float32: x rounded to bfloat16, float32 sums (XLA's bf16 x bf16 -> f32 dot, in another order). `live_rows` ([]
-    int32, default M): only the first rows are multiplied, the others of the result are 0 (a step's padding)."""
+    int32, default M): only the first rows are multiplied, the others of the result are 0 (a step's padding). Up to
+    BF16_X_TILES_MAX_ROWS live rows, [N, K] weights are read where they lie; otherwise they are moved into tiles."""
     load()
     m = x.shape[0]
     n = w.shape[0] if out_in else w.shape[1]

@@ -60,26 +60,6 @@ inline __m512bh WeightsBf16(const uint8_t* b, int s, float d, float c) {
   }
 }
 
-// Cache lines asked for a few at a time while products run (the weights of the tiles made next): line i of
-// `count` at first + i * stride, then as many of `second` (a gated product's up weights) at the same offsets.
-struct LinesAhead {
-  const char* first = nullptr;
-  const char* second = nullptr;
-  int64_t stride = 0, count = 0, next = 0;
-  int64_t per_step = 0;
-
-  void Ask() {
-    const int64_t total = second == nullptr ? count : 2 * count;
-    for (int64_t i = 0; i < per_step && next < total; ++i, ++next) {
-      if (next < count) {
-        PrefetchLine(first + next * stride);
-      } else if (second != nullptr) {
-        PrefetchLine(second + (next - count) * stride);
-      }
-    }
-  }
-};
-
 // Plain bfloat16 weights in place of GGUF blocks: [N, K] (one row of K per output) or [K, N] (a Linear kernel
 // [in, out]); Bf16Tiles<Bf16OutIn> / Bf16Tiles<Bf16InOut> take w as their bits.
 struct Bf16OutIn {};

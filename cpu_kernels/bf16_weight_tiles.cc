@@ -1,7 +1,8 @@
 // Products of many float32 rows (prefill and batched decode steps) with a float checkpoint's bfloat16 weights, as an
 // XLA FFI custom call for XLA CPU on CPUs with AVX-512 BF16: x rounded to bfloat16 once, float32 sums, as XLA's
 // bf16 x bf16 -> f32 dot, in the tiles of the GGUF blocks' bf16 products (bf16_tiles.h) with the weights' pairs
-// moved into them instead of dequantized. Only the step's live rows are multiplied; the padding rows of y are 0.
+// moved into them instead of dequantized, or, for a few rows with [N, K] weights, in tiles of x against the weights
+// as they lie (bf16_x_tiles.h). Only the step's live rows are multiplied; the padding rows of y are 0.
 
 #include <algorithm>
 #include <cstdint>
@@ -9,6 +10,7 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "bf16_tiles.h"
+#include "bf16_x_tiles.h"
 #include "run_items.h"
 
 namespace ffi = xla::ffi;
@@ -36,7 +38,10 @@ ffi::Error Bf16TilesImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w, ffi:
   jvllm::Bf16Rows xb;
   xb.Convert(x.typed_data(), live, k);
   const auto* bits = reinterpret_cast<const uint8_t*>(w.typed_data());
-  if (out_in) {
+  if (out_in && jvllm::Bf16XTiles::Takes(live)) {  // few rows: [N, K] weights read in place
+    const jvllm::Bf16XTiles tiles(live, k, n, xb.bits.data(), reinterpret_cast<const uint16_t*>(bits), out);
+    jvllm::RunColumnItems(tiles, n, tiles.ColumnsPerItemUnit());
+  } else if (out_in) {
     const jvllm::Bf16Tiles<jvllm::Bf16OutIn> tiles(live, k, n, &xb, bits, out);
     jvllm::RunColumnItems(tiles, n, tiles.ColumnsPerTilePair());
   } else {

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 
 _ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("native_bf16_rows", default=False)
 # The shapes the tiles take, those where they are as fast as XLA's bf16 dot or faster at 5-2,048 rows (2-core Zen 4):
-# not the widest outputs (an LM head's vocabulary: each call moves every weight into tiles for a few rows), and
-# [K, N] kernels only up to this K (their tiles gather 16 columns from every row of K; past it XLA's row-order reads
-# are faster at 5-16 rows)
+# not the widest outputs (an LM head's vocabulary: each call would move every weight into tiles for a few rows)
+# except [N, K] ones for up to BF16_X_TILES_MAX_ROWS rows (read in place there), and [K, N] kernels only up to this K
+# (their tiles gather 16 columns from every row of K; past it XLA's row-order reads are faster at 5-16 rows)
 TILES_MAX_OUTPUTS = 16384
 TILES_MAX_IN_OUT_DEPTH = 1024
 
@@ -56,11 +56,13 @@ def bf16_rows_dot(x: jax.Array, kernel: jax.Array, out_in: bool) -> jax.Array | 
 def _tiles_dot(x: jax.Array, kernel: jax.Array, out_in: bool) -> jax.Array | None:
     """x [M, K] (M past the few-row kernel's) times the bf16 kernel in bf16 tiles, the step's padding rows skipped,
     where this build has them and they are the faster product for the shape; None otherwise."""
-    from cpu_kernels.bf16_rows import BF16_TILES_DEPTH_MULTIPLE, bf16_tiles_available, bf16_tiles_product
+    from cpu_kernels.bf16_rows import (BF16_TILES_DEPTH_MULTIPLE, BF16_X_TILES_MAX_ROWS, bf16_tiles_available,
+                                       bf16_tiles_product)
     from models.live_rows import live_rows_of
 
     k, n = x.shape[1], kernel.shape[0] if out_in else kernel.shape[1]
-    if (not bf16_tiles_available() or k % BF16_TILES_DEPTH_MULTIPLE or n > TILES_MAX_OUTPUTS
+    in_place = out_in and x.shape[0] <= BF16_X_TILES_MAX_ROWS
+    if (not bf16_tiles_available() or k % BF16_TILES_DEPTH_MULTIPLE or (n > TILES_MAX_OUTPUTS and not in_place)
             or (not out_in and k > TILES_MAX_IN_OUT_DEPTH)):
         return None
     return bf16_tiles_product(x, kernel, out_in, live_rows_of(x.shape[0]))

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from cpu_kernels.bf16_rows import bf16_tiles_available, bf16_tiles_product
-from models.bf16_rows import TILES_MAX_IN_OUT_DEPTH, TILES_MAX_OUTPUTS, native_bf16_rows
+from cpu_kernels.bf16_rows import BF16_X_TILES_MAX_ROWS, bf16_tiles_available, bf16_tiles_product
+from models.bf16_rows import TILES_MAX_IN_OUT_DEPTH, TILES_MAX_OUTPUTS, bf16_rows_dot, native_bf16_rows
 from models.layers import Linear
 from models.live_rows import live_rows
 
@@ -18,13 +18,14 @@ def _product(x: jax.Array, w: jax.Array, out_in: bool, live: int) -> np.ndarray:
     return np.asarray(jax.jit(lambda a, b, n: bf16_tiles_product(a, b, out_in, n))(x, w, jnp.int32(live)))
 
 
-@pytest.mark.parametrize("rows, live", [(5, 5), (12, 12), (13, 13), (64, 50), (300, 297), (16, 0)])
+@pytest.mark.parametrize("rows, live", [(5, 5), (12, 12), (13, 13), (32, 29), (48, 48), (64, 50), (300, 297), (16, 0)])
 @pytest.mark.parametrize("k, n", [(576, 960), (1536, 576), (64, 17), (32, 1), (96, 40), (2048, 33)])
 @pytest.mark.parametrize("out_in", [False, True], ids=["in_out", "out_in"])
 def test_products_are_the_bf16_rounded_rows_times_the_weights(rows, live, k, n, out_in):
-    """Row counts around the tiles' groups of 12 rows, outputs around their 16- and 32-column tiles (partial
-    ones too), depths over a 512-pair slice: the live rows within float32 summation of the exact products of x
-    rounded to bf16 with the weights, the padding rows 0."""
+    """Row counts around the tiles' groups of 12 rows and, for [N, K] weights up to BF16_X_TILES_MAX_ROWS live rows,
+    the x tiles' vectors of 16 rows; outputs around their 8-, 16- and 32-column passes (partial ones too), depths
+    over a 512-pair slice: the live rows within float32 summation of the exact products of x rounded to bf16 with
+    the weights, the padding rows 0."""
     rng = np.random.default_rng(k * n + rows)
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)  # [K, N]
@@ -66,6 +67,27 @@ def test_a_linear_of_many_rows_takes_the_tiles_where_they_are_the_faster_product
         layer.kernel = nnx.Param(layer.kernel[...].T)
     assert ("jvllm_bf16_tiles" in _lowered(layer, 8, d_in, True)) == (tiles and bf16_tiles_available())
     assert "jvllm_bf16_tiles" not in _lowered(layer, 8, d_in, False)
+
+
+@pytest.mark.parametrize("rows, tiles", [(8, True), (BF16_X_TILES_MAX_ROWS, True), (BF16_X_TILES_MAX_ROWS + 1, False)])
+def test_a_wide_out_in_head_takes_the_tiles_for_few_rows_only(rows, tiles):
+    """A [V, D] head wider than TILES_MAX_OUTPUTS (a tied embedding table) is read in place against tiles of x for
+    up to BF16_X_TILES_MAX_ROWS rows; for more rows each call would move it into tiles, so XLA's dot takes it. The
+    logits are XLA's bf16 product within float32 summation either way."""
+    rng = np.random.default_rng(rows)
+    table = jnp.asarray(rng.standard_normal((TILES_MAX_OUTPUTS + 72, 64)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
+
+    def xla(a: jax.Array) -> jax.Array:
+        return jnp.einsum("sd,vd->sv", a.astype(table.dtype), table, preferred_element_type=jnp.float32)
+
+    def head(a: jax.Array) -> jax.Array:
+        with native_bf16_rows(True):
+            y = bf16_rows_dot(a, table, out_in=True)
+        return xla(a) if y is None else y
+
+    assert ("jvllm_bf16_tiles" in jax.jit(head).lower(x).as_text()) == (tiles and bf16_tiles_available())
+    np.testing.assert_allclose(np.asarray(jax.jit(head)(x)), np.asarray(jax.jit(xla)(x)), rtol=1e-5, atol=1e-4)
 
 
 def test_a_layer_skips_the_steps_padding_rows():
