@@ -135,20 +135,14 @@ class Bf16Tiles {
     tiles.resize(static_cast<size_t>(most_tiles * tile_values));
     auto make = [&](int64_t t, int64_t n, int cols) {
       uint32_t* tile = tiles.data() + t * tile_values;
-      TileWeights(w_, n, cols, tile);
-      if (up_ != nullptr) TileWeights(up_, n, cols, tile + tile_values);
+      // streamed: the weights of the same columns of the next pair are asked for as this tile's are read
+      const int64_t ahead = streamed && n - n % step + step < n1 ? step : 0;
+      TileWeights(w_, n, cols, tile, ahead);
+      if (up_ != nullptr) TileWeights(up_, n, cols, tile + tile_values, 0);
     };
     auto pair = [&](int64_t t, int64_t p0, int64_t p1, int64_t n, int cols, int64_t m0, int64_t m1) {
       const Slice slice{tiles.data() + t * tile_values, p0, p1, n, cols};
-      LinesAhead ahead;
-      if (streamed && p0 == 0 && n + step < n1) {
-        ahead = WeightLines(n + step, static_cast<int>(std::min(step, n1 - n - step)));
-        const int64_t steps = (m1 - m0 + kRowGroup - 1) / kRowGroup * (p1 - p0);
-        ahead.per_step = (ahead.count * (up_ == nullptr ? 1 : 2) + steps - 1) / steps;
-      }
-      ForRowGroups<kRowGroup>(m0, m1, [&](auto rows, int64_t m) {
-        GroupTimesSlice<decltype(rows)::value>(slice, m, ahead);
-      });
+      ForRowGroups<kRowGroup>(m0, m1, [&](auto rows, int64_t m) { GroupTimesSlice<decltype(rows)::value>(slice, m); });
     };
     SweepTilePairs(m_, n0, n1, chunk, up_ != nullptr, pairs, depth, make, pair);
     if (stream_) _mm_sfence();  // streamed stores are seen before the call returns
@@ -164,38 +158,19 @@ class Bf16Tiles {
 
   int64_t blocks_per_row() const { return k_ / Fmt::kWeights; }
 
-  // The cache lines tiles of columns [n, n + cols) are made from (both weights of a gated product).
-  LinesAhead WeightLines(int64_t n, int cols) const {
-    LinesAhead lines;
-    if constexpr (std::is_same_v<Fmt, Bf16InOut>) {  // 32 columns' bf16 values of each row of K: one line
-      lines.first = reinterpret_cast<const char*>(w_) + n * 2;
-      lines.stride = n_ * 2;
-      lines.count = k_;
-    } else {  // whole rows of K, one after another
-      int64_t row_bytes;
-      if constexpr (std::is_same_v<Fmt, Bf16OutIn>) {
-        row_bytes = k_ * 2;
-      } else {
-        row_bytes = blocks_per_row() * Fmt::kBytes;
-      }
-      lines.first = reinterpret_cast<const char*>(w_) + n * row_bytes;
-      lines.second = up_ == nullptr ? nullptr : reinterpret_cast<const char*>(up_) + n * row_bytes;
-      lines.stride = 64;
-      lines.count = (cols * row_bytes + 63) / 64;
-    }
-    return lines;
-  }
   const uint8_t* Row(const uint8_t* w, int64_t n) const { return w + n * blocks_per_row() * Fmt::kBytes; }
 
   // Weight rows [n, n + cols) -> tile [K / 2, kTileCols] of bf16 pairs (zero columns past `cols`). Blocks of 32
   // weights: from their transposed codes (code_tiles.h), or from word groups as they lie (word_group_blocks.h:
   // whole groups of 16 rows). K-quants: each half of 8 rows is dequantized into `rows` [8, K], then its 32-bit
   // pairs are transposed 8 x 8 at a time.
-  void TileWeights(const uint8_t* w, int64_t n, int cols, uint32_t* tile) const {
+  // Plain bf16 weights with `ahead` > 0: the weights of columns [n + ahead, n + ahead + cols) are asked for
+  // along the way (the formats of GGUF blocks ask for their next rows themselves).
+  void TileWeights(const uint8_t* w, int64_t n, int cols, uint32_t* tile, int64_t ahead) const {
     if constexpr (std::is_same_v<Fmt, Bf16OutIn>) {
-      OutInTile(reinterpret_cast<const float*>(w), n, cols, tile);
+      OutInTile(reinterpret_cast<const float*>(w), n, cols, tile, ahead);
     } else if constexpr (std::is_same_v<Fmt, Bf16InOut>) {
-      InOutTile(reinterpret_cast<const uint16_t*>(w), n, cols, tile);
+      InOutTile(reinterpret_cast<const uint16_t*>(w), n, cols, tile, ahead);
     } else if constexpr (kWordGroups<Fmt>) {
       TileFromWordGroups<Fmt>(w, k_, n, tile);
     } else if constexpr (kTilesFromCodes<Fmt>) {  // 32-weight blocks: their codes transposed instead (code_tiles.h)
@@ -207,7 +182,7 @@ class Bf16Tiles {
 
   // Plain [N, K] weights: row n + j's pairs (32-bit units, K / 2 of them a row) -> column j, 8 x 8 transposes;
   // columns past `cols` read zeros.
-  void OutInTile(const float* pairs_of_rows, int64_t n, int cols, uint32_t* tile) const {
+  void OutInTile(const float* pairs_of_rows, int64_t n, int cols, uint32_t* tile, int64_t ahead) const {
     static const float kZeros[8] = {};
     const int64_t pairs = k_ / 2;
     float* out = reinterpret_cast<float*>(tile);
@@ -215,6 +190,9 @@ class Bf16Tiles {
       const float* first = pairs_of_rows + (n + half * 8) * pairs;
       for (int64_t p = 0; p < pairs; p += 8) {
         const auto row = [&](int i) { return half * 8 + i < cols ? first + i * pairs + p : kZeros; };
+        if (ahead > 0 && p % 16 == 0) {  // 16 pairs: one line of each of the next pair's 8 rows
+          for (int i = 0; i < 8; ++i) PrefetchLine(first + (ahead + i) * pairs + p);
+        }
         Transpose8(row, out + p * kTileCols + half * 8, kTileCols);
       }
     }
@@ -222,9 +200,13 @@ class Bf16Tiles {
 
   // Plain [K, N] weights: weights 2p and 2p + 1 of columns [n, n + cols) -> pair p of the tile's columns, the
   // first in each lane's low half; columns past `cols` are 0.
-  void InOutTile(const uint16_t* w, int64_t n, int cols, uint32_t* tile) const {
+  void InOutTile(const uint16_t* w, int64_t n, int cols, uint32_t* tile, int64_t ahead) const {
     const __mmask16 live = static_cast<__mmask16>((1u << cols) - 1u);
     for (int64_t p = 0; p < k_ / 2; ++p) {
+      if (ahead > 0) {
+        PrefetchLine(w + 2 * p * n_ + n + ahead);
+        PrefetchLine(w + (2 * p + 1) * n_ + n + ahead);
+      }
       const __m256i even = _mm256_maskz_loadu_epi16(live, w + 2 * p * n_ + n);
       const __m256i odd = _mm256_maskz_loadu_epi16(live, w + (2 * p + 1) * n_ + n);
       const __m512i lanes = _mm512_or_si512(_mm512_cvtepu16_epi32(even),
@@ -269,7 +251,7 @@ class Bf16Tiles {
   // Rows [m, m + R) of x times the slice -> y[m .. m + R, n .. n + cols), written by the first depth slice and added
   // to by the others. Per pair: each tile's vector, and per row a broadcast pair of x into two products.
   template <int R>
-  void GroupTimesSlice(const Slice& slice, int64_t m, LinesAhead& ahead) const {
+  void GroupTimesSlice(const Slice& slice, int64_t m) const {
     const int64_t pairs = k_ / 2;
     const uint32_t* x = reinterpret_cast<const uint32_t*>(xb_->bits.data()) + m * pairs;
     const uint32_t* t0 = slice.tiles;
@@ -278,7 +260,6 @@ class Bf16Tiles {
     for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
     if (slice.cols > kTileCols || up_ != nullptr) {
       for (int64_t p = slice.p0; p < slice.p1; ++p) {
-        ahead.Ask();
         const __m512bh w0 = Pairs(t0 + p * kTileCols), w1 = Pairs(t1 + p * kTileCols);
 #pragma GCC unroll 12
         for (int r = 0; r < R; ++r) {
@@ -289,7 +270,6 @@ class Bf16Tiles {
       }
     } else {
       for (int64_t p = slice.p0; p < slice.p1; ++p) {
-        ahead.Ask();
         const __m512bh w0 = Pairs(t0 + p * kTileCols);
 #pragma GCC unroll 12
         for (int r = 0; r < R; ++r) a0[r] = _mm512_dpbf16_ps(a0[r], w0, Broadcast(x + r * pairs + p));
