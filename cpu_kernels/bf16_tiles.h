@@ -98,8 +98,8 @@ struct Bf16Rows {
 // up to kChunkBytes of its weight rows into tiles of kTileCols rows ([K / 2, kTileCols] bf16 pairs: weights 2p and
 // 2p + 1 of a row as one 32-bit lane, so one 512-bit load holds pair p of all 16 rows), then sweeps x kBlockRows
 // rows and kDepthPairs pairs at a time, kRowGroup rows against two tiles: 24 float accumulators, two tile vectors and
-// a broadcast pair of x per step. Up to kBlockRows rows, the chunk is one pair of tiles, and the weights of the
-// next pair are prefetched during its products.
+// a broadcast pair of x per step. With plain bf16 weights and up to kBlockRows rows the chunk is one pair of tiles,
+// and the weights of the next pair are prefetched while it is made.
 //
 // Gated (`up` given): output column n is silu(x . gate_n) * (x . up_n). The two tiles of each step are then a gate
 // tile and the up tile of the same 16 columns, summed over the whole depth at once (one slice: the tiles come from
@@ -112,6 +112,7 @@ class Bf16Tiles {
   // Outputs larger than this, written once (one depth slice), bypass the caches (streaming stores): a decode step's
   // logits [rows, vocab] would otherwise be read into the cache line by line just to be overwritten.
   static constexpr int64_t kStreamBytes = 16 << 20;
+  static constexpr bool kPlainBf16 = std::is_same_v<Fmt, Bf16OutIn> || std::is_same_v<Fmt, Bf16InOut>;
 
   Bf16Tiles(int64_t m, int64_t k, int64_t n, const Bf16Rows* xb, const uint8_t* w, float* y,
             const uint8_t* up = nullptr)
@@ -124,10 +125,11 @@ class Bf16Tiles {
   void Run(int64_t n0, int64_t n1) const {
     thread_local std::vector<uint32_t> tiles;  // [tiles, K / 2, kTileCols] bf16 pairs, one tile after another
     const int64_t pairs = k_ / 2, tile_values = pairs * kTileCols, step = ColumnsPerTilePair();
-    // One block of rows (decode steps, short prompts): each pair of tiles is made right before its products, and the
-    // next pair's weights are asked for while those run, so they stream in behind the arithmetic. More rows: a
-    // chunk's tiles are made at once and reused by every block of rows.
-    const bool streamed = m_ <= kBlockRows;
+    // Plain bf16 weights in one block of rows (decode steps, short prompts): each pair of tiles is made right before
+    // its products, the next pair's weights asked for as it is made, so they stream in behind the arithmetic.
+    // Otherwise a chunk's tiles are made at once (and reused by every block of rows); GGUF blocks, whose tiles cost
+    // arithmetic to make, were no faster one pair at a time.
+    const bool streamed = kPlainBf16 && m_ <= kBlockRows;
     const int64_t chunk = streamed ? step : std::max<int64_t>(1, kChunkBytes / (k_ * 2 * kTileCols * 2)) * step;
     const int64_t tiles_per_column_tile = up_ == nullptr ? 1 : 2;
     const int64_t most_tiles = (std::min(chunk, n1 - n0) + kTileCols - 1) / kTileCols * tiles_per_column_tile;

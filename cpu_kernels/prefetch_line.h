@@ -16,22 +16,14 @@ inline void PrefetchLine(const void* p) {
 }
 
 // Cache lines asked for a few at a time while products run (the weights they read next): line i of `count` at
-// first + i * stride, then as many of `second` (a gated product's up weights) at the same offsets.
+// first + i * stride, per_step of them a call.
 struct LinesAhead {
   const char* first = nullptr;
-  const char* second = nullptr;
   int64_t stride = 0, count = 0, next = 0;
   int64_t per_step = 0;
 
   void Ask() {
-    const int64_t total = second == nullptr ? count : 2 * count;
-    for (int64_t i = 0; i < per_step && next < total; ++i, ++next) {
-      if (next < count) {
-        PrefetchLine(first + next * stride);
-      } else if (second != nullptr) {
-        PrefetchLine(second + (next - count) * stride);
-      }
-    }
+    for (int64_t i = 0; i < per_step && next < count; ++i, ++next) PrefetchLine(first + next * stride);
   }
 };
 
