@@ -159,7 +159,6 @@ class Bf16Tiles {
   };
 
   int64_t blocks_per_row() const { return k_ / Fmt::kWeights; }
-
   const uint8_t* Row(const uint8_t* w, int64_t n) const { return w + n * blocks_per_row() * Fmt::kBytes; }
 
   // Weight rows [n, n + cols) -> tile [K / 2, kTileCols] of bf16 pairs (zero columns past `cols`). Blocks of 32

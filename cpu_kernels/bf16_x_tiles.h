@@ -1,8 +1,8 @@
-// Few rows of x times bfloat16 weight rows [N, K] read in place (AVX-512 BF16): the tiles are made of x instead of the
-// weights. x's rows, rounded to bfloat16, are packed once into [K / 2, kXVectors x 16] 32-bit pairs (lane j of pair
-// p: x[j][2p], x[j][2p + 1]); each weight row's pair p is broadcast against them, so every product sums into one
-// output column for 16 rows of x at once, and the weights are read as they lie, 8 rows side by side, with nothing
-// moved per call (a decode step's LM head is 56 MB of them for SmolLM2-135M).
+// Few rows of x times bfloat16 weight rows [N, K] read in place (AVX-512 BF16): the tiles are made of x instead of
+// the weights. x's rows, rounded to bfloat16, are packed once into [K / 2, 16 x V] 32-bit pairs (V vectors of 16
+// rows; lane j of pair p: x[j][2p], x[j][2p + 1]); each weight row's pair p is broadcast against them, so every
+// product sums into one output column for 16 rows of x at once, and the weights are read as they lie, 8 rows side by
+// side, with nothing moved per call (a decode step's LM head is 56 MB of them for SmolLM2-135M).
 #pragma once
 
 #if defined(__AVX512BF16__)
