@@ -73,7 +73,6 @@ class Bf16XTiles {
       LinesAhead ahead;  // the next pass's weight rows (contiguous), asked for over this pass's pairs
       if (n + kWeightRows < n1) {
         ahead.first = reinterpret_cast<const char*>(w + (n + kWeightRows) * pairs);
-        ahead.stride = 64;
         ahead.count = (std::min<int64_t>(kWeightRows, n1 - n - kWeightRows) * pairs * 4 + 63) / 64;
         ahead.per_step = (ahead.count + pairs - 1) / pairs;
       }

@@ -15,15 +15,14 @@ inline void PrefetchLine(const void* p) {
 #endif
 }
 
-// Cache lines asked for a few at a time while products run (the weights they read next): line i of `count` at
-// first + i * stride, per_step of them a call.
+// Contiguous cache lines asked for a few at a time while products run (the weights they read next): `count`
+// lines from `first`, per_step of them a call.
 struct LinesAhead {
   const char* first = nullptr;
-  int64_t stride = 0, count = 0, next = 0;
-  int64_t per_step = 0;
+  int64_t count = 0, next = 0, per_step = 0;
 
   void Ask() {
-    for (int64_t i = 0; i < per_step && next < count; ++i, ++next) PrefetchLine(first + next * stride);
+    for (int64_t i = 0; i < per_step && next < count; ++i, ++next) PrefetchLine(first + next * 64);
   }
 };
 
