@@ -23,7 +23,9 @@ namespace jvllm {
 
 constexpr int kDirectScoreRows = 4;  // up to this many score rows, key rows are multiplied as stored (no transpose)
 constexpr int kStripKeys = 16;       // direct path: keys of every head per strip, so token rows are read in order
-constexpr int kPrefetchKeys = 64;    // direct path: how far ahead of the work (in key positions) rows are asked for
+// Direct path: how far ahead of the work (in key positions) rows are asked for, into L2 (so far ahead, a bf16 pool's
+// rows of 3 KV heads are ~100 KB: more than L1 holds).
+constexpr int kPrefetchKeys = 128;
 
 // Per-thread scratch space, sized on first use.
 struct AttentionScratch {
