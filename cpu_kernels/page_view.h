@@ -143,9 +143,9 @@ class PageView {
     return std::max(window, place.key_lo);
   }
 
-  // The direct path's prefetching: asks for the paged key and value rows (into L2) of item `place` (whose keys end at `end`)
-  // up to position `until`, at most `budget` positions in this call (a steady trickle: bursts stall on the memory
-  // system's queue). Past `end`, the distance goes on into the first keys of item `next`; the cursor (the
+  // The direct path's prefetching: asks for the paged key and value rows of item `place` (whose keys end at `end`),
+  // into L2, up to position `until`, at most `budget` positions in this call (a steady trickle: bursts stall on the
+  // memory system's queue). Past `end`, the distance goes on into the first keys of item `next`; the cursor (the
   // thread's) remembers where it is, so `next` starts with its first keys already asked for.
   void PrefetchUntil(PrefetchCursor& cursor, const AttentionItem& place, int64_t end, const AttentionItem& next,
                      int64_t until, int64_t budget) const {
