@@ -119,7 +119,7 @@ class PageView {
 
  protected:
   static constexpr int64_t kMinItems = 8;
-  static constexpr bool kToL1 = true, kToL2 = false;
+  enum class Into { kL1, kL2 };  // the cache level PrefetchRow asks for lines into
 
   AttentionItem Locate(int64_t item) const {
     const int64_t s = std::upper_bound(item_start_.begin(), item_start_.end(), item) - item_start_.begin() - 1;
@@ -153,7 +153,9 @@ class PageView {
     int64_t pos = cursor.pos;  // a local: the thread_local cursor's fields would be re-addressed every row
     if (at(place)) {
       const int64_t cached = kv_lens_[place.s] - q_lens_[place.s], stop = std::min({until, end, cached});
-      for (; pos < stop && budget > 0; ++pos, --budget) PrefetchRow<kToL2>(place.s, place.h0, place.h1, pos, cached);
+      for (; pos < stop && budget > 0; ++pos, --budget) {
+        PrefetchRow<Into::kL2>(place.s, place.h0, place.h1, pos, cached);
+      }
       if (until <= end || next.s < 0 || pos < std::min(end, cached)) {
         cursor.pos = pos;
         return;
@@ -164,21 +166,21 @@ class PageView {
     if (next.s >= 0 && at(next)) {
       const int64_t cached = kv_lens_[next.s] - q_lens_[next.s];
       const int64_t stop = std::min(LowestKey(next) + until - end, cached);
-      for (; pos < stop && budget > 0; ++pos, --budget) PrefetchRow<kToL2>(next.s, next.h0, next.h1, pos, cached);
+      for (; pos < stop && budget > 0; ++pos, --budget) PrefetchRow<Into::kL2>(next.s, next.h0, next.h1, pos, cached);
     }
     cursor.pos = pos;
   }
 
   // Asks for the paged key and value rows of heads [h0, h1) of sequence s at position `pos` (< cached), into L1
-  // (kToL1) or L2 only (kToL2).
-  template <bool kIntoL1>
+  // or L2 only.
+  template <Into kLevel>
   void PrefetchRow(int64_t s, int64_t h0, int64_t h1, int64_t pos, int64_t cached) const {
     const int64_t bytes = (h1 - h0) * sh_.head_dim * static_cast<int64_t>(sizeof(PoolT));
     const float* own;
     const char* k = reinterpret_cast<const char*>(Row(k_pages_, k_, s, h0, pos, cached, &own));
     const char* v = reinterpret_cast<const char*>(Row(v_pages_, v_, s, h0, pos, cached, &own));
     for (int64_t line = 0; line < bytes; line += 64) {
-      if constexpr (kIntoL1) {
+      if constexpr (kLevel == Into::kL1) {
         PrefetchLine(k + line);
         PrefetchLine(v + line);
       } else {
@@ -210,7 +212,9 @@ class PageView {
 
   // Asks the memory system for the paged keys and values of heads [h0, h1) at positions [key0, key0 + nkeys).
   void Prefetch(int64_t s, int64_t h0, int64_t h1, int64_t cached, int64_t key0, int64_t nkeys) const {
-    for (int64_t pos = key0; pos < std::min(key0 + nkeys, cached); ++pos) PrefetchRow<kToL1>(s, h0, h1, pos, cached);
+    for (int64_t pos = key0; pos < std::min(key0 + nkeys, cached); ++pos) {
+      PrefetchRow<Into::kL1>(s, h0, h1, pos, cached);
+    }
   }
 
   // Pointers to the rows of keys (or values) key0 .. key0 + nkeys - 1 for KV heads [h0, h1): the cached ones in the
