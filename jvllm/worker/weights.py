@@ -7,6 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from cpu_kernels.build import cpu_has_bf16_dots
 from jvllm.worker.model_parts import ModelParts, PartWeights, split_model
 from models.bf16_rows import bf16_rows_available
 from models.layers import is_float_matrix, out_in_kernel_leaves
@@ -25,7 +26,9 @@ def batched_weights_for(requested: Any, dtype: Any, loaded: Any) -> Any:
     `requested` is the engine's `batched_weight_dtype`: None or "none" (no copy), a dtype, or "auto": bfloat16 for a
     generative model in float32 on CPU when its `dtype` was "auto" itself (YNNPACK's bf16 dots run batched steps
     ~1.6x faster than float32 ones), unless weights held in float32 already take a quarter of the host's memory
-    (matrices loaded in bf16, matrix_dtype_at_load, are the copy themselves). "int8"
+    (matrices loaded in bf16, matrix_dtype_at_load, are the copy themselves); for an encoder (embeddings, scores)
+    likewise, but only where the CPU has bf16 dot products (AVX-512 BF16: there its batches of 512+ tokens embed
+    ~1.6x faster; without them XLA's bf16 dots are slower than float32's). "int8"
     is "auto" here (it concerns the products with GGUF blocks: int8_block_products)."""
     from jvllm.model_loader.loader import resolve_dtype
 
@@ -35,7 +38,9 @@ def batched_weights_for(requested: Any, dtype: Any, loaded: Any) -> Any:
         return None
     if requested != "auto":
         return resolve_dtype(requested)
-    if dtype != "auto" or loaded.is_encoder or jax.default_backend() != "cpu" or jnp.dtype(loaded.dtype) != jnp.float32:
+    if dtype != "auto" or jax.default_backend() != "cpu" or jnp.dtype(loaded.dtype) != jnp.float32:
+        return None
+    if loaded.is_encoder and not cpu_has_bf16_dots():
         return None
     if any(leaf.dtype.itemsize == 1 for leaf in jax.tree.leaves(loaded.state)):
         return None  # quantized weights (GGUF blocks: the native kernels serve batched steps from the blocks)

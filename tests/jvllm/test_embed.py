@@ -75,6 +75,28 @@ def test_embeddings_match_sentence_transformers_on_varied_texts(batch_outputs, s
     np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)  # the folder's Normalize module
 
 
+def test_large_batches_multiply_bf16_matrices_where_the_cpu_has_bf16_dots(engine, st_model):
+    """By default an encoder keeps a bf16 copy of its matrices for batches of 512+ padded tokens where the CPU has
+    bf16 dot products (none elsewhere: XLA's bf16 dots are slower than float32's there); norms and biases stay
+    float32. Such a batch still gives sentence-transformers' embeddings."""
+    from cpu_kernels.build import cpu_has_bf16_dots
+
+    copy = engine.embedder.batched_weights
+    assert (copy is not None) == cpu_has_bf16_dots()
+    weights = engine.embedder.weights if copy is None else copy
+    assert {w.dtype for w in weights if w.ndim >= 2} == ({np.dtype("bfloat16")} if copy is not None
+                                                         else {np.dtype("float32")})
+    assert {w.dtype for w in weights if w.ndim < 2} == {np.dtype("float32")}
+    texts = [f"Note {i}: the {('red', 'blue', 'green')[i % 3]} team met {i % 7} times this week." for i in range(96)]
+    cfg = engine.embedder.config
+    lengths = [len(ids) for _, ids in engine.embedder.tokenize(texts)]
+    batches = plan_batches(lengths, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens)
+    assert max(b.rows * b.width for b in batches) >= 512  # a batch that takes the copy where there is one
+    ours = vectors(engine.embed(texts, use_tqdm=False))
+    theirs = st_model.encode(texts, convert_to_numpy=True).astype(np.float64)
+    assert cosine(ours, theirs).min() >= 0.9999
+
+
 def test_outputs_come_back_in_input_order_with_the_tokens_the_model_saw(batch_outputs, engine, st_model):
     assert [o.prompt for o in batch_outputs] == TEXTS
     assert len({o.request_id for o in batch_outputs}) == len(TEXTS)
