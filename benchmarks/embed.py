@@ -94,10 +94,12 @@ def run_vllm(folder: str, sentences: list[str], args: argparse.Namespace, dtype:
         command = [args.vllm_python, str(pathlib.Path(__file__).with_name("peer_vllm_embed.py")), "--model", folder,
                    "--sentences", str(sentences_path), "--out", str(vectors_path), "--dtype", dtype,
                    "--repeats", str(args.repeats)]
-        done = subprocess.run(command, capture_output=True, text=True, check=True,
+        done = subprocess.run(command, capture_output=True, text=True,
                               env={**os.environ, "LD_PRELOAD": args.vllm_preload})
-        result = json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
-        return result, np.load(vectors_path)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if not lines:  # a result printed counts even if vLLM's shutdown then aborts the process (it sometimes does)
+            raise RuntimeError(f"vLLM ({dtype}) exited with {done.returncode} before its result:\n{done.stderr[-3000:]}")
+        return json.loads(lines[-1]), np.load(vectors_path)
 
 
 def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
