@@ -95,6 +95,10 @@ def test_large_batches_multiply_bf16_matrices_where_the_cpu_has_bf16_dots(engine
     ours = vectors(engine.embed(texts, use_tqdm=False))
     theirs = st_model.encode(texts, convert_to_numpy=True).astype(np.float64)
     assert cosine(ours, theirs).min() >= 0.9999
+    in_float32 = vectors(Engine(MODEL, batched_weight_dtype=None, precompile=False).embed(texts, use_tqdm=False))
+    # the copy was read: bf16 products round otherwise than float32 ones
+    assert (np.abs(ours - in_float32).max() > 0) == (copy is not None)
+    assert cosine(ours, in_float32).min() >= 0.99995
 
 
 def test_outputs_come_back_in_input_order_with_the_tokens_the_model_saw(batch_outputs, engine, st_model):
