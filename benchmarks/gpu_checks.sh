@@ -10,9 +10,10 @@
 # the step's wall time and the host's time to dispatch it). The default stages' limits add up to 8 minutes (tests,
 # greedy, kernels, llama8b); STAGES (space-separated names) picks others: sweep, flash, decode, llama8b_mosaic,
 # smollm2, quant, projections, profile, e.g.
-# STAGES="tests flash decode llama8b_mosaic" for the Mosaic GPU kernels' first run. Everything
-# printed goes to $out/log.txt, the results to one JSON file per stage (the device tool brings back 8 files at most).
-# benchmarks/results/gpu_h100_2026-11-27/summary.md holds the first runs' figures and what each stage took.
+# STAGES="greedy decode llama8b profile" GREEDY_FAMILIES=phi3,gemma3,qwen2,qwen3_moe. Everything printed goes to
+# $out/log.txt, the results to one JSON file per stage (the device tool brings back 8 files at most).
+# benchmarks/results/gpu_h100_2026-11-27/summary.md and gpu_h200_2026-12-04/summary.md hold the runs' figures and
+# what each stage took (on the H200: tests 123 s, greedy with 5 families 49 s, kernels 44 s, llama8b_mosaic 177 s).
 #
 # Here, once per session:  python -m benchmarks.gpu_models .gpu
 #   and the wheels the GPU image lacks (gguf, llguidance) in .whl (both folders are in .gitignore)
@@ -48,7 +49,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run under a time limit, log, print the
 # The kernels run compiled against their references (the CUDA-lowering and ptxas tests need no GPU: CI's
 # GPU-versions leg runs them; test_pallas_engine.py needs the embedded SmolLM2 wheel, too big to travel).
 # -v names each test as it ends, so a stage cut short still says which failed.
-step tests 130 python3 -m pytest -v -n 12 -p no:cacheprovider -o addopts="" --timeout 40 -rfE --tb=short \
+step tests 140 python3 -m pytest -v -n 12 -p no:cacheprovider -o addopts="" --timeout 40 -rfE --tb=short \
     tests/pallas_kernels/test_pallas_decode.py tests/pallas_kernels/test_pallas_ragged.py \
     tests/pallas_kernels/test_pallas_backend.py tests/pallas_kernels/test_pallas_qk_chunks.py \
     tests/pallas_kernels/test_pallas_grouped_matmul.py tests/pallas_kernels/test_quant_matmul_bench.py \
@@ -58,20 +59,20 @@ step tests 130 python3 -m pytest -v -n 12 -p no:cacheprovider -o addopts="" --ti
 # as speed is not what this stage checks
 # (GREEDY_FAMILIES, comma-separated, checks fewer families: each process compiles its step shapes on the shared CPUs)
 families=${GREEDY_FAMILIES:-llama,gemma2,mistral,qwen3,mixtral,phi3,gemma3,qwen2,qwen3_moe}
-step greedy 110 env XLA_FLAGS=--xla_gpu_autotune_level=0 python3 -m benchmarks.gpu_greedy --root .gpu \
+step greedy 90 env XLA_FLAGS=--xla_gpu_autotune_level=0 python3 -m benchmarks.gpu_greedy --root .gpu \
     --families "$families" --jobs "$(tr -cd , <<< "$families" | wc -c | awk '{print $1 + 1}')" --json "$out/greedy_gpu.jsonl"
-step kernels 60 python3 -m benchmarks.kernels --budget-s 40 --warmup 2 --iters 10 --json "$out/kernels_gpu.json"
+step kernels 50 python3 -m benchmarks.kernels --budget-s 40 --warmup 2 --iters 10 --json "$out/kernels_gpu.json"
 # the block / split / warp / stage sweep at the target shapes
 step sweep 120 python3 -m benchmarks.kernels --sweep --only decode --budget-s 90 --json "$out/sweep_gpu.json"
 # jax's Mosaic GPU flash attention beside the ragged kernel at the prefill shapes, without the sweep
 step flash 45 python3 -m benchmarks.kernels --only prefill --budget-s 25 --json "$out/flash_gpu.json"
 # every decode shape (batch 1-256 x context 512-8192, GQA and head-dim variants), without the sweep
 step decode 50 python3 -m benchmarks.kernels --only decode --budget-s 35 --json "$out/decode_gpu.json"
-step llama8b 180 python3 -m benchmarks.throughput --model .gpu/llama8b-shape --load-format dummy --dtype bfloat16 \
+step llama8b 200 python3 -m benchmarks.throughput --model .gpu/llama8b-shape --load-format dummy --dtype bfloat16 \
     --batched-weight-dtype none --no-baseline --scenarios prefill,single,batch,wide --repeats 2 --num-prompts 64 \
     --input-len 128 --output-len 128 --wide 256 --json "$out/throughput_llama8b_gpu.json"
 # the same engine on the Mosaic GPU kernels
-step llama8b_mosaic 180 python3 -m benchmarks.throughput --model .gpu/llama8b-shape --load-format dummy \
+step llama8b_mosaic 200 python3 -m benchmarks.throughput --model .gpu/llama8b-shape --load-format dummy \
     --dtype bfloat16 --attention-backend mosaic --batched-weight-dtype none --no-baseline \
     --scenarios prefill,single,batch,wide --repeats 2 --num-prompts 64 --input-len 128 --output-len 128 --wide 256 \
     --json "$out/throughput_llama8b_mosaic_gpu.json"
