@@ -10,7 +10,7 @@
 # the step's wall time and the host's time to dispatch it). The default stages' limits add up to 8 minutes (tests,
 # greedy, kernels, llama8b); STAGES (space-separated names) picks others: sweep, flash, decode, llama8b_mosaic,
 # smollm2, quant, projections, profile, e.g.
-# STAGES="greedy decode llama8b profile" GREEDY_FAMILIES=phi3,gemma3,qwen2,qwen3_moe. Everything printed goes to
+# STAGES="tests greedy kernels llama8b" GREEDY_FAMILIES=phi3,gemma3,qwen2,qwen3_moe. Everything printed goes to
 # $out/log.txt, the results to one JSON file per stage (the device tool brings back 8 files at most).
 # benchmarks/results/gpu_h100_2026-11-27/summary.md and gpu_h200_2026-12-04/summary.md hold the runs' figures and
 # what each stage took (on the H200: tests 123 s, greedy with 5 families 49 s, kernels 44 s, llama8b_mosaic 177 s).

@@ -1,7 +1,7 @@
 """Kernel benchmark: Pallas decode / prefill attention vs the jnp reference and jax's shipped paged_attention.
 
-Decode and prefill time both of jvllm's kernels on a GPU: the Triton ones (`pallas`) and the Mosaic GPU ones
-(`mosaic`, jax >= 0.11).
+Decode and prefill time jvllm's kernels on a GPU: the Triton ones (`pallas`) and the Mosaic GPU ones (`mosaic`, jax
+>= 0.11; for prefill both the one-warpgroup kernel and the warp-specialized one, `mosaic_warp_specialized`).
 
 Decode prints achieved GB/s (KV bytes read / time), prefill TFLOP/s, each next to the device ceilings measured
 in the same run (a large device copy for bandwidth, a large bf16 matmul for FLOP/s); prefill also times jax's
@@ -34,6 +34,7 @@ from pallas_kernels.kv_write import write_kv
 from pallas_kernels.mosaic_common import mosaic_gpu_available
 from pallas_kernels.mosaic_decode import mosaic_decode_attention
 from pallas_kernels.mosaic_ragged import BLOCK_Q as MOSAIC_BLOCK_Q, mosaic_ragged_paged_attention
+from pallas_kernels.mosaic_ragged_ws import BLOCK_Q as MOSAIC_WS_BLOCK_Q, mosaic_ragged_ws_attention
 from pallas_kernels.ragged_attention import ragged_block_q, ragged_items, ragged_paged_attention
 from pallas_kernels.reference import decode_attention_reference, ragged_attention_reference
 
@@ -219,9 +220,12 @@ def bench_prefill(case: PrefillCase, ceilings: dict, args: argparse.Namespace, i
                 jax.jit(functools.partial(ragged_paged_attention, interpret=interpret, block_q=block_q,
                                           pages_per_block=ppb, num_warps=warps, num_stages=stages, scale=scale)),
                 fn_args + items(block_q))
-    if not interpret and mosaic_gpu_available():  # the Mosaic GPU (Hopper) kernel, its items of 64 queries
+    if not interpret and mosaic_gpu_available():  # the Mosaic GPU (Hopper) kernels: one warpgroup on items of 64
+        # queries; two consumer warpgroups and a producer on items of 128
         impls["mosaic"] = (jax.jit(functools.partial(mosaic_ragged_paged_attention, scale=scale)),
                            fn_args + items(MOSAIC_BLOCK_Q))
+        impls["mosaic_warp_specialized"] = (jax.jit(functools.partial(mosaic_ragged_ws_attention, scale=scale)),
+                                            fn_args + items(MOSAIC_WS_BLOCK_Q))
     if not interpret:
         flash = mosaic_flash_attention(case, q, k_pages, v_pages, tables, scale)
         if flash is not None:

@@ -72,6 +72,15 @@ def scratch_types(head_dim: int, page_size: int, pages_per_block: int, dtype: An
             plgpu.Barrier(num_arrivals=2 * pages_per_block, num_barriers=SLOTS)]
 
 
+def item_tokens(query_start: jax.Array, q_lens: jax.Array, item_seq: jax.Array, item_first: jax.Array, block_q: int,
+                num_tokens: int) -> jax.Array:
+    """-> [NB * block_q] int32: the flat token of each work item's rows, row by row, or num_tokens (a zero row
+    appended to q) for rows past the end of the item's chunk."""
+    offsets = item_first[:, None] + jnp.arange(block_q)[None, :]  # [NB, block_q]
+    real = offsets < q_lens[item_seq][:, None]
+    return jnp.where(real, query_start[item_seq][:, None] + offsets, num_tokens).reshape(-1)
+
+
 def default_pages_per_block(page_size: int, max_pages: int) -> int:
     """128-token KV blocks (wgmma's N for q.K^T); 64 when the table is narrower. A power of two, so that a block's
     rows of 16-bit values fill whole 32/64/128-byte swizzle rows."""
@@ -94,6 +103,21 @@ def blocked_tables(block_tables: jax.Array, page_size: int, pages_per_block: int
     return jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages))), pages_per_block
 
 
+def fetch_block(block: jax.Array, slot: jax.Array, *, tables_ref, seq: jax.Array, kv_head: jax.Array, k_ref, v_ref,
+                k_smem, v_smem, kv_bar, pages_per_block: int) -> None:
+    """Start the TMA copies of KV block `block` of sequence `seq` (its pages of `kv_head`, K and V) into shared
+    memory slot `slot`; all 2 x pages_per_block copies arrive on kv_bar[slot]."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    page_size = k_ref.shape[1]
+    for j in range(pages_per_block):
+        page = tables_ref[seq, block * pages_per_block + j]
+        rows = pl.ds(j * page_size, page_size)
+        plgpu.copy_gmem_to_smem(k_ref.at[page, :, kv_head], k_smem.at[slot, rows], kv_bar.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[page, :, kv_head], v_smem.at[slot, rows], kv_bar.at[slot])
+
+
 def attend_blocks(lo: jax.Array, hi: jax.Array, kv_len: jax.Array, *, tables_ref, seq: jax.Array, kv_head: jax.Array,
                   k_ref, v_ref, q_smem, k_smem, v_smem, p_smem, kv_bar, pages_per_block: int, scale: float,
                   soft_cap: float | None, visible: Callable[[jax.Array], jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -108,22 +132,14 @@ def attend_blocks(lo: jax.Array, hi: jax.Array, kv_len: jax.Array, *, tables_ref
     head_dim = q_smem.shape[-1]
 
     def fetch(block, slot):
-        for j in range(pages_per_block):
-            page = tables_ref[seq, block * pages_per_block + j]
-            rows = pl.ds(j * page_size, page_size)
-            plgpu.copy_gmem_to_smem(k_ref.at[page, :, kv_head], k_smem.at[slot, rows], kv_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[page, :, kv_head], v_smem.at[slot, rows], kv_bar.at[slot])
+        fetch_block(block, slot, tables_ref=tables_ref, seq=seq, kv_head=kv_head, k_ref=k_ref, v_ref=v_ref,
+                    k_smem=k_smem, v_smem=v_smem, kv_bar=kv_bar, pages_per_block=pages_per_block)
 
     @pl.when(lo < hi)
     def _():
         fetch(lo, lax.rem(lo, SLOTS))
 
-    m_i = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    l_i = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    acc = plgpu.layout_cast(jnp.full((ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-
     def step(block, carry):
-        acc, m_i, l_i = carry
         slot = lax.rem(block, SLOTS)
 
         @pl.when(block + 1 < hi)
@@ -138,34 +154,56 @@ def attend_blocks(lo: jax.Array, hi: jax.Array, kv_len: jax.Array, *, tables_ref
             v_smem.at[slot][...] = jnp.where(block * block_kv + tail < kv_len, v_smem.at[slot][...], 0)
             plgpu.commit_smem()
 
-        def qk_scope(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-            return acc_ref[...]
+        return attend_block(carry, block, q_smem=q_smem, k_slot=k_smem.at[slot], v_slot=v_smem.at[slot],
+                            p_smem=p_smem, scale=scale, soft_cap=soft_cap, visible=visible)
 
-        s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS, block_kv), jnp.float32)) * scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        key = block * block_kv + plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
-        s = jnp.where(visible(key), s * LOG2E, MASK)
-        m_new = jnp.maximum(m_i, s.max(axis=1))
-        alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        l_i = l_i * alpha + p.sum(axis=1)
-        # p goes through shared memory and into a fresh accumulator: Mosaic GPU's interpret mode takes wgmma's A
-        # operand from shared memory only, and has no run_state over a wgmma accumulator
-        p_smem[...] = p.astype(p_smem.dtype)
-        plgpu.commit_smem()
-
-        def pv_scope(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-            return acc_ref[...]
-
-        pv = pl.run_scoped(pv_scope, plgpu.ACC((ROWS, head_dim), jnp.float32))
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
-        return acc, m_new, l_i
-
-    acc, _, l_i = lax.fori_loop(lo, hi, step, (acc, m_i, l_i))
+    acc, _, l_i = lax.fori_loop(lo, hi, step, initial_carry(head_dim))
     return acc, l_i
+
+
+def initial_carry(head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The online softmax's start -> (acc [64, hd] f32 zeros, m [64] -inf, l [64] zeros) in wgmma's layouts."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return (plgpu.layout_cast(jnp.full((ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+            plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+
+
+def attend_block(carry: tuple[jax.Array, jax.Array, jax.Array], block: jax.Array, *, q_smem, k_slot, v_slot, p_smem,
+                 scale: float, soft_cap: float | None, visible: Callable[[jax.Array], jax.Array]):
+    """One KV block (`k_slot`, `v_slot` [block, hd] in shared memory, loaded and fenced) folded into the online
+    softmax of the query tile in `q_smem` [64, hd]: carry (acc, m, l) -> (acc, m, l)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    acc, m_i, l_i = carry
+    block_kv, head_dim = k_slot.shape
+
+    def qk_scope(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, k_slot.transpose((1, 0)))
+        return acc_ref[...]
+
+    s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS, block_kv), jnp.float32)) * scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    key = block * block_kv + plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
+    s = jnp.where(visible(key), s * LOG2E, MASK)
+    m_new = jnp.maximum(m_i, s.max(axis=1))
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    l_i = l_i * alpha + p.sum(axis=1)
+    # p goes through shared memory and into a fresh accumulator: Mosaic GPU's interpret mode takes wgmma's A
+    # operand from shared memory only, and has no run_state over a wgmma accumulator
+    p_smem[...] = p.astype(p_smem.dtype)
+    plgpu.commit_smem()
+
+    def pv_scope(acc_ref):
+        plgpu.wgmma(acc_ref, p_smem, v_slot)
+        return acc_ref[...]
+
+    pv = pl.run_scoped(pv_scope, plgpu.ACC((ROWS, head_dim), jnp.float32))
+    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, l_i
 
 
 def store_tile(acc: jax.Array, l_i: jax.Array, o_smem, o_gmem) -> None:

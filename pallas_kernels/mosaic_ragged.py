@@ -83,9 +83,7 @@ def mosaic_ragged_paged_attention(
     block_tables, pages_per_block = mosaic_common.blocked_tables(block_tables, page_size, pages_per_block)
     # each work item's rows, token by token: its sequence's tokens, then the zero row T past the chunk's end (a
     # tile gathered outside the kernel: in the kernel a TMA box at a data-dependent row is beyond layout inference)
-    offsets = item_first[:, None] + jnp.arange(BLOCK_Q)[None, :]  # [NB, 64]
-    real = offsets < q_lens[item_seq][:, None]
-    token = jnp.where(real, query_start[item_seq][:, None] + offsets, num_tokens).reshape(-1)  # [NB * 64]
+    token = mosaic_common.item_tokens(query_start, q_lens, item_seq, item_first, BLOCK_Q, num_tokens)  # [NB * 64]
     q_tiles = jnp.pad(q, ((0, 1), (0, 0), (0, 0)))[token].reshape(num_items, BLOCK_Q, heads, head_dim)
     kernel = plgpu.kernel(
         functools.partial(_kernel, group=heads // kv_heads, pages_per_block=pages_per_block, scale=scale,

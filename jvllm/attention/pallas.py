@@ -4,16 +4,31 @@ head dim a multiple of 64; the Triton kernels otherwise)."""
 from __future__ import annotations
 
 import functools
-from typing import Any
+import os
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
 from models.attention import AttentionMetadata
-from pallas_kernels import mosaic_common, mosaic_decode, mosaic_ragged
+from pallas_kernels import mosaic_common, mosaic_decode, mosaic_ragged, mosaic_ragged_ws
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.kv_write import write_kv
 from pallas_kernels.ragged_attention import ragged_block_q, ragged_items, ragged_paged_attention
+
+
+MOSAIC_RAGGED_ENV = "JVLLM_MOSAIC_RAGGED"  # one_warpgroup (default) | warp_specialized: the mosaic backend's ragged kernel
+
+
+def mosaic_ragged_kernel(head_dim: int) -> tuple[int, Callable[..., jax.Array]]:
+    """-> (queries per work item, kernel): the Mosaic GPU ragged kernel JVLLM_MOSAIC_RAGGED picks (read when the
+    engine builds its steps), the one-warpgroup kernel where the warp-specialized one does not cover the head dim."""
+    choice = os.environ.get(MOSAIC_RAGGED_ENV, "one_warpgroup")
+    if choice not in ("one_warpgroup", "warp_specialized"):
+        raise ValueError(f"{MOSAIC_RAGGED_ENV}={choice!r}: one_warpgroup or warp_specialized")
+    if choice == "warp_specialized" and mosaic_ragged_ws.covers(head_dim):
+        return mosaic_ragged_ws.BLOCK_Q, mosaic_ragged_ws.mosaic_ragged_ws_attention
+    return mosaic_ragged.BLOCK_Q, mosaic_ragged.mosaic_ragged_paged_attention
 
 
 def _on_mosaic(kernels: str, q_dtype: Any, kv_dtype: Any, heads: int, kv_heads: int, head_dim: int,
@@ -45,7 +60,7 @@ def write_and_attend(
         decode = mosaic_decode.mosaic_decode_attention if mosaic else decode_attention
         out = decode(q, k_pages, v_pages, md.page_tables, md.kv_lens, scale=scale, **options)
     else:
-        ragged = mosaic_ragged.mosaic_ragged_paged_attention if mosaic else ragged_paged_attention
+        ragged = mosaic_ragged_kernel(q.shape[2])[1] if mosaic else ragged_paged_attention
         out = ragged(q, k_pages, v_pages, md.query_start, md.q_lens, md.kv_lens, md.page_tables,
                      md.layout["item_seq"], md.layout["item_first"], scale=scale, **options)
     return out.astype(q.dtype), k_pages, v_pages
@@ -63,5 +78,5 @@ def layout_for(num_heads: int, num_kv_heads: int, head_dim: int, dtype: Any, *, 
     """The prefill layout of a model: items of the block size the ragged kernel will launch with (the engine's page
     size is a multiple of 8 under `mosaic`: EngineArgs checks it)."""
     if _on_mosaic(kernels, dtype, dtype, num_heads, num_kv_heads, head_dim, page_size=8):
-        return functools.partial(ragged_layout, block_q=mosaic_ragged.BLOCK_Q)
+        return functools.partial(ragged_layout, block_q=mosaic_ragged_kernel(head_dim)[0])
     return functools.partial(ragged_layout, block_q=ragged_block_q(dtype, dtype, num_heads, num_kv_heads, head_dim))

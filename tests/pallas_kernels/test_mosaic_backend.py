@@ -1,5 +1,6 @@
-"""The `mosaic` attention backend (the Mosaic GPU kernels) gives the `xla` backend's outputs for the same steps, in
-Mosaic GPU's interpret mode on CPU (jax >= 0.11) or compiled on a GPU; float32 models stay on the Triton kernels."""
+"""The `mosaic` attention backend (the Mosaic GPU kernels, either ragged kernel) gives the `xla` backend's outputs for
+the same steps, in Mosaic GPU's interpret mode on CPU (jax >= 0.11) or compiled on a GPU; float32 models stay on the
+Triton kernels."""
 from __future__ import annotations
 
 import jax
@@ -10,6 +11,7 @@ from pallas_inputs import TOLERANCE, engine_metadata, random_array
 
 from jvllm.attention import get_backend
 from jvllm.attention import xla
+from jvllm.attention.pallas import MOSAIC_RAGGED_ENV
 from jvllm.worker.step_shapes import ShapeSet
 
 pytestmark = pytest.mark.skipif(jax.__version_info__ < (0, 11), reason="Mosaic GPU's interpret mode and plgpu.kernel "
@@ -19,9 +21,12 @@ SHAPES, MAX_PAGES = ShapeSet(max_num_seqs=8, max_num_batched_tokens=64), 8
 STEPS = {"decode": [(40, 1), (15, 1), (0, 1)], "mixed": [(0, 13), (35, 1), (17, 9)], "prefill": [(0, 21), (0, 6)]}
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("dtype, ragged_kernel", [(jnp.bfloat16, "one_warpgroup"), (jnp.float32, "one_warpgroup"),
+                                                   (jnp.bfloat16, "warp_specialized")],
+                         ids=["bf16", "f32", "bf16-warp_specialized"])
 @pytest.mark.parametrize("step", list(STEPS))
-def test_mosaic_backend_matches_xla_backend(step, dtype):
+def test_mosaic_backend_matches_xla_backend(step, dtype, ragged_kernel, monkeypatch):
+    monkeypatch.setenv(MOSAIC_RAGGED_ENV, ragged_kernel)
     page_size, kv_heads, group, head_dim, num_pages = 16, 2, 4, 64, 14
     backend, xla_backend = (get_backend(name).for_model(kv_heads * group, kv_heads, head_dim, dtype)
                             for name in ("mosaic", "xla"))
@@ -37,9 +42,11 @@ def test_mosaic_backend_matches_xla_backend(step, dtype):
     k, v = (random_array(rng, (num_tokens, kv_heads, head_dim), dtype) for _ in range(2))
     scale = head_dim ** -0.5
     assert backend.name == "mosaic" and md.decode == (step == "decode")
-    if not md.decode:  # work items of 64 queries (the Mosaic GPU kernel's tile) for bf16, the Triton kernel's for f32
-        items_of_64 = -(-num_tokens // 64) + md.q_lens.shape[0]
-        assert (md.layout["item_seq"].shape[0] == items_of_64) == (dtype == jnp.bfloat16)
+    if not md.decode:  # work items of the Mosaic GPU kernel's queries (64, or 128 warp-specialized) for bf16, the
+        # Triton kernel's for f32
+        block_q = 128 if ragged_kernel == "warp_specialized" else 64
+        mosaic_items = -(-num_tokens // block_q) + md.q_lens.shape[0]
+        assert (md.layout["item_seq"].shape[0] == mosaic_items) == (dtype == jnp.bfloat16)
     out, k_new, _ = jax.jit(backend.write_and_attend, static_argnums=(6, 7, 8))(
         q, k, v, k_pages, v_pages, md, scale, None, None)
     with jax.default_matmul_precision("highest"):  # on a GPU XLA's float32 dots default to TF32
