@@ -49,7 +49,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run under a time limit, log, print the
 # The kernels run compiled against their references (the CUDA-lowering and ptxas tests need no GPU: CI's
 # GPU-versions leg runs them; test_pallas_engine.py needs the embedded SmolLM2 wheel, too big to travel).
 # -v names each test as it ends, so a stage cut short still says which failed.
-step tests 140 python3 -m pytest -v -n 12 -p no:cacheprovider -o addopts="" --timeout 40 -rfE --tb=short \
+step tests 150 python3 -m pytest -v -n 12 -p no:cacheprovider -o addopts="" --timeout 40 -rfE --tb=short \
     tests/pallas_kernels/test_pallas_decode.py tests/pallas_kernels/test_pallas_ragged.py \
     tests/pallas_kernels/test_pallas_backend.py tests/pallas_kernels/test_pallas_qk_chunks.py \
     tests/pallas_kernels/test_pallas_grouped_matmul.py tests/pallas_kernels/test_quant_matmul_bench.py \
@@ -59,7 +59,7 @@ step tests 140 python3 -m pytest -v -n 12 -p no:cacheprovider -o addopts="" --ti
 # as speed is not what this stage checks
 # (GREEDY_FAMILIES, comma-separated, checks fewer families: each process compiles its step shapes on the shared CPUs)
 families=${GREEDY_FAMILIES:-llama,gemma2,mistral,qwen3,mixtral,phi3,gemma3,qwen2,qwen3_moe}
-step greedy 90 env XLA_FLAGS=--xla_gpu_autotune_level=0 python3 -m benchmarks.gpu_greedy --root .gpu \
+step greedy 80 env XLA_FLAGS=--xla_gpu_autotune_level=0 python3 -m benchmarks.gpu_greedy --root .gpu \
     --families "$families" --jobs "$(tr -cd , <<< "$families" | wc -c | awk '{print $1 + 1}')" --json "$out/greedy_gpu.jsonl"
 step kernels 50 python3 -m benchmarks.kernels --budget-s 40 --warmup 2 --iters 10 --json "$out/kernels_gpu.json"
 # the block / split / warp / stage sweep at the target shapes

@@ -157,9 +157,14 @@ def bench_decode(case: DecodeCase, ceilings: dict, args: argparse.Namespace, int
         name = "pallas" + (f"[{','.join(f'{k}={v}' for k, v in config.items())}]" if config else "")
         fn = jax.jit(functools.partial(decode_attention, scale=scale, interpret=interpret, **config))
         impls[name] = (fn, (q, k_pages, v_pages, tables, lengths))
-    if not interpret and mosaic_gpu_available():  # the Mosaic GPU (Hopper) kernel beside the Triton one
+    if not interpret and mosaic_gpu_available():  # the Mosaic GPU (Hopper) kernel beside the Triton one, with its
+        # default 128-token KV blocks (one program per SM in shared memory) and with 64-token blocks (two per SM)
         impls["mosaic"] = (jax.jit(functools.partial(mosaic_decode_attention, scale=scale)),
                            (q, k_pages, v_pages, tables, lengths))
+        if 64 % case.page_size == 0:
+            impls["mosaic[64-token blocks]"] = (
+                jax.jit(functools.partial(mosaic_decode_attention, scale=scale, pages_per_block=64 // case.page_size)),
+                (q, k_pages, v_pages, tables, lengths))
     impls["jnp_reference"] = (jax.jit(functools.partial(decode_attention_reference, scale=scale)),
                               (q, k_pages, v_pages, tables, lengths))
     # the shipped kernel wants head-major pages [KVH, N, page, hd]; transposed outside the timed region
