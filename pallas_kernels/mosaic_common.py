@@ -171,9 +171,12 @@ def initial_carry(head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 
 def attend_block(carry: tuple[jax.Array, jax.Array, jax.Array], block: jax.Array, *, q_smem, k_slot, v_slot, p_smem,
-                 scale: float, soft_cap: float | None, visible: Callable[[jax.Array], jax.Array]):
+                 scale: float, soft_cap: float | None, visible: Callable[[jax.Array], jax.Array],
+                 p_in_registers: bool = False):
     """One KV block (`k_slot`, `v_slot` [block, hd] in shared memory, loaded and fenced) folded into the online
-    softmax of the query tile in `q_smem` [64, hd]: carry (acc, m, l) -> (acc, m, l)."""
+    softmax of the query tile in `q_smem` [64, hd]: carry (acc, m, l) -> (acc, m, l). `p_in_registers` hands p to
+    wgmma from registers and accumulates p.V into the rescaled acc in place (compiled only: Mosaic GPU's interpret
+    mode has neither); otherwise p goes through `p_smem` [64, block] into a fresh accumulator."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -193,8 +196,16 @@ def attend_block(carry: tuple[jax.Array, jax.Array, jax.Array], block: jax.Array
     alpha = jnp.exp2(m_i - m_new)
     p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
     l_i = l_i * alpha + p.sum(axis=1)
-    # p goes through shared memory and into a fresh accumulator: Mosaic GPU's interpret mode takes wgmma's A
-    # operand from shared memory only, and has no run_state over a wgmma accumulator
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    if p_in_registers:
+        p16 = p.astype(v_slot.dtype)
+
+        def accumulate(acc_ref):
+            plgpu.wgmma(acc_ref, p16, v_slot)
+
+        return pl.run_state(accumulate)(plgpu.ACC.init(acc)), m_new, l_i
+    # Mosaic GPU's interpret mode takes wgmma's A operand from shared memory only, and has no run_state over a
+    # wgmma accumulator
     p_smem[...] = p.astype(p_smem.dtype)
     plgpu.commit_smem()
 
@@ -202,8 +213,7 @@ def attend_block(carry: tuple[jax.Array, jax.Array, jax.Array], block: jax.Array
         plgpu.wgmma(acc_ref, p_smem, v_slot)
         return acc_ref[...]
 
-    pv = pl.run_scoped(pv_scope, plgpu.ACC((ROWS, head_dim), jnp.float32))
-    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv, m_new, l_i
+    return acc + pl.run_scoped(pv_scope, plgpu.ACC((ROWS, head_dim), jnp.float32)), m_new, l_i
 
 
 def store_tile(acc: jax.Array, l_i: jax.Array, o_smem, o_gmem) -> None:

@@ -36,7 +36,8 @@ def covers(head_dim: int) -> bool:
 
 def _kernel(q_ref, k_ref, v_ref, tables_ref, q_lens_ref, kv_lens_ref, item_seq_ref, item_first_ref, o_ref,
             q_smem, k_smem, v_smem, p_smem, q_bar, kv_bar, released_bar, tail_bar, *, group: int,
-            pages_per_block: int, scale: float, sliding_window: int | None, soft_cap: float | None):
+            pages_per_block: int, scale: float, sliding_window: int | None, soft_cap: float | None,
+            p_in_registers: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -126,7 +127,8 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, q_lens_ref, kv_lens_ref, item_seq_r
                 slot = receive(block)
                 carry = mosaic_common.attend_block(
                     carry, block, q_smem=q_smem.at[wg], k_slot=k_smem.at[slot], v_slot=v_smem.at[slot],
-                    p_smem=p_smem.at[wg], scale=scale, soft_cap=soft_cap, visible=visible)
+                    p_smem=p_smem.at[wg], scale=scale, soft_cap=soft_cap, visible=visible,
+                    p_in_registers=p_in_registers)
                 plgpu.barrier_arrive(released_bar.at[slot])
                 return carry
 
@@ -153,6 +155,7 @@ def mosaic_ragged_ws_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     pages_per_block: int | None = None,
+    p_in_registers: bool | None = None,  # None: in registers when compiled (`mosaic_common.attend_block`)
     interpret: Any = None,  # bool, None (interpret off GPU) or plgpu.InterpretGPUParams
 ) -> jax.Array:
     """Causal attention of every real query token over its sequence's keys -> [T, H, hd] in q.dtype; padding
@@ -174,9 +177,13 @@ def mosaic_ragged_ws_attention(
     q_tiles = jnp.pad(q, ((0, 1), (0, 0), (0, 0)))[token].reshape(num_items, CONSUMERS, ROWS, heads, head_dim)
     block_kv = page_size * pages_per_block
     rows = mosaic_common.transforms(head_dim, q.dtype)
+    interpret = mosaic_common.interpret_params(interpret)
+    if p_in_registers and interpret is not None:
+        raise NotImplementedError("p_in_registers: Mosaic GPU's interpret mode takes wgmma's A from shared memory")
     kernel = plgpu.kernel(
         functools.partial(_kernel, group=heads // kv_heads, pages_per_block=pages_per_block, scale=scale,
-                          sliding_window=sliding_window, soft_cap=soft_cap),
+                          sliding_window=sliding_window, soft_cap=soft_cap,
+                          p_in_registers=interpret is None if p_in_registers is None else p_in_registers),
         out_type=jax.ShapeDtypeStruct(q_tiles.shape, q.dtype),
         scratch_types=[
             plgpu.SMEM((CONSUMERS, ROWS, head_dim), q.dtype, transforms=rows),  # q tiles, then output tiles
@@ -192,7 +199,7 @@ def mosaic_ragged_ws_attention(
         grid_names=("item", "head"),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
-        interpret=mosaic_common.interpret_params(interpret),
+        interpret=interpret,
     )
     tiles = kernel(q_tiles, k_pages, v_pages, block_tables, q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32),
                    item_seq.astype(jnp.int32), item_first.astype(jnp.int32))
