@@ -158,12 +158,14 @@ def bench_decode(case: DecodeCase, ceilings: dict, args: argparse.Namespace, int
         fn = jax.jit(functools.partial(decode_attention, scale=scale, interpret=interpret, **config))
         impls[name] = (fn, (q, k_pages, v_pages, tables, lengths))
     if not interpret and mosaic_gpu_available():  # the Mosaic GPU (Hopper) kernel beside the Triton one, with its
-        # default 128-token KV blocks (one program per SM in shared memory) and with 64-token blocks (two per SM)
+        # default 128-token KV blocks in 2 slots (one program per SM in shared memory), and 64-token blocks in 2
+        # slots (two programs per SM) or 4 (one program per SM, 3 blocks in flight)
         impls["mosaic"] = (jax.jit(functools.partial(mosaic_decode_attention, scale=scale)),
                            (q, k_pages, v_pages, tables, lengths))
-        if 64 % case.page_size == 0:
-            impls["mosaic[64-token blocks]"] = (
-                jax.jit(functools.partial(mosaic_decode_attention, scale=scale, pages_per_block=64 // case.page_size)),
+        for slots in (2, 4) if 64 % case.page_size == 0 else ():
+            impls[f"mosaic[64-token blocks, {slots} slots]"] = (
+                jax.jit(functools.partial(mosaic_decode_attention, scale=scale, pages_per_block=64 // case.page_size,
+                                          slots=slots)),
                 (q, k_pages, v_pages, tables, lengths))
     impls["jnp_reference"] = (jax.jit(functools.partial(decode_attention_reference, scale=scale)),
                               (q, k_pages, v_pages, tables, lengths))

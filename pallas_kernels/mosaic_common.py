@@ -1,10 +1,10 @@
 """Pieces the Mosaic GPU attention kernels share: shared-memory layouts, the TMA page fetch of a KV block, and the
-loop over KV blocks with an online softmax (wgmma for q.K^T and p.V), double-buffered.
+loop over KV blocks with an online softmax (wgmma for q.K^T and p.V), in 2 or more shared-memory slots.
 
 A kernel program holds a 64-row query tile (one warpgroup's wgmma M) in shared memory and walks KV blocks of
 `pages_per_block` pages of one KV head: each page is one TMA copy of a [page, hd] box out of the [N, page, KVH, hd]
-pool, all of a block's K and V copies arriving on one barrier; block b + 1's copies are issued before block b is
-computed. Scores are kept in base 2 with the softmax scale folded in."""
+pool, all of a block's K and V copies arriving on one barrier; blocks b + 1 .. b + slots - 1 have their copies
+issued before block b is computed. Scores are kept in base 2 with the softmax scale folded in."""
 from __future__ import annotations
 
 import math
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 ROWS = 64  # wgmma's M: a warpgroup's tile of query rows
-SLOTS = 2  # KV blocks in shared memory at once
+SLOTS = 2  # KV blocks in shared memory at once, by default
 MASK = -1e30  # a hidden score (finite: a row whose keys are all hidden in one block stays finite)
 LOG2E = math.log2(math.e)
 
@@ -56,20 +56,20 @@ def transforms(row_elements: int, dtype: Any) -> tuple:
     return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def scratch_types(head_dim: int, page_size: int, pages_per_block: int, dtype: Any) -> list:
-    """Shared memory of a program: the q tile, the K and V slots, the p tile, the output tile, q's barrier and the
-    slots' barriers (one arrival per page copy)."""
+def scratch_types(head_dim: int, page_size: int, pages_per_block: int, dtype: Any, slots: int = SLOTS) -> list:
+    """Shared memory of a program: the q tile, `slots` K and V slots, the p tile, the output tile, q's barrier and
+    the slots' barriers (one arrival per page copy)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     block_kv = page_size * pages_per_block
     rows = transforms(head_dim, dtype)
     return [plgpu.SMEM((ROWS, head_dim), dtype, transforms=rows),
-            plgpu.SMEM((SLOTS, block_kv, head_dim), dtype, transforms=rows),
-            plgpu.SMEM((SLOTS, block_kv, head_dim), dtype, transforms=rows),
+            plgpu.SMEM((slots, block_kv, head_dim), dtype, transforms=rows),
+            plgpu.SMEM((slots, block_kv, head_dim), dtype, transforms=rows),
             plgpu.SMEM((ROWS, block_kv), dtype, transforms=transforms(block_kv, dtype)),
             plgpu.SMEM((ROWS, head_dim), dtype, transforms=rows),
             plgpu.Barrier(),
-            plgpu.Barrier(num_arrivals=2 * pages_per_block, num_barriers=SLOTS)]
+            plgpu.Barrier(num_arrivals=2 * pages_per_block, num_barriers=slots)]
 
 
 def item_tokens(query_start: jax.Array, q_lens: jax.Array, item_seq: jax.Array, item_first: jax.Array, block_q: int,
@@ -122,8 +122,9 @@ def attend_blocks(lo: jax.Array, hi: jax.Array, kv_len: jax.Array, *, tables_ref
                   k_ref, v_ref, q_smem, k_smem, v_smem, p_smem, kv_bar, pages_per_block: int, scale: float,
                   soft_cap: float | None, visible: Callable[[jax.Array], jax.Array]) -> tuple[jax.Array, jax.Array]:
     """Attention of the query tile in `q_smem` over KV blocks lo..hi-1 of sequence `seq`, whose keys end at
-    `kv_len` -> (acc [64, hd] f32 unnormalised, l [64] f32 row sums). `visible(key [64, block] int32) -> bool
-    [64, block]` masks scores; keys at or past kv_len must be hidden by it."""
+    `kv_len` -> (acc [64, hd] f32 unnormalised, l [64] f32 row sums), with the copies of the next slots - 1 blocks
+    in flight while a block is computed (the slots: k_smem's first dimension). `visible(key [64, block] int32) ->
+    bool [64, block]` masks scores; keys at or past kv_len must be hidden by it."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -135,16 +136,18 @@ def attend_blocks(lo: jax.Array, hi: jax.Array, kv_len: jax.Array, *, tables_ref
         fetch_block(block, slot, tables_ref=tables_ref, seq=seq, kv_head=kv_head, k_ref=k_ref, v_ref=v_ref,
                     k_smem=k_smem, v_smem=v_smem, kv_bar=kv_bar, pages_per_block=pages_per_block)
 
-    @pl.when(lo < hi)
-    def _():
-        fetch(lo, lax.rem(lo, SLOTS))
+    slots = k_smem.shape[0]
+    for ahead in range(slots - 1):
+        @pl.when(lo + ahead < hi)
+        def _():
+            fetch(lo + ahead, lax.rem(lo + ahead, slots))
 
     def step(block, carry):
-        slot = lax.rem(block, SLOTS)
+        slot = lax.rem(block, slots)
 
-        @pl.when(block + 1 < hi)
-        def _():
-            fetch(block + 1, lax.rem(block + 1, SLOTS))
+        @pl.when(block + slots - 1 < hi)
+        def _():  # into the slot the previous block was read from (its wgmma has completed)
+            fetch(block + slots - 1, lax.rem(block + slots - 1, slots))
 
         plgpu.barrier_wait(kv_bar.at[slot])
 

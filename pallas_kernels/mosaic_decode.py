@@ -1,5 +1,5 @@
 """Paged decode attention as a Mosaic GPU kernel for Hopper: TMA loads of whole KV pages into shared memory,
-wgmma for q.K^T and p.V, an online softmax in registers, K/V blocks double-buffered (`mosaic_common`).
+wgmma for q.K^T and p.V, an online softmax in registers, K/V blocks in 2 or more slots (`mosaic_common`).
 
 Same interface as `decode_attention.decode_attention` (one query token per sequence, K/V read in place from the
 page pool). One program per (sequence, KV head): its G = H / KVH query heads ride as rows of a 64-row wgmma tile
@@ -50,6 +50,7 @@ def mosaic_decode_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     pages_per_block: int | None = None,
+    slots: int = mosaic_common.SLOTS,  # KV blocks in shared memory: slots - 1 in flight while one is computed
     interpret: Any = None,  # bool, None (interpret off GPU) or plgpu.InterpretGPUParams
 ) -> jax.Array:
     """Attention of each sequence's query over its first `length` cached keys (the last `sliding_window` of them
@@ -68,7 +69,7 @@ def mosaic_decode_attention(
         functools.partial(_kernel, pages_per_block=pages_per_block, scale=scale, sliding_window=sliding_window,
                           soft_cap=soft_cap),
         out_type=jax.ShapeDtypeStruct(q_tiles.shape, q.dtype),
-        scratch_types=mosaic_common.scratch_types(head_dim, page_size, pages_per_block, q.dtype),
+        scratch_types=mosaic_common.scratch_types(head_dim, page_size, pages_per_block, q.dtype, slots),
         grid=(seqs, kv_heads),
         grid_names=("seq", "head"),
         interpret=mosaic_common.interpret_params(interpret),

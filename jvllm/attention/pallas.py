@@ -17,7 +17,8 @@ from pallas_kernels.kv_write import write_kv
 from pallas_kernels.ragged_attention import ragged_block_q, ragged_items, ragged_paged_attention
 
 
-MOSAIC_RAGGED_ENV = "JVLLM_MOSAIC_RAGGED"  # one_warpgroup (default) | warp_specialized: the mosaic backend's ragged kernel
+# the mosaic backend's ragged kernel: one_warpgroup (default) | warp_specialized
+MOSAIC_RAGGED_ENV = "JVLLM_MOSAIC_RAGGED"
 
 
 def mosaic_ragged_kernel(head_dim: int) -> tuple[int, Callable[..., jax.Array]]:

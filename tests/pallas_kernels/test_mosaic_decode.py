@@ -91,6 +91,23 @@ def test_window_and_soft_cap(sliding_window, soft_cap):
                                **TOLERANCE[jnp.bfloat16])
 
 
+@pytest.mark.parametrize("slots", [3, 4])
+def test_deeper_prefetch_matches_reference(slots):
+    """slots - 1 blocks in flight: 64-token blocks, lengths from part of one block to six and a half, so the slots
+    wrap round more than once and the first prefetches run past short sequences' ends."""
+    rng = np.random.default_rng(slots)
+    lengths = [0, 30, 64, 130, 200, 416]
+    pool = make_pool(rng, lengths, page_size=16, kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
+    q = random_array(rng, (len(lengths), 8, 64), jnp.bfloat16)
+    args = (q, pool.k_pages, pool.v_pages, pool.block_tables, jnp.asarray(lengths, jnp.int32))
+    out = mosaic_decode_attention(*args, scale=0.125, pages_per_block=4, slots=slots, interpret=race_checked())
+    expected = decode_attention_reference(*args, scale=0.125)
+    assert_race_free()
+    got = np.asarray(out, np.float32)
+    np.testing.assert_array_equal(got[0], 0.0)
+    np.testing.assert_allclose(got[1:], np.asarray(expected, np.float32)[1:], **TOLERANCE[jnp.bfloat16])
+
+
 def test_rejects_what_it_does_not_cover():
     q = jnp.zeros((1, 4, 64), jnp.float32)
     pages = jnp.zeros((2, 16, 1, 64), jnp.float32)
