@@ -59,16 +59,16 @@ step tests 150 python3 -m pytest -v -n 12 -p no:cacheprovider -o addopts="" --ti
 # as speed is not what this stage checks
 # (GREEDY_FAMILIES, comma-separated, checks fewer families: each process compiles its step shapes on the shared CPUs)
 families=${GREEDY_FAMILIES:-llama,gemma2,mistral,qwen3,mixtral,phi3,gemma3,qwen2,qwen3_moe}
-step greedy 80 env XLA_FLAGS=--xla_gpu_autotune_level=0 python3 -m benchmarks.gpu_greedy --root .gpu \
+step greedy 70 env XLA_FLAGS=--xla_gpu_autotune_level=0 python3 -m benchmarks.gpu_greedy --root .gpu \
     --families "$families" --jobs "$(tr -cd , <<< "$families" | wc -c | awk '{print $1 + 1}')" --json "$out/greedy_gpu.jsonl"
-step kernels 50 python3 -m benchmarks.kernels --budget-s 40 --warmup 2 --iters 10 --json "$out/kernels_gpu.json"
+step kernels 75 python3 -m benchmarks.kernels --budget-s 55 --warmup 2 --iters 10 --json "$out/kernels_gpu.json"
 # the block / split / warp / stage sweep at the target shapes
 step sweep 120 python3 -m benchmarks.kernels --sweep --only decode --budget-s 90 --json "$out/sweep_gpu.json"
 # jax's Mosaic GPU flash attention beside the ragged kernel at the prefill shapes, without the sweep
 step flash 45 python3 -m benchmarks.kernels --only prefill --budget-s 25 --json "$out/flash_gpu.json"
 # every decode shape (batch 1-256 x context 512-8192, GQA and head-dim variants), without the sweep
 step decode 50 python3 -m benchmarks.kernels --only decode --budget-s 35 --json "$out/decode_gpu.json"
-step llama8b 200 python3 -m benchmarks.throughput --model .gpu/llama8b-shape --load-format dummy --dtype bfloat16 \
+step llama8b 190 python3 -m benchmarks.throughput --model .gpu/llama8b-shape --load-format dummy --dtype bfloat16 \
     --batched-weight-dtype none --no-baseline --scenarios prefill,single,batch,wide --repeats 2 --num-prompts 64 \
     --input-len 128 --output-len 128 --wide 256 --json "$out/throughput_llama8b_gpu.json"
 # the same engine on the Mosaic GPU kernels
