@@ -124,7 +124,7 @@ def _try_time(fn: Callable, args: tuple, warmup: int, iters: int) -> float | str
     try:
         return time_fn(fn, *args, warmup=warmup, iters=iters)
     except Exception as err:  # e.g. out of memory for the dense reference at the largest shapes
-        return f"error: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
+        return f"error: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
 
 
 def shipped_paged_attention(case: DecodeCase, interpret: bool):
