@@ -152,9 +152,8 @@ def attend_blocks(lo: jax.Array, hi: jax.Array, kv_len: jax.Array, *, tables_ref
         plgpu.barrier_wait(kv_bar.at[slot])
 
         @pl.when(kv_len < (block + 1) * block_kv)
-        def _():  # slots past the sequence's end may hold anything, NaN included, and p.V sums 0 x V over them
-            tail = plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0, layout=plgpu.Layout.WGMMA)
-            v_smem.at[slot][...] = jnp.where(block * block_kv + tail < kv_len, v_smem.at[slot][...], 0)
+        def _():
+            zero_past_end(v_smem.at[slot], block * block_kv, kv_len)
             plgpu.commit_smem()
 
         return attend_block(carry, block, q_smem=q_smem, k_slot=k_smem.at[slot], v_slot=v_smem.at[slot],
@@ -162,6 +161,15 @@ def attend_blocks(lo: jax.Array, hi: jax.Array, kv_len: jax.Array, *, tables_ref
 
     acc, _, l_i = lax.fori_loop(lo, hi, step, initial_carry(head_dim))
     return acc, l_i
+
+
+def zero_past_end(v_rows, first_key: jax.Array, kv_len: jax.Array) -> None:
+    """Zero the rows of `v_rows` [rows, hd] (shared memory; keys first_key.. on) at or past the sequence's end
+    `kv_len`: those slots may hold anything, NaN included, and p.V sums 0 x V over them. The caller fences."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    key = first_key + plgpu.broadcasted_iota(jnp.int32, v_rows.shape, 0, layout=plgpu.Layout.WGMMA)
+    v_rows[...] = jnp.where(key < kv_len, v_rows[...], 0)
 
 
 def initial_carry(head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:

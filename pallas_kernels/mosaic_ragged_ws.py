@@ -9,7 +9,7 @@ Same interface as `mosaic_ragged.mosaic_ragged_paged_attention`, with work items
   blocks its own rows see (`mosaic_common.attend_block`); it waits on every block and releases every block, those it
   skips (causally or by the window) included, so that the two stay in step on the slots' barriers.
 Against the one-warpgroup kernel each K/V block is read from memory once per 128 queries instead of once per 64, and
-one consumer's softmax runs while the other's wgmma does. In the sequence's last block the consumers zero the V
+one consumer's softmax can run while the other's wgmma does. In the sequence's last block the consumers zero the V
 rows past its end, half each, and meet on a barrier before reading the slot. Needs jax >= 0.11; on CPU it runs in
 Mosaic GPU's interpret mode (tests)."""
 from __future__ import annotations
@@ -98,8 +98,8 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, q_lens_ref, kv_lens_ref, item_seq_r
                 return seen if sliding_window is None else seen & (q_pos - key < sliding_window)
 
             def receive(block):
-                """Wait for the block; in the sequence's last block, zero this consumer's half of the V rows past
-                its end (they may hold anything, NaN included, and p.V sums 0 x V over them)."""
+                """Wait for the block -> its slot; in the sequence's last block, zero this consumer's half of the V
+                rows past its end, then meet the other consumer."""
                 slot = lax.rem(block, SLOTS)
                 plgpu.barrier_wait(kv_bar.at[slot])
 
@@ -109,18 +109,15 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, q_lens_ref, kv_lens_ref, item_seq_r
                     for owner in range(CONSUMERS):
                         @pl.when(wg == owner)
                         def _():
-                            rows = v_smem.at[slot, pl.ds(owner * half, half)]
-                            key = block * block_kv + owner * half + plgpu.broadcasted_iota(
-                                jnp.int32, (half, head_dim), 0, layout=plgpu.Layout.WGMMA)
-                            rows[...] = jnp.where(key < kv_len, rows[...], 0)
+                            mosaic_common.zero_past_end(v_smem.at[slot, pl.ds(owner * half, half)],
+                                                        block * block_kv + owner * half, kv_len)
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(tail_bar)
                     plgpu.barrier_wait(tail_bar)
                 return slot
 
             def skip(block, carry):
-                receive(block)
-                plgpu.barrier_arrive(released_bar.at[lax.rem(block, SLOTS)])
+                plgpu.barrier_arrive(released_bar.at[receive(block)])
                 return carry
 
             def attend(block, carry):
