@@ -7,9 +7,9 @@
 # (prefill tok/s, decode at batch 1, 64 and 256, start-up with precompiling, compiles after start); weight-only
 # int8/fp8 projections; q/k/v and gate/up as separate products or one; where the 8B-shaped engine's decode steps
 # spend their time (each kernel's device time by the jitted piece that launched it, the device's busy time against
-# the step's wall time and the host's time to dispatch it). The default stages' limits add up to 8 minutes (tests,
-# greedy, kernels, llama8b); STAGES (space-separated names) picks others: sweep, flash, decode, llama8b_mosaic,
-# smollm2, quant, projections, profile, e.g.
+# the step's wall time and the host's time to dispatch it); the host's own work per step on a near-free model.
+# The default stages' limits add up to 8 minutes (tests, greedy, kernels, llama8b); STAGES (space-separated
+# names) picks others: sweep, flash, decode, llama8b_mosaic, smollm2, quant, projections, profile, host, e.g.
 # STAGES="tests greedy kernels llama8b" GREEDY_FAMILIES=phi3,gemma3,qwen2,qwen3_moe. Everything printed goes to
 # $out/log.txt, the results to one JSON file per stage (the device tool brings back 8 files at most).
 # benchmarks/results/gpu_h100_2026-11-27/summary.md and gpu_h200_2026-12-04/summary.md hold the runs' figures and
@@ -79,10 +79,13 @@ step llama8b_mosaic 200 python3 -m benchmarks.throughput --model .gpu/llama8b-sh
 step smollm2 90 python3 -m benchmarks.throughput --model .gpu/smollm2-shape --load-format dummy --dtype bfloat16 \
     --batched-weight-dtype none --no-baseline --scenarios prefill,single,batch,wide --repeats 2 --num-prompts 64 \
     --input-len 128 --output-len 128 --wide 256 --json "$out/throughput_smollm2_gpu.json"
-# decode steps of 64 and 1 sequences at ~140 tokens of context, profiled; only the shapes they need are compiled
+# decode steps of 64 and 1 sequences at ~140 tokens of context on the Mosaic GPU kernels, profiled; only the shapes
+# they need are compiled
 step profile 100 python3 -m benchmarks.step_profile --model .gpu/llama8b-shape --load-format dummy --dtype bfloat16 \
-    --batched-weight-dtype none --no-precompile --rows 64,1 --prompt-len 128 --output-len 12 --steps 5 --top 20 \
-    --json "$out/profile_llama8b_gpu.json"
+    --attention-backend mosaic --batched-weight-dtype none --no-precompile --rows 64,1 --prompt-len 128 \
+    --output-len 12 --steps 5 --top 20 --json "$out/profile_llama8b_gpu.json"
+# the host's work per step on a near-free model with the 8B's 32 layers: the floor under every step's time
+step host 90 python3 -m benchmarks.host_loop --rows 1,64,256 --layers 32 --repeats 2 --json "$out/host_loop_gpu.json"
 # bf16 vs per-channel int8 / fp8 weights at M = 1, 16, 64, 256 on Llama-3-8B projections
 step quant 40 python3 -m benchmarks.gpu_quant_matmul --budget-s 30 --json "$out/quant_matmul_gpu.json"
 # q/k/v and gate/up as separate bf16 products against one product of their joined weights (the loader's), and

@@ -214,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=15, help="how many single ops to list")
     parser.add_argument("--batched-weight-dtype", default="bfloat16", help="as in benchmarks.throughput")
     parser.add_argument("--kv-cache-dtype", default="auto", help="what the KV pages hold: auto, bfloat16, float32")
+    parser.add_argument("--attention-backend", default=None, help="e.g. mosaic (default: the engine's default)")
     parser.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=True,
                         help="compile every step shape at start (--no-precompile: only the shapes the capture runs)")
     parser.add_argument("--json", default=None, help="write the results here (rewritten after each --rows value)")
@@ -224,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     engine = Engine(args.model, load_format=args.load_format, dtype=args.dtype, max_num_seqs=max(rows_list),
                     batched_weight_dtype=None if args.batched_weight_dtype == "none" else args.batched_weight_dtype,
-                    kv_cache_dtype=args.kv_cache_dtype, precompile=args.precompile)
+                    kv_cache_dtype=args.kv_cache_dtype, precompile=args.precompile,
+                    **({} if args.attention_backend is None else {"attention_backend": args.attention_backend}))
     record = {"command": command_line("benchmarks.step_profile", argv), "machine": machine_info(),
               "engine_start_s": time.perf_counter() - started, "steps": []}
     for rows in rows_list:

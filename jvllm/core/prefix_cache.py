@@ -24,7 +24,7 @@ def request_page_keys(request: Request, num_pages: int, page_size: int) -> list[
     salt = (request.cache_salt or "").encode()
     while len(keys) < num_pages:
         start = len(keys) * page_size
-        tokens = [request.token_at(i) for i in range(start, start + page_size)]
+        tokens = request.tokens_between(start, start + page_size)
         keys.append(chain_key(keys[-1] if keys else _ROOT, tokens, salt + _images_in(request, start, page_size)))
     return keys[:num_pages]
 

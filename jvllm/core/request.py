@@ -104,6 +104,15 @@ class Request:
         n = self.num_prompt_tokens
         return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
 
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """The ids at positions start..end-1 (prompt, then output)."""
+        n = self.num_prompt_tokens
+        if end <= n:
+            return list(self.prompt_token_ids[start:end])
+        if start >= n:
+            return list(self.output_token_ids[start - n : end - n])
+        return [*self.prompt_token_ids[start:], *self.output_token_ids[: end - n]]
+
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished

@@ -254,7 +254,7 @@ class Scheduler:
         if room <= 0 or has_images_in(request, start, page_size):
             return
         match = self.pages.tail_match(tail_owner(request, full, page_size),
-                                      [request.token_at(i) for i in range(start, start + room)])
+                                      request.tokens_between(start, start + room))
         if match is None:
             return
         source, shared = match
@@ -287,7 +287,7 @@ class Scheduler:
         if has_images_in(request, start, page_size):
             return
         self.pages.register_tail(request.page_table[full], tail_owner(request, full, page_size),
-                                 tuple(request.token_at(i) for i in range(start, computed)))
+                                 tuple(request.tokens_between(start, computed)))
 
     def _register_full_pages(self, request: Request) -> None:
         """Offer the request's newly full, computed pages to the prefix cache."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from jvllm.sampling_params import SamplingParams
 
@@ -33,6 +33,39 @@ def _special_token_ids(tokenizer: Any) -> frozenset[int]:
     except TypeError:  # not weak-referenceable / hashable: just don't cache
         pass
     return ids
+
+
+def _decoder(tokenizer: Any, skip_special_tokens: bool, spaces_between_special_tokens: bool) -> Callable[[list[int]], str]:
+    """`ids -> tokenizer.decode(ids, ...)` without cleaning up tokenization spaces.
+
+    For transformers' fast tokenizers whose decode is the library's own, the
+    Rust tokenizer is called directly: the same text (that decode only adds
+    argument handling and the clean-up, which is off here), at a fraction of
+    the cost of the Python wrapper, paid for every token of every request.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    plain = "decode" not in vars(tokenizer) and _is_library_decode(type(tokenizer))
+    if backend is not None and plain and hasattr(backend, "decode"):
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(
+        ids,
+        skip_special_tokens=skip_special_tokens,
+        # Honoured by tokenizers that implement it (Python/sentencepiece
+        # backends); Rust-backed fast tokenizers ignore it, as in HF.
+        spaces_between_special_tokens=spaces_between_special_tokens,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _is_library_decode(cls: type) -> bool:
+    """Whether `cls` decodes with transformers' fast-tokenizer methods, unchanged by a subclass."""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    try:  # transformers 5
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend as Fast
+    except ImportError:  # transformers 4
+        from transformers.tokenization_utils_fast import PreTrainedTokenizerFast as Fast
+    return cls.decode is PreTrainedTokenizerBase.decode and cls._decode is Fast._decode
 
 
 class IncrementalDetokenizer:
@@ -75,8 +108,12 @@ class IncrementalDetokenizer:
         # decode() would drop them anyway, and keeping them could make a window
         # consist only of invisible tokens, losing the context described above.
         self._skip_ids = _special_token_ids(tokenizer) if self.skip_special_tokens else frozenset()
+        self._decode_ids = _decoder(tokenizer, self.skip_special_tokens, self.spaces_between_special_tokens)
 
         self._token_ids: list[int] = []  # every output token id, as given
+        # Without stop strings no step needs the text, so ids are decoded only when it is read (a stream reads it
+        # after every step; generate() once at the end): `_token_ids[_decoded:]` are not decoded yet.
+        self._decoded = 0
         self._window_ids: list[int] = []  # the ids that decode() actually sees
         self._prefix_offset = 0
         self._read_offset = 0
@@ -92,6 +129,7 @@ class IncrementalDetokenizer:
         Includes a trailing incomplete character as U+FFFD, exactly as a full
         `tokenizer.decode` of the same ids would show it.
         """
+        self._catch_up()
         return self._text + self._pending
 
     @property
@@ -110,6 +148,7 @@ class IncrementalDetokenizer:
         could be the start of a stop string) and any incomplete character. Once
         finished, or once a stop string matched, the whole text is final.
         """
+        self._catch_up()
         if finished or self.stop_reason is not None:
             return self.text
         end = len(self._text) - self._holdback
@@ -117,39 +156,41 @@ class IncrementalDetokenizer:
 
     # --------------------------------------------------------------- decoding
     def _decode(self, ids: list[int]) -> str:
-        if not ids:
-            return ""
-        return self.tokenizer.decode(
-            ids,
-            skip_special_tokens=self.skip_special_tokens,
-            # Honoured by tokenizers that implement it (Python/sentencepiece
-            # backends); Rust-backed fast tokenizers ignore it, as in HF.
-            spaces_between_special_tokens=self.spaces_between_special_tokens,
-            clean_up_tokenization_spaces=False,
-        )
+        return self._decode_ids(ids) if ids else ""
 
-    def _step(self, token_id: int) -> str:
-        """Add one token; return the newly committed text (possibly empty)."""
-        self._token_ids.append(token_id)
-        if token_id in self._skip_ids:
-            return ""
-        self._window_ids.append(token_id)
-        prefix_text = self._decode(self._window_ids[self._prefix_offset : self._read_offset])
-        new_text = self._decode(self._window_ids[self._prefix_offset :])
+    def _catch_up(self) -> str:
+        """Decode the ids added since the last call; return the newly committed text (possibly empty)."""
+        new_ids = self._token_ids[self._decoded :]
+        self._decoded = len(self._token_ids)
+        visible = [token_id for token_id in new_ids if token_id not in self._skip_ids]
+        return self._advance(visible) if visible else ""
+
+    def _advance(self, ids: list[int]) -> str:
+        """Append visible ids to the window; return the newly committed text (possibly empty)."""
+        window = self._window_ids + ids
+        prefix_text = self._decode(window[self._prefix_offset : self._read_offset])
+        new_text = self._decode(window[self._prefix_offset :])
         if new_text.endswith(_REPLACEMENT_CHAR):
+            if len(ids) > 1:
+                # Some of the ids may end on a character boundary: commit what one id at a time would have.
+                return "".join(self._advance([token_id]) for token_id in ids)
             # Incomplete UTF-8 at the end: keep it pending; `text` still shows it
             # so that a request finishing right here matches a full decode.
+            self._window_ids = window
             self._pending = new_text[len(prefix_text) :]
             return ""
+        self._window_ids = window
         self._pending = ""
         if len(new_text) <= len(prefix_text):
-            # Token with no visible text yet: don't advance, so the window keeps
+            # Tokens with no visible text yet: don't advance, so the window keeps
             # the earlier tokens as decoding context.
             return ""
         # The window ends on a character boundary: commit and slide the window.
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._window_ids)
-        return new_text[len(prefix_text) :]
+        delta = new_text[len(prefix_text) :]
+        self._text += delta
+        return delta
 
     def _find_stop(self, search_from: int) -> tuple[int, str] | None:
         """Earliest stop-string match that ends after `search_from` (ties: list order)."""
@@ -168,16 +209,15 @@ class IncrementalDetokenizer:
         end with include_stop_str_in_output) and further calls are no-ops
         apart from recording the ids.
         """
+        self._token_ids.extend(token_ids)
         if self.stop_reason is not None:
-            self._token_ids.extend(token_ids)
+            self._decoded = len(self._token_ids)  # ids after the match are recorded, never decoded
+            return None
+        if not self.stop:
             return None
         old_len = len(self._text)
-        # Join deltas first: one concatenation per call instead of per token.
-        delta = "".join(self._step(tid) for tid in token_ids)
+        delta = self._catch_up()
         if not delta:
-            return None
-        self._text += delta
-        if not self.stop:
             return None
         match = self._find_stop(old_len)
         if match is None:

@@ -23,7 +23,7 @@ def chunk_row(chunk: ScheduledChunk, encoder_cache: EncoderCache | None = None, 
     """`mrope`: the model takes multimodal RoPE positions, which a request's images shift."""
     request, start = chunk.request, chunk.start
     known = chunk.num_tokens - chunk.pending_tokens - len(chunk.draft_ids)
-    ids = [request.token_at(i) for i in range(start, start + known)]
+    ids = request.tokens_between(start, start + known)
     mm_rows = None
     if encoder_cache is not None and request.mm_items:
         mm_rows = encoder_cache.token_rows(request, start, chunk.num_tokens)

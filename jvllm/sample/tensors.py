@@ -124,44 +124,55 @@ def combine_allowed_bits(bits: np.ndarray, grammar_bits: np.ndarray) -> np.ndarr
     return constrained if constrained.any() else grammar_bits
 
 
+# (dtype, padding value) of each row scalar column, in _row_scalars' order
+_SCALAR_COLUMNS = ((np.float32, 0.0), (np.int32, 0), (np.float32, 1.0), (np.float32, 0.0), (np.float32, 0.0),
+                   (np.float32, 0.0), (np.float32, 1.0))
+
+
+def _row_scalars(p: Any, vocab_size: int) -> tuple:
+    """-> (temperature, top_k, top_p, min_p, presence, frequency, repetition penalty, wants logprobs) of a row."""
+    temp = float(_param(p, "temperature", 1.0))
+    if temp > 0:  # SamplingParams sets greedy requests' temperature to exactly 0
+        # Truncation only matters for random rows: greedy rows keep it off, so an all-greedy step skips it.
+        k = int(_param(p, "top_k", 0))
+        truncation = (k if 0 < k < vocab_size else 0,  # -1 (vLLM's spelling) and k >= vocab keep every token
+                      float(_param(p, "top_p", 1.0)), float(_param(p, "min_p", 0.0)))
+    else:
+        temp, truncation = 0.0, (0, 1.0, 0.0)
+    return (temp, *truncation, float(_param(p, "presence_penalty", 0.0)),
+            float(_param(p, "frequency_penalty", 0.0)), float(_param(p, "repetition_penalty", 1.0)),
+            _param(p, "logprobs", None) is not None)
+
+
+def _padded(values: list, rows: int, dtype: Any, pad: Any) -> np.ndarray:
+    """[rows] array: `values`, then `pad`."""
+    out = np.full(rows, pad, dtype)
+    out[: len(values)] = values
+    return out
+
+
 def build_sampling_tensors(rows: list[RowSpec], num_padded_rows: int, *, vocab_size: int,
                            history_width: int) -> tuple[SamplingTensors, SamplerFlags]:
     """Host (numpy) tensors and static flags for a step; rows past len(rows) are padding: greedy, no feature."""
     s = num_padded_rows
     if s < len(rows):
         raise ValueError(f"num_padded_rows={s} < number of rows {len(rows)}")
-    temperature = np.zeros(s, np.float32)
-    top_k = np.zeros(s, np.int32)
-    top_p = np.ones(s, np.float32)
-    min_p = np.zeros(s, np.float32)
-    presence = np.zeros(s, np.float32)
-    frequency = np.zeros(s, np.float32)
-    repetition = np.ones(s, np.float32)
-    seeds = np.zeros(s, np.uint32)
-    positions = np.zeros(s, np.int32)
-    any_logprobs = False
+    scalars: dict[int, tuple] = {}  # id(params) -> its row scalars: the rows of one request share its params
+    columns = [scalars.get(id(row.params)) or scalars.setdefault(id(row.params), _row_scalars(row.params, vocab_size))
+               for row in rows]
+    temperature, top_k, top_p, min_p, presence, frequency, repetition = (
+        _padded([column[c] for column in columns], s, dtype, pad)
+        for c, (dtype, pad) in enumerate(_SCALAR_COLUMNS))
+    seeds = _padded([int(row.seed) & 0xFFFFFFFF for row in rows], s, np.uint32, 0)  # keys take 32-bit seeds
+    positions = _padded([int(row.position) for row in rows], s, np.int32, 0)
+    any_logprobs = any(column[-1] for column in columns)
     bit_rows: dict[int, np.ndarray] = {}
     bias_rows: dict[int, dict[int, float]] = {}
     for i, row in enumerate(rows):
-        p = row.params
-        temp = float(_param(p, "temperature", 1.0))
-        if temp > 0:  # SamplingParams sets greedy requests' temperature to exactly 0
-            temperature[i] = temp
-            # Truncation only matters for random rows: greedy rows keep it off, so an all-greedy step skips it.
-            k = int(_param(p, "top_k", 0))
-            top_k[i] = k if 0 < k < vocab_size else 0  # -1 (vLLM's spelling) and k >= vocab keep every token
-            top_p[i] = float(_param(p, "top_p", 1.0))
-            min_p[i] = float(_param(p, "min_p", 0.0))
-        presence[i] = float(_param(p, "presence_penalty", 0.0))
-        frequency[i] = float(_param(p, "frequency_penalty", 0.0))
-        repetition[i] = float(_param(p, "repetition_penalty", 1.0))
-        seeds[i] = int(row.seed) & 0xFFFFFFFF  # keys are built from 32-bit seeds
-        positions[i] = int(row.position)
-        any_logprobs |= _param(p, "logprobs", None) is not None
-        bits = _allowed_bits(p, row, vocab_size)
+        bits = _allowed_bits(row.params, row, vocab_size)
         if bits is not None:
             bit_rows[i] = bits
-        bias = _param(p, "logit_bias", None)
+        bias = _param(row.params, "logit_bias", None)
         if bias:
             bias_rows[i] = bias
     penalties = bool((presence != 0).any() or (frequency != 0).any() or (repetition != 1).any())

@@ -43,29 +43,33 @@ def build_batch(rows: list[ChunkRow], shape: StepShape, page_size: int, max_page
     total = sum(len(r.token_ids) for r in rows)
     if total > num_tokens or len(rows) > num_seqs:
         raise ValueError(f"{len(rows)} chunks of {total} tokens do not fit a {shape} step")
-    input_ids = np.zeros(num_tokens, np.int32)
-    positions = np.zeros((3, num_tokens) if mrope else num_tokens, np.int32)
-    slot_mapping = np.zeros(num_tokens, np.int32)  # padding writes into the reserved page 0
+    lens = np.fromiter((len(r.token_ids) for r in rows), np.int32, len(rows))  # [n]
+    starts = np.fromiter((r.start for r in rows), np.int32, len(rows))  # [n] position of each chunk's first token
     query_start = np.zeros(num_seqs, np.int32)
     q_lens = np.zeros(num_seqs, np.int32)
     kv_lens = np.zeros(num_seqs, np.int32)
+    q_lens[: len(rows)] = lens
+    kv_lens[: len(rows)] = starts + lens
+    np.cumsum(lens[:-1], out=query_start[1 : len(rows)])
     page_tables = np.zeros((num_seqs, max_pages), np.int32)
-    mm_rows = np.full(num_tokens, -1, np.int32) if multimodal else None
-
-    cursor = 0
     for index, row in enumerate(rows):
-        n, start = len(row.token_ids), row.start
-        span = slice(cursor, cursor + n)
-        pos = np.arange(start, start + n, dtype=np.int32)
-        pages = np.asarray(row.page_table, np.int32)
-        input_ids[span] = row.token_ids
-        positions[..., span] = pos if row.positions is None else row.positions
-        slot_mapping[span] = pages[pos // page_size] * page_size + pos % page_size
-        query_start[index], q_lens[index], kv_lens[index] = cursor, n, start + n
-        page_tables[index, : len(pages)] = pages
+        page_tables[index, : len(row.page_table)] = row.page_table
+
+    input_ids = np.zeros(num_tokens, np.int32)
+    input_ids[:total] = [token_id for row in rows for token_id in row.token_ids]
+    row_of_token = np.repeat(np.arange(len(rows)), lens)  # [total]
+    pos = np.arange(total, dtype=np.int32) + (starts - query_start[: len(rows)])[row_of_token]  # [total]
+    slot_mapping = np.zeros(num_tokens, np.int32)  # padding writes into the reserved page 0
+    slot_mapping[:total] = page_tables[row_of_token, pos // page_size] * page_size + pos % page_size
+    positions = np.zeros((3, num_tokens) if mrope else num_tokens, np.int32)
+    positions[..., :total] = pos
+    mm_rows = np.full(num_tokens, -1, np.int32) if multimodal else None
+    for index, row in enumerate(rows if multimodal or mrope else ()):  # images: M-RoPE positions, buffer rows
+        span = slice(int(query_start[index]), int(query_start[index] + lens[index]))
+        if row.positions is not None:
+            positions[..., span] = row.positions
         if mm_rows is not None and row.mm_rows is not None:
             mm_rows[span] = row.mm_rows
-        cursor += n
     decode = shape.kind == "decode"
     if decode and total != len(rows):
         raise ValueError("a decode step takes one token per chunk")

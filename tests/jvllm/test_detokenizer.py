@@ -111,8 +111,8 @@ def test_multibyte_character_held_back_until_complete(tok: PreTrainedTokenizerFa
     assert det.text == det.emittable_text(finished=False) == "a😀"
 
 
-def test_decode_window_stays_small(tok: PreTrainedTokenizerFast, monkeypatch: pytest.MonkeyPatch) -> None:
-    ids = tok.encode(" ".join(_WORDS * 10))
+def _decode_sizes(tok: PreTrainedTokenizerFast, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of ids of every later `tok.decode` call (a detokenizer made after this takes the spy)."""
     sizes: list[int] = []
     real_decode = tok.decode
 
@@ -121,12 +121,61 @@ def test_decode_window_stays_small(tok: PreTrainedTokenizerFast, monkeypatch: py
         return real_decode(token_ids, **kwargs)
 
     monkeypatch.setattr(tok, "decode", spy)
+    return sizes
+
+
+def test_decode_window_stays_small(tok: PreTrainedTokenizerFast, monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = tok.encode(" ".join(_WORDS * 10))
+    sizes = _decode_sizes(tok, monkeypatch)
     det = _detok(tok)
-    for t in ids:
+    for t in ids:  # a stream reads the text after every token
         det.add_tokens([t])
+        det.emittable_text(finished=False)
     monkeypatch.undo()
     assert len(ids) > 100 and max(sizes) <= 6
     assert det.text == _full(tok, ids)
+
+
+def test_text_decoded_only_when_read_without_stop_strings(tok: PreTrainedTokenizerFast,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = tok.encode(" ".join(_WORDS * 10))
+    calls = _decode_sizes(tok, monkeypatch)
+    det = _detok(tok)
+    for t in ids:
+        assert det.add_tokens([t]) is None
+    assert calls == []  # generate() reads the text once, when the request finishes
+    assert det.text == _full(tok, ids)
+    assert len(calls) == 2  # the window before and after the new ids
+    with_stop = _detok(tok, stop=["never appears"])
+    for t in ids[:10]:  # stop strings are searched as the text grows
+        before = len(calls)
+        with_stop.add_tokens([t])
+        assert len(calls) > before
+
+
+def test_library_decode_skips_the_python_wrapper(tok: PreTrainedTokenizerFast) -> None:
+    """A plain fast tokenizer is decoded by its Rust tokenizer directly, with the wrapper's text for every id."""
+    ids = list(range(len(tok))) + _byte_ids("naïve 😀")
+    wrapper_calls: list[int] = []
+    real_decode = tok.decode
+    for skip in (True, False):
+        det = _detok(tok, skip_special_tokens=skip)
+        det.add_tokens(ids)
+        assert det.text == real_decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+    class OwnDecode(PreTrainedTokenizerFast):
+        def decode(self, token_ids, **kwargs):  # a subclass's own decode is always honoured
+            wrapper_calls.append(len(token_ids))
+            return super().decode(token_ids, **kwargs)
+
+    own = OwnDecode(tokenizer_object=tok.backend_tokenizer, eos_token="<|eos|>")
+    det = _detok(own)
+    det.add_tokens(ids[:20])
+    assert det.text == _full(tok, ids[:20]) and wrapper_calls
+    calls_before = len(wrapper_calls)
+    det = _detok(tok)
+    det.add_tokens(ids[:20])
+    assert det.text == _full(tok, ids[:20]) and len(wrapper_calls) == calls_before
 
 
 def _run_stream(det: IncrementalDetokenizer, ids: list[int]) -> tuple[list[str], str | None, int]:
