@@ -85,7 +85,8 @@ step profile 100 python3 -m benchmarks.step_profile --model .gpu/llama8b-shape -
     --attention-backend mosaic --batched-weight-dtype none --no-precompile --rows 64,1 --prompt-len 128 \
     --output-len 12 --steps 5 --top 20 --json "$out/profile_llama8b_gpu.json"
 # the host's work per step on a near-free model with the 8B's 32 layers: the floor under every step's time
-step host 90 python3 -m benchmarks.host_loop --rows 1,64,256 --layers 32 --repeats 2 --json "$out/host_loop_gpu.json"
+step host 90 python3 -m benchmarks.host_loop --rows 1,64,256 --layers 32 --repeats 2 --no-precompile \
+    --json "$out/host_loop_gpu.json"
 # bf16 vs per-channel int8 / fp8 weights at M = 1, 16, 64, 256 on Llama-3-8B projections
 step quant 40 python3 -m benchmarks.gpu_quant_matmul --budget-s 30 --json "$out/quant_matmul_gpu.json"
 # q/k/v and gate/up as separate bf16 products against one product of their joined weights (the loader's), and
