@@ -50,7 +50,7 @@ TINY_FAMILIES = {
 }
 
 
-def _write(folder: Path, config: dict, tokenizer_source: Path | None) -> Path:
+def write_folder(folder: Path, config: dict, tokenizer_source: Path | None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     for file in TOKENIZER_FILES if tokenizer_source else ():
@@ -66,9 +66,9 @@ def write_folders(root: Path) -> list[Path]:
 
     source = Path(transformers_folder(None))
     smol_config = json.loads((source / "config.json").read_text())
-    folders = [_write(root / "smollm2-shape", smol_config, source),
-               _write(root / "llama8b-shape", LLAMA3_8B_SHAPE, source)]
-    folders += [_write(root / f"tiny-{name}", {**TINY_BASE, **family}, None)
+    folders = [write_folder(root / "smollm2-shape", smol_config, source),
+               write_folder(root / "llama8b-shape", LLAMA3_8B_SHAPE, source)]
+    folders += [write_folder(root / f"tiny-{name}", {**TINY_BASE, **family}, None)
                 for name, family in TINY_FAMILIES.items()]
     return folders
 

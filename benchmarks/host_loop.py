@@ -30,13 +30,13 @@ VOCAB = 1024  # ids the random prompts and the model use (the tokenizer decodes 
 
 def near_free_model(folder: Path, layers: int) -> Path:
     """A llama config of `layers` layers of hidden size 64 with the embedded model's tokenizer, in `folder`."""
-    from benchmarks.gpu_models import TINY_BASE, TINY_FAMILIES, _write
+    from benchmarks.gpu_models import TINY_BASE, TINY_FAMILIES, write_folder
     from jvllm.model_loader.loader import transformers_folder
 
     config = {**TINY_BASE, **TINY_FAMILIES["llama"], "num_hidden_layers": layers, "vocab_size": VOCAB,
               "hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 1, "num_key_value_heads": 1,
               "max_position_embeddings": 4096}
-    return _write(folder, config, Path(transformers_folder(None)))
+    return write_folder(folder, config, Path(transformers_folder(None)))
 
 
 class PhaseClock:
@@ -44,9 +44,11 @@ class PhaseClock:
 
     def __init__(self) -> None:
         self.seconds: collections.Counter[str] = collections.Counter()
+        self._wrapped: list[tuple[Any, str, Callable]] = []  # (owner, name, the callable before wrapping)
 
     def wrap(self, owner: Any, name: str, phase: str) -> None:
         inner: Callable = getattr(owner, name)
+        self._wrapped.append((owner, name, inner))
 
         @functools.wraps(inner)
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -57,6 +59,12 @@ class PhaseClock:
                 self.seconds[phase] += time.thread_time() - start
 
         setattr(owner, name, timed)
+
+    def restore(self) -> None:
+        """Put back every wrapped callable (module functions included)."""
+        for owner, name, inner in reversed(self._wrapped):
+            setattr(owner, name, inner)
+        self._wrapped.clear()
 
 
 # (module or engine attribute path, callable name, phase) timed inside one step; nested phases overlap
@@ -109,6 +117,15 @@ def measure(engine: Any, clock: PhaseClock, rows: int, output_len: int, repeats:
             "compiles_in_timed_passes": compile_watch().total - compiles_before_timed}
 
 
+def report(result: dict) -> None:
+    print(f"{result['rows']} requests: {result['wall_ms_per_step']:.2f} ms a step of wall time, "
+          f"{result['main_thread_cpu_ms_per_step']:.2f} ms of the main thread's CPU time"
+          + (f" ({result['compiles_in_timed_passes']} compiles in the timed passes)"
+             if result["compiles_in_timed_passes"] else ""), flush=True)
+    for phase, ms in sorted(result["phases_ms_per_step"].items(), key=lambda item: -item[1]):
+        print(f"    {ms:7.3f} ms  {phase}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,64,256", help="comma-separated request counts")
@@ -127,15 +144,12 @@ def main() -> None:
                         dtype="float32", max_num_seqs=max(rows_list), precompile=args.precompile)
         clock = instrument(engine)
         results = []
-        for rows in rows_list:
-            result = measure(engine, clock, rows, args.output_len, args.repeats)
-            results.append(result)
-            print(f"{rows} requests: {result['wall_ms_per_step']:.2f} ms a step of wall time, "
-                  f"{result['main_thread_cpu_ms_per_step']:.2f} ms of the main thread's CPU time"
-                  + (f" ({result['compiles_in_timed_passes']} compiles in the timed passes)"
-                     if result["compiles_in_timed_passes"] else ""), flush=True)
-            for phase, ms in sorted(result["phases_ms_per_step"].items(), key=lambda item: -item[1]):
-                print(f"    {ms:7.3f} ms  {phase}")
+        try:
+            for rows in rows_list:
+                results.append(measure(engine, clock, rows, args.output_len, args.repeats))
+                report(results[-1])
+        finally:
+            clock.restore()
     if args.json:
         write_json(args.json, {"benchmark": "host_loop", "command": command_line("benchmarks.host_loop", None), "machine": machine_info(),
                                "layers": args.layers, "results": results})

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+import jvllm.engine.step_plan
 from benchmarks import host_loop
 
 
@@ -13,7 +14,9 @@ def test_host_loop_times_every_phase_of_a_step(tmp_path, monkeypatch: pytest.Mon
     out = tmp_path / "host_loop.json"
     monkeypatch.setattr(sys, "argv", ["host_loop", "--rows", "3", "--layers", "2", "--output-len", "6",
                                       "--repeats", "1", "--no-precompile", "--json", str(out)])
+    plan_chunks = jvllm.engine.step_plan.plan_chunks
     host_loop.main()
+    assert jvllm.engine.step_plan.plan_chunks is plan_chunks  # the timed callables are put back
     [result] = json.loads(out.read_text())["results"]
     phases = result["phases_ms_per_step"]
     assert set(phases) == {phase for _, _, phase in host_loop.PHASES}  # each wrapped callable ran

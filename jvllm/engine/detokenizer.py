@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Callable
 
@@ -57,6 +58,7 @@ def _decoder(tokenizer: Any, skip_special_tokens: bool, spaces_between_special_t
     )
 
 
+@functools.lru_cache(maxsize=None)
 def _is_library_decode(cls: type) -> bool:
     """Whether `cls` decodes with transformers' fast-tokenizer methods, unchanged by a subclass."""
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase

@@ -157,9 +157,7 @@ def build_sampling_tensors(rows: list[RowSpec], num_padded_rows: int, *, vocab_s
     s = num_padded_rows
     if s < len(rows):
         raise ValueError(f"num_padded_rows={s} < number of rows {len(rows)}")
-    scalars: dict[int, tuple] = {}  # id(params) -> its row scalars: the rows of one request share its params
-    columns = [scalars.get(id(row.params)) or scalars.setdefault(id(row.params), _row_scalars(row.params, vocab_size))
-               for row in rows]
+    columns = [_row_scalars(row.params, vocab_size) for row in rows]
     temperature, top_k, top_p, min_p, presence, frequency, repetition = (
         _padded([column[c] for column in columns], s, dtype, pad)
         for c, (dtype, pad) in enumerate(_SCALAR_COLUMNS))
