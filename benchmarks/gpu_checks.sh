@@ -7,13 +7,15 @@
 # (prefill tok/s, decode at batch 1, 64 and 256, start-up with precompiling, compiles after start); weight-only
 # int8/fp8 projections; q/k/v and gate/up as separate products or one; where the 8B-shaped engine's decode steps
 # spend their time (each kernel's device time by the jitted piece that launched it, the device's busy time against
-# the step's wall time and the host's time to dispatch it); the host's own work per step on a near-free model.
-# The default stages' limits add up to 8 minutes (tests, greedy, kernels, llama8b); STAGES (space-separated
-# names) picks others: sweep, flash, decode, llama8b_mosaic, smollm2, quant, projections, profile, host, e.g.
+# the step's wall time and the host's time to dispatch it); that dispatch time with XLA's command buffers on or off
+# and with several layers to a call; the host's own work per step on a near-free model.
+# The default stages' limits add up to 9 minutes (tests, greedy, kernels, llama8b); STAGES (space-separated
+# names) picks others: sweep, flash, decode, llama8b_mosaic, smollm2, quant, projections, profile, dispatch, host, e.g.
 # STAGES="tests greedy kernels llama8b" GREEDY_FAMILIES=phi3,gemma3,qwen2,qwen3_moe. Everything printed goes to
 # $out/log.txt, the results to one JSON file per stage (the device tool brings back 8 files at most).
-# benchmarks/results/gpu_h100_2026-11-27/summary.md and gpu_h200_2026-12-04/summary.md hold the runs' figures and
-# what each stage took (on the H200: tests 123 s, greedy with 5 families 49 s, kernels 44 s, llama8b_mosaic 177 s).
+# benchmarks/results/gpu_h100_2026-11-27/summary.md and gpu_h200_2026-12-04*/summary.md hold the runs' figures and
+# what each stage took (on the H200: tests 150+ s, greedy with 4-5 families 49-62 s, kernels 44-73 s, llama8b 143 s,
+# llama8b_mosaic 177 s, profile 62 s, host 60 s).
 #
 # Here, once per session:  python -m benchmarks.gpu_models .gpu
 #   and the wheels the GPU image lacks (gguf, llguidance) in .whl (both folders are in .gitignore)
@@ -49,7 +51,7 @@ step() {  # step NAME LIMIT_S COMMAND...: run under a time limit, log, print the
 # The kernels run compiled against their references (the CUDA-lowering and ptxas tests need no GPU: CI's
 # GPU-versions leg runs them; test_pallas_engine.py needs the embedded SmolLM2 wheel, too big to travel).
 # -v names each test as it ends, so a stage cut short still says which failed.
-step tests 150 python3 -m pytest -v -n 12 -p no:cacheprovider -o addopts="" --timeout 40 -rfE --tb=short \
+step tests 190 python3 -m pytest -v -n 12 -p no:cacheprovider -o addopts="" --timeout 40 -rfE --tb=short \
     tests/pallas_kernels/test_pallas_decode.py tests/pallas_kernels/test_pallas_ragged.py \
     tests/pallas_kernels/test_pallas_backend.py tests/pallas_kernels/test_pallas_qk_chunks.py \
     tests/pallas_kernels/test_pallas_grouped_matmul.py tests/pallas_kernels/test_quant_matmul_bench.py \
@@ -84,9 +86,13 @@ step smollm2 90 python3 -m benchmarks.throughput --model .gpu/smollm2-shape --lo
 step profile 100 python3 -m benchmarks.step_profile --model .gpu/llama8b-shape --load-format dummy --dtype bfloat16 \
     --attention-backend mosaic --batched-weight-dtype none --no-precompile --rows 64,1 --prompt-len 128 \
     --output-len 12 --steps 5 --top 20 --json "$out/profile_llama8b_gpu.json"
+# a decode step's dispatch and wall time on SmolLM2's shape, one process per way of calling it: XLA's command
+# buffers (CUDA graphs) as set, off, for any run length; runs of 4 or 8 layers in one executable
+step dispatch 170 python3 -m benchmarks.dispatch_variants --model .gpu/smollm2-shape --load-format dummy \
+    --dtype bfloat16 --rows 1,64 --budget-s 150 --json "$out/dispatch_smollm2_gpu.json"
 # the host's work per step on a near-free model with the 8B's 32 layers: the floor under every step's time
 step host 90 python3 -m benchmarks.host_loop --rows 1,64,256 --layers 32 --repeats 2 --no-precompile \
-    --json "$out/host_loop_gpu.json"
+    --tokenizer-from .gpu/smollm2-shape --json "$out/host_loop_gpu.json"
 # bf16 vs per-channel int8 / fp8 weights at M = 1, 16, 64, 256 on Llama-3-8B projections
 step quant 40 python3 -m benchmarks.gpu_quant_matmul --budget-s 30 --json "$out/quant_matmul_gpu.json"
 # q/k/v and gate/up as separate bf16 products against one product of their joined weights (the loader's), and

@@ -28,15 +28,16 @@ from benchmarks.common import command_line, machine_info, write_json
 VOCAB = 1024  # ids the random prompts and the model use (the tokenizer decodes them all)
 
 
-def near_free_model(folder: Path, layers: int) -> Path:
-    """A llama config of `layers` layers of hidden size 64 with the embedded model's tokenizer, in `folder`."""
+def near_free_model(folder: Path, layers: int, tokenizer_from: str | None = None) -> Path:
+    """A llama config of `layers` layers of hidden size 64 in `folder`, with the tokenizer of the folder
+    `tokenizer_from` (default: the embedded model's)."""
     from benchmarks.gpu_models import TINY_BASE, TINY_FAMILIES, write_folder
     from jvllm.model_loader.loader import transformers_folder
 
     config = {**TINY_BASE, **TINY_FAMILIES["llama"], "num_hidden_layers": layers, "vocab_size": VOCAB,
               "hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 1, "num_key_value_heads": 1,
               "max_position_embeddings": 4096}
-    return write_folder(folder, config, Path(transformers_folder(None)))
+    return write_folder(folder, config, Path(tokenizer_from or transformers_folder(None)))
 
 
 class PhaseClock:
@@ -134,13 +135,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=True,
                         help="compile every step shape at start (--no-precompile: only the shapes the passes meet)")
+    parser.add_argument("--tokenizer-from", default=None,
+                        help="a model folder whose tokenizer files to use (default: the embedded SmolLM2's)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     from jvllm import Engine
 
     rows_list = [int(r) for r in args.rows.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        engine = Engine(model=str(near_free_model(Path(tmp) / "near-free", args.layers)), load_format="dummy",
+        engine = Engine(model=str(near_free_model(Path(tmp) / "near-free", args.layers, args.tokenizer_from)), load_format="dummy",
                         dtype="float32", max_num_seqs=max(rows_list), precompile=args.precompile)
         clock = instrument(engine)
         results = []

@@ -103,7 +103,7 @@ def step_hlo_texts(engine, call) -> list[str]:
     """The optimized HLO of the executables a step of `call`'s shape runs: the trace names an op by its module's
     name (`jit_layer`) and op, which other shapes' executables of the same name reuse for other ops."""
     executables = engine.runner.compiled.get(call.shape)
-    pieces = [executables.embed, *executables.layers, executables.last_rows, executables.store_kv,
+    pieces = [executables.embed, *executables.layers.values(), executables.last_rows, executables.store_kv,
               executables.take_ids, executables.prompt_stats]
     texts = [piece.as_text() for piece in pieces if hasattr(piece, "as_text")]
     return texts + [executables.head.as_text(call.flags)]
@@ -156,26 +156,28 @@ def op_times(events: list[dict], steps: int, targets: dict[tuple[str, str], str]
     return totals
 
 
-def profile_step(engine, call, steps: int, top: int) -> dict:
-    """Replay `call` `steps` times outside and then under the profiler; -> its wall and dispatch times and where
-    the time went (ms per step), printed too."""
+def profile_step(engine, call, steps: int, top: int, trace: bool = True) -> dict:
+    """Replay `call` `steps` times outside and then (with `trace`) under the profiler; -> its wall and dispatch
+    times and where the time went (ms per step), printed too."""
     import jax
 
     replay_times(engine, call)
     times = [replay_times(engine, call) for _ in range(steps)]
     wall_ms = 1e3 * statistics.median(t[1] for t in times)
     dispatch_ms = 1e3 * statistics.median(t[0] for t in times)
+    rows = int((call.metadata.q_lens > 0).sum())
+    result = {"kind": call.shape.kind, "sequences": rows, "token_rows": int(call.input_ids.shape[0]),
+              "wall_ms": wall_ms, "dispatch_ms": dispatch_ms}
+    print(f"{call.shape.kind} step of {rows} sequences, {call.input_ids.shape[0]} token rows, "
+          f"{call.metadata.page_tables.shape[1]} pages per row: {wall_ms:.2f} ms wall, {dispatch_ms:.2f} ms to "
+          f"dispatch (medians of {steps}, outside the profiler)")
+    if not trace:
+        return result
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             for _ in range(steps):
                 replay_times(engine, call)
         events = trace_events(trace_dir)
-    rows = int((call.metadata.q_lens > 0).sum())
-    print(f"{call.shape.kind} step of {rows} sequences, {call.input_ids.shape[0]} token rows, "
-          f"{call.metadata.page_tables.shape[1]} pages per row: {wall_ms:.2f} ms wall, {dispatch_ms:.2f} ms to "
-          f"dispatch (medians of {steps}, outside the profiler)")
-    result = {"kind": call.shape.kind, "sequences": rows, "token_rows": int(call.input_ids.shape[0]),
-              "wall_ms": wall_ms, "dispatch_ms": dispatch_ms}
     if device_pids(events):
         kinds, totals, busy = kernel_times(events, steps)
         result["device_busy_ms"] = busy / 1e3
@@ -217,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention-backend", default=None, help="e.g. mosaic (default: the engine's default)")
     parser.add_argument("--precompile", action=argparse.BooleanOptionalAction, default=True,
                         help="compile every step shape at start (--no-precompile: only the shapes the capture runs)")
+    parser.add_argument("--trace", action=argparse.BooleanOptionalAction, default=True,
+                        help="profile the replays (--no-trace: only time them, wall and dispatch)")
     parser.add_argument("--json", default=None, help="write the results here (rewritten after each --rows value)")
     args = parser.parse_args(argv)
     from jvllm import Engine
@@ -234,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             call = capture_prefill_call(engine, rows, args.prompt_len)
         else:
             call = capture_decode_call(engine, rows, args.prompt_len, args.output_len)
-        record["steps"].append(profile_step(engine, call, args.steps, args.top))
+        record["steps"].append(profile_step(engine, call, args.steps, args.top, args.trace))
         write_json(args.json, record)
     return 0
 

@@ -15,6 +15,7 @@ from jvllm.sample.tensors import (SamplerFlags, build_sampling_tensors, empty_ma
                                   scalars_only)
 from jvllm.worker.compile_watch import compile_watch
 from jvllm.worker.executable_memo import compile_once
+from jvllm.worker.layer_runs import LayerRun, first_runs
 from jvllm.worker.step_call import StepCall
 from jvllm.worker.step_functions import StepFunctions
 from jvllm.worker.step_shapes import StepShape
@@ -27,6 +28,7 @@ class StepInputs(Protocol):
     step_weights: Any
     encoder: Any
     kv_cache: list
+    layer_runs: list[LayerRun]
     max_page_copies: int
     vocab_size: int
     history_width: int
@@ -70,12 +72,12 @@ class CompiledHead:
 
 @dataclasses.dataclass
 class ShapeExecutables:
-    """One step shape's executables. A layer executable serves every layer of its group; the head is shared by the
-    shapes with the same number of rows."""
+    """One step shape's executables. A layer-run executable serves every run of the same layer groups; the head is
+    shared by the shapes with the same number of rows."""
 
     shape: StepShape
     embed: Executable
-    layers: list[Executable]  # per layer group
+    layers: dict[tuple[int, ...], Executable]  # by the groups of a run's layers (jvllm.worker.layer_runs)
     last_rows: Executable
     store_kv: Executable
     head: CompiledHead
@@ -85,8 +87,8 @@ class ShapeExecutables:
 
     @property
     def layer(self) -> Executable:
-        """The first layer's executable."""
-        return self.layers[0]
+        """The executable of the run holding the first layer."""
+        return next(iter(self.layers.values()))
 
     @property
     def logits(self) -> Executable:
@@ -163,11 +165,12 @@ class CompiledSteps:
         features = () if encoder is None else (mm_rows, encoder.buffer)
         embed = compiled(f"embed {shape}", steps.embed, weights.outer, ids, positions, *features)
         x, cos, sin = (_spec(a) for a in embed.out_info)
-        pages = runner.kv_cache[0]
-        parts = runner.step_weights.parts
-        layers = [compiled(f"layer {shape} group {group}", steps.layer, weights.layers[first], x, cos, sin, pages, md,
-                           group=group) for group, first in enumerate(parts.group_first_layers)]
-        results = [jax.tree.map(_spec, layers[group].out_info[1]) for group in parts.layer_groups]
+        layers = {groups: compiled(f"layers {shape} groups {groups}", steps.layer_runs(len(groups)),
+                                   weights.layers[run.start:run.stop], x, cos, sin,
+                                   runner.kv_cache[run.start:run.stop], md, groups=groups)
+                  for groups, run in first_runs(runner.layer_runs).items()}
+        results = [jax.tree.map(_spec, result) for run in runner.layer_runs
+                   for result in layers[run.groups].out_info[1]]
         store = steps.store_kv
         if hasattr(store, "lower"):
             store = compiled(f"store {shape}", store, runner.kv_cache, results, md)

@@ -21,6 +21,7 @@ from jvllm.worker.compiled_steps import CompiledSteps
 from jvllm.worker.encoder_runner import EncoderBufferLayout, encoder_runner
 from jvllm.worker.huge_pages import back_with_huge_pages
 from jvllm.worker.input_transfer import InputTransfer
+from jvllm.worker.layer_runs import layers_per_call, split_layers
 from jvllm.worker.page_copy import copy_list
 from jvllm.worker.step_functions import build_step_functions
 from jvllm.worker.step_call import EncoderCall, StepCall
@@ -118,6 +119,7 @@ class ModelRunner:
                                      bf16_block_products=bf16_block_products, invariant_rows=invariant_rows,
                                      int8_block_products=int8_block_products,
                                      one_row_bf16=self.step_weights.one_row_bf16)
+        self.layer_runs = split_layers(self.step_weights.parts.layer_groups, layers_per_call())
         self.compiled = CompiledSteps(steps, self)
         logger.info("KV pool: %d pages x %d tokens, %.1f MiB", num_pages, page_size,
                     self.kv_pool_bytes(cfg, self.kv_cache_dtype, num_pages, page_size) / 2**20)
@@ -286,11 +288,12 @@ class ModelRunner:
         with compile_watch().running(call.shape):
             x, cos, sin = settle(step.embed(weights.outer, ids, positions, *features))
             results = []
-            for i, (layer_weights, group) in enumerate(zip(weights.layers, self.step_weights.parts.layer_groups)):
-                x, result = settle(step.layers[group](layer_weights, x, cos, sin, self.kv_cache[i], md))
+            for run in self.layer_runs:
+                x, run_results = settle(step.layers[run.groups](weights.layers[run.start:run.stop], x, cos, sin,
+                                                                self.kv_cache[run.start:run.stop], md))
                 if self.backend.step_donates_pool:
-                    self.kv_cache[i] = result  # the layer's pages went in donated: its result holds them now
-                results.append(result)
+                    self.kv_cache[run.start:run.stop] = run_results  # the pages went in donated: the results hold them
+                results.extend(run_results)
             if call.all_logits:
                 return settle(step.logits(weights.outer, x))
             x_last = settle(step.last_rows(x, sampling.token_index))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Any, Callable, Iterator
 
 import jax
@@ -36,6 +37,8 @@ class StepFunctions:
     mm_rows [T] int32 and the encoder buffer [R, D]: a token with a row >= 0 takes that buffer row as its embedding;
     layer(layer weights, x, cos, sin, (k_pages, v_pages), md, group=) -> (x, the attention's per-layer result), one
     function per layer group (jvllm.worker.model_parts);
+    layer_runs(n)(n layers' weights, x, cos, sin, n layers' pages, md, groups=) -> (x, n results): n consecutive
+    layers in one executable (what the runner calls: fewer calls per step, see jvllm.worker.layer_runs);
     last_rows(x, token_index [S]) -> [S, D], the token each sampler row samples after (a chunk's last token; every
 verified position of a chunk with draft tokens);
     prompt_stats(outer, x, prompt_targets [T]) -> logprob stats [T, K] of each next prompt token;
@@ -53,6 +56,7 @@ verified position of a chunk with draft tokens);
 
     embed: Any
     layer: Any
+    layer_runs: Callable[[int], Any]
     last_rows: Any
     head_logits: Any
     penalize: Any
@@ -125,6 +129,22 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
             # padding tokens: no products on CPU's quantized weights
             return parts.layer(weights, group)(x, cos, sin, pages, md, attention)
 
+    def layer_run(weights: list[list[jax.Array]], x: jax.Array, cos: jax.Array, sin: jax.Array, pages: list[tuple],
+                  md: AttentionMetadata, *, groups: tuple[int, ...]):
+        """Consecutive layers in one executable (their groups in order) -> (x, each layer's result)."""
+        results = []
+        for layer_weights, layer_pages, group in zip(weights, pages, groups):
+            x, result = layer(layer_weights, x, cos, sin, layer_pages, md, group=group)
+            results.append(result)
+        return x, results
+
+    @functools.cache
+    def layer_runs(length: int) -> Any:
+        """The jitted run of `length` layers (its output layout depends on the length on a mesh)."""
+        out = None if mesh is None else (whole, [backend.layer_result_sharding(mesh)] * length)
+        return jit(layer_run, out_shardings=out, static_argnames=("groups",),
+                   donate_argnames=("pages",) if backend.step_donates_pool else ())
+
     def last_rows(x: jax.Array, token_index: jax.Array) -> jax.Array:
         return x[token_index]
 
@@ -157,6 +177,7 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
         embed=jit(embed_with_features if multimodal else embed, out_shardings=(whole, whole, whole)),
         layer=jit(layer, out_shardings=layer_out, static_argnames=("group",),
                   donate_argnames=("pages",) if backend.step_donates_pool else ()),
+        layer_runs=layer_runs,
         last_rows=jit(last_rows, out_shardings=whole),
         head_logits=jit(head_logits, out_shardings=whole),
         penalize=jit(apply_penalties, out_shardings=whole),

@@ -195,7 +195,7 @@ def test_one_token_steps_on_the_bf16_copy_keep_the_float32_models_tokens(tiny_ll
     (out,) = engine.generate(prompt, params, use_tqdm=False)
     one_token = min(s for s in engine.runner.compiled._by_shape if s.kind == "decode")
     assert one_token.tokens == 1
-    text = engine.runner.compiled.get(one_token).layers[0].as_text()
+    text = engine.runner.compiled.get(one_token).layer.as_text()
     assert text.count("jvllm_bf16_rows") >= 4  # q/k/v, o, gate/up, down
     tokens = list(out.outputs[0].token_ids)
     got = np.array([entry[token].logprob for entry, token in zip(out.outputs[0].logprobs, tokens)])

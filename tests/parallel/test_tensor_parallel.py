@@ -132,6 +132,15 @@ def test_tp_logits_and_greedy_tokens_match_tp1(tiny_models, name, tps):
         assert placed["pool_block"][2] == placed["pool_shape"][2] // tp >= 1, placed
 
 
+def test_layer_runs_under_tp_match_tp1(tiny_models, monkeypatch):
+    """Runs of two layers in one executable (JVLLM_LAYERS_PER_CALL=2): each run's per-layer results keep their
+    sharding, the donated pool too, and the tokens are TP=1's."""
+    monkeypatch.setenv("JVLLM_LAYERS_PER_CALL", "2")
+    result = run_worker("compare", {"model": tiny_models["phi3_fused"], "tps": [2], "prompts": PROMPTS[:2],
+                                    "backend": "pallas"}, devices=2)
+    assert result["runs"]["2"]["tokens"] == result["reference_tokens"]
+
+
 def test_pallas_backend_under_tp_matches_tp1(tiny_models):
     """The fused Pallas kernels (interpret mode on CPU) per shard, with 1 KV head replicated over 4 devices."""
     result = run_worker("compare", {"model": tiny_models["llama_mqa"], "tps": [4], "prompts": PROMPTS[:2],

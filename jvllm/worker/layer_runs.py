@@ -1,0 +1,46 @@
+"""How a step's layers are split into runs of consecutive layers, each run one executable call.
+
+Each call of a compiled piece costs the host a fixed amount of work (arguments, the runtime's bookkeeping, on a GPU
+the launch of each kernel), so a step of L layers called one layer at a time pays it L times. A run of n layers in
+one executable pays it L / n times; its compile takes about n times one layer's. JVLLM_LAYERS_PER_CALL sets n
+(default 1: one layer per call, the shortest start-up)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+LAYERS_PER_CALL_ENV = "JVLLM_LAYERS_PER_CALL"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRun:
+    """Layers start .. start + len(groups) - 1, called as one executable; `groups`: each layer's structure group."""
+
+    start: int
+    groups: tuple[int, ...]
+
+    @property
+    def stop(self) -> int:
+        return self.start + len(self.groups)
+
+
+def layers_per_call() -> int:
+    """The run length JVLLM_LAYERS_PER_CALL asks for (default 1)."""
+    value = os.environ.get(LAYERS_PER_CALL_ENV, "").strip() or "1"
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{LAYERS_PER_CALL_ENV}={value!r}: expected a whole number of layers, 1 or more")
+    return int(value)
+
+
+def split_layers(layer_groups: tuple[int, ...], per_call: int) -> list[LayerRun]:
+    """Consecutive runs of at most `per_call` layers covering every layer in order."""
+    return [LayerRun(start, tuple(layer_groups[start:start + per_call]))
+            for start in range(0, len(layer_groups), per_call)]
+
+
+def first_runs(runs: list[LayerRun]) -> dict[tuple[int, ...], LayerRun]:
+    """Per distinct group pattern, its first run (whose weights stand for the pattern when compiling)."""
+    firsts: dict[tuple[int, ...], LayerRun] = {}
+    for run in runs:
+        firsts.setdefault(run.groups, run)
+    return firsts

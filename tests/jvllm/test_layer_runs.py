@@ -1,0 +1,70 @@
+"""Runs of several layers in one executable (JVLLM_LAYERS_PER_CALL) give the tokens and logprobs of one layer per
+call, with fewer layer calls per step."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from benchmarks.gpu_models import TINY_BASE, TINY_FAMILIES, write_folder
+from jvllm.worker.layer_runs import LAYERS_PER_CALL_ENV, LayerRun, first_runs, layers_per_call, split_layers
+
+
+def test_split_layers_covers_every_layer_in_order():
+    runs = split_layers((0, 0, 1, 0, 1), 2)
+    assert runs == [LayerRun(0, (0, 0)), LayerRun(2, (1, 0)), LayerRun(4, (1,))]
+    assert [i for run in runs for i in range(run.start, run.stop)] == [0, 1, 2, 3, 4]
+    assert split_layers((0, 0, 0), 8) == [LayerRun(0, (0, 0, 0))]
+    assert first_runs(split_layers((0, 0, 0, 0, 0), 2)) == {(0, 0): LayerRun(0, (0, 0)), (0,): LayerRun(4, (0,))}
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
+def test_a_bad_layers_per_call_is_refused(monkeypatch, value):
+    monkeypatch.setenv(LAYERS_PER_CALL_ENV, value)
+    with pytest.raises(ValueError, match=LAYERS_PER_CALL_ENV):
+        layers_per_call()
+
+
+def test_layers_per_call_defaults_to_one(monkeypatch):
+    monkeypatch.delenv(LAYERS_PER_CALL_ENV, raising=False)
+    assert layers_per_call() == 1
+    monkeypatch.setenv(LAYERS_PER_CALL_ENV, " 4 ")
+    assert layers_per_call() == 4
+
+
+def _generate(folder, tokenizer, backend: str, monkeypatch, per_call: int):
+    from jvllm import Engine, SamplingParams
+
+    monkeypatch.setenv(LAYERS_PER_CALL_ENV, str(per_call))
+    engine = Engine(str(folder), tokenizer=str(tokenizer), load_format="dummy", dtype="float32", seed=0,
+                    attention_backend=backend, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=16,
+                    kv_cache_memory_bytes=8 << 20, precompile=False)
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt_token_ids": rng.integers(100, 49000, size=n).tolist()} for n in (3, 21)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    outputs = engine.generate(prompts, params, use_tqdm=False)
+    calls_per_step = len(engine.runner.layer_runs)
+    patterns = {groups for shape_executables in engine.runner.compiled._by_shape.values()
+                for groups in shape_executables.layers}
+    tokens = [out.outputs[0].token_ids for out in outputs]
+    logprobs = [[step[token].logprob for step, token in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+                for out in outputs]
+    return tokens, logprobs, calls_per_step, patterns
+
+
+@pytest.mark.parametrize("family,backend,per_call,calls,patterns", [
+    ("gemma3", "xla", 2, 2, {(0, 0), (1,)}),  # sliding, sliding | full: runs of two structures and two lengths
+    ("llama", "xla", 8, 1, {(0, 0, 0, 0, 0)}),  # every layer in one call
+    ("llama", "pallas", 2, 3, {(0, 0), (0,)}),  # the kernels' pool donated per run
+])
+def test_runs_of_layers_give_the_tokens_of_one_layer_per_call(tmp_path, smollm_tokenizer_dir, monkeypatch, family,
+                                                              backend, per_call, calls, patterns):
+    layers = {"llama": 5}.get(family, TINY_BASE["num_hidden_layers"])
+    config = {**TINY_BASE, "num_hidden_layers": layers, **TINY_FAMILIES[family]}
+    folder = write_folder(tmp_path / family, config, None)
+    one_tokens, one_logprobs, one_calls, _ = _generate(folder, smollm_tokenizer_dir, backend, monkeypatch, 1)
+    run_tokens, run_logprobs, run_calls, run_patterns = _generate(folder, smollm_tokenizer_dir, backend, monkeypatch,
+                                                                  per_call)
+    assert one_calls == config["num_hidden_layers"] and run_calls == calls
+    assert run_patterns == patterns
+    assert run_tokens == one_tokens
+    np.testing.assert_allclose(np.concatenate(run_logprobs), np.concatenate(one_logprobs), rtol=0, atol=1e-5)
