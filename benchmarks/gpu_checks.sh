@@ -42,6 +42,12 @@ step() {  # step NAME LIMIT_S COMMAND...: run under a time limit, log, print the
     tail -n 25 "/tmp/$name.log"
     echo "=== $name: exit $rc after $((SECONDS - started)) s" | tee -a "$log"
     [ $rc -eq 0 ] || status=1
+    # a stage cut short must not leave processes on the GPU to slow the next stage's timings (pytest's workers)
+    pkill -9 -f "python3 -m (pytest|benchmarks)" 2>/dev/null
+    pkill -9 -f "exec\(eval\(sys.stdin.readline" 2>/dev/null  # pytest-xdist's workers (execnet)
+    local left
+    left=$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>/dev/null)
+    [ -z "$left" ] || echo "=== still on the GPU after $name: $left" | tee -a "$log"
 }
 {
     date -u +%FT%TZ
