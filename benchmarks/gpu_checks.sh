@@ -10,8 +10,9 @@
 # the step's wall time and the host's time to dispatch it); that dispatch time with XLA's command buffers on or off
 # and with several layers to a call; the host's own work per step on a near-free model.
 # The default stages' limits add up to 9 minutes (tests, greedy, kernels, llama8b); STAGES (space-separated
-# names) picks others: sweep, flash, decode, llama8b_mosaic, smollm2, quant, projections, profile, dispatch, host, e.g.
-# STAGES="tests greedy kernels llama8b" GREEDY_FAMILIES=phi3,gemma3,qwen2,qwen3_moe. Everything printed goes to
+# names) picks others: sweep, flash, decode, llama8b_mosaic, smollm2, quant, projections, profile, dispatch, host,
+# host_thread, e.g. STAGES="tests greedy kernels llama8b" GREEDY_FAMILIES=phi3,gemma3,qwen2,qwen3_moe; the engine's
+# JVLLM_* settings pass through (JVLLM_DISPATCH_THREAD=1 STAGES=llama8b). Everything printed goes to
 # $out/log.txt, the results to one JSON file per stage (the device tool brings back 8 files at most).
 # benchmarks/results/gpu_h100_2026-11-27/summary.md and gpu_h200_2026-12-04*/summary.md hold the runs' figures and
 # what each stage took (on the H200: tests 150+ s, greedy with 4-5 families 49-62 s, kernels 44-73 s, llama8b 143 s,
@@ -99,6 +100,10 @@ step dispatch 170 python3 -m benchmarks.dispatch_variants --model .gpu/smollm2-s
 # the host's work per step on a near-free model with the 8B's 32 layers: the floor under every step's time
 step host 90 python3 -m benchmarks.host_loop --rows 1,64,256 --layers 32 --repeats 2 --no-precompile \
     --tokenizer-from .gpu/smollm2-shape --json "$out/host_loop_gpu.json"
+# the same with each step's calls made on a dispatch thread (JVLLM_DISPATCH_THREAD=1) while the engine's thread
+# plans and reads the steps: the wall time per step is the host's pace (run_call's phase is then that thread's CPU)
+step host_thread 90 env JVLLM_DISPATCH_THREAD=1 python3 -m benchmarks.host_loop --rows 1,64,256 --layers 32 \
+    --repeats 2 --no-precompile --tokenizer-from .gpu/smollm2-shape --json "$out/host_loop_thread_gpu.json"
 # bf16 vs per-channel int8 / fp8 weights at M = 1, 16, 64, 256 on Llama-3-8B projections
 step quant 40 python3 -m benchmarks.gpu_quant_matmul --budget-s 30 --json "$out/quant_matmul_gpu.json"
 # q/k/v and gate/up as separate bf16 products against one product of their joined weights (the loader's), and

@@ -333,7 +333,7 @@ class Engine(MultiHostRoles, FrontEndViews, PoolingCalls, BeamSearchCalls):
         with none left, nothing needs the step's results."""
         if self._ahead is not None and not settle_lookahead(self.scheduler, self._ahead.chunks):
             self._ahead = None
-        elif self._ahead is not None and self._ahead.groups[0].pending is not None:
+        elif self._ahead is not None and self._ahead.groups[0].head_waits:
             # its grammars have now seen the previous step's tokens
             self.runner.finish_head(self._ahead.groups[0], self._ahead.grammar_bits())
 

@@ -28,12 +28,13 @@ class StepInputs(Protocol):
     step_weights: Any
     encoder: Any
     kv_cache: list
-    layer_runs: list[LayerRun]
     max_page_copies: int
     vocab_size: int
     history_width: int
 
     def host_batch(self, rows: list, shape: StepShape) -> Any: ...
+
+    def layer_runs(self, shape: StepShape) -> list[LayerRun]: ...
 
     def device_inputs(self, call: StepCall) -> tuple: ...
 
@@ -168,8 +169,8 @@ class CompiledSteps:
         layers = {groups: compiled(f"layers {shape} groups {groups}", steps.layer_runs(len(groups)),
                                    weights.layers[run.start:run.stop], x, cos, sin,
                                    runner.kv_cache[run.start:run.stop], md, groups=groups)
-                  for groups, run in first_runs(runner.layer_runs).items()}
-        results = [jax.tree.map(_spec, result) for run in runner.layer_runs
+                  for groups, run in first_runs(runner.layer_runs(shape)).items()}
+        results = [jax.tree.map(_spec, result) for run in runner.layer_runs(shape)
                    for result in layers[run.groups].out_info[1]]
         store = steps.store_kv
         if hasattr(store, "lower"):

@@ -2,8 +2,9 @@
 
 Each call of a compiled piece costs the host a fixed amount of work (arguments, the runtime's bookkeeping, on a GPU
 the launch of each kernel), so a step of L layers called one layer at a time pays it L times. A run of n layers in
-one executable pays it L / n times; its compile takes about n times one layer's. JVLLM_LAYERS_PER_CALL sets n
-(default 1: one layer per call, the shortest start-up)."""
+one executable pays it L / n times; its compile takes about n times one layer's. JVLLM_LAYERS_PER_CALL sets n for
+decode steps (default 1: one layer per call, the shortest start-up); prefill steps, whose kernels outlast their
+dispatch, keep one layer a call."""
 from __future__ import annotations
 
 import dataclasses
@@ -36,6 +37,11 @@ def split_layers(layer_groups: tuple[int, ...], per_call: int) -> list[LayerRun]
     """Consecutive runs of at most `per_call` layers covering every layer in order."""
     return [LayerRun(start, tuple(layer_groups[start:start + per_call]))
             for start in range(0, len(layer_groups), per_call)]
+
+
+def runs_by_kind(layer_groups: tuple[int, ...], per_call: int) -> dict[str, list[LayerRun]]:
+    """Per step kind ("decode", "prefill"), its layers' runs: `per_call` layers for decode steps, one for prefill."""
+    return {"decode": split_layers(layer_groups, per_call), "prefill": split_layers(layer_groups, 1)}
 
 
 def first_runs(runs: list[LayerRun]) -> dict[tuple[int, ...], LayerRun]:

@@ -21,9 +21,10 @@ from jvllm.worker.compiled_steps import CompiledSteps
 from jvllm.worker.encoder_runner import EncoderBufferLayout, encoder_runner
 from jvllm.worker.huge_pages import back_with_huge_pages
 from jvllm.worker.input_transfer import InputTransfer
-from jvllm.worker.layer_runs import layers_per_call, split_layers
+from jvllm.worker.layer_runs import LayerRun, layers_per_call, runs_by_kind
 from jvllm.worker.page_copy import copy_list
 from jvllm.worker.step_functions import build_step_functions
+from jvllm.worker.step_launcher import Launch, StepLauncher, dispatch_thread_asked
 from jvllm.worker.step_call import EncoderCall, StepCall
 from jvllm.worker.step_plan import ChunkPlan
 from jvllm.worker.step_shapes import ShapeSet, StepShape
@@ -57,12 +58,27 @@ class PendingHead:
 
 @dataclasses.dataclass
 class DispatchedGroup:
-    """One device call started by ModelRunner.dispatch; `out` holds its device outputs (None while `pending`)."""
+    """One device call started by ModelRunner.dispatch; `out` holds its device outputs (None while `pending`, and
+    while `launch`, its calls, is still being dispatched on the dispatch thread: `settle` waits for that)."""
 
     plans: list[ChunkPlan]
     call: StepCall
     out: Any
     pending: PendingHead | None = None
+    head_waits: bool = False  # its sampler waits for finish_head (grammar-constrained look-ahead rows)
+    launch: Launch | None = None
+
+    def settle(self) -> DispatchedGroup:
+        """Wait until the host has dispatched this group's calls (not for the device); -> self."""
+        launch = self.launch
+        if launch is not None:
+            value = launch.result()
+            if self.head_waits:
+                self.pending = value
+            else:
+                self.out = value
+            self.launch = None
+        return self
 
 
 def sampler_token_index(plans: list[ChunkPlan]) -> list[int]:
@@ -119,10 +135,17 @@ class ModelRunner:
                                      bf16_block_products=bf16_block_products, invariant_rows=invariant_rows,
                                      int8_block_products=int8_block_products,
                                      one_row_bf16=self.step_weights.one_row_bf16)
-        self.layer_runs = split_layers(self.step_weights.parts.layer_groups, layers_per_call())
+        self._layer_runs = runs_by_kind(self.step_weights.parts.layer_groups, layers_per_call())
         self.compiled = CompiledSteps(steps, self)
+        # multi-host leaders send each step before running it, and CPU meshes run one executable at a time: both
+        # keep their steps on the engine's thread
+        self._launcher = StepLauncher(dispatch_thread_asked() and channel is None and not self._one_at_a_time)
         logger.info("KV pool: %d pages x %d tokens, %.1f MiB", num_pages, page_size,
                     self.kv_pool_bytes(cfg, self.kv_cache_dtype, num_pages, page_size) / 2**20)
+
+    def layer_runs(self, shape: StepShape) -> list[LayerRun]:
+        """The runs of layers a step of `shape` calls, one executable each (jvllm.worker.layer_runs)."""
+        return self._layer_runs[shape.kind]
 
     def back_weights_with_huge_pages(self) -> None:
         """On CPU, put the weights one-token steps read on 2 MiB pages (each decode step streams them: fewer TLB
@@ -196,7 +219,7 @@ class ModelRunner:
         copies = self._page_copies(plans)
         if source is not None:
             rows = {plan.request_id: row for row, plan in enumerate(source.plans)}
-            group = self._dispatch_group(plans, "decode", source.out["token_ids"],
+            group = self._dispatch_group(plans, "decode", source.settle().out["token_ids"],
                                          [rows[plan.request_id] for plan in plans], encode, copies, gate)
             return None if group is None else [group]
         # Prompt logprobs are computed by prefill steps only (a one-token chunk of a prompt may want them).
@@ -288,7 +311,7 @@ class ModelRunner:
         with compile_watch().running(call.shape):
             x, cos, sin = settle(step.embed(weights.outer, ids, positions, *features))
             results = []
-            for run in self.layer_runs:
+            for run in self.layer_runs(call.shape):
                 x, run_results = settle(step.layers[run.groups](weights.layers[run.start:run.stop], x, cos, sin,
                                                                 self.kv_cache[run.start:run.stop], md))
                 if self.backend.step_donates_pool:
@@ -310,7 +333,7 @@ class ModelRunner:
     def finish_head(self, group: DispatchedGroup, grammar_bits: list[np.ndarray | None]) -> None:
         """Sample a deferred look-ahead step: `grammar_bits` [W] int32 per row (None: unconstrained or finished),
         each constrained row's grammar advanced past the token the previous step sampled, narrow its tokens now."""
-        sampling = group.call.sampling
+        sampling = group.settle().call.sampling
         for row, bits in enumerate(grammar_bits):
             if bits is not None:
                 sampling.allowed_bits[row] = combine_allowed_bits(sampling.allowed_bits[row], bits)
@@ -336,19 +359,18 @@ class ModelRunner:
             defer_head = any(plan.constrained for plan in plans)
         if gate is not None and not gate():
             return None
-        out = self.run_call(call, defer_head)
-        if defer_head:
-            return DispatchedGroup(plans, call, None, pending=out)
-        return DispatchedGroup(plans, call, out)
+        group = DispatchedGroup(plans, call, None, head_waits=defer_head,
+                                launch=self._launcher.launch(lambda: self.run_call(call, defer_head)))
+        return group if self._launcher.threaded else group.settle()
 
     @staticmethod
     def wait_for(group: DispatchedGroup) -> None:
         """Block until the device has sampled `group`'s ids (returns at once for a deferred head, not yet run)."""
-        if group.out is not None:
+        if group.settle().out is not None:
             jax.block_until_ready(group.out["token_ids"])
 
     def _group_results(self, group: DispatchedGroup) -> dict[str, StepResult]:
-        plans, out = group.plans, group.out
+        plans, out = group.plans, group.settle().out
         if self.mesh is not None and jax.process_count() > 1:
             out = jax.tree.map(host_array, out)  # replicated over every host's devices: read the local copy
         token_ids = np.asarray(out["token_ids"])

@@ -1,12 +1,13 @@
-"""Runs of several layers in one executable (JVLLM_LAYERS_PER_CALL) give the tokens and logprobs of one layer per
-call, with fewer layer calls per step."""
+"""Runs of several layers in one executable (JVLLM_LAYERS_PER_CALL, decode steps) give the tokens and logprobs of
+one layer per call, with fewer layer calls per step."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from benchmarks.gpu_models import TINY_BASE, TINY_FAMILIES, write_folder
-from jvllm.worker.layer_runs import LAYERS_PER_CALL_ENV, LayerRun, first_runs, layers_per_call, split_layers
+from jvllm.worker.layer_runs import (LAYERS_PER_CALL_ENV, LayerRun, first_runs, layers_per_call, runs_by_kind,
+                                     split_layers)
 
 
 def test_split_layers_covers_every_layer_in_order():
@@ -15,6 +16,9 @@ def test_split_layers_covers_every_layer_in_order():
     assert [i for run in runs for i in range(run.start, run.stop)] == [0, 1, 2, 3, 4]
     assert split_layers((0, 0, 0), 8) == [LayerRun(0, (0, 0, 0))]
     assert first_runs(split_layers((0, 0, 0, 0, 0), 2)) == {(0, 0): LayerRun(0, (0, 0)), (0,): LayerRun(4, (0,))}
+    by_kind = runs_by_kind((0, 1, 0), 2)
+    assert by_kind["decode"] == [LayerRun(0, (0, 1)), LayerRun(2, (0,))]
+    assert by_kind["prefill"] == [LayerRun(0, (0,)), LayerRun(1, (1,)), LayerRun(2, (0,))]
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
@@ -42,9 +46,14 @@ def _generate(folder, tokenizer, backend: str, monkeypatch, per_call: int):
     prompts = [{"prompt_token_ids": rng.integers(100, 49000, size=n).tolist()} for n in (3, 21)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
     outputs = engine.generate(prompts, params, use_tqdm=False)
-    calls_per_step = len(engine.runner.layer_runs)
-    patterns = {groups for shape_executables in engine.runner.compiled._by_shape.values()
-                for groups in shape_executables.layers}
+    compiled = engine.runner.compiled._by_shape
+    decode = next(shape for shape in compiled if shape.kind == "decode")
+    calls_per_step = len(engine.runner.layer_runs(decode))
+    patterns = {groups for shape, executables in compiled.items() if shape.kind == "decode"
+                for groups in executables.layers}
+    prefill_patterns = {groups for shape, executables in compiled.items() if shape.kind == "prefill"
+                        for groups in executables.layers}
+    assert {len(groups) for groups in prefill_patterns} == {1}  # prefill steps: one layer a call
     tokens = [out.outputs[0].token_ids for out in outputs]
     logprobs = [[step[token].logprob for step, token in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
                 for out in outputs]
