@@ -122,9 +122,10 @@ def device_pids(events: list[dict]) -> set[int]:
             and e.get("args", {}).get("name", "").startswith("/device:")}
 
 
-def kernel_times(events: list[dict], steps: int) -> tuple[collections.Counter, collections.Counter, float]:
+def kernel_times(events: list[dict], steps: int) -> tuple[collections.Counter, collections.Counter, float, float]:
     """On an accelerator: (microseconds per step by launching module (`jit_layer`, ...), microseconds per step by
-    `module: kernel`, the device's busy microseconds per step: the union of its kernels' intervals)."""
+    `module: kernel`, the device's busy microseconds per step: the union of its kernels' intervals, kernels per
+    step: each one a launch the host made)."""
     pids = device_pids(events)
     # a device's kernels are on its stream lines; lines that summarize them again (XLA modules or ops) are left out
     streams = {(e["pid"], e.get("tid")) for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
@@ -141,7 +142,7 @@ def kernel_times(events: list[dict], steps: int) -> tuple[collections.Counter, c
     for start, stop in sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels):
         busy += max(0.0, stop - max(start, end))
         end = max(end, stop)
-    return by_module, by_kernel, busy / steps
+    return by_module, by_kernel, busy / steps, len(kernels) / steps
 
 
 def op_times(events: list[dict], steps: int, targets: dict[tuple[str, str], str] | None = None) -> collections.Counter:
@@ -179,10 +180,10 @@ def profile_step(engine, call, steps: int, top: int, trace: bool = True) -> dict
                 replay_times(engine, call)
         events = trace_events(trace_dir)
     if device_pids(events):
-        kinds, totals, busy = kernel_times(events, steps)
-        result["device_busy_ms"] = busy / 1e3
+        kinds, totals, busy, launches = kernel_times(events, steps)
+        result["device_busy_ms"], result["kernels_per_step"] = busy / 1e3, launches
         print(f"  {busy / 1e3:8.2f}  device busy (ms per step, under the profiler); the device waited "
-              f"{max(0.0, wall_ms - busy / 1e3):.2f} ms of the wall time")
+              f"{max(0.0, wall_ms - busy / 1e3):.2f} ms of the wall time; {launches:.0f} kernels a step")
     else:
         totals = op_times(events, steps, custom_call_targets(step_hlo_texts(engine, call)))
         kinds = collections.Counter()

@@ -31,10 +31,11 @@ def _trace() -> list[dict]:
 def test_kernels_grouped_by_module_and_busy_time_is_their_union():
     events = _trace()
     assert device_pids(events) == {2}
-    by_module, by_kernel, busy = kernel_times(events, steps=2)
+    by_module, by_kernel, busy, launches = kernel_times(events, steps=2)
     assert by_module == {"jit_layer": 75.0, "jit_store_kv": 30.0, "jit_head_logits": 20.0}
     assert by_kernel["jit_layer: gemv_bf16"] == 50.0
     assert busy == (180 + 40) / 2  # [0, 180) and [300, 340): overlapping kernels count once
+    assert launches == 4 / 2  # the summary line's event is not a launch
 
 
 def test_a_cpu_trace_has_no_device_process():
