@@ -18,9 +18,11 @@
 # what each stage took (on the H200: tests 150+ s, greedy with 4-5 families 49-62 s, kernels 44-73 s, llama8b 143 s,
 # llama8b_mosaic 177 s, profile 62 s, host 60 s).
 #
-# Here, once per session:  python -m benchmarks.gpu_models .gpu
-#   and the wheels the GPU image lacks (gguf, llguidance) in .whl (both folders are in .gitignore)
-# Device call:             run(command="bash benchmarks/gpu_checks.sh", carry=[".gpu", ".whl"], timeout_s=540)
+# Before a GPU run, on a machine with the embedded model:  python -m benchmarks.gpu_models .gpu
+#   and the wheels the GPU image (Python 3.12) lacks in .whl (both folders are in .gitignore):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl gguf llguidance
+# On the GPU machine:      bash benchmarks/gpu_checks.sh   (from the repository root, with .gpu and .whl beside it)
 set -uo pipefail
 out=${OUT:-benchmarks/results/gpu-run}
 mkdir -p "$out"
