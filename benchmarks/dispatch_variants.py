@@ -51,7 +51,8 @@ def run_variant(name: str, settings: dict[str, str], profile_args: list[str], li
         try:
             done = subprocess.run(command, env=variant_env(settings), capture_output=True, text=True,
                                   timeout=limit_s)
-            error = None if done.returncode == 0 else done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+            last_lines = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+            error = None if done.returncode == 0 else last_lines
         except subprocess.TimeoutExpired:
             error = [f"over its {limit_s:.0f} s"]
         record = {"variant": name, "settings": settings, "seconds": round(time.perf_counter() - started, 1)}

@@ -143,8 +143,9 @@ def main() -> None:
 
     rows_list = [int(r) for r in args.rows.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        engine = Engine(model=str(near_free_model(Path(tmp) / "near-free", args.layers, args.tokenizer_from)), load_format="dummy",
-                        dtype="float32", max_num_seqs=max(rows_list), precompile=args.precompile)
+        model = near_free_model(Path(tmp) / "near-free", args.layers, args.tokenizer_from)
+        engine = Engine(model=str(model), load_format="dummy", dtype="float32", max_num_seqs=max(rows_list),
+                        precompile=args.precompile)
         clock = instrument(engine)
         results = []
         try:
@@ -154,8 +155,8 @@ def main() -> None:
         finally:
             clock.restore()
     if args.json:
-        write_json(args.json, {"benchmark": "host_loop", "command": command_line("benchmarks.host_loop", None), "machine": machine_info(),
-                               "layers": args.layers, "results": results})
+        write_json(args.json, {"benchmark": "host_loop", "command": command_line("benchmarks.host_loop", None),
+                               "machine": machine_info(), "layers": args.layers, "results": results})
 
 
 if __name__ == "__main__":
