@@ -36,7 +36,8 @@ class StepFunctions:
     embed(outer, ids [T], positions [T]) -> (x [T, D], cos, sin [T, hd]); a multimodal model's also takes
     mm_rows [T] int32 and the encoder buffer [R, D]: a token with a row >= 0 takes that buffer row as its embedding;
     layer(layer weights, x, cos, sin, (k_pages, v_pages), md, group=) -> (x, the attention's per-layer result), one
-    function per layer group (jvllm.worker.model_parts);
+    function per layer group (jvllm.worker.model_parts); the body of every run below, and on its own the piece the
+    CUDA-lowering tests inspect;
     layer_runs(n)(n layers' weights, x, cos, sin, n layers' pages, md, groups=) -> (x, n results): n consecutive
     layers in one executable (what the runner calls: fewer calls per step, see jvllm.worker.layer_runs);
     last_rows(x, token_index [S]) -> [S, D], the token each sampler row samples after (a chunk's last token; every
