@@ -10,9 +10,9 @@
 # the step's wall time and the host's time to dispatch it); that dispatch time with XLA's command buffers on or off
 # and with several layers to a call; the host's own work per step on a near-free model.
 # The default stages' limits add up to 9 minutes (tests, greedy, kernels, llama8b); STAGES (space-separated
-# names) picks others: sweep, flash, decode, llama8b_mosaic, smollm2, quant, projections, profile, dispatch, host,
-# host_thread, e.g. STAGES="tests greedy kernels llama8b" GREEDY_FAMILIES=phi3,gemma3,qwen2,qwen3_moe; the engine's
-# JVLLM_* settings pass through (JVLLM_DISPATCH_THREAD=1 STAGES=llama8b). Everything printed goes to
+# names) picks others: mosaic_tests, sweep, flash, decode, llama8b_mosaic, smollm2, quant, projections, profile,
+# dispatch, host, host_thread, e.g. STAGES="tests greedy kernels llama8b" GREEDY_FAMILIES=phi3,gemma3,qwen2,qwen3_moe;
+# the engine's JVLLM_* settings pass through (JVLLM_DISPATCH_THREAD=1 STAGES=llama8b). Everything printed goes to
 # $out/log.txt, the results to one JSON file per stage (the device tool brings back 8 files at most).
 # benchmarks/results/gpu_h100_2026-11-27/summary.md and gpu_h200_2026-12-04*/summary.md hold the runs' figures and
 # what each stage took (on the H200: tests 150+ s, greedy with 4-5 families 49-62 s, kernels 44-73 s, llama8b 143 s,
@@ -66,6 +66,9 @@ step tests 190 python3 -m pytest -v -n 12 -p no:cacheprovider -o addopts="" --ti
     tests/pallas_kernels/test_pallas_grouped_matmul.py tests/pallas_kernels/test_quant_matmul_bench.py \
     tests/pallas_kernels/test_mosaic_decode.py tests/pallas_kernels/test_mosaic_ragged.py \
     tests/pallas_kernels/test_mosaic_backend.py
+# the Mosaic GPU ragged kernels' tests alone, compiled: the warp-specialized kernel's register route and turns
+step mosaic_tests 70 python3 -m pytest -v -n 4 -p no:cacheprovider -o addopts="" --timeout 40 -rfE --tb=short \
+    tests/pallas_kernels/test_mosaic_ragged.py tests/pallas_kernels/test_mosaic_backend.py
 # nine processes compile at once: XLA's GEMM autotuning (timing candidate kernels on the shared GPU) is off here,
 # as speed is not what this stage checks
 # (GREEDY_FAMILIES, comma-separated, checks fewer families: each process compiles its step shapes on the shared CPUs)

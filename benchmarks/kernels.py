@@ -233,9 +233,11 @@ def bench_prefill(case: PrefillCase, ceilings: dict, args: argparse.Namespace, i
                            fn_args + items(MOSAIC_BLOCK_Q))
         impls["mosaic_warp_specialized"] = (jax.jit(functools.partial(mosaic_ragged_ws_attention, scale=scale)),
                                             fn_args + items(MOSAIC_WS_BLOCK_Q))
-        impls["mosaic_warp_specialized[p through shared memory]"] = (
-            jax.jit(functools.partial(mosaic_ragged_ws_attention, scale=scale, p_in_registers=False)),
-            fn_args + items(MOSAIC_WS_BLOCK_Q))
+        for variant, options in (("p through shared memory", dict(p_in_registers=False)),
+                                 ("no turns", dict(ping_pong=False))):
+            impls[f"mosaic_warp_specialized[{variant}]"] = (
+                jax.jit(functools.partial(mosaic_ragged_ws_attention, scale=scale, **options)),
+                fn_args + items(MOSAIC_WS_BLOCK_Q))
     if not interpret:
         flash = mosaic_flash_attention(case, q, k_pages, v_pages, tables, scale)
         if flash is not None:

@@ -16,7 +16,6 @@ from jax import lax
 
 ROWS = 64  # wgmma's M: a warpgroup's tile of query rows
 SLOTS = 2  # KV blocks in shared memory at once, by default
-MASK = -1e30  # a hidden score (finite: a row whose keys are all hidden in one block stays finite)
 LOG2E = math.log2(math.e)
 
 
@@ -103,19 +102,26 @@ def blocked_tables(block_tables: jax.Array, page_size: int, pages_per_block: int
     return jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages))), pages_per_block
 
 
+def fetch_pages(block: jax.Array, slot: jax.Array, *, tables_ref, seq: jax.Array, kv_head: jax.Array, pages_ref, smem,
+                bar, pages_per_block: int) -> None:
+    """Start the TMA copies of KV block `block` of sequence `seq` out of one pool (`pages_ref`: K or V, its pages of
+    `kv_head`) into shared memory slot `slot` of `smem`; the pages_per_block copies arrive on `bar`."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    page_size = pages_ref.shape[1]
+    for j in range(pages_per_block):
+        page = tables_ref[seq, block * pages_per_block + j]
+        plgpu.copy_gmem_to_smem(pages_ref.at[page, :, kv_head], smem.at[slot, pl.ds(j * page_size, page_size)], bar)
+
+
 def fetch_block(block: jax.Array, slot: jax.Array, *, tables_ref, seq: jax.Array, kv_head: jax.Array, k_ref, v_ref,
                 k_smem, v_smem, kv_bar, pages_per_block: int) -> None:
     """Start the TMA copies of KV block `block` of sequence `seq` (its pages of `kv_head`, K and V) into shared
     memory slot `slot`; all 2 x pages_per_block copies arrive on kv_bar[slot]."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    page_size = k_ref.shape[1]
-    for j in range(pages_per_block):
-        page = tables_ref[seq, block * pages_per_block + j]
-        rows = pl.ds(j * page_size, page_size)
-        plgpu.copy_gmem_to_smem(k_ref.at[page, :, kv_head], k_smem.at[slot, rows], kv_bar.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[page, :, kv_head], v_smem.at[slot, rows], kv_bar.at[slot])
+    for pages_ref, smem in ((k_ref, k_smem), (v_ref, v_smem)):
+        fetch_pages(block, slot, tables_ref=tables_ref, seq=seq, kv_head=kv_head, pages_ref=pages_ref, smem=smem,
+                    bar=kv_bar.at[slot], pages_per_block=pages_per_block)
 
 
 def attend_blocks(lo: jax.Array, hi: jax.Array, kv_len: jax.Array, *, tables_ref, seq: jax.Array, kv_head: jax.Array,
@@ -185,46 +191,75 @@ def attend_block(carry: tuple[jax.Array, jax.Array, jax.Array], block: jax.Array
                  scale: float, soft_cap: float | None, visible: Callable[[jax.Array], jax.Array],
                  p_in_registers: bool = False):
     """One KV block (`k_slot`, `v_slot` [block, hd] in shared memory, loaded and fenced) folded into the online
-    softmax of the query tile in `q_smem` [64, hd]: carry (acc, m, l) -> (acc, m, l). `p_in_registers` hands p to
-    wgmma from registers and accumulates p.V into the rescaled acc in place (compiled only: Mosaic GPU's interpret
-    mode has neither); otherwise p goes through `p_smem` [64, block] into a fresh accumulator."""
+    softmax of the query tile in `q_smem` [64, hd]: carry (acc, m, l) -> (acc, m, l). `visible(key [64, block]
+    int32) -> bool [64, block]` masks scores; `p_in_registers`: see `accumulate_pv`."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    block_kv = k_slot.shape[0]
+    s = block_scores(q_smem, k_slot)
+    key = block * block_kv + plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
+    acc, m_new, l_i, p = fold_scores(carry, s, scale=scale, soft_cap=soft_cap, visible=visible(key))
+    return accumulate_pv(acc, p.astype(v_slot.dtype), v_slot, p_smem, p_in_registers), m_new, l_i
+
+
+def block_scores(q_smem, k_slot, after_issue: Callable[[], None] | None = None) -> jax.Array:
+    """q.K^T of the query tile `q_smem` [64, hd] and a loaded K slot [block, hd] -> raw scores [64, block] f32 in
+    wgmma's layout; `after_issue` runs between issuing the wgmma and waiting for its result."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    acc, m_i, l_i = carry
-    block_kv, head_dim = k_slot.shape
-
-    def qk_scope(acc_ref):
+    def scope(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, k_slot.transpose((1, 0)))
+        if after_issue is not None:
+            after_issue()
         return acc_ref[...]
 
-    s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS, block_kv), jnp.float32)) * scale
-    if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
-    key = block * block_kv + plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
-    s = jnp.where(visible(key), s * LOG2E, MASK)
-    m_new = jnp.maximum(m_i, s.max(axis=1))
-    alpha = jnp.exp2(m_i - m_new)
-    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-    l_i = l_i * alpha + p.sum(axis=1)
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    if p_in_registers:
-        p16 = p.astype(v_slot.dtype)
+    return pl.run_scoped(scope, plgpu.ACC((ROWS, k_slot.shape[0]), jnp.float32))
 
+
+def fold_scores(carry: tuple[jax.Array, jax.Array, jax.Array], s: jax.Array, *, scale: float,
+                soft_cap: float | None, visible: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The online softmax's step over raw scores s [64, block] f32 (hidden where `visible` [64, block] bool is
+    False; None: every score counts): carry (acc, m, l) -> (acc rescaled to the new maximum, m, l, p [64, block]
+    f32). m is kept in base 2 with the softmax scale folded in, so each p is one multiply-add and one exp2."""
+    acc, m_i, l_i = carry
+    if soft_cap is None:
+        x, to_base2 = s, scale * LOG2E
+    else:  # soft_cap * tanh(s * scale / soft_cap)
+        x, to_base2 = jnp.tanh(s * (scale / soft_cap)), soft_cap * LOG2E
+    if visible is not None:
+        x = jnp.where(visible, x, -jnp.inf)
+    m_new = jnp.maximum(m_i, x.max(axis=1) * to_base2)
+    # a row that has seen no key yet (m still -inf) gets p = 0 and alpha = 0 from a finite stand-in maximum
+    m_finite = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m_i - m_finite)
+    p = jnp.exp2(x * to_base2 - lax.broadcast_in_dim(m_finite, x.shape, [0]))
+    l_i = l_i * alpha + p.sum(axis=1)
+    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m_new, l_i, p
+
+
+def accumulate_pv(acc: jax.Array, p16: jax.Array, v_slot, p_smem, p_in_registers: bool) -> jax.Array:
+    """acc [64, hd] f32 + p16 [64, block] (V's dtype) . v_slot [block, hd] (loaded, fenced). `p_in_registers` hands
+    p to wgmma from registers and accumulates into acc in place (compiled only: Mosaic GPU's interpret mode has
+    neither); otherwise p goes through `p_smem` [64, block] into a fresh accumulator added to acc."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if p_in_registers:
         def accumulate(acc_ref):
             plgpu.wgmma(acc_ref, p16, v_slot)
 
-        return pl.run_state(accumulate)(plgpu.ACC.init(acc)), m_new, l_i
+        return pl.run_state(accumulate)(plgpu.ACC.init(acc))
     # Mosaic GPU's interpret mode takes wgmma's A operand from shared memory only, and has no run_state over a
     # wgmma accumulator
-    p_smem[...] = p.astype(p_smem.dtype)
+    p_smem[...] = p16
     plgpu.commit_smem()
 
     def pv_scope(acc_ref):
         plgpu.wgmma(acc_ref, p_smem, v_slot)
         return acc_ref[...]
 
-    return acc + pl.run_scoped(pv_scope, plgpu.ACC((ROWS, head_dim), jnp.float32)), m_new, l_i
+    return acc + pl.run_scoped(pv_scope, plgpu.ACC((ROWS, v_slot.shape[1]), jnp.float32))
 
 
 def store_tile(acc: jax.Array, l_i: jax.Array, o_smem, o_gmem) -> None:

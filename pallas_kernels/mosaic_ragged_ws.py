@@ -4,14 +4,19 @@ block that a producer warpgroup loads.
 Same interface as `mosaic_ragged.mosaic_ragged_paged_attention`, with work items of BLOCK_Q = 128 queries
 (`ragged_items(q_lens, BLOCK_Q, ...)`). One program per (work item, query head), three warpgroups:
 - the producer issues the TMA page copies of KV blocks lo..hi-1 (the blocks any of the item's queries sees) into
-  SLOTS shared-memory slots, reusing a slot once both consumers have released it;
+  SLOTS shared-memory slots, K and V on barriers of their own; a slot's K is reloaded once both consumers have
+  scored it, its V once both have multiplied it;
 - consumer w (0 or 1) owns the item's queries 64w..64w+63 as one wgmma tile and folds into its online softmax the
-  blocks its own rows see (`mosaic_common.attend_block`); it waits on every block and releases every block, those it
-  skips (causally or by the window) included, so that the two stay in step on the slots' barriers.
-Against the one-warpgroup kernel each K/V block is read from memory once per 128 queries instead of once per 64, and
-one consumer's softmax can run while the other's wgmma does. In the sequence's last block the consumers zero the V
-rows past its end, half each, and meet on a barrier before reading the slot. Needs jax >= 0.11; on CPU it runs in
-Mosaic GPU's interpret mode (tests)."""
+  blocks its own rows see; it waits on and releases every block, those it skips (causally or by the window)
+  included, so that the two stay in step on the slots' barriers. Blocks wholly in its rows' past (and window) are
+  scored without a mask; only the diagonal, the window's edge and the sequence's end are masked.
+- with `ping_pong` the consumers take turns on a barrier (as in jax's `attention_mgpu`): one's softmax runs while
+  the other's two wgmmas do.
+Against the one-warpgroup kernel each K/V block is read from memory once per 128 queries instead of once per 64. In
+the sequence's last block the consumers zero the V rows past its end, half each, and meet on a barrier before
+either multiplies the slot (between their turns' arrive and wait, so that the turns cannot hold a consumer back
+from the meeting). Compiled with approximate exp2 and tanh (one instruction each). Needs jax >= 0.11; on CPU it
+runs in Mosaic GPU's interpret mode (tests)."""
 from __future__ import annotations
 
 import functools
@@ -35,9 +40,9 @@ def covers(head_dim: int) -> bool:
 
 
 def _kernel(q_ref, k_ref, v_ref, tables_ref, q_lens_ref, kv_lens_ref, item_seq_ref, item_first_ref, o_ref,
-            q_smem, k_smem, v_smem, p_smem, q_bar, kv_bar, released_bar, tail_bar, *, group: int,
-            pages_per_block: int, scale: float, sliding_window: int | None, soft_cap: float | None,
-            p_in_registers: bool):
+            q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar, k_released, v_released, tail_bar, turn_bar, *,
+            group: int, pages_per_block: int, scale: float, sliding_window: int | None, soft_cap: float | None,
+            p_in_registers: bool, ping_pong: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -63,46 +68,69 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, q_lens_ref, kv_lens_ref, item_seq_r
         @pl.when(wg == CONSUMERS)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
-            fetch = functools.partial(
-                mosaic_common.fetch_block, tables_ref=tables_ref, seq=seq, kv_head=lax.div(head, group), k_ref=k_ref,
-                v_ref=v_ref, k_smem=k_smem, v_smem=v_smem, kv_bar=kv_bar, pages_per_block=pages_per_block)
+            pools = ((k_ref, k_smem, k_bar, k_released), (v_ref, v_smem, v_bar, v_released))
+
+            def fetch(block, pages_ref, smem, bar):
+                slot = lax.rem(block, SLOTS)
+                mosaic_common.fetch_pages(block, slot, tables_ref=tables_ref, seq=seq, kv_head=lax.div(head, group),
+                                          pages_ref=pages_ref, smem=smem, bar=bar.at[slot],
+                                          pages_per_block=pages_per_block)
+
             for ahead in range(SLOTS):
                 @pl.when(lo + ahead < hi)
                 def _():
-                    fetch(lo + ahead, lax.rem(lo + ahead, SLOTS))
+                    for pages_ref, smem, bar, _ in pools:
+                        fetch(lo + ahead, pages_ref, smem, bar)
 
             @pl.loop(lo + SLOTS, hi)
             def _(block):
-                slot = lax.rem(block, SLOTS)
-                plgpu.barrier_wait(released_bar.at[slot])  # both consumers are done with block - SLOTS
-                fetch(block, slot)
+                for pages_ref, smem, bar, released in pools:  # K waits only for the consumers' q.K^T of block - SLOTS
+                    plgpu.barrier_wait(released.at[lax.rem(block, SLOTS)])
+                    fetch(block, pages_ref, smem, bar)
 
             for behind in range(SLOTS):  # observe the last releases too, as every barrier's phases must be
                 @pl.when(hi - SLOTS + behind >= lo)
                 def _():
-                    plgpu.barrier_wait(released_bar.at[lax.rem(hi - SLOTS + behind, SLOTS)])
+                    for *_, released in pools:
+                        plgpu.barrier_wait(released.at[lax.rem(hi - SLOTS + behind, SLOTS)])
 
         @pl.when(wg < CONSUMERS)
         def _consumer():
             plgpu.set_max_registers(232, action="increase")
             plgpu.copy_gmem_to_smem(q_ref.at[item, wg, :, head], q_smem.at[wg], q_bar.at[wg])
-            # this consumer's blocks within the item's [lo, hi); none when its rows are past the chunk's end
+            row0 = first + wg * ROWS  # this consumer's first query within the sequence's chunk
+            # its blocks within the item's [lo, hi); none when its rows are past the chunk's end
             own_lo, own_hi = block_range(wg * ROWS, ROWS)
             own_lo = jnp.clip(own_lo, lo, hi)
-            own_hi = jnp.where(first + wg * ROWS < q_len, jnp.clip(own_hi, own_lo, hi), own_lo)
-            q_pos = cached + first + wg * ROWS + plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 0,
-                                                                        layout=plgpu.Layout.WGMMA)
+            own_hi = jnp.where(row0 < q_len, jnp.clip(own_hi, own_lo, hi), own_lo)
+            # [whole_lo, whole_hi): blocks whose every key each of its real rows sees, scored without a mask
+            whole_hi = lax.div(cached + row0 + 1, block_kv)
+            whole_lo = own_lo
+            if sliding_window is not None:
+                last_pos = cached + jnp.minimum(row0 + ROWS, q_len) - 1
+                whole_lo = lax.div(jnp.maximum(last_pos - sliding_window + 1, 0) + block_kv - 1, block_kv)
+            whole_lo = jnp.clip(whole_lo, own_lo, own_hi)
+            whole_hi = jnp.clip(whole_hi, whole_lo, own_hi)
 
-            def visible(key):
-                seen = (key <= q_pos) & (key < kv_len)
-                return seen if sliding_window is None else seen & (q_pos - key < sliding_window)
+            def take_turn():
+                """With ping_pong, the two consumers alternate: one's softmax runs while the other's wgmma does."""
+                if ping_pong:
+                    plgpu.barrier_arrive(turn_bar)
+                    plgpu.barrier_wait(turn_bar)
 
-            def receive(block):
-                """Wait for the block -> its slot; in the sequence's last block, zero this consumer's half of the V
-                rows past its end, then meet the other consumer."""
-                slot = lax.rem(block, SLOTS)
-                plgpu.barrier_wait(kv_bar.at[slot])
+            def visible(block):
+                """[64, block] bool: the keys of `block` each row sees (its causal past within the sequence and the
+                window)."""
+                rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 0, layout=plgpu.Layout.WGMMA)
+                cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
+                behind = cols - rows  # key - query position, less the scalar offset below
+                offset = cached + row0 - block * block_kv
+                seen = (behind <= offset) & (cols < kv_len - block * block_kv)
+                return seen if sliding_window is None else seen & (behind > offset - sliding_window)
 
+            def zero_tail(block, slot):
+                """In the sequence's last block, zero this consumer's half of the V rows past its end, then meet the
+                other consumer."""
                 @pl.when(kv_len < (block + 1) * block_kv)
                 def _():
                     half = block_kv // CONSUMERS
@@ -114,25 +142,49 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, q_lens_ref, kv_lens_ref, item_seq_r
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(tail_bar)
                     plgpu.barrier_wait(tail_bar)
-                return slot
 
-            def skip(block, carry):
-                plgpu.barrier_arrive(released_bar.at[receive(block)])
+            def step(block, carry, *, attend: bool, masked: bool = True):
+                """Block `block` folded into the carry (`attend`), or only waited on and released (the other
+                consumer's block); both consumers take the same barrier steps either way."""
+                slot = lax.rem(block, SLOTS)
+                plgpu.barrier_wait(k_bar.at[slot])
+                if attend:
+                    s = mosaic_common.block_scores(q_smem.at[wg], k_smem.at[slot], after_issue=take_turn)
+                else:
+                    take_turn()
+                plgpu.barrier_arrive(k_released.at[slot])
+                if attend:
+                    acc, m_i, l_i, p = mosaic_common.fold_scores(carry, s, scale=scale, soft_cap=soft_cap,
+                                                                  visible=visible(block) if masked else None)
+                    p16 = p.astype(v_smem.dtype)
+                    if p_in_registers:  # the softmax ends here, before the turn passes (as in jax's attention_mgpu)
+                        acc, m_i, l_i, p16 = lax.optimization_barrier((acc, m_i, l_i, p16))
+                if ping_pong:
+                    plgpu.barrier_arrive(turn_bar)
+                plgpu.barrier_wait(v_bar.at[slot])
+                zero_tail(block, slot)
+                if ping_pong:
+                    plgpu.barrier_wait(turn_bar)
+                if attend:
+                    acc = mosaic_common.accumulate_pv(acc, p16, v_smem.at[slot], p_smem.at[wg], p_in_registers)
+                    carry = acc, m_i, l_i
+                plgpu.barrier_arrive(v_released.at[slot])
                 return carry
 
-            def attend(block, carry):
-                slot = receive(block)
-                carry = mosaic_common.attend_block(
-                    carry, block, q_smem=q_smem.at[wg], k_slot=k_smem.at[slot], v_slot=v_smem.at[slot],
-                    p_smem=p_smem.at[wg], scale=scale, soft_cap=soft_cap, visible=visible,
-                    p_in_registers=p_in_registers)
-                plgpu.barrier_arrive(released_bar.at[slot])
-                return carry
-
+            skip = functools.partial(step, attend=False)
+            attend_masked = functools.partial(step, attend=True)
+            attend_whole = functools.partial(step, attend=True, masked=False)
+            carry = mosaic_common.initial_carry(head_dim)
             plgpu.barrier_wait(q_bar.at[wg])
-            carry = lax.fori_loop(lo, own_lo, skip, mosaic_common.initial_carry(head_dim))
-            carry = lax.fori_loop(own_lo, own_hi, attend, carry)
+            if ping_pong:
+                pl.when(wg == 1)(take_turn)  # consumer 0 takes the first turn
+            carry = lax.fori_loop(lo, own_lo, skip, carry)
+            carry = lax.fori_loop(own_lo, whole_lo, attend_masked, carry)  # the window's leading edge
+            carry = lax.fori_loop(whole_lo, whole_hi, attend_whole, carry)
+            carry = lax.fori_loop(whole_hi, own_hi, attend_masked, carry)  # the causal diagonal, the sequence's end
             acc, _, l_i = lax.fori_loop(own_hi, hi, skip, carry)
+            if ping_pong:
+                pl.when(wg == 0)(take_turn)  # the turns even out: each consumer arrived 2 (hi - lo) + 1 times
             # the q tile is not read again: it takes the output tile
             mosaic_common.store_tile(acc, l_i, q_smem.at[wg], o_ref.at[item, wg, :, head])
 
@@ -152,7 +204,8 @@ def mosaic_ragged_ws_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     pages_per_block: int | None = None,
-    p_in_registers: bool | None = None,  # None: in registers when compiled (`mosaic_common.attend_block`)
+    p_in_registers: bool | None = None,  # None: in registers when compiled (`mosaic_common.accumulate_pv`)
+    ping_pong: bool = True,  # the consumers take turns at the tensor cores
     interpret: Any = None,  # bool, None (interpret off GPU) or plgpu.InterpretGPUParams
 ) -> jax.Array:
     """Causal attention of every real query token over its sequence's keys -> [T, H, hd] in q.dtype; padding
@@ -180,7 +233,8 @@ def mosaic_ragged_ws_attention(
     kernel = plgpu.kernel(
         functools.partial(_kernel, group=heads // kv_heads, pages_per_block=pages_per_block, scale=scale,
                           sliding_window=sliding_window, soft_cap=soft_cap,
-                          p_in_registers=interpret is None if p_in_registers is None else p_in_registers),
+                          p_in_registers=interpret is None if p_in_registers is None else p_in_registers,
+                          ping_pong=ping_pong),
         out_type=jax.ShapeDtypeStruct(q_tiles.shape, q.dtype),
         scratch_types=[
             plgpu.SMEM((CONSUMERS, ROWS, head_dim), q.dtype, transforms=rows),  # q tiles, then output tiles
@@ -188,14 +242,18 @@ def mosaic_ragged_ws_attention(
             plgpu.SMEM((SLOTS, block_kv, head_dim), q.dtype, transforms=rows),
             plgpu.SMEM((CONSUMERS, ROWS, block_kv), q.dtype, transforms=mosaic_common.transforms(block_kv, q.dtype)),
             plgpu.Barrier(num_barriers=CONSUMERS),  # each consumer's q tile
-            plgpu.Barrier(num_arrivals=2 * pages_per_block, num_barriers=SLOTS),  # a slot's page copies landed
-            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=SLOTS),  # both consumers released a slot
+            plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=SLOTS),  # a slot's K pages landed
+            plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=SLOTS),  # its V pages landed
+            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=SLOTS),  # both consumers are done with a slot's K
+            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=SLOTS),  # and with its V
             plgpu.Barrier(num_arrivals=CONSUMERS),  # both halves of a last block's V rows zeroed
+            plgpu.Barrier(num_arrivals=CONSUMERS),  # the consumers' turns at the tensor cores
         ],
         grid=(num_items, heads),
         grid_names=("item", "head"),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),  # exp2 and tanh as single approximate instructions
         interpret=interpret,
     )
     tiles = kernel(q_tiles, k_pages, v_pages, block_tables, q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32),
