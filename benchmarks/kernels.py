@@ -158,10 +158,13 @@ def bench_decode(case: DecodeCase, ceilings: dict, args: argparse.Namespace, int
         fn = jax.jit(functools.partial(decode_attention, scale=scale, interpret=interpret, **config))
         impls[name] = (fn, (q, k_pages, v_pages, tables, lengths))
     if not interpret and mosaic_gpu_available():  # the Mosaic GPU (Hopper) kernel beside the Triton one, with its
-        # default 128-token KV blocks in 2 slots (one program per SM in shared memory), and 64-token blocks in 2
-        # slots (two programs per SM) or 4 (one program per SM, 3 blocks in flight)
+        # default 128-token KV blocks in 2 slots (one program per SM in shared memory) or 3 (two blocks in flight;
+        # ~208 KiB at head 128), and 64-token blocks in 2 slots (two programs per SM) or 4 (one program per SM, 3
+        # blocks in flight)
         impls["mosaic"] = (jax.jit(functools.partial(mosaic_decode_attention, scale=scale)),
                            (q, k_pages, v_pages, tables, lengths))
+        impls["mosaic[3 slots]"] = (jax.jit(functools.partial(mosaic_decode_attention, scale=scale, slots=3)),
+                                    (q, k_pages, v_pages, tables, lengths))
         for slots in (2, 4) if 64 % case.page_size == 0 else ():
             impls[f"mosaic[64-token blocks, {slots} slots]"] = (
                 jax.jit(functools.partial(mosaic_decode_attention, scale=scale, pages_per_block=64 // case.page_size,

@@ -55,9 +55,11 @@ def transforms(row_elements: int, dtype: Any) -> tuple:
     return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def scratch_types(head_dim: int, page_size: int, pages_per_block: int, dtype: Any, slots: int = SLOTS) -> list:
-    """Shared memory of a program: the q tile, `slots` K and V slots, the p tile, the output tile, q's barrier and
-    the slots' barriers (one arrival per page copy)."""
+def scratch_types(head_dim: int, page_size: int, pages_per_block: int, dtype: Any, slots: int = SLOTS,
+                  p_tile: bool = True) -> list:
+    """Shared memory of a program: the q tile (the output tile once the blocks are done), `slots` K and V slots,
+    q's barrier, the slots' barriers (one arrival per page copy), and with `p_tile` the [64, block] tile p goes
+    through to wgmma (`accumulate_pv`)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     block_kv = page_size * pages_per_block
@@ -65,10 +67,16 @@ def scratch_types(head_dim: int, page_size: int, pages_per_block: int, dtype: An
     return [plgpu.SMEM((ROWS, head_dim), dtype, transforms=rows),
             plgpu.SMEM((slots, block_kv, head_dim), dtype, transforms=rows),
             plgpu.SMEM((slots, block_kv, head_dim), dtype, transforms=rows),
-            plgpu.SMEM((ROWS, block_kv), dtype, transforms=transforms(block_kv, dtype)),
-            plgpu.SMEM((ROWS, head_dim), dtype, transforms=rows),
             plgpu.Barrier(),
-            plgpu.Barrier(num_arrivals=2 * pages_per_block, num_barriers=slots)]
+            plgpu.Barrier(num_arrivals=2 * pages_per_block, num_barriers=slots),
+            *([plgpu.SMEM((ROWS, block_kv), dtype, transforms=transforms(block_kv, dtype))] if p_tile else [])]
+
+
+def p_route(p_in_registers: bool | None, interpret: Any) -> bool:
+    """Whether p reaches wgmma from registers (`accumulate_pv`): by default when compiled; never interpreted."""
+    if p_in_registers and interpret is not None:
+        raise NotImplementedError("p_in_registers: Mosaic GPU's interpret mode takes wgmma's A from shared memory")
+    return interpret is None if p_in_registers is None else p_in_registers
 
 
 def item_tokens(query_start: jax.Array, q_lens: jax.Array, item_seq: jax.Array, item_first: jax.Array, block_q: int,
@@ -126,7 +134,8 @@ def fetch_block(block: jax.Array, slot: jax.Array, *, tables_ref, seq: jax.Array
 
 def attend_blocks(lo: jax.Array, hi: jax.Array, kv_len: jax.Array, *, tables_ref, seq: jax.Array, kv_head: jax.Array,
                   k_ref, v_ref, q_smem, k_smem, v_smem, p_smem, kv_bar, pages_per_block: int, scale: float,
-                  soft_cap: float | None, visible: Callable[[jax.Array], jax.Array]) -> tuple[jax.Array, jax.Array]:
+                  soft_cap: float | None, visible: Callable[[jax.Array], jax.Array],
+                  p_in_registers: bool = False) -> tuple[jax.Array, jax.Array]:
     """Attention of the query tile in `q_smem` over KV blocks lo..hi-1 of sequence `seq`, whose keys end at
     `kv_len` -> (acc [64, hd] f32 unnormalised, l [64] f32 row sums), with the copies of the next slots - 1 blocks
     in flight while a block is computed (the slots: k_smem's first dimension). `visible(key [64, block] int32) ->
@@ -163,7 +172,8 @@ def attend_blocks(lo: jax.Array, hi: jax.Array, kv_len: jax.Array, *, tables_ref
             plgpu.commit_smem()
 
         return attend_block(carry, block, q_smem=q_smem, k_slot=k_smem.at[slot], v_slot=v_smem.at[slot],
-                            p_smem=p_smem, scale=scale, soft_cap=soft_cap, visible=visible)
+                            p_smem=p_smem, scale=scale, soft_cap=soft_cap, visible=visible,
+                            p_in_registers=p_in_registers)
 
     acc, _, l_i = lax.fori_loop(lo, hi, step, initial_carry(head_dim))
     return acc, l_i

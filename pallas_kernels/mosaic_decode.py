@@ -18,8 +18,9 @@ from pallas_kernels import mosaic_common
 from pallas_kernels.mosaic_common import ROWS
 
 
-def _kernel(q_ref, k_ref, v_ref, tables_ref, lengths_ref, o_ref, q_smem, k_smem, v_smem, p_smem, o_smem, q_bar, kv_bar,
-            *, pages_per_block: int, scale: float, sliding_window: int | None, soft_cap: float | None):
+def _kernel(q_ref, k_ref, v_ref, tables_ref, lengths_ref, o_ref, q_smem, k_smem, v_smem, q_bar, kv_bar, *p_smem,
+            pages_per_block: int, scale: float, sliding_window: int | None, soft_cap: float | None,
+            p_in_registers: bool):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     seq, head = lax.axis_index("seq"), lax.axis_index("head")
@@ -34,9 +35,10 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lengths_ref, o_ref, q_smem, k_smem,
     plgpu.barrier_wait(q_bar)
     acc, l_i = mosaic_common.attend_blocks(
         lo, lax.div(length + block_kv - 1, block_kv), length, tables_ref=tables_ref, seq=seq, kv_head=head,
-        k_ref=k_ref, v_ref=v_ref, q_smem=q_smem, k_smem=k_smem, v_smem=v_smem, p_smem=p_smem, kv_bar=kv_bar,
-        pages_per_block=pages_per_block, scale=scale, soft_cap=soft_cap, visible=visible)
-    mosaic_common.store_tile(acc, l_i, o_smem, o_ref.at[seq, head])
+        k_ref=k_ref, v_ref=v_ref, q_smem=q_smem, k_smem=k_smem, v_smem=v_smem, p_smem=(p_smem or [None])[0],
+        kv_bar=kv_bar, pages_per_block=pages_per_block, scale=scale, soft_cap=soft_cap, visible=visible,
+        p_in_registers=p_in_registers)
+    mosaic_common.store_tile(acc, l_i, q_smem, o_ref.at[seq, head])  # the q tile is not read again
 
 
 def mosaic_decode_attention(
@@ -51,6 +53,7 @@ def mosaic_decode_attention(
     soft_cap: float | None = None,
     pages_per_block: int | None = None,
     slots: int = mosaic_common.SLOTS,  # KV blocks in shared memory: slots - 1 in flight while one is computed
+    p_in_registers: bool | None = None,  # None: in registers when compiled (`mosaic_common.accumulate_pv`)
     interpret: Any = None,  # bool, None (interpret off GPU) or plgpu.InterpretGPUParams
 ) -> jax.Array:
     """Attention of each sequence's query over its first `length` cached keys (the last `sliding_window` of them
@@ -65,14 +68,17 @@ def mosaic_decode_attention(
     block_tables, pages_per_block = mosaic_common.blocked_tables(block_tables, page_size, pages_per_block)
     # [S, KVH, 64, hd]: each KV head's query heads as the first G rows of a zero-padded wgmma tile
     q_tiles = jnp.pad(q.reshape(seqs, kv_heads, group, head_dim), ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))
+    interpret = mosaic_common.interpret_params(interpret)
+    p_in_registers = mosaic_common.p_route(p_in_registers, interpret)
     kernel = plgpu.kernel(
         functools.partial(_kernel, pages_per_block=pages_per_block, scale=scale, sliding_window=sliding_window,
-                          soft_cap=soft_cap),
+                          soft_cap=soft_cap, p_in_registers=p_in_registers),
         out_type=jax.ShapeDtypeStruct(q_tiles.shape, q.dtype),
-        scratch_types=mosaic_common.scratch_types(head_dim, page_size, pages_per_block, q.dtype, slots),
+        scratch_types=mosaic_common.scratch_types(head_dim, page_size, pages_per_block, q.dtype, slots,
+                                                  p_tile=not p_in_registers),
         grid=(seqs, kv_heads),
         grid_names=("seq", "head"),
-        interpret=mosaic_common.interpret_params(interpret),
+        interpret=interpret,
     )
     out = kernel(q_tiles, k_pages, v_pages, block_tables, lengths.astype(jnp.int32))
     return out[:, :, :group].reshape(seqs, heads, head_dim)

@@ -22,8 +22,9 @@ from pallas_kernels.mosaic_common import ROWS
 BLOCK_Q = ROWS  # query tokens per work item
 
 
-def _kernel(q_ref, k_ref, v_ref, tables_ref, q_lens_ref, kv_lens_ref, item_seq_ref, item_first_ref, o_ref, q_smem, k_smem, v_smem, p_smem, o_smem, q_bar, kv_bar, *, group: int, pages_per_block: int,
-            scale: float, sliding_window: int | None, soft_cap: float | None):
+def _kernel(q_ref, k_ref, v_ref, tables_ref, q_lens_ref, kv_lens_ref, item_seq_ref, item_first_ref, o_ref, q_smem,
+            k_smem, v_smem, q_bar, kv_bar, *p_smem, group: int, pages_per_block: int, scale: float,
+            sliding_window: int | None, soft_cap: float | None, p_in_registers: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -50,9 +51,10 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, q_lens_ref, kv_lens_ref, item_seq_r
         plgpu.barrier_wait(q_bar)
         acc, l_i = mosaic_common.attend_blocks(
             lo, hi, kv_len, tables_ref=tables_ref, seq=seq, kv_head=lax.div(head, group), k_ref=k_ref, v_ref=v_ref,
-            q_smem=q_smem, k_smem=k_smem, v_smem=v_smem, p_smem=p_smem, kv_bar=kv_bar,
-            pages_per_block=pages_per_block, scale=scale, soft_cap=soft_cap, visible=visible)
-        mosaic_common.store_tile(acc, l_i, o_smem, o_ref.at[item, :, head])
+            q_smem=q_smem, k_smem=k_smem, v_smem=v_smem, p_smem=(p_smem or [None])[0], kv_bar=kv_bar,
+            pages_per_block=pages_per_block, scale=scale, soft_cap=soft_cap, visible=visible,
+            p_in_registers=p_in_registers)
+        mosaic_common.store_tile(acc, l_i, q_smem, o_ref.at[item, :, head])  # the q tile is not read again
 
 
 def mosaic_ragged_paged_attention(
@@ -70,6 +72,7 @@ def mosaic_ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     pages_per_block: int | None = None,
+    p_in_registers: bool | None = None,  # None: in registers when compiled (`mosaic_common.accumulate_pv`)
     interpret: Any = None,  # bool, None (interpret off GPU) or plgpu.InterpretGPUParams
 ) -> jax.Array:
     """Causal attention of every real query token over its sequence's keys -> [T, H, hd] in q.dtype; padding
@@ -85,14 +88,17 @@ def mosaic_ragged_paged_attention(
     # tile gathered outside the kernel: in the kernel a TMA box at a data-dependent row is beyond layout inference)
     token = mosaic_common.item_tokens(query_start, q_lens, item_seq, item_first, BLOCK_Q, num_tokens)  # [NB * 64]
     q_tiles = jnp.pad(q, ((0, 1), (0, 0), (0, 0)))[token].reshape(num_items, BLOCK_Q, heads, head_dim)
+    interpret = mosaic_common.interpret_params(interpret)
+    p_in_registers = mosaic_common.p_route(p_in_registers, interpret)
     kernel = plgpu.kernel(
         functools.partial(_kernel, group=heads // kv_heads, pages_per_block=pages_per_block, scale=scale,
-                          sliding_window=sliding_window, soft_cap=soft_cap),
+                          sliding_window=sliding_window, soft_cap=soft_cap, p_in_registers=p_in_registers),
         out_type=jax.ShapeDtypeStruct((num_items, BLOCK_Q, heads, head_dim), q.dtype),
-        scratch_types=mosaic_common.scratch_types(head_dim, page_size, pages_per_block, q.dtype),
+        scratch_types=mosaic_common.scratch_types(head_dim, page_size, pages_per_block, q.dtype,
+                                                  p_tile=not p_in_registers),
         grid=(num_items, heads),
         grid_names=("item", "head"),
-        interpret=mosaic_common.interpret_params(interpret),
+        interpret=interpret,
     )
     tiles = kernel(q_tiles, k_pages, v_pages, block_tables, q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32),
                    item_seq.astype(jnp.int32), item_first.astype(jnp.int32))

@@ -40,7 +40,7 @@ def covers(head_dim: int) -> bool:
 
 
 def _kernel(q_ref, k_ref, v_ref, tables_ref, q_lens_ref, kv_lens_ref, item_seq_ref, item_first_ref, o_ref,
-            q_smem, k_smem, v_smem, p_smem, q_bar, k_bar, v_bar, k_released, v_released, tail_bar, turn_bar, *,
+            q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_released, v_released, tail_bar, turn_bar, *p_smem,
             group: int, pages_per_block: int, scale: float, sliding_window: int | None, soft_cap: float | None,
             p_in_registers: bool, ping_pong: bool):
     from jax.experimental import pallas as pl
@@ -166,7 +166,8 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, q_lens_ref, kv_lens_ref, item_seq_r
                 if ping_pong:
                     plgpu.barrier_wait(turn_bar)
                 if attend:
-                    acc = mosaic_common.accumulate_pv(acc, p16, v_smem.at[slot], p_smem.at[wg], p_in_registers)
+                    acc = mosaic_common.accumulate_pv(acc, p16, v_smem.at[slot],
+                                                      p_smem[0].at[wg] if p_smem else None, p_in_registers)
                     carry = acc, m_i, l_i
                 plgpu.barrier_arrive(v_released.at[slot])
                 return carry
@@ -228,19 +229,16 @@ def mosaic_ragged_ws_attention(
     block_kv = page_size * pages_per_block
     rows = mosaic_common.transforms(head_dim, q.dtype)
     interpret = mosaic_common.interpret_params(interpret)
-    if p_in_registers and interpret is not None:
-        raise NotImplementedError("p_in_registers: Mosaic GPU's interpret mode takes wgmma's A from shared memory")
+    p_in_registers = mosaic_common.p_route(p_in_registers, interpret)
     kernel = plgpu.kernel(
         functools.partial(_kernel, group=heads // kv_heads, pages_per_block=pages_per_block, scale=scale,
                           sliding_window=sliding_window, soft_cap=soft_cap,
-                          p_in_registers=interpret is None if p_in_registers is None else p_in_registers,
-                          ping_pong=ping_pong),
+                          p_in_registers=p_in_registers, ping_pong=ping_pong),
         out_type=jax.ShapeDtypeStruct(q_tiles.shape, q.dtype),
         scratch_types=[
             plgpu.SMEM((CONSUMERS, ROWS, head_dim), q.dtype, transforms=rows),  # q tiles, then output tiles
             plgpu.SMEM((SLOTS, block_kv, head_dim), q.dtype, transforms=rows),
             plgpu.SMEM((SLOTS, block_kv, head_dim), q.dtype, transforms=rows),
-            plgpu.SMEM((CONSUMERS, ROWS, block_kv), q.dtype, transforms=mosaic_common.transforms(block_kv, q.dtype)),
             plgpu.Barrier(num_barriers=CONSUMERS),  # each consumer's q tile
             plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=SLOTS),  # a slot's K pages landed
             plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=SLOTS),  # its V pages landed
@@ -248,6 +246,9 @@ def mosaic_ragged_ws_attention(
             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=SLOTS),  # and with its V
             plgpu.Barrier(num_arrivals=CONSUMERS),  # both halves of a last block's V rows zeroed
             plgpu.Barrier(num_arrivals=CONSUMERS),  # the consumers' turns at the tensor cores
+            # the p tiles on their way to wgmma through shared memory (`mosaic_common.accumulate_pv`)
+            *([] if p_in_registers else [plgpu.SMEM((CONSUMERS, ROWS, block_kv), q.dtype,
+                                                     transforms=mosaic_common.transforms(block_kv, q.dtype))]),
         ],
         grid=(num_items, heads),
         grid_names=("item", "head"),

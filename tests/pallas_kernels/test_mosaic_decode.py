@@ -118,13 +118,35 @@ def test_rejects_what_it_does_not_cover():
         mosaic_decode_attention(q, pages, pages, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32), scale=1.0)
 
 
-def test_lowers_for_cuda_as_one_mosaic_gpu_kernel():
-    """The target shape of the decode benchmark (batch 64, 2k context, 8 KV heads, GQA 4, head 128)."""
+def test_p_in_registers_is_refused_when_interpreted():
+    """Mosaic GPU's interpret mode takes wgmma's A operand from shared memory only: asking for registers there is an
+    error, not a silent change of route."""
+    q, pages = jnp.zeros((1, 4, 64), jnp.bfloat16), jnp.zeros((2, 16, 1, 64), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="p_in_registers"):
+        mosaic_decode_attention(q, pages, pages, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32), scale=1.0,
+                                p_in_registers=True, interpret=True)
+
+
+def _decode_target_args() -> tuple:
+    """The target shape of the decode benchmark (batch 64, 2k context, 8 KV heads, GQA 4, head 128), abstract."""
     seqs, kv_heads, group, head_dim, page, max_pages = 64, 8, 4, 128, 16, 128
     pool = jax.ShapeDtypeStruct((1 + seqs * max_pages, page, kv_heads, head_dim), jnp.bfloat16)
-    args = (jax.ShapeDtypeStruct((seqs, kv_heads * group, head_dim), jnp.bfloat16), pool, pool,
+    return (jax.ShapeDtypeStruct((seqs, kv_heads * group, head_dim), jnp.bfloat16), pool, pool,
             jax.ShapeDtypeStruct((seqs, max_pages), jnp.int32), jax.ShapeDtypeStruct((seqs,), jnp.int32))
-    text = lower_for_cuda(functools.partial(mosaic_decode_attention, scale=head_dim ** -0.5, interpret=False),
-                          *args).as_text()
+
+
+@pytest.mark.parametrize("slots", [2, 3])
+def test_lowers_for_cuda_as_one_mosaic_gpu_kernel(slots):
+    """Compiled, p reaches wgmma from registers and the output goes out through the q tile, so three 128-token
+    K/V slots fit in Hopper's shared memory at head 128."""
+    text = lower_for_cuda(functools.partial(mosaic_decode_attention, scale=128 ** -0.5, interpret=False, slots=slots),
+                          *_decode_target_args()).as_text()
     calls = [line for line in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
     assert len(calls) == 1
+
+
+def test_shared_memory_bound_is_checked_when_lowering():
+    """Four 128-token slots at head 128 (~274 KiB) exceed the 227 KiB a Hopper program may hold."""
+    with pytest.raises(Exception, match="exceeds available shared memory"):
+        lower_for_cuda(functools.partial(mosaic_decode_attention, scale=128 ** -0.5, interpret=False, slots=4),
+                       *_decode_target_args())
