@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.jax_attention_kernels import mosaic_flash_attention, shipped_paged_attention
 from pallas_kernels.decode_attention import decode_attention
 from pallas_kernels.kv_write import write_kv
 from pallas_kernels.mosaic_common import mosaic_gpu_available
@@ -127,18 +128,6 @@ def _try_time(fn: Callable, args: tuple, warmup: int, iters: int) -> float | str
         return f"error: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
 
 
-def shipped_paged_attention(case: DecodeCase, interpret: bool):
-    """jax.experimental.pallas.ops.gpu.paged_attention with a valid split for this shape, or None."""
-    from jax.experimental.pallas.ops.gpu import paged_attention as shipped
-
-    pages_per_seq = -(-case.context // case.page_size)
-    k_splits = next(s for s in (16, 8, 4, 2, 1) if pages_per_seq % s == 0)
-    per_split = pages_per_seq // k_splits
-    per_block = next(b for b in (8, 4, 2, 1) if per_split % b == 0)
-    return jax.jit(functools.partial(shipped.paged_attention, k_splits=k_splits, pages_per_compute_block=per_block,
-                                     interpret=interpret))
-
-
 def bench_decode(case: DecodeCase, ceilings: dict, args: argparse.Namespace, interpret: bool) -> list[dict]:
     rng = np.random.default_rng(0)
     k_pages, v_pages, tables = _pool(rng, case.batch, case.context, case.page_size, case.kv_heads, case.head_dim)
@@ -175,7 +164,7 @@ def bench_decode(case: DecodeCase, ceilings: dict, args: argparse.Namespace, int
     # the shipped kernel wants head-major pages [KVH, N, page, hd]; transposed outside the timed region
     k_head_major, v_head_major = (jnp.transpose(p, (2, 0, 1, 3)) for p in (k_pages, v_pages))
     q_scaled = (q.astype(jnp.float32) * scale).astype(q.dtype)  # it has no softmax-scale argument
-    impls["jax_shipped_paged_attention"] = (shipped_paged_attention(case, interpret),
+    impls["jax_shipped_paged_attention"] = (shipped_paged_attention(case.context, case.page_size, interpret),
                                             (q_scaled, k_head_major, v_head_major, tables, lengths))
 
     rows = _timed_rows(impls, args, {"kind": "decode", **dataclasses.asdict(case), "kv_bytes": kv_bytes},
@@ -242,7 +231,8 @@ def bench_prefill(case: PrefillCase, ceilings: dict, args: argparse.Namespace, i
                 jax.jit(functools.partial(mosaic_ragged_ws_attention, scale=scale, **options)),
                 fn_args + items(MOSAIC_WS_BLOCK_Q))
     if not interpret:
-        flash = mosaic_flash_attention(case, q, k_pages, v_pages, tables, scale)
+        flash = mosaic_flash_attention(q, k_pages, v_pages, tables, scale, seqs=case.seqs,
+                                       tokens_per_seq=case.tokens_per_seq)
         if flash is not None:
             impls["jax_mosaic_gpu_flash_attention"] = flash
     impls["jnp_reference"] = (jax.jit(functools.partial(ragged_attention_reference, scale=scale,
@@ -253,31 +243,6 @@ def bench_prefill(case: PrefillCase, ceilings: dict, args: argparse.Namespace, i
                        lambda s: dict(tflop_per_s=flops / s / 1e12,
                                       frac_of_matmul=flops / s / ceilings["bf16_matmul_flops"]))
     return _with_speedups(rows, "jnp_reference")
-
-
-def mosaic_flash_attention(case: PrefillCase, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                           tables: jax.Array, scale: float) -> tuple[Callable, tuple] | None:
-    """jax's Mosaic GPU flash attention (causal, dense [B, T, H, hd] K/V gathered from the pages outside the
-    timed region) as (fn, args) returning the ragged kernel's [T, H, hd] layout; None where jax lacks it. In
-    float16: jax 0.11.2's kernel fails on bfloat16 inputs ("src had type bfloat16 and dst had type float16");
-    the two types cost the same."""
-    try:
-        from jax.experimental.pallas.ops.gpu import attention_mgpu
-    except ImportError:
-        return None
-    heads = case.kv_heads * case.gqa
-    dense = lambda pages: pages[tables].reshape(case.seqs, -1, case.kv_heads, case.head_dim)[  # noqa: E731
-        :, :case.tokens_per_seq]
-    k, v = dense(k_pages).astype(jnp.float16), dense(v_pages).astype(jnp.float16)
-    q4 = (q.astype(jnp.float32) * scale).astype(jnp.float16).reshape(case.seqs, case.tokens_per_seq, heads,
-                                                                  case.head_dim)
-    # it applies no softmax scale: q is pre-scaled, as for the shipped decode kernel
-    config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=True)
-
-    def flash(q4, k, v):
-        return attention_mgpu.attention(q4, k, v, config).reshape(-1, heads, case.head_dim).astype(q.dtype)
-
-    return jax.jit(flash), (q4, k, v)
 
 
 def _with_speedups(rows: list[dict], baseline: str) -> list[dict]:
