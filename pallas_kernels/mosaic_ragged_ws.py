@@ -180,7 +180,8 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, q_lens_ref, kv_lens_ref, item_seq_r
             if ping_pong:
                 pl.when(wg == 1)(take_turn)  # consumer 0 takes the first turn
             carry = lax.fori_loop(lo, own_lo, skip, carry)
-            carry = lax.fori_loop(own_lo, whole_lo, attend_masked, carry)  # the window's leading edge
+            if sliding_window is not None:  # the window's leading edge
+                carry = lax.fori_loop(own_lo, whole_lo, attend_masked, carry)
             carry = lax.fori_loop(whole_lo, whole_hi, attend_whole, carry)
             carry = lax.fori_loop(whole_hi, own_hi, attend_masked, carry)  # the causal diagonal, the sequence's end
             acc, _, l_i = lax.fori_loop(own_hi, hi, skip, carry)
