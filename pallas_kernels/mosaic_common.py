@@ -110,16 +110,21 @@ def blocked_tables(block_tables: jax.Array, page_size: int, pages_per_block: int
     return jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages))), pages_per_block
 
 
-def fetch_pages(block: jax.Array, slot: jax.Array, *, tables_ref, seq: jax.Array, kv_head: jax.Array, pages_ref, smem,
-                bar, pages_per_block: int) -> None:
-    """Start the TMA copies of KV block `block` of sequence `seq` out of one pool (`pages_ref`: K or V, its pages of
-    `kv_head`) into shared memory slot `slot` of `smem`; the pages_per_block copies arrive on `bar`."""
+def block_pages(tables_ref, seq: jax.Array, block: jax.Array, pages_per_block: int) -> list[jax.Array]:
+    """The page ids of KV block `block` of sequence `seq`, read together before any copy is issued (their reads'
+    latencies overlap instead of each waiting behind the copy before it: a TMA issue is a side effect the compiler
+    does not move loads across)."""
+    return [tables_ref[seq, block * pages_per_block + j] for j in range(pages_per_block)]
+
+
+def fetch_pages(pages: list[jax.Array], slot: jax.Array, *, kv_head: jax.Array, pages_ref, smem, bar) -> None:
+    """Start the TMA copies of one KV block's `pages` (ids from `block_pages`) out of one pool (`pages_ref`: K or V,
+    its pages of `kv_head`) into shared memory slot `slot` of `smem`; each copy arrives on `bar`."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     page_size = pages_ref.shape[1]
-    for j in range(pages_per_block):
-        page = tables_ref[seq, block * pages_per_block + j]
+    for j, page in enumerate(pages):
         plgpu.copy_gmem_to_smem(pages_ref.at[page, :, kv_head], smem.at[slot, pl.ds(j * page_size, page_size)], bar)
 
 
@@ -127,9 +132,9 @@ def fetch_block(block: jax.Array, slot: jax.Array, *, tables_ref, seq: jax.Array
                 k_smem, v_smem, kv_bar, pages_per_block: int) -> None:
     """Start the TMA copies of KV block `block` of sequence `seq` (its pages of `kv_head`, K and V) into shared
     memory slot `slot`; all 2 x pages_per_block copies arrive on kv_bar[slot]."""
+    pages = block_pages(tables_ref, seq, block, pages_per_block)
     for pages_ref, smem in ((k_ref, k_smem), (v_ref, v_smem)):
-        fetch_pages(block, slot, tables_ref=tables_ref, seq=seq, kv_head=kv_head, pages_ref=pages_ref, smem=smem,
-                    bar=kv_bar.at[slot], pages_per_block=pages_per_block)
+        fetch_pages(pages, slot, kv_head=kv_head, pages_ref=pages_ref, smem=smem, bar=kv_bar.at[slot])
 
 
 def attend_blocks(lo: jax.Array, hi: jax.Array, kv_len: jax.Array, *, tables_ref, seq: jax.Array, kv_head: jax.Array,

@@ -69,24 +69,26 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, q_lens_ref, kv_lens_ref, item_seq_r
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
             pools = ((k_ref, k_smem, k_bar, k_released), (v_ref, v_smem, v_bar, v_released))
+            kv_head = lax.div(head, group)
 
-            def fetch(block, pages_ref, smem, bar):
+            def fetch(block, pages, pages_ref, smem, bar):
                 slot = lax.rem(block, SLOTS)
-                mosaic_common.fetch_pages(block, slot, tables_ref=tables_ref, seq=seq, kv_head=lax.div(head, group),
-                                          pages_ref=pages_ref, smem=smem, bar=bar.at[slot],
-                                          pages_per_block=pages_per_block)
+                mosaic_common.fetch_pages(pages, slot, kv_head=kv_head, pages_ref=pages_ref, smem=smem,
+                                          bar=bar.at[slot])
 
             for ahead in range(SLOTS):
                 @pl.when(lo + ahead < hi)
                 def _():
+                    pages = mosaic_common.block_pages(tables_ref, seq, lo + ahead, pages_per_block)
                     for pages_ref, smem, bar, _ in pools:
-                        fetch(lo + ahead, pages_ref, smem, bar)
+                        fetch(lo + ahead, pages, pages_ref, smem, bar)
 
             @pl.loop(lo + SLOTS, hi)
             def _(block):
+                pages = mosaic_common.block_pages(tables_ref, seq, block, pages_per_block)  # read while waiting
                 for pages_ref, smem, bar, released in pools:  # K waits only for the consumers' q.K^T of block - SLOTS
                     plgpu.barrier_wait(released.at[lax.rem(block, SLOTS)])
-                    fetch(block, pages_ref, smem, bar)
+                    fetch(block, pages, pages_ref, smem, bar)
 
             for behind in range(SLOTS):  # observe the last releases too, as every barrier's phases must be
                 @pl.when(hi - SLOTS + behind >= lo)
