@@ -111,9 +111,9 @@ def blocked_tables(block_tables: jax.Array, page_size: int, pages_per_block: int
 
 
 def block_pages(tables_ref, seq: jax.Array, block: jax.Array, pages_per_block: int) -> list[jax.Array]:
-    """The page ids of KV block `block` of sequence `seq`, read together before any copy is issued (their reads'
-    latencies overlap instead of each waiting behind the copy before it: a TMA issue is a side effect the compiler
-    does not move loads across)."""
+    """The page ids of KV block `block` of sequence `seq`, read together before any copy is issued, so that their
+    reads' latencies overlap (a TMA issue writes memory: the compiler cannot be counted on to hoist a later read
+    above it)."""
     return [tables_ref[seq, block * pages_per_block + j] for j in range(pages_per_block)]
 
 
