@@ -4,11 +4,12 @@
 # `pallas` backend's greedy tokens against `xla` on tiny dummy-weight models of each family, with compiles after
 # start counted; kernel timings (decode GB/s against the copy bandwidth, ragged prefill against jax's Mosaic GPU
 # flash attention, a block/warp/stage sweep); the engine in bf16 on Llama-3-8B- and SmolLM2-shaped dummy weights
-# (prefill tok/s, decode at batch 1, 64 and 256, start-up with precompiling, compiles after start); weight-only
-# int8/fp8 projections; q/k/v and gate/up as separate products or one; where the 8B-shaped engine's decode steps
-# spend their time (each kernel's device time by the jitted piece that launched it, the device's busy time against
-# the step's wall time and the host's time to dispatch it); that dispatch time with XLA's command buffers on or off
-# and with several layers to a call; the host's own work per step on a near-free model.
+# (prefill tok/s, decode at batch 1, 64 and 256, 64 requests of uneven lengths against 64 equal ones, start-up with
+# precompiling, compiles after start); weight-only int8/fp8 projections; q/k/v and gate/up as separate products or
+# one; where the 8B-shaped engine's decode steps spend their time (each kernel's device time by the jitted piece
+# that launched it, the device's busy time against the step's wall time and the host's time to dispatch it); that
+# dispatch time with XLA's command buffers on or off and with several layers to a call; the host's own work per
+# step on a near-free model.
 # The default stages' limits add up to 9 minutes (tests, greedy, kernels, llama8b); STAGES (space-separated
 # names) picks others: mosaic_tests, sweep, flash, decode, llama8b_mosaic, smollm2, quant, projections, profile,
 # dispatch, host, host_thread, e.g. STAGES="tests greedy kernels llama8b" GREEDY_FAMILIES=phi3,gemma3,qwen2,qwen3_moe;
@@ -82,17 +83,18 @@ step sweep 120 python3 -m benchmarks.kernels --sweep --only decode --budget-s 90
 step flash 45 python3 -m benchmarks.kernels --only prefill --budget-s 25 --json "$out/flash_gpu.json"
 # every decode shape (batch 1-256 x context 512-8192, GQA and head-dim variants), without the sweep
 step decode 50 python3 -m benchmarks.kernels --only decode --budget-s 35 --json "$out/decode_gpu.json"
+# the engine's scenarios: prefill; decode of one stream, of 64 equal requests and of 256 at once; 64 requests of
+# uneven lengths (prompts 16-1024, outputs 16-256) against 64 equal ones with the same token totals
+engine_scenarios=(--no-baseline --scenarios prefill,single,batch,wide,traffic --traffic-requests 64 --repeats 2
+    --num-prompts 64 --input-len 128 --output-len 128 --wide 256)
 step llama8b 190 python3 -m benchmarks.throughput --model .gpu/llama8b-shape --load-format dummy --dtype bfloat16 \
-    --batched-weight-dtype none --no-baseline --scenarios prefill,single,batch,wide --repeats 2 --num-prompts 64 \
-    --input-len 128 --output-len 128 --wide 256 --json "$out/throughput_llama8b_gpu.json"
+    --batched-weight-dtype none "${engine_scenarios[@]}" --json "$out/throughput_llama8b_gpu.json"
 # the same engine on the Mosaic GPU kernels
 step llama8b_mosaic 200 python3 -m benchmarks.throughput --model .gpu/llama8b-shape --load-format dummy \
-    --dtype bfloat16 --attention-backend mosaic --batched-weight-dtype none --no-baseline \
-    --scenarios prefill,single,batch,wide --repeats 2 --num-prompts 64 --input-len 128 --output-len 128 --wide 256 \
+    --dtype bfloat16 --attention-backend mosaic --batched-weight-dtype none "${engine_scenarios[@]}" \
     --json "$out/throughput_llama8b_mosaic_gpu.json"
 step smollm2 90 python3 -m benchmarks.throughput --model .gpu/smollm2-shape --load-format dummy --dtype bfloat16 \
-    --batched-weight-dtype none --no-baseline --scenarios prefill,single,batch,wide --repeats 2 --num-prompts 64 \
-    --input-len 128 --output-len 128 --wide 256 --json "$out/throughput_smollm2_gpu.json"
+    --batched-weight-dtype none "${engine_scenarios[@]}" --json "$out/throughput_smollm2_gpu.json"
 # decode steps of 64 and 1 sequences at ~140 tokens of context on the Mosaic GPU kernels, profiled; only the shapes
 # they need are compiled
 step profile 100 python3 -m benchmarks.step_profile --model .gpu/llama8b-shape --load-format dummy --dtype bfloat16 \
