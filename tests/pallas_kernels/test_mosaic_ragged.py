@@ -66,8 +66,8 @@ def test_window_and_soft_cap(kernel, sliding_window, soft_cap):
                       soft_cap=soft_cap)
 
 
-@pytest.mark.parametrize("ping_pong", [True, False], ids=["turns", "no_turns"])
-@pytest.mark.parametrize("sliding_window", [None, 60])
+@pytest.mark.parametrize("sliding_window, ping_pong", [(None, True), (60, True), (None, False)],
+                         ids=["turns", "window-turns", "no_turns"])
 def test_warp_specialized_long_chunk_over_a_cached_context(sliding_window, ping_pong):
     """A 300-token chunk after 160 cached tokens (three items of 128, KV blocks of 128): an item's second consumer
     sees one more block than its first (item 0: keys up to 223 against 287), the window starts the second item's walk
@@ -77,12 +77,12 @@ def test_warp_specialized_long_chunk_over_a_cached_context(sliding_window, ping_
                       sliding_window=sliding_window, ping_pong=ping_pong)
 
 
-@pytest.mark.parametrize("sliding_window, soft_cap", [(None, None), (200, None), (130, 5.0)])
+@pytest.mark.parametrize("sliding_window, soft_cap", [(None, None), (150, 5.0)])
 def test_warp_specialized_blocks_scored_without_a_mask(sliding_window, soft_cap):
-    """A 520-token prompt after 200 cached tokens beside a fresh 90-token one: most of a consumer's blocks lie wholly
+    """A 300-token prompt after 130 cached tokens beside a fresh 40-token one: some of a consumer's blocks lie wholly
     in its rows' past (and window) and are scored without a mask, the rest (the diagonal, the window's edge, the
-    sequence's end) with one."""
-    run_mosaic_ragged("warp_specialized", jnp.float16, 16, 64, 2, [520, 90], [720, 90], num_tokens=640,
+    sequence's end) with one; with the window, some rows see no key in their first block."""
+    run_mosaic_ragged("warp_specialized", jnp.float16, 16, 64, 2, [300, 40], [430, 40], num_tokens=384,
                       sliding_window=sliding_window, soft_cap=soft_cap)
 
 
