@@ -55,3 +55,19 @@ def test_mosaic_backend_matches_xla_backend(step, dtype, ragged_kernel, monkeypa
     np.testing.assert_allclose(np.asarray(out[:real], np.float32), np.asarray(expected[:real], np.float32),
                                **TOLERANCE[dtype])
     np.testing.assert_array_equal(np.asarray(k_new[1:], np.float32), np.asarray(k_ref[1:], np.float32))
+
+
+def test_ragged_kernel_choice(monkeypatch):
+    """By default the warp-specialized kernel where it covers the head dim (<= 128), the one-warpgroup one beyond;
+    JVLLM_MOSAIC_RAGGED picks the one-warpgroup kernel, and a misspelt choice is an error that names both."""
+    from jvllm.attention.pallas import mosaic_ragged_kernel
+    from pallas_kernels import mosaic_ragged, mosaic_ragged_ws
+
+    monkeypatch.delenv(MOSAIC_RAGGED_ENV, raising=False)
+    assert mosaic_ragged_kernel(128) == (mosaic_ragged_ws.BLOCK_Q, mosaic_ragged_ws.mosaic_ragged_ws_attention)
+    assert mosaic_ragged_kernel(256) == (mosaic_ragged.BLOCK_Q, mosaic_ragged.mosaic_ragged_paged_attention)
+    monkeypatch.setenv(MOSAIC_RAGGED_ENV, "one_warpgroup")
+    assert mosaic_ragged_kernel(128) == (mosaic_ragged.BLOCK_Q, mosaic_ragged.mosaic_ragged_paged_attention)
+    monkeypatch.setenv(MOSAIC_RAGGED_ENV, "warp-specialised")
+    with pytest.raises(ValueError, match="one_warpgroup or warp_specialized"):
+        mosaic_ragged_kernel(128)
