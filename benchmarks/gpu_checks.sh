@@ -80,7 +80,7 @@ step kernels 75 python3 -m benchmarks.kernels --budget-s 55 --warmup 2 --iters 1
 # the block / split / warp / stage sweep at the target shapes
 step sweep 120 python3 -m benchmarks.kernels --sweep --only decode --budget-s 90 --json "$out/sweep_gpu.json"
 # jax's Mosaic GPU flash attention beside the ragged kernel at the prefill shapes, without the sweep
-step flash 45 python3 -m benchmarks.kernels --only prefill --budget-s 25 --json "$out/flash_gpu.json"
+step flash 60 python3 -m benchmarks.kernels --only prefill --budget-s 35 --json "$out/flash_gpu.json"
 # every decode shape (batch 1-256 x context 512-8192, GQA and head-dim variants), without the sweep
 step decode 50 python3 -m benchmarks.kernels --only decode --budget-s 35 --json "$out/decode_gpu.json"
 # the engine's scenarios: prefill; decode of one stream, of 64 equal requests and of 256 at once; 64 requests of
