@@ -67,9 +67,10 @@ step tests 190 python3 -m pytest -v -n 12 -p no:cacheprovider -o addopts="" --ti
     tests/pallas_kernels/test_pallas_grouped_matmul.py tests/pallas_kernels/test_quant_matmul_bench.py \
     tests/pallas_kernels/test_mosaic_decode.py tests/pallas_kernels/test_mosaic_ragged.py \
     tests/pallas_kernels/test_mosaic_backend.py
-# the Mosaic GPU ragged kernels' tests alone, compiled: the warp-specialized kernel's register route and turns
-step mosaic_tests 70 python3 -m pytest -v -n 4 -p no:cacheprovider -o addopts="" --timeout 40 -rfE --tb=short \
-    tests/pallas_kernels/test_mosaic_ragged.py tests/pallas_kernels/test_mosaic_backend.py
+# the Mosaic GPU kernels' tests alone, compiled: their register route, the warp-specialized kernel's turns
+step mosaic_tests 80 python3 -m pytest -v -n 4 -p no:cacheprovider -o addopts="" --timeout 40 -rfE --tb=short \
+    tests/pallas_kernels/test_mosaic_ragged.py tests/pallas_kernels/test_mosaic_backend.py \
+    tests/pallas_kernels/test_mosaic_decode.py
 # nine processes compile at once: XLA's GEMM autotuning (timing candidate kernels on the shared GPU) is off here,
 # as speed is not what this stage checks
 # (GREEDY_FAMILIES, comma-separated, checks fewer families: each process compiles its step shapes on the shared CPUs)
