@@ -102,12 +102,11 @@ def ragged_items(q_lens, block_q: int, num_tokens: int, num_seqs: int) -> tuple[
     num_items = common.cdiv(num_tokens, block_q) + num_seqs
     item_seq = np.zeros(num_items, np.int32)
     item_first = np.full(num_items, num_tokens, np.int32)
-    cursor = 0
-    for seq, q_len in enumerate(np.asarray(q_lens)):
-        firsts = np.arange(0, int(q_len), block_q, dtype=np.int32)
-        item_seq[cursor:cursor + len(firsts)] = seq
-        item_first[cursor:cursor + len(firsts)] = firsts
-        cursor += len(firsts)
+    counts = -(-np.asarray(q_lens, np.int64) // block_q)  # [S] items of each sequence, in sequence order
+    used = int(counts.sum())
+    item_seq[:used] = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
+    # each item's index within its sequence's items, times block_q
+    item_first[:used] = (np.arange(used) - np.repeat(np.cumsum(counts) - counts, counts)) * block_q
     return item_seq, item_first
 
 

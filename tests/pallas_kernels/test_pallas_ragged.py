@@ -22,6 +22,22 @@ def work_items(dtype, q_lens: list[int], num_tokens: int, heads: int, kv_heads: 
     return ragged_items(q_lens, block_q, num_tokens, len(q_lens))
 
 
+@pytest.mark.parametrize("block_q", [16, 64, 128])
+def test_work_items_cover_each_sequence_in_order(block_q):
+    """Each sequence with queries gets ceil(q_len / block_q) items in sequence order, first = 0, block_q, ...; the
+    rest are unused (first = num_tokens), for random batches with empty rows and padding tokens."""
+    rng = np.random.default_rng(block_q)
+    for _ in range(50):
+        q_lens = [int(n) for n in rng.integers(0, 5 * block_q, int(rng.integers(1, 40))) * (rng.random() < 0.8)]
+        num_tokens = sum(q_lens) + int(rng.integers(0, block_q))
+        item_seq, item_first = ragged_items(np.asarray(q_lens), block_q, num_tokens, len(q_lens))
+        expected = [(seq, first) for seq, q_len in enumerate(q_lens) for first in range(0, q_len, block_q)]
+        assert item_seq.dtype == item_first.dtype == np.int32
+        assert item_seq.shape == item_first.shape == (-(-num_tokens // block_q) + len(q_lens),)
+        assert list(zip(item_seq[:len(expected)].tolist(), item_first[:len(expected)].tolist())) == expected
+        assert (item_first[len(expected):] == num_tokens).all()
+
+
 def run_ragged(dtype, page_size: int, head_dim: int, group: int, q_lens: list[int], kv_lens: list[int], *,
                num_tokens: int, kv_heads: int = 2, seed: int = 0, **kernel_args) -> tuple[np.ndarray, np.ndarray]:
     """The kernel (NaN where it writes nothing) against the reference; -> the work items it ran."""
