@@ -245,8 +245,9 @@ def fold_scores(carry: tuple[jax.Array, jax.Array, jax.Array], s: jax.Array, *, 
     if visible is not None:
         x = jnp.where(visible, x, -jnp.inf)
     m_new = jnp.maximum(m_i, x.max(axis=1) * to_base2)
-    # a row that has seen no key yet (m still -inf) gets p = 0 and alpha = 0 from a finite stand-in maximum
-    m_finite = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    # a row that has seen no key yet (m still -inf; only where scores are hidden) gets p = 0 and alpha = 0 from a
+    # finite stand-in maximum
+    m_finite = m_new if visible is None else jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m_i - m_finite)
     p = jnp.exp2(x * to_base2 - lax.broadcast_in_dim(m_finite, x.shape, [0]))
     l_i = l_i * alpha + p.sum(axis=1)
