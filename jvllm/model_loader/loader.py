@@ -19,6 +19,7 @@ from flax import nnx
 
 from jvllm.model_loader.float_weights import cast_float_matrices, load_float_weights, takes_matrix_dtype
 from jvllm.model_loader.read_progress import weight_bar
+from jvllm.model_loader.tokenizer_loading import load_tokenizer
 from jvllm.model_loader.vision import complete_config, is_vision_language, load_vision, split_tensors
 from models.config import EncoderConfig, ModelConfig
 from models.layers import is_float_matrix
@@ -247,16 +248,6 @@ def abstract_module(model_cls: Any, config: Any, dtype: Any) -> Any:
     return nnx.eval_shape(lambda: model_cls(config, dtype, None))
 
 
-def processor_chat_template(folder: Path) -> str | None:
-    """The chat template a vision-language checkpoint keeps beside its processor (chat_template.json, as the llava-hf
-    and Qwen-VL repositories do) rather than in its tokenizer config; None when there is none."""
-    path = folder / "chat_template.json"
-    if not path.is_file():
-        return None
-    template = json.loads(path.read_text()).get("chat_template")
-    return template if isinstance(template, str) else None
-
-
 def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_format: str = "auto",
                tokenizer: str | None = None, served_model_name: str | None = None, seed: int = 0,
                tensor_parallel_size: int = 1, mm_processor_kwargs: dict[str, Any] | None = None,
@@ -285,15 +276,7 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
     config = config_from_hf(hf_config)
     model_cls = model_class_for(config.architecture)
     jdtype = resolve_dtype(dtype)
-    started = time.perf_counter()
-    from transformers import AutoTokenizer
-
-    logger.info("transformers imported in %.1fs; reading the tokenizer", time.perf_counter() - started)
-    started = time.perf_counter()
-    tok = AutoTokenizer.from_pretrained(tokenizer or str(folder))
-    logger.info("tokenizer ready in %.1fs", time.perf_counter() - started)
-    if tok.chat_template is None:
-        tok.chat_template = processor_chat_template(folder)
+    tok = load_tokenizer(tokenizer or str(folder), folder, rebuilt=is_gguf and tokenizer is None)
     if tensor_parallel_size != 1:
         vision_tensors, text_names = None, None
         if multimodal and load_format != "dummy":

@@ -364,6 +364,22 @@ def test_gemma_27b_query_scale(tmp_path):
     assert read_gguf_config(header_only(42))["query_pre_attn_scalar"] == 128
 
 
+@pytest.mark.parametrize("name", ["qwen2", "gemma3"])
+def test_the_engine_takes_the_tokenizer_rebuilt_from_the_file(family_ggufs, name):
+    """A GGUF's engine reads its converted folder's tokenizer back as the fast tokenizer jvllm rebuilt from the file
+    (no AutoTokenizer, whose import brings PyTorch): it encodes as AutoTokenizer's class for the model type does, and
+    its special tokens are the file's own (Qwen2Tokenizer would add its default unknown and padding token)."""
+    path = family_ggufs(name)[0]
+    ours = _engine(path).get_tokenizer()
+    rebuilt = gguf_tokenizer(path)
+    auto = transformers.AutoTokenizer.from_pretrained(str(ours.name_or_path))
+    assert type(ours) is type(rebuilt)
+    for text in ["x=12345 caf\u00e9 cafe\u0301", "<|im_start|>user\nHi<|im_end|>", "  a\tb\n\n def f():  # \u65e5\u672c"]:
+        assert ours(text).input_ids == rebuilt(text).input_ids == auto(text).input_ids
+    assert ours.all_special_ids == rebuilt.all_special_ids
+    assert ours.chat_template == auto.chat_template
+
+
 def test_qwen2_pre_tokenizer_splits_digits_and_composes(family_ggufs):
     tokenizer = gguf_tokenizer(family_ggufs("qwen2")[0])
     assert tokenizer.tokenize("x=12345") == ["x", "=", "1", "2", "3", "4", "5"]
