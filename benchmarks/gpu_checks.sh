@@ -12,7 +12,8 @@
 # step on a near-free model.
 # The default stages' limits add up to 9 minutes (tests, greedy, kernels, llama8b); STAGES (space-separated
 # names) picks others: mosaic_tests, sweep, flash, decode, llama8b_mosaic, smollm2, quant, projections, profile,
-# dispatch, host, host_thread, e.g. STAGES="tests greedy kernels llama8b" GREEDY_FAMILIES=phi3,gemma3,qwen2,qwen3_moe;
+# dispatch, host, host_thread, llama8b_tuned (after the three before it, or with TUNED_FROM=folder of their results;
+# DISPATCH_BUDGET_S and HOST_ROWS shorten them), e.g. STAGES="tests greedy kernels llama8b" GREEDY_FAMILIES=phi3,gemma3,qwen2,qwen3_moe;
 # the engine's JVLLM_* settings pass through (JVLLM_DISPATCH_THREAD=1 STAGES=llama8b). Everything printed goes to
 # $out/log.txt, the results to one JSON file per stage (the device tool brings back 8 files at most).
 # benchmarks/results/gpu_h100_2026-11-27/summary.md and gpu_h200_2026-12-04*/summary.md hold the runs' figures and
@@ -104,14 +105,24 @@ step profile 100 python3 -m benchmarks.step_profile --model .gpu/llama8b-shape -
 # a decode step's dispatch and wall time on SmolLM2's shape, one process per way of calling it: XLA's command
 # buffers (CUDA graphs) as set, off, for any run length; runs of 4 or 8 layers in one executable
 step dispatch 170 python3 -m benchmarks.dispatch_variants --model .gpu/smollm2-shape --load-format dummy \
-    --dtype bfloat16 --rows 1,64 --budget-s 150 --json "$out/dispatch_smollm2_gpu.json"
+    --dtype bfloat16 --rows 1,64 --budget-s "${DISPATCH_BUDGET_S:-150}" --json "$out/dispatch_smollm2_gpu.json"
 # the host's work per step on a near-free model with the 8B's 32 layers: the floor under every step's time
-step host 90 python3 -m benchmarks.host_loop --rows 1,64,256 --layers 32 --repeats 2 --no-precompile \
+host_rows=${HOST_ROWS:-1,64,256}
+step host 90 python3 -m benchmarks.host_loop --rows "$host_rows" --layers 32 --repeats 2 --no-precompile \
     --tokenizer-from .gpu/smollm2-shape --json "$out/host_loop_gpu.json"
 # the same with each step's calls made on a dispatch thread (JVLLM_DISPATCH_THREAD=1) while the engine's thread
 # plans and reads the steps: the wall time per step is the host's pace (run_call's phase is then that thread's CPU)
-step host_thread 90 env JVLLM_DISPATCH_THREAD=1 python3 -m benchmarks.host_loop --rows 1,64,256 --layers 32 \
+step host_thread 90 env JVLLM_DISPATCH_THREAD=1 python3 -m benchmarks.host_loop --rows "$host_rows" --layers 32 \
     --repeats 2 --no-precompile --tokenizer-from .gpu/smollm2-shape --json "$out/host_loop_thread_gpu.json"
+# the 8B engine run the way the three stages above found fastest (benchmarks/gpu_settings.py: a run of layers or an
+# XLA flag, the dispatch thread; the defaults where nothing beat them by 3%), or as TUNED_FROM's results say
+if [[ $stages == *" llama8b_tuned "* ]]; then
+    tuned=$(python3 -m benchmarks.gpu_settings "${TUNED_FROM:-$out}" 2>>"$log")
+    echo "=== llama8b_tuned settings: ${tuned:-the defaults}" | tee -a "$log"
+fi
+# shellcheck disable=SC2086  # the settings are NAME=VALUE words for env
+step llama8b_tuned 190 env ${tuned:-} python3 -m benchmarks.throughput --model .gpu/llama8b-shape --load-format dummy \
+    --dtype bfloat16 --batched-weight-dtype none "${engine_scenarios[@]}" --json "$out/throughput_llama8b_tuned_gpu.json"
 # bf16 vs per-channel int8 / fp8 weights at M = 1, 16, 64, 256 on Llama-3-8B projections
 step quant 40 python3 -m benchmarks.gpu_quant_matmul --budget-s 30 --json "$out/quant_matmul_gpu.json"
 # q/k/v and gate/up as separate bf16 products against one product of their joined weights (the loader's), and
