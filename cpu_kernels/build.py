@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from typing import Any
 
 try:
     import fcntl
@@ -25,8 +26,11 @@ except ImportError:  # no POSIX file locks (Windows): processes starting togethe
 logger = logging.getLogger("jvllm.cpu_kernels")
 
 HERE = pathlib.Path(__file__).parent
-SOURCES = [HERE / name for name in ("bf16_rows.cc", "bf16_weight_tiles.cc", "blocks32_products.cc",
-                                    "kquant_products.cc", "paged_attention.cc", "quantized_matmul.cc", "rms_norm.cc")]
+# Longest to compile first (seconds on the 2-core Zen 5 VM, each alone), so that the build's last minutes are not one
+# long unit left alone on a core: the block formats' products ~8-15 s a unit, the attention ~6, the rest 2-3.
+SOURCES = [HERE / name for name in ("kquant_products.cc", "word_group_format_products.cc", "blocks32_products.cc",
+                                    "interleaved_format_products.cc", "q6k_products.cc", "paged_attention.cc",
+                                    "bf16_rows.cc", "bf16_weight_tiles.cc", "quantized_matmul.cc", "rms_norm.cc")]
 HEADERS = sorted(HERE.glob("*.h"))
 TARGETS = {  # XLA custom-call name -> exported handler symbol
     "jvllm_paged_attention": "JvllmPagedAttention",
@@ -88,31 +92,57 @@ def _library_path(compiler: str) -> pathlib.Path:
 
 
 def _build(compiler: str, target: pathlib.Path) -> None:
-    """Compiles the sources side by side, each in its own compiler process (the block formats' products, in two
-    units, take most of the time), then links them."""
+    """Compiles the sources side by side, each in its own compiler process, as many at once as there are CPUs to run
+    them (each takes ~0.5 GB), in SOURCES' order, then links them."""
     import jax.ffi
 
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         objects = [pathlib.Path(tmp) / f"{source.stem}.o" for source in SOURCES]
-        compiles = [[compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", "-c", str(source), "-o", str(obj)]
-                    for source, obj in zip(SOURCES, objects)]
-        running = [(command, subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-                   for command in compiles]
-        try:
-            for command, process in running:
-                stderr = process.communicate()[1]  # a later compile whose pipe fills just waits until its turn
-                _check(command, process.returncode, stderr)
-        finally:  # after a failure, the compiles still running are stopped
-            for _, process in running:
-                if process.poll() is None:
-                    process.kill()
-                    process.wait()
+        _run_compiles([[compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", "-c", str(source), "-o", str(obj)]
+                       for source, obj in zip(SOURCES, objects)], _usable_cpus())
         partial = pathlib.Path(tmp) / target.name
         link = [compiler, *FLAGS, "-shared", *map(str, objects), "-o", str(partial)]
         result = subprocess.run(link, capture_output=True, text=True)
         _check(link, result.returncode, result.stderr)
         os.replace(partial, target)  # atomic: concurrent builders each finish a whole file
+
+
+def _usable_cpus() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity masks (macOS)
+        return os.cpu_count() or 1
+
+
+def _run_compiles(commands: list[list[str]], parallel: int) -> None:
+    """Runs `commands` in order, at most `parallel` at once; the first that fails raises (the others are stopped)."""
+    pending = list(commands)
+    running: list[tuple[list[str], subprocess.Popen, Any]] = []  # (command, process, its stderr file)
+    try:
+        while pending or running:
+            while pending and len(running) < parallel:
+                command = pending.pop(0)
+                errors = tempfile.TemporaryFile(mode="w+")
+                running.append((command, subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors,
+                                                          text=True), errors))
+            finished = [item for item in running if item[1].poll() is not None]
+            if not finished:
+                time.sleep(0.05)
+                continue
+            for item in finished:
+                running.remove(item)
+                command, process, errors = item
+                errors.seek(0)
+                message = errors.read()
+                errors.close()
+                _check(command, process.returncode, message)
+    finally:  # after a failure, the compiles still running are stopped
+        for _, process, errors in running:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+            errors.close()
 
 
 def _check(command: list[str], returncode: int, stderr: str) -> None:
@@ -132,7 +162,7 @@ def built_library(compiler: str) -> pathlib.Path:
         if fcntl is not None:
             fcntl.flock(lock, fcntl.LOCK_EX)
         if not path.exists():
-            logger.info("building the native CPU kernels for this CPU into %s (first start only: ~30 s on 2 cores)",
+            logger.info("building the native CPU kernels for this CPU into %s (first start only: ~40 s on 2 cores)",
                         path.parent)
             started = time.perf_counter()
             _build(compiler, path)

@@ -1,7 +1,8 @@
-// The products of each block format are compiled in translation units of their own (blocks32_products.cc: Q8_0,
-// Q4_0, Q4_1; kquant_products.cc: Q4_K, Q5_K, Q6_K), which the kernels' build runs side by side: instantiating
-// every format's paths is most of the build (on the 2-core VM ~25 s for three formats, ~55 s for all six in one
-// unit). A unit that calls them includes this header, which declares them instead of instantiating them again.
+// The products of the block formats are compiled in translation units of their own (blocks32_products.cc: Q8_0,
+// Q4_0, Q4_1; interleaved_format_products.cc and word_group_format_products.cc: the same in their 8- and 16-row
+// layouts; kquant_products.cc: Q4_K, Q5_K; q6k_products.cc: Q6_K), which the kernels' build runs side by side:
+// instantiating every format's paths is most of the build (~4-8 s a format on the 2-core VM). A unit that calls
+// them includes this header, which declares them instead of instantiating them again.
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,5 @@
-// The products of the K-quant formats (Q4_K, Q5_K, Q6_K): compiled apart from the 32-weight blocks' so that the
-// kernels' build runs both at once (format_products.h).
+// The products of the K-quant formats Q4_K and Q5_K: one of the units the kernels' build compiles side by side
+// (format_products.h).
 
 #include "format_products.h"
 
@@ -7,6 +7,5 @@ namespace jvllm {
 
 JVLLM_FORMAT_PRODUCTS(, Q4_K)
 JVLLM_FORMAT_PRODUCTS(, Q5_K)
-JVLLM_FORMAT_PRODUCTS(, Q6_K)
 
 }  // namespace jvllm

@@ -78,3 +78,13 @@ def test_builders_starting_together_build_once(tmp_path, monkeypatch):
         thread.join()
     assert len(builds) == 1 and paths[0] == paths[1] == builds[0]
     assert ctypes.CDLL(str(paths[0])).JvllmOne() == 1
+
+
+def test_compiles_run_at_most_as_many_at_once_as_asked(tmp_path):
+    """Each command holds a lock directory for a moment and fails if another holds it: one at a time, none fails;
+    three at once, the build stops with the compiler-style error."""
+    lock = tmp_path / "lock"
+    command = ["sh", "-c", f"mkdir {lock} || {{ echo busy >&2; exit 1; }}; sleep 0.2; rmdir {lock}"]
+    build._run_compiles([command] * 3, parallel=1)
+    with pytest.raises(build.KernelsUnavailable, match="busy"):
+        build._run_compiles([command] * 3, parallel=3)
