@@ -1,11 +1,13 @@
-"""A model's tokenizer: the fast tokenizer class itself where AutoTokenizer would pick it anyway (the tokenizer jvllm
-rebuilt from a GGUF file, a Llama checkpoint naming the generic fast tokenizer), AutoTokenizer otherwise.
+"""A model's tokenizer: the tokenizer class itself where AutoTokenizer would pick it anyway (the tokenizer jvllm
+rebuilt from a GGUF file; a Llama checkpoint naming the generic fast tokenizer, a Qwen2 one naming Qwen2's),
+AutoTokenizer otherwise.
 
 AutoTokenizer's module imports PyTorch wherever PyTorch is installed (transformers' configuration code checks for it
 and imports it): ~2-3.5 s and ~250 MB on the 2-core CPU, 13-18 s on a GPU machine whose image holds PyTorch, although
 jvllm never uses it. The tokenizer classes themselves do not import it."""
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import time
@@ -14,10 +16,15 @@ from typing import Any
 
 logger = logging.getLogger("jvllm")
 
-GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")  # the generic fast tokenizer's names
-# Model types for which AutoTokenizer gives a checkpoint the generic fast tokenizer it names (as Llama 3's do);
-# transformers overrides the named class for some others by the model type (qwen2 and phi3 among them).
-GENERIC_MODEL_TYPES = frozenset({"llama"})
+GENERIC = "transformers.tokenization_utils_tokenizers"  # the generic fast tokenizer's module (TokenizersBackend)
+# (model type, the tokenizer class a checkpoint's tokenizer config names) -> the module of the class AutoTokenizer
+# loads it with, which is that class: Llama 3's generic fast tokenizer, Qwen2's own. transformers overrides the
+# named class by the model type for others (a qwen2 or phi3 checkpoint naming the generic one among them); those,
+# and anything not listed, go through AutoTokenizer. tests/models/test_tokenizer_loading.py checks each pair
+# against AutoTokenizer.
+DIRECT_CLASSES = {("llama", "TokenizersBackend"): GENERIC, ("llama", "PreTrainedTokenizerFast"): GENERIC,
+                  ("qwen2", "Qwen2Tokenizer"): "transformers.models.qwen2.tokenization_qwen2",
+                  ("qwen2", "Qwen2TokenizerFast"): "transformers.models.qwen2.tokenization_qwen2"}
 
 
 def processor_chat_template(folder: Path) -> str | None:
@@ -30,16 +37,27 @@ def processor_chat_template(folder: Path) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def names_the_generic_tokenizer(folder: Path) -> bool:
-    """Whether AutoTokenizer would load `folder`'s tokenizer as the generic fast tokenizer its config names: a model
-    type of GENERIC_MODEL_TYPES, a tokenizer.json and no tokenizer code of the checkpoint's own."""
+def direct_class(folder: Path) -> Any | None:
+    """The tokenizer class AutoTokenizer would load `folder`'s tokenizer with, imported without AutoTokenizer's
+    module, where DIRECT_CLASSES lists the folder's model type and named class (with a tokenizer.json and no
+    tokenizer code of the checkpoint's own); None otherwise."""
     try:
         tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
         model_type = json.loads((folder / "config.json").read_text()).get("model_type")
     except (OSError, ValueError):
-        return False
-    return (tokenizer_config.get("tokenizer_class") in GENERIC_CLASSES and "auto_map" not in tokenizer_config
-            and model_type in GENERIC_MODEL_TYPES and (folder / "tokenizer.json").is_file())
+        return None
+    named = tokenizer_config.get("tokenizer_class")
+    module = DIRECT_CLASSES.get((model_type, named))
+    if module is None or "auto_map" in tokenizer_config or not (folder / "tokenizer.json").is_file():
+        return None
+    if module == GENERIC:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast
+    try:
+        return getattr(importlib.import_module(module), named.removesuffix("Fast"), None)
+    except ImportError:  # a transformers without that module: AutoTokenizer knows where the class is
+        return None
 
 
 def load_tokenizer(source: str, folder: Path, rebuilt: bool) -> Any:
@@ -47,10 +65,14 @@ def load_tokenizer(source: str, folder: Path, rebuilt: bool) -> Any:
     `rebuilt`: `source` is the folder jvllm wrote for a GGUF file's tokenizer, whose fast tokenizer is loaded back
     as that class (AutoTokenizer could pick another class by the config's model type, and imports PyTorch)."""
     started = time.perf_counter()
-    if rebuilt or names_the_generic_tokenizer(Path(source)):
+    if rebuilt:
         from transformers import PreTrainedTokenizerFast
 
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(source)
+        cls = PreTrainedTokenizerFast
+    else:
+        cls = direct_class(Path(source))
+    if cls is not None:
+        tokenizer = cls.from_pretrained(source)
     else:
         from transformers import AutoTokenizer
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from jvllm.model_loader.default_model import default_model_path
-from jvllm.model_loader.tokenizer_loading import load_tokenizer, names_the_generic_tokenizer
+from jvllm.model_loader.tokenizer_loading import direct_class, load_tokenizer
 
 
 def test_loading_the_default_gguf_model_imports_no_pytorch():
@@ -27,14 +27,28 @@ def test_loading_the_default_gguf_model_imports_no_pytorch():
     assert run.stdout.split()[-1] == "False", "loading the model imported PyTorch"
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_a_checkpoint_gets_the_tokenizer_class_autotokenizer_picks(tiny_model_factory, kind):
-    """A Llama checkpoint naming the generic fast tokenizer is loaded by that class directly; a Qwen2 one naming it
-    too still goes through AutoTokenizer, which gives it Qwen2's class. Either way the class and the encodings are
-    AutoTokenizer's."""
+def _qwen2_named_folder(folder, tmp_path):
+    """A copy of the tiny qwen2 checkpoint's tokenizer saved as the class AutoTokenizer gives it (Qwen2Tokenizer), so
+    that its config names Qwen2's class, as Qwen2 checkpoints' configs do."""
+    import shutil
+
     transformers = pytest.importorskip("transformers")
-    folder = tiny_model_factory(kind)
-    assert names_the_generic_tokenizer(folder) == (kind == "llama")
+    named = tmp_path / "qwen2-named"
+    transformers.AutoTokenizer.from_pretrained(str(folder)).save_pretrained(named)
+    shutil.copy(folder / "config.json", named / "config.json")
+    return named
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen2 naming Qwen2Tokenizer"])
+def test_a_checkpoint_gets_the_tokenizer_class_autotokenizer_picks(tiny_model_factory, tmp_path, kind):
+    """A Llama checkpoint naming the generic fast tokenizer, or a Qwen2 one naming Qwen2's, is loaded by that class
+    directly; a Qwen2 one naming the generic one still goes through AutoTokenizer, which gives it Qwen2's class.
+    Either way the class and the encodings are AutoTokenizer's."""
+    transformers = pytest.importorskip("transformers")
+    folder = tiny_model_factory(kind.split()[0])
+    if kind.endswith("Qwen2Tokenizer"):
+        folder = _qwen2_named_folder(folder, tmp_path)
+    assert (direct_class(folder) is not None) == (kind != "qwen2")
     ours = load_tokenizer(str(folder), folder, rebuilt=False)
     auto = transformers.AutoTokenizer.from_pretrained(str(folder))
     assert type(ours) is type(auto)
