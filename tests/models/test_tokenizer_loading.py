@@ -39,15 +39,30 @@ def _qwen2_named_folder(folder, tmp_path):
     return named
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen2 naming Qwen2Tokenizer"])
+def _renamed(folder, tmp_path, name):
+    """A copy of `folder` whose tokenizer config names the tokenizer class `name` (older checkpoints' spellings)."""
+    import json
+    import shutil
+
+    renamed = tmp_path / f"named-{name}"
+    shutil.copytree(folder, renamed)
+    config_path = renamed / "tokenizer_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "tokenizer_class": name}))
+    return renamed
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama naming PreTrainedTokenizerFast", "qwen2",
+                                  "qwen2 naming Qwen2Tokenizer", "qwen2 naming Qwen2TokenizerFast"])
 def test_a_checkpoint_gets_the_tokenizer_class_autotokenizer_picks(tiny_model_factory, tmp_path, kind):
     """A Llama checkpoint naming the generic fast tokenizer, or a Qwen2 one naming Qwen2's, is loaded by that class
     directly; a Qwen2 one naming the generic one still goes through AutoTokenizer, which gives it Qwen2's class.
     Either way the class and the encodings are AutoTokenizer's."""
     transformers = pytest.importorskip("transformers")
     folder = tiny_model_factory(kind.split()[0])
-    if kind.endswith("Qwen2Tokenizer"):
+    if kind.startswith("qwen2 naming"):
         folder = _qwen2_named_folder(folder, tmp_path)
+    if kind.endswith("Fast"):
+        folder = _renamed(folder, tmp_path, kind.split()[-1])
     assert (direct_class(folder) is not None) == (kind != "qwen2")
     ours = load_tokenizer(str(folder), folder, rebuilt=False)
     auto = transformers.AutoTokenizer.from_pretrained(str(folder))
