@@ -26,7 +26,7 @@ except ImportError:  # no POSIX file locks (Windows): processes starting togethe
 logger = logging.getLogger("jvllm.cpu_kernels")
 
 HERE = pathlib.Path(__file__).parent
-# Longest to compile first (seconds on the 2-core Zen 5 VM, each alone), so that the build's last minutes are not one
+# Longest to compile first (seconds on the 2-core Zen 5 VM, each alone), so that the build does not end with one
 # long unit left alone on a core: the block formats' products ~8-15 s a unit, the attention ~6, the rest 2-3.
 SOURCES = [HERE / name for name in ("kquant_products.cc", "word_group_format_products.cc", "blocks32_products.cc",
                                     "interleaved_format_products.cc", "q6k_products.cc", "paged_attention.cc",

@@ -16,15 +16,15 @@ from typing import Any
 
 logger = logging.getLogger("jvllm")
 
-GENERIC = "transformers.tokenization_utils_tokenizers"  # the generic fast tokenizer's module (TokenizersBackend)
-# (model type, the tokenizer class a checkpoint's tokenizer config names) -> the module of the class AutoTokenizer
+GENERIC = ("transformers", "PreTrainedTokenizerFast")  # the generic fast tokenizer (TokenizersBackend in 5.x)
+QWEN2 = ("transformers.models.qwen2.tokenization_qwen2", "Qwen2Tokenizer")
+# (model type, the tokenizer class a checkpoint's tokenizer config names) -> (module, name) of the class AutoTokenizer
 # loads it with, which is that class: Llama 3's generic fast tokenizer, Qwen2's own. transformers overrides the
 # named class by the model type for others (a qwen2 or phi3 checkpoint naming the generic one among them); those,
 # and anything not listed, go through AutoTokenizer. tests/models/test_tokenizer_loading.py checks each pair
 # against AutoTokenizer.
 DIRECT_CLASSES = {("llama", "TokenizersBackend"): GENERIC, ("llama", "PreTrainedTokenizerFast"): GENERIC,
-                  ("qwen2", "Qwen2Tokenizer"): "transformers.models.qwen2.tokenization_qwen2",
-                  ("qwen2", "Qwen2TokenizerFast"): "transformers.models.qwen2.tokenization_qwen2"}
+                  ("qwen2", "Qwen2Tokenizer"): QWEN2, ("qwen2", "Qwen2TokenizerFast"): QWEN2}
 
 
 def processor_chat_template(folder: Path) -> str | None:
@@ -46,16 +46,17 @@ def direct_class(folder: Path) -> Any | None:
         model_type = json.loads((folder / "config.json").read_text()).get("model_type")
     except (OSError, ValueError):
         return None
-    named = tokenizer_config.get("tokenizer_class")
-    module = DIRECT_CLASSES.get((model_type, named))
-    if module is None or "auto_map" in tokenizer_config or not (folder / "tokenizer.json").is_file():
+    where = DIRECT_CLASSES.get((model_type, tokenizer_config.get("tokenizer_class")))
+    if where is None or "auto_map" in tokenizer_config or not (folder / "tokenizer.json").is_file():
         return None
-    if module == GENERIC:
-        from transformers import PreTrainedTokenizerFast
+    return _import_class(where)
 
-        return PreTrainedTokenizerFast
+
+def _import_class(where: tuple[str, str]) -> Any | None:
+    """The class `name` of `module` (None where this transformers has no such module or class)."""
+    module, name = where
     try:
-        return getattr(importlib.import_module(module), named.removesuffix("Fast"), None)
+        return getattr(importlib.import_module(module), name, None)
     except ImportError:  # a transformers without that module: AutoTokenizer knows where the class is
         return None
 
@@ -65,12 +66,7 @@ def load_tokenizer(source: str, folder: Path, rebuilt: bool) -> Any:
     `rebuilt`: `source` is the folder jvllm wrote for a GGUF file's tokenizer, whose fast tokenizer is loaded back
     as that class (AutoTokenizer could pick another class by the config's model type, and imports PyTorch)."""
     started = time.perf_counter()
-    if rebuilt:
-        from transformers import PreTrainedTokenizerFast
-
-        cls = PreTrainedTokenizerFast
-    else:
-        cls = direct_class(Path(source))
+    cls = _import_class(GENERIC) if rebuilt else direct_class(Path(source))
     if cls is not None:
         tokenizer = cls.from_pretrained(source)
     else:
