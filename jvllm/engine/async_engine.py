@@ -9,6 +9,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable
 
+from jvllm.collector import young_collections_spaced
 from jvllm.config import EngineConfig
 from jvllm.engine.commands import Abort, Add, Command, CommandQueue
 from jvllm.engine.arg_utils import EngineArgs
@@ -210,6 +211,10 @@ class AsyncEngine(AsyncPooling):
 
     # ---- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
+        with young_collections_spaced():
+            self._serve()
+
+    def _serve(self) -> None:
         try:
             while True:
                 # Multi-host: an idle rank 0 pings its followers now and then (heartbeat), so they never sit

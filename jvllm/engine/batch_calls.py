@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
+from jvllm.collector import young_collections_spaced
 from jvllm.engine.progress import GenerateProgress
 from jvllm.engine.prompts import PromptType, conversation_prompts
 from jvllm.outputs import RequestOutput
@@ -49,6 +50,10 @@ class BatchCalls:
         return self._run_until_done(request_ids, use_tqdm)
 
     def _run_until_done(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        with young_collections_spaced():
+            return self._step_until_done(request_ids, use_tqdm)
+
+    def _step_until_done(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(request_ids)
         finals: dict[str, RequestOutput] = {}
         progress = GenerateProgress(len(request_ids), enabled=use_tqdm)

@@ -1,5 +1,6 @@
 """The garbage collector around the engine: no automatic collection while an engine starts, the start-up heap
-frozen only in a process jvllm owns (its command line), never in a library caller's."""
+frozen only in a process jvllm owns (its command line), never in a library caller's; young collections spaced out
+while the engine steps, which is safe because its steps leave no cyclic garbage."""
 from __future__ import annotations
 
 import gc
@@ -10,7 +11,7 @@ import tomllib
 
 import pytest
 
-from jvllm.collector import collector_paused
+from jvllm.collector import STEPPING_YOUNG_THRESHOLD, collector_paused, young_collections_spaced
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -95,3 +96,71 @@ def test_the_jvllm_command_freezes_the_heap_its_engine_built(tiny_llama):
     frozen, enabled = run.stdout.split("frozen ")[-1].split()[0::2]
     assert int(frozen) > 100_000  # jax, transformers, the model and its executables
     assert enabled == "True"
+
+
+@pytest.fixture
+def default_threshold(monkeypatch):
+    """Python's default threshold, and no engine stepping (a session's live server may be, in this process)."""
+    import jvllm.collector
+
+    monkeypatch.setattr(jvllm.collector, "_stepping_depth", 0)
+    monkeypatch.setattr(jvllm.collector, "_saved_threshold", None)
+    saved = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)
+    yield
+    gc.set_threshold(*saved)
+
+
+def test_young_collections_are_spaced_inside_and_the_threshold_restored_after_even_on_error(default_threshold):
+    with pytest.raises(RuntimeError):
+        with young_collections_spaced():
+            assert gc.get_threshold() == (STEPPING_YOUNG_THRESHOLD, 10, 10)
+            with young_collections_spaced():  # nested: the outer exit restores
+                pass
+            assert gc.get_threshold() == (STEPPING_YOUNG_THRESHOLD, 10, 10)
+            raise RuntimeError("a step failed")
+    assert gc.get_threshold() == (700, 10, 10)
+
+
+def test_a_caller_s_own_threshold_is_neither_lowered_nor_overwritten(default_threshold):
+    gc.set_threshold(0, 10, 10)  # automatic collection off
+    with young_collections_spaced():
+        assert gc.get_threshold() == (0, 10, 10)
+    gc.set_threshold(700, 10, 10)
+    with young_collections_spaced():
+        gc.set_threshold(1234, 5, 5)  # changed by the caller meanwhile
+    assert gc.get_threshold() == (1234, 5, 5)
+
+
+def test_generate_steps_with_spaced_young_collections_and_leaves_no_cyclic_garbage(tiny_llama, default_threshold):
+    """The raised threshold holds while the engine steps; the steps (plain, seeded sampling with logprobs, n = 2,
+    stop strings, look-ahead steps) leave nothing for the cyclic collector, so collecting less often keeps
+    nothing alive."""
+    from jvllm import LLM, SamplingParams
+
+    engine = LLM(tiny_llama, dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=256, max_num_seqs=8,
+                 max_num_batched_tokens=64)
+    thresholds: list[tuple[int, ...]] = []
+    step = engine._step
+
+    def recording_step(*args, **kwargs):
+        thresholds.append(gc.get_threshold())
+        return step(*args, **kwargs)
+
+    prompts = ["Hi", "The capital of France is", "1, 2, 3,", "A long time ago " * 8]
+    params = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=0.8, seed=3, max_tokens=20,
+                                                                           logprobs=2, n=2),
+              SamplingParams(temperature=0, max_tokens=30, stop=[" the"]), SamplingParams(max_tokens=16, seed=1)]
+    engine.generate(prompts, params, use_tqdm=False)  # first calls fill caches
+    engine._step = recording_step
+    gc.collect()
+    gc.disable()
+    try:
+        outputs = engine.generate(prompts, params, use_tqdm=False)
+        cyclic_garbage = gc.collect()
+    finally:
+        gc.enable()
+    assert all(output.finished for output in outputs)
+    assert thresholds and set(thresholds) == {(STEPPING_YOUNG_THRESHOLD, 10, 10)}
+    assert gc.get_threshold() == (700, 10, 10)
+    assert cyclic_garbage == 0
