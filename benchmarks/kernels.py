@@ -295,8 +295,10 @@ def cases(args: argparse.Namespace) -> tuple[list[DecodeCase], list[PrefillCase]
         decode = [DecodeCase(b, c, 128, 4) for b in (1, 16, 64, 256) for c in (512, 2048, 8192)]
         decode += [DecodeCase(64, 2048, 128, 8), DecodeCase(64, 2048, 64, 4), DecodeCase(64, 2048, 64, 8),
                    DecodeCase(64, 2048, 128, 4, page_size=32)]
-    prefill = [PrefillCase(1, 4096, 128, 4), PrefillCase(4, 1024, 128, 4), PrefillCase(1, 4096, 128, 8),
-               PrefillCase(1, 4096, 64, 4), PrefillCase(8, 512, 128, 4), PrefillCase(1, 8192, 128, 4)]
+    # pages of 64 tokens third: what 8 page copies per 128-token KV block (pages of 16) cost against 2
+    prefill = [PrefillCase(1, 4096, 128, 4), PrefillCase(4, 1024, 128, 4),
+               PrefillCase(1, 4096, 128, 4, page_size=64), PrefillCase(1, 4096, 128, 8), PrefillCase(1, 4096, 64, 4),
+               PrefillCase(8, 512, 128, 4), PrefillCase(1, 8192, 128, 4)]
     return decode, prefill
 
 

@@ -59,6 +59,14 @@ def test_mixed_batch_matches_reference(kernel, dtype, group, page_size, head_dim
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))
+def test_pages_of_64_tokens_two_to_a_block(kernel):
+    """Larger pages (fewer, longer TMA copies per KV block): a prefill over three blocks, a chunk after cached
+    context, a decode token."""
+    q_lens, kv_lens = [150, 13, 1, 0], [150, 13 + 2 * 64 + 5, 40, 0]
+    run_mosaic_ragged(kernel, jnp.bfloat16, 64, 64, 2, q_lens, kv_lens, num_tokens=192)
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("sliding_window, soft_cap", [(8, None), (None, 2.0), (20, 3.0)])
 def test_window_and_soft_cap(kernel, sliding_window, soft_cap):
     q_lens, kv_lens = [40, 9, 1], [40, 9 + 37, 60]
