@@ -2,8 +2,8 @@
 
 Two processes minutes apart differ by 20-40% on a shared 2-core VM, more than most kernel changes; one process that
 alternates the two builds call by call sees the same machine for both. The other commit's `cpu_kernels/` is built
-(with its own build script, plus `-fno-gnu-unique`, so that the two libraries' function-local statics stay apart)
-and its custom calls registered under `base_*` names; the same jitted graphs then run with either build's targets:
+(with its own build script and `-fno-gnu-unique`, so that the two libraries' function-local statics stay apart;
+into the kernels' cache, so each base is built once) and its custom calls registered under `base_*` names; the same jitted graphs then run with either build's targets:
 the products of the embedded model's layer shapes (30 layers, Q4_1 projections in this machine's native layout,
 random codes) at several row counts, and 30 calls of paged attention (9 heads, 3 KV heads, head_dim 64, bf16 pages;
 one pool for all, so its pages stay in the caches) for one sequence of q queries after `context` keys; with
@@ -36,6 +36,7 @@ from typing import Callable
 import numpy as np
 
 from benchmarks.common import command_line, machine_info, write_json
+from cpu_kernels.build import load as load_kernels
 
 LAYERS = 30
 PROJECTIONS = [(576, 576, 2), (192, 576, 2), (576, 1536, 1)]  # (rows, K, per layer): q/o, k/v, down
@@ -44,8 +45,9 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
 
 
 def build_base(base: str, workdir: pathlib.Path) -> pathlib.Path:
-    """Builds the cpu_kernels of `base` (a git revision, or a directory holding cpu_kernels/) into workdir/base.so
-    with their own build script."""
+    """The cpu_kernels of `base` (a git revision, or a directory holding cpu_kernels/) built with their own build
+    script into the kernels' cache (built once per source: this checkout's sources give this checkout's library);
+    -> the library."""
     source = pathlib.Path(base)
     if not (source / "cpu_kernels" / "build.py").is_file():
         repo = pathlib.Path(__file__).resolve().parent.parent
@@ -57,10 +59,13 @@ def build_base(base: str, workdir: pathlib.Path) -> pathlib.Path:
     spec = importlib.util.spec_from_file_location("base_kernels_build", source / "cpu_kernels" / "build.py")
     build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build)
-    build.FLAGS = [*build.FLAGS, "-fno-gnu-unique"]
-    target = workdir / "base.so"
-    build._build(build._compiler(), target)
-    return target
+    if "-fno-gnu-unique" not in build.FLAGS:  # older sources: their inline statics must stay their own
+        build.FLAGS = [*build.FLAGS, "-fno-gnu-unique"]
+    compiler = build._compiler()
+    loaded = pathlib.Path(load_kernels()._name)  # this checkout's library, from whichever cache it was loaded
+    if build._library_path(compiler).name == loaded.name:  # same sources, flags and machine: that very library
+        return loaded
+    return build.built_library(compiler)
 
 
 def register_base(library: pathlib.Path) -> None:
@@ -232,9 +237,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax.numpy as jnp
 
-    from cpu_kernels.build import load
-
-    load()
+    load_kernels()
     with tempfile.TemporaryDirectory() as workdir:
         print(f"building {args.base}'s cpu_kernels ...", flush=True)
         register_base(build_base(args.base, pathlib.Path(workdir)))

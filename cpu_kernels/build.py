@@ -42,7 +42,9 @@ TARGETS = {  # XLA custom-call name -> exported handler symbol
     "jvllm_bf16_rows": "JvllmBf16Rows",
     "jvllm_bf16_tiles": "JvllmBf16Tiles",
 }
-FLAGS = ["-std=c++17", "-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC"]
+# -fno-gnu-unique: another build of the kernels (benchmarks.native_ab) can be loaded beside this one in one process
+# with its own copies of inline functions' statics
+FLAGS = ["-std=c++17", "-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-fno-gnu-unique"]
 
 
 class KernelsUnavailable(RuntimeError):
