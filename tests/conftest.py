@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
+import shutil
 from importlib import metadata
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -35,21 +36,40 @@ append_unset_flags(_test_xla_flags())
 import pytest  # noqa: E402
 
 
+@pytest.hookimpl(trylast=True)  # after the tmp_path plugin's configure, which makes the base temp's factory
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep the run's native kernels, converted weights and compiled executables out of the user's home cache,
+    unless JVLLM_CACHE_DIR is set (CI may point it at a warm cache). Set here, before collection, whose checks of
+    the native kernels build them: the whole run then builds them once, into the folder its subprocesses use too.
+    Under pytest-xdist the workers share one folder (the run's base temp), so a model converted or a step compiled
+    by one worker's subprocesses (servers, notebooks, the CLI) is loaded by the other's; conversions and cache
+    entries are written by rename or read back with a fallback to compiling."""
+    if "JVLLM_CACHE_DIR" in os.environ:
+        return
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # xdist gives each worker the folder <run's base temp>/<worker>
+        shared = pathlib.Path(config.option.basetemp).parent
+    else:
+        shared = config._tmp_path_factory.getbasetemp()
+    from cpu_kernels.build import cache_dir
+
+    # The kernels built for the user (named by their sources, flags and CPU: never stale) come along, so that a
+    # developer's run does not build them again.
+    users_kernels, run_kernels = cache_dir(), shared / "jvllm-cache" / "cpu_kernels"
+    run_kernels.mkdir(parents=True, exist_ok=True)
+    for library in users_kernels.glob("*.so") if users_kernels.is_dir() else ():
+        if not (run_kernels / library.name).exists():
+            shutil.copyfile(library, run_kernels / f".{library.name}.{os.getpid()}")
+            os.replace(run_kernels / f".{library.name}.{os.getpid()}", run_kernels / library.name)
+    os.environ["JVLLM_CACHE_DIR"] = str(shared / "jvllm-cache")
+
+
 @pytest.fixture(scope="session", autouse=True)
-def _jvllm_cache(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    """Keep converted weights and compiled executables of the run out of the user's home cache,
-    unless JVLLM_CACHE_DIR is set (CI may point it at a warm cache). Under pytest-xdist the workers share one
-    folder (the run's base temp), so a model converted or a step compiled by one worker's subprocesses (servers,
-    notebooks, the CLI) is loaded by the other's; conversions and cache entries are written by rename or read
-    back with a fallback to compiling."""
-    if "JVLLM_CACHE_DIR" not in os.environ:
-        base = tmp_path_factory.getbasetemp()
-        shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-        (shared / "jvllm-cache").mkdir(exist_ok=True)
-        os.environ["JVLLM_CACHE_DIR"] = str(shared / "jvllm-cache")
+def _jvllm_cache() -> pathlib.Path:
+    """The run's cache folder (pytest_configure); this process compiles everything itself, its subprocesses use
+    the folder's persistent compilation cache."""
     from jvllm.worker.compile_cache import disable_in_this_process
 
-    disable_in_this_process()  # this process compiles everything itself; subprocesses use the cache
+    disable_in_this_process()
     return pathlib.Path(os.environ["JVLLM_CACHE_DIR"])
 
 
