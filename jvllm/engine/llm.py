@@ -352,7 +352,8 @@ class Engine(MultiHostRoles, FrontEndViews, BatchCalls, PoolingCalls, BeamSearch
             status = append_sampled(chunk, result, self._decode_token, self.scheduler, self.drafter)
             if status is not None:
                 self._finish(request, status)
-            advanced[request.group_id] = None
+            if status is not None or not finished_only:  # a prompt's n requests all end in a step ending one
+                advanced[request.group_id] = None
         outputs = []
         for group_id in advanced:
             members = self._request_groups.get(group_id)

@@ -87,7 +87,8 @@ def plan_chunks(chunks: list[ScheduledChunk], encoder_cache: EncoderCache | None
     return [ChunkPlan(chunk.request.request_id, chunk_row(chunk, encoder_cache, mrope), row_spec(chunk),
                       chunk.samples, chunk.request.params.logprobs is not None, chunk.request.grammar is not None,
                       prompt_targets(chunk), encode_items(chunk.encode, encoder_cache) if chunk.encode else (),
-                      chunk.draft_ids, tuple(row_spec(chunk, i) for i in range(1, len(chunk.draft_ids) + 1)),
+                      chunk.draft_ids,
+                      tuple(row_spec(chunk, i) for i in range(1, len(chunk.draft_ids) + 1)) if chunk.draft_ids else (),
                       chunk.page_copy)
             for chunk in chunks]
 

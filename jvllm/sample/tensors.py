@@ -157,7 +157,13 @@ def build_sampling_tensors(rows: list[RowSpec], num_padded_rows: int, *, vocab_s
     s = num_padded_rows
     if s < len(rows):
         raise ValueError(f"num_padded_rows={s} < number of rows {len(rows)}")
-    columns = [_row_scalars(row.params, vocab_size) for row in rows]
+    by_params: dict[int, tuple] = {}  # id(params) -> its scalars, once per request or per generate call's params
+    columns = []
+    for row in rows:
+        column = by_params.get(id(row.params))
+        if column is None:
+            column = by_params[id(row.params)] = _row_scalars(row.params, vocab_size)
+        columns.append(column)
     temperature, top_k, top_p, min_p, presence, frequency, repetition = (
         _padded([column[c] for column in columns], s, dtype, pad)
         for c, (dtype, pad) in enumerate(_SCALAR_COLUMNS))

@@ -373,20 +373,21 @@ class ModelRunner:
         plans, out = group.plans, group.settle().out
         if self.mesh is not None and jax.process_count() > 1:
             out = jax.tree.map(host_array, out)  # replicated over every host's devices: read the local copy
-        token_ids = np.asarray(out["token_ids"])
+        token_ids: list[int] = np.asarray(out["token_ids"]).tolist()
         num_rows = sum(plan.sampler_rows for plan in plans)
         asked = any(p.samples and p.wants_logprobs for p in plans)
         sample_stats = host_rows(out["sample_stats"], list(range(num_rows))) if asked else None
 
         def sampled(row: int, plan: ChunkPlan) -> StepResult:
-            return StepResult(int(token_ids[row]), sample_stats[row] if plan.wants_logprobs and sample_stats else None)
+            return StepResult(token_ids[row], sample_stats[row] if plan.wants_logprobs and sample_stats else None)
 
         results: dict[str, StepResult] = {}
         row = 0
         for plan in plans:
             if plan.samples:
                 result = results[plan.request_id] = sampled(row, plan)
-                result.after_drafts = [sampled(row + 1 + i, plan) for i in range(len(plan.draft_ids))]
+                if plan.draft_ids:
+                    result.after_drafts = [sampled(row + 1 + i, plan) for i in range(len(plan.draft_ids))]
             row += plan.sampler_rows
         cursor = 0
         for plan in plans:  # prompt token j's entry comes from the row at position j - 1 of the same sequence
