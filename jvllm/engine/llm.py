@@ -352,7 +352,7 @@ class Engine(MultiHostRoles, FrontEndViews, BatchCalls, PoolingCalls, BeamSearch
             status = append_sampled(chunk, result, self._decode_token, self.scheduler, self.drafter)
             if status is not None:
                 self._finish(request, status)
-            if status is not None or not finished_only:  # a prompt's n requests all end in a step ending one
+            if status is not None or not finished_only:  # a prompt's output is final only once a step ends it
                 advanced[request.group_id] = None
         outputs = []
         for group_id in advanced:
