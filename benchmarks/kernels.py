@@ -154,6 +154,10 @@ def bench_decode(case: DecodeCase, ceilings: dict, args: argparse.Namespace, int
                            (q, k_pages, v_pages, tables, lengths))
         impls["mosaic[3 slots]"] = (jax.jit(functools.partial(mosaic_decode_attention, scale=scale, slots=3)),
                                     (q, k_pages, v_pages, tables, lengths))
+        for splits in (2, 8):  # each sequence's keys over several programs: batch x KV heads short of the SMs
+            impls[f"mosaic[{splits} splits]"] = (
+                jax.jit(functools.partial(mosaic_decode_attention, scale=scale, splits=splits)),
+                (q, k_pages, v_pages, tables, lengths))
         for slots in (2, 4) if 64 % case.page_size == 0 else ():
             impls[f"mosaic[64-token blocks, {slots} slots]"] = (
                 jax.jit(functools.partial(mosaic_decode_attention, scale=scale, pages_per_block=64 // case.page_size,

@@ -140,9 +140,10 @@ def fetch_block(block: jax.Array, slot: jax.Array, *, tables_ref, seq: jax.Array
 def attend_blocks(lo: jax.Array, hi: jax.Array, kv_len: jax.Array, *, tables_ref, seq: jax.Array, kv_head: jax.Array,
                   k_ref, v_ref, q_smem, k_smem, v_smem, p_smem, kv_bar, pages_per_block: int, scale: float,
                   soft_cap: float | None, visible: Callable[[jax.Array], jax.Array],
-                  p_in_registers: bool = False) -> tuple[jax.Array, jax.Array]:
+                  p_in_registers: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attention of the query tile in `q_smem` over KV blocks lo..hi-1 of sequence `seq`, whose keys end at
-    `kv_len` -> (acc [64, hd] f32 unnormalised, l [64] f32 row sums), with the copies of the next slots - 1 blocks
+    `kv_len` -> (acc [64, hd] f32 unnormalised, m [64] f32 row maxima in base 2 with the scale folded in, l [64]
+    f32 row sums; with no block, zeros, -inf and zeros), with the copies of the next slots - 1 blocks
     in flight while a block is computed (the slots: k_smem's first dimension). `visible(key [64, block] int32) ->
     bool [64, block]` masks scores; keys at or past kv_len must be hidden by it."""
     from jax.experimental import pallas as pl
@@ -180,8 +181,7 @@ def attend_blocks(lo: jax.Array, hi: jax.Array, kv_len: jax.Array, *, tables_ref
                             p_smem=p_smem, scale=scale, soft_cap=soft_cap, visible=visible,
                             p_in_registers=p_in_registers)
 
-    acc, _, l_i = lax.fori_loop(lo, hi, step, initial_carry(head_dim))
-    return acc, l_i
+    return lax.fori_loop(lo, hi, step, initial_carry(head_dim))
 
 
 def zero_past_end(v_rows, first_key: jax.Array, kv_len: jax.Array) -> None:

@@ -49,7 +49,7 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, q_lens_ref, kv_lens_ref, item_seq_r
             return seen if sliding_window is None else seen & (q_pos - key < sliding_window)
 
         plgpu.barrier_wait(q_bar)
-        acc, l_i = mosaic_common.attend_blocks(
+        acc, _, l_i = mosaic_common.attend_blocks(
             lo, hi, kv_len, tables_ref=tables_ref, seq=seq, kv_head=lax.div(head, group), k_ref=k_ref, v_ref=v_ref,
             q_smem=q_smem, k_smem=k_smem, v_smem=v_smem, p_smem=(p_smem or [None])[0], kv_bar=kv_bar,
             pages_per_block=pages_per_block, scale=scale, soft_cap=soft_cap, visible=visible,

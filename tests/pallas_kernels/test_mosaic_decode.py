@@ -108,6 +108,42 @@ def test_deeper_prefetch_matches_reference(slots):
     np.testing.assert_allclose(got[1:], np.asarray(expected, np.float32)[1:], **TOLERANCE[jnp.bfloat16])
 
 
+@pytest.mark.parametrize("splits, sliding_window", [(2, None), (3, None), (3, 40)])
+def test_keys_split_over_programs_match_reference(splits, sliding_window):
+    """Each (sequence, KV head)'s blocks in `splits` shares: lengths with fewer blocks than shares (the last shares
+    empty), an empty row, and several blocks per share; with a window, shares of the window's blocks only."""
+    rng = np.random.default_rng(10 + splits)
+    lengths = [0, 30, 64, 130, 200, 416]
+    pool = make_pool(rng, lengths, page_size=16, kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
+    q = random_array(rng, (len(lengths), 8, 64), jnp.bfloat16)
+    args = (q, pool.k_pages, pool.v_pages, pool.block_tables, jnp.asarray(lengths, jnp.int32))
+    options = dict(scale=0.125, sliding_window=sliding_window)
+    out = mosaic_decode_attention(*args, **options, pages_per_block=4, splits=splits, interpret=race_checked())
+    expected = decode_attention_reference(*args, **options)
+    assert_race_free()
+    got = np.asarray(out, np.float32)
+    assert out.shape == q.shape and out.dtype == q.dtype and np.isfinite(got).all()
+    np.testing.assert_array_equal(got[0], 0.0)
+    np.testing.assert_allclose(got[1:], np.asarray(expected, np.float32)[1:], **TOLERANCE[jnp.bfloat16])
+
+
+def test_merging_shares_weighs_each_by_its_log_sum_exp():
+    """Two shares of one row's keys: the merge of their normalised outputs by base-2 log-sum-exps is the softmax
+    over all keys; a share that saw no key (lse -inf, output 0) weighs nothing; a row no share saw stays zero."""
+    from pallas_kernels.mosaic_decode import merge_splits
+
+    rng = np.random.default_rng(0)
+    scores, values = rng.normal(size=7), rng.normal(size=(7, 3))
+    halves = [slice(0, 4), slice(4, 7)]
+    lse = np.array([np.log2(np.sum(np.exp2(scores[h]))) for h in halves] + [-np.inf])  # [P]
+    parts = np.stack([np.exp2(scores[h]) @ values[h] / np.sum(np.exp2(scores[h])) for h in halves]
+                     + [np.zeros(3)])  # [P, hd]
+    merged = merge_splits(jnp.asarray(parts[:, None]), jnp.asarray(lse[:, None], jnp.float32))  # G = 1
+    np.testing.assert_allclose(np.asarray(merged)[0], np.exp2(scores) @ values / np.sum(np.exp2(scores)), rtol=1e-5)
+    empty = merge_splits(jnp.zeros((3, 1, 3)), jnp.full((3, 1), -jnp.inf))
+    np.testing.assert_array_equal(np.asarray(empty), 0.0)
+
+
 def test_rejects_what_it_does_not_cover():
     q = jnp.zeros((1, 4, 64), jnp.float32)
     pages = jnp.zeros((2, 16, 1, 64), jnp.float32)
@@ -143,6 +179,12 @@ def test_lowers_for_cuda_as_one_mosaic_gpu_kernel(slots):
                           *_decode_target_args()).as_text()
     calls = [line for line in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
     assert len(calls) == 1
+
+
+def test_split_keys_lower_for_cuda_as_one_mosaic_gpu_kernel():
+    text = lower_for_cuda(functools.partial(mosaic_decode_attention, scale=128 ** -0.5, interpret=False, splits=4),
+                          *_decode_target_args()).as_text()
+    assert len([line for line in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]) == 1
 
 
 def test_shared_memory_bound_is_checked_when_lowering():
