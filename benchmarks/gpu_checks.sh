@@ -69,7 +69,7 @@ step tests 190 python3 -m pytest -v -n 12 -p no:cacheprovider -o addopts="" --ti
     tests/pallas_kernels/test_mosaic_decode.py tests/pallas_kernels/test_mosaic_ragged.py \
     tests/pallas_kernels/test_mosaic_backend.py
 # the Mosaic GPU kernels' tests alone, compiled: their register route, the warp-specialized kernel's turns
-step mosaic_tests 80 python3 -m pytest -v -n 4 -p no:cacheprovider -o addopts="" --timeout 40 -rfE --tb=short \
+step mosaic_tests 90 python3 -m pytest -v -n 4 -p no:cacheprovider -o addopts="" --timeout 40 -rfE --tb=short \
     tests/pallas_kernels/test_mosaic_ragged.py tests/pallas_kernels/test_mosaic_backend.py \
     tests/pallas_kernels/test_mosaic_decode.py
 # nine processes compile at once: XLA's GEMM autotuning (timing candidate kernels on the shared GPU) is off here,
