@@ -164,3 +164,22 @@ def test_generate_steps_with_spaced_young_collections_and_leaves_no_cyclic_garba
     assert thresholds and set(thresholds) == {(STEPPING_YOUNG_THRESHOLD, 10, 10)}
     assert gc.get_threshold() == (700, 10, 10)
     assert cyclic_garbage == 0
+
+
+def test_an_async_engine_steps_with_spaced_young_collections_until_it_closes(tiny_llama, default_threshold):
+    import time
+
+    from jvllm import LLM
+    from jvllm.engine.async_engine import AsyncEngine
+
+    engine = LLM(tiny_llama, dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=256, max_num_seqs=4,
+                 max_num_batched_tokens=64, precompile=False)
+    wrapper = AsyncEngine(engine)
+    try:
+        deadline = time.monotonic() + 30
+        while gc.get_threshold()[0] != STEPPING_YOUNG_THRESHOLD and time.monotonic() < deadline:
+            time.sleep(0.01)  # the engine thread enters the context as it starts
+        assert gc.get_threshold() == (STEPPING_YOUNG_THRESHOLD, 10, 10)
+    finally:
+        wrapper.close()
+    assert gc.get_threshold() == (700, 10, 10)
