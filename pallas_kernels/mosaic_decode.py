@@ -121,7 +121,8 @@ def mosaic_decode_attention(
         interpret=interpret,
     )
     out = kernel(q_tiles, k_pages, v_pages, block_tables, lengths.astype(jnp.int32))
-    if splits > 1:
-        partial, lse = out
-        out = merge_splits(partial[:, :, :, :group], lse[:, :, :, :group]).astype(q.dtype)
-    return out[:, :, :group].reshape(seqs, heads, head_dim)
+    if splits == 1:
+        return out[:, :, :group].reshape(seqs, heads, head_dim)
+    partial, lse = out
+    merged = merge_splits(partial[:, :, :, :group], lse[:, :, :, :group])  # [S, KVH, G, hd] f32
+    return merged.astype(q.dtype).reshape(seqs, heads, head_dim)
