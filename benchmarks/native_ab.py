@@ -36,7 +36,6 @@ from typing import Callable
 import numpy as np
 
 from benchmarks.common import command_line, machine_info, write_json
-from cpu_kernels.build import load as load_kernels
 
 LAYERS = 30
 PROJECTIONS = [(576, 576, 2), (192, 576, 2), (576, 1536, 1)]  # (rows, K, per layer): q/o, k/v, down
@@ -61,11 +60,7 @@ def build_base(base: str, workdir: pathlib.Path) -> pathlib.Path:
     spec.loader.exec_module(build)
     if "-fno-gnu-unique" not in build.FLAGS:  # older sources: their inline statics must stay their own
         build.FLAGS = [*build.FLAGS, "-fno-gnu-unique"]
-    compiler = build._compiler()
-    loaded = pathlib.Path(load_kernels()._name)  # this checkout's library, from whichever cache it was loaded
-    if build._library_path(compiler).name == loaded.name:  # same sources, flags and machine: that very library
-        return loaded
-    return build.built_library(compiler)
+    return build.built_library(build._compiler())
 
 
 def register_base(library: pathlib.Path) -> None:
@@ -237,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax.numpy as jnp
 
-    load_kernels()
+    from cpu_kernels.build import load
+
+    load()
     with tempfile.TemporaryDirectory() as workdir:
         print(f"building {args.base}'s cpu_kernels ...", flush=True)
         register_base(build_base(args.base, pathlib.Path(workdir)))
