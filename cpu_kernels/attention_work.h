@@ -171,7 +171,8 @@ class Attention : public PageView<PoolT> {
       if (direct) {  // few rows (decode): key and value rows read in place, a strip of positions at a time
         // The rows kPrefetchKeys positions ahead of the work (on into the thread's next item) are asked for as it
         // goes, after each head's strip: a loop of loads alone, or loads interleaved with arithmetic, leave the
-        // memory system idle much of the time (docs/design.md, "Decode attention: prefetching ahead of the work").
+        // memory system idle much of the time (docs/design/cpu_attention.md, "Decode attention: prefetching ahead of
+        // the work").
         int64_t before = 0;
         const auto prefetch = [&](int64_t done) {  // done: of the block's two passes over its nkeys keys
           PrefetchUntil(scratch.cursor, here, key_end, next, key0 + done / 2 + kPrefetchKeys, done - before + 1);

@@ -115,7 +115,7 @@ struct SplitOutInOperands : Operands {
 // y = x . w^T with w [N, K] for one row of x, T outputs at a time, even and odd sums apart (so the bits do not depend
 // on T). One output at a time a thread reads one stream of weights, the fastest while x (K float32) stays in the
 // 32-48 KB L1 beside it; for longer K (x from L2 for every output) eight outputs at a time, each x load met by eight
-// weight streams, read faster (kMaxOneStreamK; docs/design.md).
+// weight streams, read faster (kMaxOneStreamK; docs/design/bf16_weights.md).
 template <int T>
 struct SplitRowTimesOutIn : SplitOutInOperands {
   void Run(int64_t item) const {

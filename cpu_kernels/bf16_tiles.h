@@ -128,7 +128,7 @@ class Bf16Tiles {
     // Plain bf16 weights in one block of rows (decode steps, short prompts): each pair of tiles is made right before
     // its products, the next pair's weights asked for as it is made, so they stream in behind the arithmetic.
     // Otherwise a chunk's tiles are made at once (and reused by every block of rows); GGUF blocks, whose tiles cost
-    // arithmetic to make, gain nothing from one pair at a time (docs/design.md).
+    // arithmetic to make, gain nothing from one pair at a time (docs/design/bf16_weights.md).
     const bool streamed = kPlainBf16 && m_ <= kBlockRows;
     const int64_t chunk = streamed ? step : std::max<int64_t>(1, kChunkBytes / (k_ * 2 * kTileCols * 2)) * step;
     const int64_t tiles_per_column_tile = up_ == nullptr ? 1 : 2;

@@ -5,7 +5,7 @@
 // activations); each 32-weight (sub-)block's int32 sums are scaled into float32 by its scale times x's, and its
 // constant (Q4_1's minimum, Q4_0's -8 d, a K-quant's -dmin m) meets x's exact sum over the block. Precision: each
 // product is within half a step of x's block scale (max |x| / 254) times sum |d q| of the block, several times
-// bfloat16's rounding (docs/design.md, GGUF blocks: why it is not the default).
+// bfloat16's rounding (docs/design/gguf_blocks.md: why it is not the default).
 #pragma once
 
 #include <cstdint>

@@ -11,7 +11,7 @@
 // 32-bit lane holds two codes of one row (16 pair vectors a block, one per pair of weights), and every row of x
 // meets them through broadcasts of its matching code pairs (x's codes permuted once per call to the pairs' order):
 // 16 `vpdpwssd` per row of x and block, with no tiles kept in memory: up to 16 rows as fast as the other paths or
-// faster, past that slower than the bf16 tiles (docs/design.md, speculative decoding). Q8_0 / Q4_0 / Q4_1 weights
+// faster, past that slower than the bf16 tiles (docs/design/speculative_decoding.md). Q8_0 / Q4_0 / Q4_1 weights
 // grouped by code words (word_group_blocks.h) are loaded as the pair vectors' words with no transpose; their pairs
 // are other weights' (x's permutation follows), and the exact block sums give the row-major blocks' bits.
 #pragma once

@@ -144,7 +144,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmGatedMatmul, GatedMatmulImpl,
                                   .Attr<int64_t>("int8_tile_min_rows")
                                   .Attr<int64_t>("invariant_max_rows"));
 
-// The row counts at which this build's paths meet (measured per vector width: docs/design.md, GGUF blocks): the
+// The row counts at which this build's paths meet (measured per vector width: docs/design/gguf_blocks.md): the
 // per-row int16 path up to the first, 16-bit code tiles from the second, float tiles between (AVX2 builds only).
 #if JVLLM_INT16_512
 constexpr int32_t kInt16MaxRows = 4, kInt16TileMinRows = 5;
@@ -158,7 +158,7 @@ extern "C" int32_t JvllmInt16MaxRows() { return kInt16MaxRows; }
 extern "C" int32_t JvllmInt16TileMinRows() { return kInt16TileMinRows; }
 // 1 where the build multiplies Q8_0 / Q4_0 / Q4_1 weights interleaved by groups of 8 rows (q8_0x8, ...) and they are
 // this CPU's layout for them: AVX2 builds without AVX-512's 16-bit code tiles, where the row-major blocks' few-row
-// products are bound by their per-output work (docs/design.md, GGUF blocks). AVX-512 builds can multiply them too.
+// products are bound by their per-output work (docs/design/gguf_blocks.md). AVX-512 builds can multiply them too.
 extern "C" int32_t JvllmInterleavedRowsPreferred() {
 #if defined(__AVX2__) && !JVLLM_INT16_512
   return 1;
@@ -168,11 +168,11 @@ extern "C" int32_t JvllmInterleavedRowsPreferred() {
 }
 // 1 where the build multiplies Q8_0 / Q4_0 / Q4_1 weights grouped by code words for 16 rows (q8_0x16, ...), this
 // CPU's layout for them: AVX-512 builds with BF16, where the invariant path then reads its pair vectors without
-// transposing 16 rows' blocks (docs/design.md, GGUF blocks).
+// transposing 16 rows' blocks (docs/design/gguf_blocks.md).
 extern "C" int32_t JvllmWordGroupsPreferred() { return JVLLM_WORD_GROUPS; }
 // Up to this many rows, products with the formats of invariant_products.h can take its path (0: the build has none).
 extern "C" int32_t JvllmInvariantMaxRows() { return JVLLM_INT16_512 ? 32 : 0; }
 extern "C" int32_t JvllmBf16MaxRows() { return static_cast<int32_t>(jvllm::kBf16MaxRows); }
 // From this many rows, 8-bit products with 4- and 5-bit blocks (CPUs with AVX-512 VNNI), where the bf16 tiles take
-// over from the bf16 rows: the 8-bit tiles are at least as fast from there (docs/design.md, GGUF blocks).
+// over from the bf16 rows: the 8-bit tiles are at least as fast from there (docs/design/gguf_blocks.md).
 extern "C" int32_t JvllmInt8TileMinRows() { return JVLLM_INT8_TILES ? 9 : 0; }

@@ -188,7 +188,7 @@ class Matmul {
   // with it. One weight row at a time reads the blocks in address order, which streams at the cores' full
   // bandwidth: the 49,152 x 576 Q8_0 output projection ~30 GB/s for a lone row of x, against ~17 GB/s with four
   // weight rows interleaved; with 2-4 rows of x, decode steps 10-22% faster than with two weight rows interleaved
-  // (docs/design.md, "Row paths one weight row at a time").
+  // (docs/design/gguf_blocks.md, "Row paths one weight row at a time").
   template <int X>
   void IntRows(int64_t m, int64_t n) const {
     if constexpr (X <= kIntRowsApart) {
@@ -239,7 +239,8 @@ class Matmul {
   // them all), each block's scales and constants made for the whole group in one vector operation each, so that
   // what a row adds to a block is its dot products, conversion and multiply-add, the multiply ports' work that
   // bounds the loop from a few rows on. (For one or two rows the scalar form of IntRowsApart is as fast or faster:
-  // docs/design.md, speculative decoding, "On AVX2: batch_invariant by default, int16 rows by groups of 8".)
+  // docs/design/speculative_decoding_measured_2026-12.md, "On AVX2: batch_invariant by default, int16 rows by groups
+  // of 8".)
   template <int X>
   void IntRowsGrouped(int64_t m, int64_t n) const {
     constexpr int64_t kGroup = Int16Rows::kRowGroup;
@@ -274,7 +275,7 @@ class Matmul {
 
   // Each row of x sums its products in two accumulators, sub-blocks of 32 weights alternating between them (even
   // ones in the first), added at the end, so that a lone row's `vdpbf16ps` form two dependency chains, not one
-  // (docs/design.md, speculative decoding). Every row count takes the same order: a row's bits do not depend on the
+  // (docs/design/speculative_decoding.md). Every row count takes the same order: a row's bits do not depend on the
   // rows that come with it.
   template <int X>
   void Bf16Dots(int64_t n) const {

@@ -6,7 +6,7 @@ large request body) the process would otherwise stay at its peak resident size. 
 glibc serves blocks of 32 MB and more (a 256-row step's logits over a 49k vocabulary: 50 MB) with fresh mmaps and
 returns freed heap tops above a threshold at once, so left alone each step's large buffers come back as new pages,
 every 4 KB faulted in and zeroed by the kernel. Allocators such as tcmalloc, which vLLM's CPU guide preloads, keep
-such memory; `reuse_freed_memory` makes glibc do the same (docs/design.md has the measurements)."""
+such memory; `reuse_freed_memory` makes glibc do the same (docs/design/cpu_profiles.md has the measurements)."""
 from __future__ import annotations
 
 import ctypes

@@ -1,7 +1,7 @@
 """Products with bfloat16 weights on XLA CPU through the native kernels (cpu_kernels.bf16_rows): XLA CPU multiplies
 one row by a bf16 matrix ~10x slower than by a float32 one, so without them a one-token step reads float32 weights
 (twice the bytes) or runs two rows, and its bf16 dots of 2-64 rows run at a fraction of the tiles' rate (with
-AVX-512 BF16; docs/design.md, "A float checkpoint's batched steps in bf16 tiles")."""
+AVX-512 BF16; docs/design/bf16_weights.md, "A float checkpoint's batched steps in bf16 tiles")."""
 from __future__ import annotations
 
 import contextlib

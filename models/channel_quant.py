@@ -58,7 +58,7 @@ def channel_dot(x: jax.Array, codes: jax.Array, scale: jax.Array) -> jax.Array:
     The codes are converted to x's dtype as the dot's operand, which XLA GPU fuses into the GEMM (the weights
     cross memory as 1-byte codes); the conversion is exact (every int8 and every e4m3fn value is a bfloat16 value),
     and the scales multiply the float32 result [T, N] rather than the weights [N, K]. The codes are K-major
-    ([out, in], K contiguous), the layout 8-bit tensor-core operands take (docs/design.md)."""
+    ([out, in], K contiguous), the layout 8-bit tensor-core operands take (docs/design/gpu_and_parallel.md)."""
     w = codes.astype(x.dtype)  # [N, K]
     y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [T, N]
     return y * scale

@@ -17,13 +17,14 @@ from models.quantized import (check_quantized, native_kernel_available, native_l
 
 
 # Up to this many token rows, a kernel stored [out, in] is applied as (kernel @ x^T)^T, which XLA CPU runs faster
-# at few rows; more rows contract x with it directly (docs/design.md).
+# at few rows; more rows contract x with it directly (docs/design/bf16_weights.md).
 OUT_IN_TRANSPOSED_DOT_MAX_ROWS = 64
 
 
 def stored_out_in(d_in: int, d_out: int) -> bool:
     """Whether the batched CPU weight copy keeps a d_in -> d_out kernel as [out, in]: the projections that
-    narrow (down_proj, and k/v_proj under GQA), which XLA CPU multiplies faster that way (docs/design.md)."""
+    narrow (down_proj, and k/v_proj under GQA), which XLA CPU multiplies faster that way
+    (docs/design/bf16_weights.md)."""
     return d_in > d_out
 
 

@@ -1,11 +1,11 @@
 """Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): top-k routing, token choices grouped by expert,
 each group through its expert's MLP, outputs weighted and summed back per token.
 
-The grouped products (`expert_implementation`) are the Pallas grouped-matmul kernel on a GPU (`expert_mlp_pallas`);
-on XLA CPU, whose ragged_dot runs ~50x slower than a dense matmul of the same active size (docs/design.md), a loop
-over (expert, row tile) work items, each three small dots against one expert's weights (`expert_mlp_tiles`);
-`jax.lax.ragged_dot` elsewhere. Under tensor parallelism the kernel runs per device in a shard_map
-(`sharded_routed_experts`): GSPMD does not partition a pallas_call.
+The grouped products (`expert_implementation`) are the Pallas grouped-matmul kernel on a GPU (`expert_mlp_pallas`); on
+XLA CPU, whose ragged_dot runs ~50x slower than a dense matmul of the same active size
+(docs/design/models_and_outputs.md), a loop over (expert, row tile) work items, each three small dots against one
+expert's weights (`expert_mlp_tiles`); `jax.lax.ragged_dot` elsewhere. Under tensor parallelism the kernel runs per
+device in a shard_map (`sharded_routed_experts`): GSPMD does not partition a pallas_call.
 
 Expert weights are stacked, [E, in, out]. Their HF tensors are one per expert; an HF name holding
 `models.hf_names.EXPERT` stands for all of them, each expert's [out, in] tensor transposed and stacked."""

@@ -220,7 +220,7 @@ def invariant_block_rows_available() -> bool:
 
 # The most rows a step takes on the invariant path: to 16 rows its products cost what the bf16 rows and tiles do
 # (on the 2-core Zen 5 VM), past 16 up to 1.16x (32 rows) and the attention's direct loops twice its tiles; suffix
-# decoding gained as much with 16 as with 32 (docs/design.md, speculative decoding).
+# decoding gained as much with 16 as with 32 (docs/design/speculative_decoding.md).
 INVARIANT_PATH_ROWS = 16
 
 
@@ -301,7 +301,7 @@ def kernel_row_limits() -> dict[str, int]:
     with 4- and 5-bit blocks where the build has them (bf16_products(True, int8_tiles=True)), and the invariant
     path's rows: INVARIANT_PATH_ROWS, or the invariant rows asked for (bf16_products(.., invariant_rows=R)), or 8
     where the 8-bit tiles take 9+ rows. The invariant path runs without a promise too: up to 16 rows it is as fast
-    as the other paths or faster, and more precise than bfloat16 (docs/design.md, speculative decoding)."""
+    as the other paths or faster, and more precise than bfloat16 (docs/design/speculative_decoding.md)."""
     from cpu_kernels.quantized_matmul import bf16_max_rows, int8_tile_min_rows
 
     enabled = bf16_products_enabled()

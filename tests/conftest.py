@@ -17,7 +17,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # The suite spends more of its time compiling than running what it compiled. On CPU, XLA's older fusion emitters and
 # LLVM's optimizations off (backend optimization level 0) make an engine's pieces compile in about a quarter of the
 # time, while the default model's steps run about as fast (their products are library calls, not generated loops). Users' engines keep XLA's defaults. Inherited by the subprocesses; a flag
-# already in XLA_FLAGS is kept (docs/design.md, the test suite's time).
+# already in XLA_FLAGS is kept (docs/design/test_suite.md).
 from jvllm.worker.xla_flags import append_unset_flags  # noqa: E402
 
 

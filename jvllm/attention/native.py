@@ -19,10 +19,10 @@ from models.quantized import bf16_products_enabled, invariant_rows
 class NativeCpu(InStepWrite):
     """InStepWrite over the native kernel; a model whose head_dim the kernel does not take gets `fallback`.
 
-    Each layer's kernel call stores the step's K/V in that layer's pages (aliased in place) before attending, so
-    no pool-write jit runs after the layers (docs/design.md, "Native CPU attention"). The step's own keys are read
-    from the layer's k/v, so a fresh chunk attends to itself whatever its pages hold (prompt_logits lists only the
-    reserved page 0)."""
+    Each layer's kernel call stores the step's K/V in that layer's pages (aliased in place) before attending, so no
+    pool-write jit runs after the layers (docs/design/cpu_attention.md, "Native CPU attention"). The step's own keys
+    are read from the layer's k/v, so a fresh chunk attends to itself whatever its pages hold (prompt_logits lists
+    only the reserved page 0)."""
 
     fallback: Callable[[], AttentionBackend] | None = None
 

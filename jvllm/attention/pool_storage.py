@@ -1,8 +1,8 @@
 """How the `xla` backend stores a bfloat16 KV pool: as the values' uint16 bits, which XLA CPU moves natively.
 
 XLA CPU gathers and scatters a bfloat16 array by converting the whole operand to float32 first (and hoists that
-convert out of the decode loop, so each step would convert each layer's whole pool; docs/design.md). On the same
-bits seen as uint16 the gather and the scatter touch only the pages they need; the gathered pages are bitcast
+convert out of the decode loop, so each step would convert each layer's whole pool; docs/design/step_shapes.md). On
+the same bits seen as uint16 the gather and the scatter touch only the pages they need; the gathered pages are bitcast
 back."""
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from jvllm.attention.pool_storage import as_stored, as_values
 from models.attention import AttentionMetadata
 
 # Decode steps take `decode_attention`, a loop over pages (faster than gathering whole contexts at every batch
-# size measured: docs/design.md). Prefill steps put chunks of similar length side by side, one per row
+# size measured: docs/design/step_shapes.md). Prefill steps put chunks of similar length side by side, one per row
 # (`class_attention`), so that a step's shape depends on its token count alone.
 MIN_CLASS_WIDTH = 16
 _MASKED = -1e30  # finite, so fully padded rows give a harmless uniform softmax rather than NaN
@@ -19,7 +19,7 @@ def write_kv(pages: jax.Array, new: jax.Array, slot_mapping: jax.Array) -> jax.A
     """pages [N, page, KVH, hd], new [T, KVH, hd], slot_mapping [T] -> pages with the tokens written.
 
     Token-major pages make this a row scatter over the leading axis, which XLA CPU does in place on a
-    donated pool; a head-major pool becomes a whole-pool copy per layer (docs/design.md).
+    donated pool; a head-major pool becomes a whole-pool copy per layer (docs/design/step_shapes.md).
     A bfloat16 pool may be stored as its bits (jvllm.attention.pool_storage)."""
     num_pages, page_size, kv_heads, head_dim = pages.shape
     flat = pages.reshape(num_pages * page_size, kv_heads, head_dim)
@@ -191,7 +191,7 @@ def pages_per_iteration(seqs: int, max_pages: int) -> int:
 
     Two for a batch: each iteration's pages of every sequence stay in cache. Up to 16 for a single sequence,
     whose pages are few bytes, so that the loop's fixed cost per iteration (~10 small XLA ops) is paid a few
-    times per layer rather than once per 2 pages (measurements in docs/design.md)."""
+    times per layer rather than once per 2 pages (measurements in docs/design/step_shapes.md)."""
     per_iter = SINGLE_SEQUENCE_PAGES_PER_ITERATION if seqs == 1 else 2
     while max_pages % per_iter:
         per_iter //= 2

@@ -4,7 +4,7 @@ Free pages live in one LRU list. A page without a key is reused first; a freed p
 prefix keeps its key and joins the back, so the least recently used cached page is evicted first (and loses
 its key) when the pool runs short. The pages of one allocation are handed out in ascending order, so a prompt's
 pages lie in address order in the pool, which its attention reads faster than pages in release order
-(docs/design.md, "KV pages in address order").
+(docs/design/host_loop.md, "KV pages in address order").
 
 Partial last pages ("tails") are cached too: a request that leaves keeps its last, partly filled page findable by
 the key of the full pages before it (and its cache salt) and the token ids it holds. A later request whose tokens

@@ -85,8 +85,8 @@ def apply_token_masks(logits: jax.Array, t: SamplingTensors) -> jax.Array:
 
 # Truncation looks for its thresholds among each row's 256 largest logits first (lax.top_k) and searches whole
 # rows (order_search: 32 passes, no sort) only when some row's top-k or top-p set reaches past them: on XLA CPU a
-# whole-row sort costs a 64-row step about a second, the head and the search tens of milliseconds (docs/design.md,
-# sampling on device).
+# whole-row sort costs a 64-row step about a second, the head and the search tens of milliseconds
+# (docs/design/step_shapes.md, sampling on device).
 CANDIDATES = (256,)
 SEARCH_GROUP_ROWS = 8
 

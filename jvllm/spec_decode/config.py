@@ -8,11 +8,11 @@ from typing import Any
 
 METHODS = ("ngram", "suffix", "draft_model")
 # The engine speculates only while at most this many requests run: past it a CPU step is compute-bound and
-# verifying drafts costs more than it saves (docs/design.md, speculative decoding).
+# verifying drafts costs more than it saves (docs/design/speculative_decoding.md).
 DEFAULT_MAX_BATCH = 4
 # Suffix decoding's defaults: matches of up to 32 tokens (vLLM: 24) continued by up to 31 drafts, so that one
 # request's verification step fills the 32-token step bucket; long copies are then accepted in fewer steps
-# (docs/design.md, speculative decoding, has the measurements).
+# (docs/design/speculative_decoding.md, has the measurements).
 SUFFIX_MAX_TREE_DEPTH = 32
 SUFFIX_NUM_SPECULATIVE_TOKENS = 31
 

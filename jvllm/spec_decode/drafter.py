@@ -15,12 +15,12 @@ from jvllm.spec_decode.suffix import OutputCache, propose_suffix
 MAX_BACKOFF_TOKENS = 16  # a request whose drafts keep failing speculates at least once every this many tokens
 # A request keeps speculating while its recent verification steps accepted at least this many drafts on average
 # (on the 2-core CPU a 4-row verification step costs ~1.6 one-row decode steps; thresholds of 0.5 and 1.5 measured
-# alike on the benchmark's prompts: docs/design.md, speculative decoding).
+# alike on the benchmark's prompts: docs/design/speculative_decoding.md).
 MIN_MEAN_ACCEPTED = 1.5
 # Unless batch-invariant (then within Engine.invariant_step_rows), a step that verifies drafts holds at most this
 # many token rows (one request's full verification if that is more), shared evenly by the requests decoding together:
 # on the 2-core CPU a step's cost grows with its rows (32 rows ~4.7 one-row steps), and a 128-row step of four
-# requests' long drafts mostly verifies rejected ones (docs/design.md, speculative decoding).
+# requests' long drafts mostly verifies rejected ones (docs/design/speculative_decoding.md).
 SHARED_STEP_ROWS = 32
 
 

@@ -15,12 +15,12 @@ from jvllm.spec_decode.ngram import match_lengths
 SEPARATOR = -1  # between cached outputs: never equal to a token, so no match or continuation crosses it
 # The shortest match that is continued. A match of one token proposed one draft, accepted 29% of the time in
 # single-stream chats of the embedded model, while a verification step costs ~1.4 one-token steps; needing 3
-# tokens made every prompt kind of the benchmark 5-9% faster (docs/design.md, speculative decoding).
+# tokens made every prompt kind of the benchmark 5-9% faster (docs/design/speculative_decoding.md).
 MIN_MATCH = 3
 # A shorter match is continued only while its continuation is near-certain: at least this many occurrences, and
 # the continuation's estimated probability at least this. It drafts the fixed parts of structured answers (the
 # `",\n  "` between JSON fields seen in earlier outputs), where one or two tokens of new text end every match
-# (docs/design.md, speculative decoding, has what it measured).
+# (docs/design/speculative_decoding.md, has what it measured).
 SHORT_MATCH_SUPPORT = 2
 SHORT_MATCH_MIN_PROB = 0.9
 

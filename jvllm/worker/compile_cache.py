@@ -13,7 +13,7 @@ def disable_in_this_process() -> None:
     """Keep this process off the persistent cache: every compile runs, nothing is loaded or stored. The test
     suite does this for its own processes (engines it starts in subprocesses still use the cache): there, a
     long-lived process building hundreds of engines loaded entries often enough to meet a segfault inside jaxlib
-    0.10.2's executable deserialization now and then (docs/design.md, step shapes)."""
+    0.10.2's executable deserialization now and then (docs/design/step_shapes.md)."""
     global _disabled
     _disabled = True
 

@@ -197,7 +197,7 @@ class CompiledSteps:
         """fn (a jax.jit function) compiled for args; `name` says which piece, for profiles and errors.
 
         Compiling stays on this thread: a persistent-cache load beside lowering on another thread is not safe
-        (docs/design.md, step shapes). An executable another engine of this process compiled from the same module
+        (docs/design/step_shapes.md). An executable another engine of this process compiled from the same module
         is reused."""
         del name
         self.count += 1

@@ -15,8 +15,8 @@ import jax
 logger = logging.getLogger("jvllm")
 
 # XLA CPU maps each kernel of an executable (code, constants, data) separately: ~80 memory maps per step
-# executable, measured on SmolLM2 (docs/design.md). Linux refuses mmap past vm.max_map_count (65530 by default)
-# and XLA then crashes the process.
+# executable, measured on SmolLM2 (docs/design/step_shapes.md). Linux refuses mmap past vm.max_map_count (65530 by
+# default) and XLA then crashes the process.
 MAPS_PER_EXECUTABLE = 80
 DEFAULT_MAX_MAP_COUNT = 65530
 MEMO_SHARE = 0.25  # of the map limit, for executables the memo alone keeps alive

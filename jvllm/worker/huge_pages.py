@@ -2,9 +2,9 @@
 
 A CPU decode step streams every weight once: ~97 MB for the embedded model, ~24,000 pages of 4 KiB, each a TLB entry
 to walk for. XLA's CPU buffers come from malloc, which gets huge pages only by chance (where it reuses memory that
-NumPy had advised for them: docs/design.md, huge pages). Here each buffer's 2 MiB-aligned ranges are advised for
-huge pages (`MADV_HUGEPAGE`) and collapsed into them at once (`MADV_COLLAPSE`, Linux 6.1+; with the transparent huge
-pages setting "madvise", the default of many distributions). Where either call is refused (another OS, an older
+NumPy had advised for them: docs/design/host_loop.md, huge pages). Here each buffer's 2 MiB-aligned ranges are advised
+for huge pages (`MADV_HUGEPAGE`) and collapsed into them at once (`MADV_COLLAPSE`, Linux 6.1+; with the transparent
+huge pages setting "madvise", the default of many distributions). Where either call is refused (another OS, an older
 kernel, huge pages "never") the buffers stay as they were: only speed is at stake. The KV pool keeps its pages:
 collapsing its ~1 GB costs seconds at start for no measured gain."""
 from __future__ import annotations

@@ -13,7 +13,8 @@ from models.bf16_rows import bf16_rows_available
 from models.layers import is_float_matrix, out_in_kernel_leaves
 
 # Steps of at least this many token rows take the batched (e.g. bf16) copy. XLA CPU runs dots of 2+ rows through
-# YNNPACK, where bf16 is faster from 2 rows; a 1-row bf16 dot is a slow matrix-vector product (docs/design.md).
+# YNNPACK, where bf16 is faster from 2 rows; a 1-row bf16 dot is a slow matrix-vector product
+# (docs/design/bf16_weights.md).
 BATCHED_MIN_ROWS = 2
 
 
@@ -77,7 +78,7 @@ def bf16_block_products(requested: Any) -> bool:
 def batch_invariant_for(requested: bool | None, loaded: Any, attention_backend: str) -> bool:
     """The engine's `batch_invariant` (None: on where it costs nothing: GGUF blocks on the native CPU kernels, whose
     products of up to invariant_step_rows rows give each row its own bits on AVX-512 and AVX2 builds, with attention
-    by the native kernel, whose verification rows give decode rows' bits; docs/design.md, speculative decoding).
+    by the native kernel, whose verification rows give decode rows' bits; docs/design/speculative_decoding.md).
     The batched weight dtype does not matter: GGUF blocks get no copy, and their 8-bit tiles (`int8`) take only
     steps past the invariant rows."""
     if requested is not None:
@@ -114,7 +115,7 @@ def invariant_step_rows_for(loaded: Any) -> int:
 def int8_block_products(requested: Any) -> bool:
     """Whether products of 9+ rows with 4- and 5-bit GGUF blocks take 8-bit activations (CPUs with AVX-512 VNNI:
     models.quantized), given the engine's `batched_weight_dtype`: only when it is "int8" (llama.cpp's numerics:
-    faster prefill, greedy outputs further from float32's than bfloat16's; docs/design.md, GGUF blocks)."""
+    faster prefill, greedy outputs further from float32's than bfloat16's; docs/design/gguf_blocks.md)."""
     return requested == "int8"
 
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import os
 
-# LLVM otherwise prefers 256-bit vectors even on AVX-512 machines (the gain is in docs/design.md). Machines
-# without AVX-512 keep their widest vectors; GPU compiles ignore the flag.
+# LLVM otherwise prefers 256-bit vectors even on AVX-512 machines (a 32 x 64-token prefill step ran 27% faster with
+# 512). Machines without AVX-512 keep their widest vectors; GPU compiles ignore the flag.
 CPU_DEFAULTS = {"xla_cpu_prefer_vector_width": "512"}
 
 
