@@ -115,6 +115,7 @@ class ModelRunner:
         self._one_at_a_time = self.mesh is not None and self._on_cpu
         self.channel = channel
         self._inputs = InputTransfer()
+        self._head_inputs = InputTransfer()  # a look-ahead step's sampling tensors, sent once its grammars moved
         self.backend = get_backend(attention_backend).for_model(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                                                 loaded.dtype)
         self.step_weights = StepWeights(loaded.graphdef, loaded.state, batched_dtype=batched_weight_dtype,
@@ -337,7 +338,8 @@ class ModelRunner:
         for row, bits in enumerate(grammar_bits):
             if bits is not None:
                 sampling.allowed_bits[row] = combine_allowed_bits(sampling.allowed_bits[row], bits)
-        group.out, group.pending = group.pending.run(jax.device_put(sampling)), None
+        device_sampling = self._head_inputs.put(sampling) if self.mesh is None else put_replicated(sampling, self.mesh)
+        group.out, group.pending = group.pending.run(device_sampling), None
 
     def device_inputs(self, call: StepCall) -> tuple:
         """-> (metadata, ids, positions, sampling, prompt targets, mm rows) on the device, as the steps take them."""
