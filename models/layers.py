@@ -85,31 +85,67 @@ class Linear(nnx.Module):
         return y.astype(x.dtype)
 
 
-def merge_output_columns(projections: Sequence[Linear]) -> bool:
-    """Make the first projection compute all of them, their outputs side by side ([first | second | ...] columns),
-    where they take the same input width and hold the same kind of weights: float kernels [in, out] of one dtype,
-    GGUF blocks of one format, or per-channel codes of one format (their scales joined too); biases on all or none.
-    One product instead of several: one weight stream, one launch or native call per step, and no concatenation
-    for XLA to make at run time (XLA GPU's DotMerger joins small dots that share an operand by concatenating their
-    weights inside every step). Each output column is computed as before. -> whether merged (the others are then
-    for the caller to drop)."""
+def merge_output_columns(projections: Sequence[Linear]) -> int:
+    """Make the first projection compute all of them, their outputs side by side, where they take the same input
+    width and hold the same kind of weights: float kernels [in, out] of one dtype, GGUF blocks of one format, or
+    per-channel codes of one format (their scales joined too); biases on all or none. One product instead of
+    several: one weight stream, one launch or native call per step, and no concatenation for XLA to make at run
+    time (XLA GPU's DotMerger joins small dots that share an operand by concatenating their weights inside every
+    step). Each output column is computed as before. Float kernels split over n devices by output columns (tensor
+    parallelism) are joined within each device's block: columns [first_0 | second_0 | ... | first_1 | ...], so
+    every device keeps its own columns of each (`split_columns` reads them back). -> n (1: plain [first | second |
+    ...]), or 0 where they could not be merged (the others are then for the caller to drop)."""
     first, rest = projections[0], projections[1:]
     kernels = [p.kernel[...] for p in projections]
     if (not rest or any(p.quant != first.quant or p.d_in != first.d_in for p in rest)
             or len({k.dtype for k in kernels}) != 1 or len({p.bias is None for p in projections}) != 1):
-        return False
+        return 0
+    shards = {column_shards(a) for p in projections for a in (p.kernel[...], value_or_none(p.bias)) if a is not None}
+    if len(shards) != 1 or (first.quant is not None and shards != {1}):
+        return 0
+    (n,) = shards
     if first.quant is None:
         if any(k.shape != (p.d_in, p.d_out) for k, p in zip(kernels, projections)):
-            return False  # an [out, in] copy: merged only as loaded
-        first.kernel = nnx.Param(jnp.concatenate(kernels, axis=1))  # [in, sum of outs]
+            return 0  # an [out, in] copy: merged only as loaded
+        first.kernel = nnx.Param(join_columns(kernels, n))  # [in, sum of outs]
     else:  # one row per output
         first.kernel = nnx.Param(jnp.concatenate(kernels, axis=0))  # [sum of outs, row bytes or in]
         if first.scale is not None:
             first.scale = nnx.Param(jnp.concatenate([p.scale[...] for p in projections]))  # [sum of outs]
     if first.bias is not None:
-        first.bias = nnx.Param(jnp.concatenate([p.bias[...] for p in projections]))
+        first.bias = nnx.Param(join_columns([p.bias[...] for p in projections], n))
     first.d_out = sum(p.d_out for p in projections)
-    return True
+    return n
+
+
+def column_shards(a: jax.Array) -> int:
+    """Into how many equal blocks the devices split a's last axis (1: every device holds it whole)."""
+    sharding = getattr(a, "sharding", None)
+    return 1 if sharding is None else a.shape[-1] // sharding.shard_shape(a.shape)[-1]
+
+
+def join_columns(arrays: Sequence[jax.Array], shards: int) -> jax.Array:
+    """[..., out_i] arrays -> [..., sum of outs]: side by side within each of `shards` equal blocks of columns,
+    placed as the first array is (each device's block built from its own blocks of the others)."""
+    if shards == 1:
+        return jnp.concatenate(arrays, axis=-1)
+
+    def join(*parts: jax.Array) -> jax.Array:
+        lead = parts[0].shape[:-1]
+        blocks = [p.reshape(*lead, shards, p.shape[-1] // shards) for p in parts]  # [..., n, out_i / n]
+        return jnp.concatenate(blocks, axis=-1).reshape(*lead, -1)
+
+    return jax.jit(join, out_shardings=arrays[0].sharding)(*arrays)
+
+
+def split_columns(y: jax.Array, widths: Sequence[int], shards: int) -> list[jax.Array]:
+    """A joined projection's output [T, sum of widths] -> each projection's [T, width] (`merge_output_columns`'s
+    layout for `shards` blocks of columns; the split stays within each device's block)."""
+    if shards == 1:
+        return jnp.split(y, np.cumsum(widths)[:-1].tolist(), axis=-1)
+    tokens = y.shape[0]
+    blocks = jnp.split(y.reshape(tokens, shards, -1), np.cumsum([w // shards for w in widths])[:-1].tolist(), axis=-1)
+    return [block.reshape(tokens, width) for block, width in zip(blocks, widths)]
 
 
 def _dot_out_in(x: jax.Array, kernel: jax.Array) -> jax.Array:
@@ -182,10 +218,12 @@ class MLP(nnx.Module):
         self.up_proj: Linear | None = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(f, d, bias=False, dtype=dtype, rngs=rngs)
         self.activation = activation
+        self.joined_shards = 1  # gate and up joined (fuse_gate_up): their columns' blocks (merge_output_columns)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.up_proj is None:  # gate and up as one projection (fuse_gate_up): columns [gate | up]
-            gate, up = jnp.split(self.gate_proj(x), 2, axis=1)  # [T, f] each
+            width = self.gate_proj.d_out // 2
+            gate, up = split_columns(self.gate_proj(x), (width, width), self.joined_shards)  # [T, f] each
             return self.down_proj(self.activation(gate) * up)
         hidden = self._fused_silu_hidden(x)  # [T, f]
         if hidden is None:
@@ -198,9 +236,10 @@ class MLP(nnx.Module):
         gate, up = self.gate_proj, self.up_proj
         if up is None or (gate.quant is not None and gate.quant not in CHANNEL_FORMATS):
             return False
-        if not merge_output_columns([gate, up]):
+        shards = merge_output_columns([gate, up])
+        if not shards:
             return False
-        self.up_proj = None
+        self.up_proj, self.joined_shards = None, shards
         return True
 
     def _fused_silu_hidden(self, x: jax.Array) -> jax.Array | None:

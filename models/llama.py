@@ -12,7 +12,7 @@ from flax import nnx
 from models.attention import AttentionMetadata, KVCache, LayerAttention, attention_mesh, value_dtype
 from models.bf16_rows import bf16_rows_dot
 from models.config import ModelConfig
-from models.layers import MLP, Linear, RMSNorm, merge_output_columns, mlp_hf_parameters
+from models.layers import MLP, Linear, RMSNorm, merge_output_columns, mlp_hf_parameters, split_columns
 from models.hf_names import ArraySource, DerivedTensors, TensorSource, row_range
 from models.moe import SparseMoE
 from models.params import normal_param, value_or_none
@@ -43,6 +43,7 @@ class Attention(nnx.Module):
         self.rope_table = None if cfg.local_rope_theta is None else int(self.sliding_window is not None)
         self.q_norm = norm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = norm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.joined_shards = 1  # q, k and v joined (fuse_qkv): their columns' blocks (merge_output_columns)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, pages: tuple[jax.Array, jax.Array],
                  md: AttentionMetadata, attention: LayerAttention) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
@@ -50,7 +51,7 @@ class Attention(nnx.Module):
         tokens = x.shape[0]
         if self.k_proj is None:  # q, k and v as one projection (fuse_qkv): columns [q | k | v]
             q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = jnp.split(self.q_proj(x), [q_width, q_width + kv_width], axis=1)
+            q, k, v = split_columns(self.q_proj(x), (q_width, kv_width, kv_width), self.joined_shards)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(tokens, self.num_heads, self.head_dim)  # [T, H, hd]
@@ -66,13 +67,15 @@ class Attention(nnx.Module):
 
     def fuse_qkv(self) -> bool:
         """Hold q, k and v as one projection where all three hold the same kind of weights
-        (models.layers.merge_output_columns): q_proj then computes them together (output columns [q | k | v]) and
-        k_proj, v_proj are None. For weights already loaded, on one device (tensor parallelism shards q and k/v by
-        different heads). -> whether fused."""
+        (models.layers.merge_output_columns): q_proj then computes them together (output columns [q | k | v], or
+        under tensor parallelism [q | k | v] of each device's heads side by side) and k_proj, v_proj are None. For
+        weights already loaded. -> whether fused."""
         q, k, v = self.q_proj, self.k_proj, self.v_proj
-        if k is None or v is None or not merge_output_columns([q, k, v]):
+        shards = 0 if k is None or v is None else merge_output_columns([q, k, v])
+        if not shards:
             return False
         self.k_proj = self.v_proj = None
+        self.joined_shards = shards
         return True
 
 

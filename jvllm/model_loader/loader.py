@@ -323,7 +323,7 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto", load_form
 
 def _fuse_projections(module: Any) -> None:
     """Each layer's q, k and v as one projection, and its MLP's gate and up, where they hold the same kind of
-    weights (one device only: models.llama.fuse_projections)."""
+    weights (models.llama.fuse_projections; under tensor parallelism within each device's columns)."""
     from models.llama import fuse_projections
 
     attention, mlps = fuse_projections(module)
@@ -397,5 +397,6 @@ def _load_sharded(config: Any, model_cls: Any, jdtype: Any, folder: Path, load_f
             source = SafetensorsSource(folder, stack)
             source = source if names is None else RenamedSource(source, names)
         load_sharded(module, source, plan, mesh, jdtype)
+    _fuse_projections(module)
     graphdef, state = nnx.split(module)
     return dataclasses.replace(partial, config=sharded_config, graphdef=graphdef, state=state, mesh=mesh)

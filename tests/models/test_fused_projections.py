@@ -11,7 +11,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.channel_quant import quantize_channels
-from models.layers import MLP, gelu_tanh
+from models.layers import MLP, gelu_tanh, join_columns, split_columns
 from models.llama import Attention, LlamaForCausalLM, fuse_projections
 from models.quantized import quantize_reference
 
@@ -151,3 +151,23 @@ def test_a_fused_model_keeps_its_layers_outputs_and_refuses_hf_names():
     np.testing.assert_allclose(layer_outputs(model, x), before, rtol=1e-5, atol=1e-5 * np.abs(before).max())
     with pytest.raises(ValueError, match="fused after loading"):
         list(model.hf_parameters(set()))
+
+
+@pytest.mark.parametrize("shards", [2, 4])
+def test_columns_joined_per_shard_split_back_to_each_projection(shards):
+    """Tensor parallelism's layout, where each device holds a block of every projection's columns: joined within
+    each of `shards` blocks ([a_0 | b_0 | c_0 | a_1 | ...]), the product's output splits back into each projection's
+    own product, and every block of the joined kernel holds only that block's columns of each."""
+    rng = np.random.default_rng(shards)
+    widths = (8 * shards, 2 * shards, 2 * shards)
+    kernels = [jnp.asarray(rng.standard_normal((16, w)), jnp.float32) for w in widths]  # [in, out_i]
+    joined = join_columns(kernels, shards)
+    assert joined.shape == (16, sum(widths))
+    block = sum(widths) // shards
+    for s in range(shards):
+        own = [np.asarray(k)[:, s * w // shards:(s + 1) * w // shards] for k, w in zip(kernels, widths)]
+        want = np.concatenate(own, axis=1)
+        np.testing.assert_array_equal(np.asarray(joined)[:, s * block:(s + 1) * block], want)
+    x = jnp.asarray(rng.standard_normal((5, 16)), jnp.float32)
+    for part, kernel in zip(split_columns(x @ joined, widths, shards), kernels):
+        np.testing.assert_allclose(np.asarray(part), np.asarray(x @ kernel), rtol=1e-5, atol=1e-5)

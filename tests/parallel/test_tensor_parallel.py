@@ -174,9 +174,11 @@ def test_pallas_experts_reduce_once_per_layer(tiny_models, monkeypatch):
 def test_decode_step_collectives(tiny_models, backend, tp):
     """One all-reduce for the embedding lookup, two per layer (after o_proj and down_proj; the compiled layer
     serves every layer), one [S, V] logits all-gather for the sampler; no collective of a weight's shape; the
-    pool write stays local."""
+    pool write stays local. q/k/v and gate/up are joined within each device's columns, and splitting their
+    outputs moves nothing between devices."""
     out = run_worker("hlo", {"model": tiny_models["llama_gqa"], "tp": tp, "prompts": PROMPTS, "backend": backend},
                      devices=tp)
+    assert out["joined_shards"] == {"qkv": [tp] * out["num_layers"], "gate_up": [tp] * out["num_layers"]}, out
     hidden = 64
     activations = {"op": "all-reduce", "shapes": [[out["tokens"], hidden]]}
     assert out["embed"] == [activations], out["embed"]

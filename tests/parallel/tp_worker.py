@@ -139,10 +139,23 @@ def hlo(args: dict[str, Any]) -> dict[str, Any]:
     lowered = compiled_step_hlo(eng.runner, call)
     out = {piece: collectives(lowered[piece]) for piece in ("embed", "layer", "head")}
     out.update({"store_kv": collectives(lowered["store_kv"]) if "store_kv" in lowered else None,
+                "joined_shards": joined_shards(eng),
                 "weight_shapes": sorted({tuple(w.shape) for w in eng.runner.weights if w.ndim == 2}),
                 "tokens": int(call.input_ids.shape[0]), "seqs": int(call.metadata.q_lens.shape[0]),
                 "vocab": eng.model.config.vocab_size, "num_layers": eng.model.config.num_layers})
     return out
+
+
+def joined_shards(eng) -> dict[str, list[int]]:
+    """The column blocks of each joined q/k/v and gate/up projection (none where a layer kept them apart)."""
+    from flax import nnx
+
+    from models.layers import MLP
+    from models.llama import Attention
+
+    modules = [m for _, m in nnx.iter_modules(nnx.merge(eng.model.graphdef, eng.model.state))]
+    return {"qkv": [m.joined_shards for m in modules if isinstance(m, Attention) and m.k_proj is None],
+            "gate_up": [m.joined_shards for m in modules if isinstance(m, MLP) and m.up_proj is None]}
 
 
 def prompts_of(args: dict[str, Any]) -> list[list[int] | dict]:
