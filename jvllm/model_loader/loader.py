@@ -80,6 +80,12 @@ class LoadedModel:
         """Whether some weights are GGUF blocks (uint8) rather than floats."""
         return any(a.dtype == jnp.uint8 for a in jax.tree.leaves(self.state))
 
+    @property
+    def has_bf16_matrices(self) -> bool:
+        """Whether the float matrices were loaded in bfloat16 beside a float32 model (`matrix_dtype_at_load`)."""
+        return self.dtype == jnp.float32 and any(is_float_matrix(a) and a.dtype == jnp.bfloat16
+                                                 for a in jax.tree.leaves(self.state))
+
 
 def resolve_dtype(dtype: str | Any) -> Any:
     """'auto' is float32 on CPU (bf16 single-row matmuls are slow there) and bfloat16 on accelerators."""

@@ -92,11 +92,13 @@ def test_an_engine_whose_steps_all_read_the_copy_keeps_only_the_copy(tiny_llama,
 
 def test_matrices_loaded_in_bf16_give_the_tokens_of_a_bf16_copy_of_float32_ones(tiny_llama):
     """Loading the matrices in bf16 (the default engine) rounds them as the copy of float32 matrices does: same
-    logprobs, bit for bit, in multi-row and one-token steps."""
+    logprobs, bit for bit, in multi-row and one-token steps. The default engine's KV pages are bf16 (its numbers are
+    not float32's anyway), so the float32 engine is given bf16 pages too."""
     params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=0, prompt_logprobs=0, ignore_eos=True)
     runs = []
-    for options in ({}, {"dtype": "float32", "batched_weight_dtype": "bfloat16"}):
+    for options in ({}, {"dtype": "float32", "batched_weight_dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}):
         engine = Engine(tiny_llama, precompile=False, max_num_seqs=4, **options)
+        assert engine.runner.kv_cache_dtype == jnp.bfloat16
         runs.append([(o.outputs[0].token_ids, [next(iter(e.values())).logprob for e in o.prompt_logprobs[1:]],
                       [e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
                      for o in engine.generate(PROMPTS, params, use_tqdm=False)])

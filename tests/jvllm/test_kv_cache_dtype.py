@@ -8,9 +8,10 @@ from entrypoints.cli import build_parser
 from jvllm.engine.arg_utils import EngineArgs
 from jvllm.worker.kv_cache_dtype import kv_cache_dtype_for
 
-GGUF_BLOCKS = SimpleNamespace(keeps_blocks=True, dtype=jnp.float32)
-FLOAT_MODEL = SimpleNamespace(keeps_blocks=False, dtype=jnp.float32)
-BF16_MODEL = SimpleNamespace(keeps_blocks=False, dtype=jnp.bfloat16)
+GGUF_BLOCKS = SimpleNamespace(keeps_blocks=True, has_bf16_matrices=False, dtype=jnp.float32)
+FLOAT_MODEL = SimpleNamespace(keeps_blocks=False, has_bf16_matrices=False, dtype=jnp.float32)
+BF16_MATRICES = SimpleNamespace(keeps_blocks=False, has_bf16_matrices=True, dtype=jnp.float32)
+BF16_MODEL = SimpleNamespace(keeps_blocks=False, has_bf16_matrices=False, dtype=jnp.bfloat16)
 
 
 def test_auto_is_bfloat16_for_gguf_blocks_on_cpu_and_the_model_dtype_otherwise():
@@ -18,6 +19,8 @@ def test_auto_is_bfloat16_for_gguf_blocks_on_cpu_and_the_model_dtype_otherwise()
     assert kv_cache_dtype_for(None, "auto", GGUF_BLOCKS) == jnp.bfloat16
     assert kv_cache_dtype_for("auto", "float32", GGUF_BLOCKS) == jnp.float32  # dtype="float32": float32 all through
     assert kv_cache_dtype_for("auto", "auto", FLOAT_MODEL) == jnp.float32
+    assert kv_cache_dtype_for("auto", "auto", BF16_MATRICES) == jnp.bfloat16  # a float checkpoint's matrices in bf16
+    assert kv_cache_dtype_for("auto", "float32", BF16_MATRICES) == jnp.float32
     assert kv_cache_dtype_for("auto", "auto", BF16_MODEL) == jnp.bfloat16
 
 
