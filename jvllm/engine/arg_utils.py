@@ -143,9 +143,10 @@ class EngineArgs:
     block_size: int = option(16, "tokens per KV page (a power of two)", parse=int)
     kv_cache_memory_bytes: int | None = option(None, "KV pool size in bytes per device (default 1 GiB on CPU, 85%% "
                                                      "of free memory on GPU)", parse=human_int)
-    kv_cache_dtype: str = option("auto", "what the KV pages hold: auto (the model's dtype; bfloat16 for a GGUF model "
-                                         "served from its blocks on CPU, like llama.cpp's 16-bit KV cache), bfloat16 "
-                                         "or float32", choices=["auto", "bfloat16", "float32"])
+    kv_cache_dtype: str = option("auto", "what the KV pages hold: auto (the model's dtype; on CPU bfloat16 for a GGUF "
+                                         "model served from its blocks, like llama.cpp's 16-bit KV cache, and for a "
+                                         "float checkpoint whose matrices are loaded in bfloat16), bfloat16 or float32",
+                                 choices=["auto", "bfloat16", "float32"])
     enable_prefix_caching: bool = option(True, "reuse the KV pages of shared prompt prefixes (default on)")
     attention_backend: str = option("auto", "auto (pallas on GPU, cpu on CPU); pallas (Pallas Triton "
                                             "paged-attention kernels for GPUs, interpret mode on CPU), mosaic (the "
