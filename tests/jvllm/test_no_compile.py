@@ -11,9 +11,10 @@ from jvllm.sampling_params import StructuredOutputsParams
 from jvllm.worker.compile_watch import compile_watch
 
 MAX_MODEL_LEN = 512
-# The tiny llama keeps 512 bytes of K/V per token (2 layers x K and V x 2 heads x 16 x float32): 40 pages of 16
-# tokens hold two of the longest requests (256 + 24 tokens), so eight running requests must preempt.
-POOL_BYTES = 40 * 16 * 512
+# The tiny llama keeps 256 bytes of K/V per token (2 layers x K and V x 2 heads x 16 x bfloat16: its default pages,
+# its matrices being loaded in bfloat16): 40 pages of 16 tokens hold two of the longest requests (256 + 24 tokens),
+# so eight running requests must preempt.
+POOL_BYTES = 40 * 16 * 256
 WORDS = "the a river mill children sea boats tide stone light door cat mat looked under over".split()
 
 
