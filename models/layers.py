@@ -86,15 +86,15 @@ class Linear(nnx.Module):
 
 
 def merge_output_columns(projections: Sequence[Linear]) -> int:
-    """Make the first projection compute all of them, their outputs side by side, where they take the same input
-    width and hold the same kind of weights: float kernels [in, out] of one dtype, GGUF blocks of one format, or
-    per-channel codes of one format (their scales joined too); biases on all or none. One product instead of
-    several: one weight stream, one launch or native call per step, and no concatenation for XLA to make at run
-    time (XLA GPU's DotMerger joins small dots that share an operand by concatenating their weights inside every
-    step). Each output column is computed as before. Float kernels split over n devices by output columns (tensor
-    parallelism) are joined within each device's block: columns [first_0 | second_0 | ... | first_1 | ...], so
-    every device keeps its own columns of each (`split_columns` reads them back). -> n (1: plain [first | second |
-    ...]), or 0 where they could not be merged (the others are then for the caller to drop)."""
+    """Make the first projection compute all of them, their outputs side by side, where they take the same input width
+    and hold the same kind of weights: float kernels [in, out] of one dtype, GGUF blocks of one format, or per-channel
+    codes of one format (their scales joined too); biases on all or none. One product instead of several: one weight
+    stream, one launch or native call per step, and no concatenation for XLA to make at run time (XLA GPU's DotMerger
+    joins small dots that share an operand by concatenating their weights inside every step). Each output column is
+    computed as its own projection computes it. Float kernels split over n devices by output columns (tensor
+    parallelism) are joined within each device's block: columns [first_0 | second_0 | ... | first_1 | ...], so every
+    device keeps its own columns of each (`split_columns` reads them back). -> n (1: plain [first | second | ...]), or
+    0 where they could not be merged (the others are then for the caller to drop)."""
     first, rest = projections[0], projections[1:]
     kernels = [p.kernel[...] for p in projections]
     if (not rest or any(p.quant != first.quant or p.d_in != first.d_in for p in rest)

@@ -338,13 +338,16 @@ class ModelRunner:
         for row, bits in enumerate(grammar_bits):
             if bits is not None:
                 sampling.allowed_bits[row] = combine_allowed_bits(sampling.allowed_bits[row], bits)
-        device_sampling = self._head_inputs.put(sampling) if self.mesh is None else put_replicated(sampling, self.mesh)
-        group.out, group.pending = group.pending.run(device_sampling), None
+        group.out, group.pending = group.pending.run(self._to_devices(self._head_inputs, sampling)), None
 
     def device_inputs(self, call: StepCall) -> tuple:
         """-> (metadata, ids, positions, sampling, prompt targets, mm rows) on the device, as the steps take them."""
         inputs = (call.metadata, call.input_ids, call.positions, call.sampling, call.prompt_targets, call.mm_rows)
-        return self._inputs.put(inputs) if self.mesh is None else put_replicated(inputs, self.mesh)
+        return self._to_devices(self._inputs, inputs)
+
+    def _to_devices(self, transfer: InputTransfer, tree: Any) -> Any:
+        """Host arrays -> the device through `transfer` (unchanged arrays reused), or replicated over the mesh."""
+        return transfer.put(tree) if self.mesh is None else put_replicated(tree, self.mesh)
 
     def _dispatch_group(self, plans: list[ChunkPlan], kind: str, source_ids: jax.Array | None = None,
                         source_rows: list[int] | None = None, encode: tuple[EncoderCall, ...] = (),
