@@ -85,17 +85,18 @@ def start_server(engine, model: str):
 
     from jvllm.engine.async_engine import AsyncEngine
     from server.app import build_app
-    from server.serve import GIL_SWITCH_INTERVAL_S
+    from server.serve import GIL_SWITCH_INTERVAL_S, uvicorn_config
     from server.settings import ServerSettings
 
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as `jvllm serve` does
     async_engine = AsyncEngine(engine, max_waiting_requests=None)
     recorder = _EngineTTFT()
     async_engine.observers.append(recorder)
-    app = _ServerTimes(build_app(async_engine, ServerSettings([model])))
+    settings = ServerSettings([model], log_level="warning", disable_access_log=True)
+    app = _ServerTimes(build_app(async_engine, settings))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    server = uvicorn.Server(uvicorn_config(app, settings))  # as `jvllm serve` configures it
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started:

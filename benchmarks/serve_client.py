@@ -56,7 +56,9 @@ async def _drive(url: str, workloads: list[tuple[list[list[int]], list[int]]], c
                  model: str) -> list[dict]:
     import aiohttp
 
-    connector = aiohttp.TCPConnector(limit=concurrency)
+    from entrypoints.bench.serve import CLIENT_KEEPALIVE_S  # idle connections dropped before a server's keep-alive
+
+    connector = aiohttp.TCPConnector(limit=concurrency, keepalive_timeout=CLIENT_KEEPALIVE_S)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         return [await _pass(session, url, prompts, lens, concurrency, model) for prompts, lens in workloads]
 

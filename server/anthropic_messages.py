@@ -26,9 +26,10 @@ async def create_message(body: MessagesRequest, request: Request, state: ServerS
     warn_unknown_fields(body, "/v1/messages")
     chat, stream = await start_chat(chat_request(body), state)
     if body.stream:
-        return sse_response(MessageEvents(chat).events(stream), [stream], on_error=error_events)
+        return sse_response(MessageEvents(chat).events(stream), [stream], on_error=error_events,
+                            keep_alive_s=state.settings.sse_keep_alive_interval)
     final = await final_output(request, stream)
-    state.log_request(chat.id, "finished", repr(final.outputs[0].text)[:2000])
+    state.log_request(chat.id, "finished", final.outputs[0].text)
     return JSONResponse(whole_message(chat.response(final)).model_dump())
 
 

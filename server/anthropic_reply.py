@@ -112,7 +112,7 @@ class MessageEvents:
     def _end(self, latest: RequestOutput | None, made_calls: bool) -> list[str]:
         assert latest is not None, "the request's stream ended without an output"
         out = latest.outputs[0]
-        self.chat.state.log_request(self.chat.id, "finished", repr(out.text)[:2000])
+        self.chat.state.log_request(self.chat.id, "finished", out.text)
         reason, sequence = stop_reason(out.finish_reason, out.stop_reason, made_calls)
         return [event(MessageDeltaEvent(delta=MessageDelta(stop_reason=reason, stop_sequence=sequence),
                                         usage=MessageDeltaUsage(output_tokens=len(out.token_ids)))),

@@ -18,22 +18,24 @@ from server.body_limit import BodySizeLimit
 from server.chat import create_chat_completion, render_chat
 from server.completions import create_completion
 from server.embeddings import create_embedding
-from server.errors import (APIError, ClientGone, bad_request, error_response, install_error_handlers, route_path,
+from server.errors import (ClientGone, bad_request, error_response, install_error_handlers, route_path,
                            to_api_error)
 from server.limits import AdmissionLimits
 from server.memory_trim import TrimAfterLargeBodies
 from server.metrics import ServerMetrics
 from server.openapi_streams import document_event_streams, streamed
+from server.request_id import RequestIdHeader
 from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                              TokenizeRequest)
 from server.responses import (ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, DetokenizeResponse,
                               EmbeddingResponse, ErrorResponse, ModelCard, ModelList, TokenizeResponse)
 from server.responses_api import create_response, retrieve_response
 from server.responses_api_protocol import ResponseObject, ResponsesRequest, ResponseStreamEvent
+from server.sagemaker import sagemaker_routes
 from server.sampling import check_model
 from server.score import score_routes
 from server.settings import ServerSettings
-from server.state import ServerState, state_of
+from server.state import ServerState, engine_health, state_of
 from server.tokens import TokenText
 from server.web_page import install_web_page
 
@@ -112,7 +114,7 @@ async def _tokenize(body: TokenizeRequest, state: ServerState) -> Response:
     if body.messages is not None:  # render_chat bounds the messages' characters
         text = await render_chat(state, body.messages, request_template=body.chat_template,
                                  add_generation_prompt=body.add_generation_prompt,
-                                 continue_final_message=body.continue_final_message)
+                                 continue_final_message=body.continue_final_message, extra=body.chat_template_kwargs)
         ids = await state.tokenize(text, add_special_tokens=False)
     else:
         state.limits.check_chars(len(body.prompt), "prompt")
@@ -154,9 +156,7 @@ def _public_routes() -> APIRouter:
                 responses={200: {"description": "the engine is running (empty body)", "content": {}},
                            503: {"model": ErrorResponse}})
     async def health(request: Request) -> Response:
-        if not state_of(request).engine.is_running:
-            raise APIError(503, "the engine is not running", code="engine_dead")
-        return Response(status_code=200)
+        return engine_health(request)
 
     @router.get("/version")
     async def version() -> dict:
@@ -191,13 +191,15 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         await engine.shutdown()
         blocking.close()
 
-    app = FastAPI(title="jvllm OpenAI-compatible server", version=jvllm.__version__, lifespan=lifespan)
+    docs = {} if not settings.disable_fastapi_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="jvllm OpenAI-compatible server", version=jvllm.__version__, lifespan=lifespan, **docs)
     app.state.jvllm = ServerState(engine, settings, metrics, TokenText(engine.tokenizer), limits, blocking)
     app.state.settings = settings
     install_error_handlers(app)
     app.include_router(_protected_routes())
     app.include_router(anthropic_routes(_guarded))
     app.include_router(score_routes(_guarded))
+    app.include_router(sagemaker_routes(_guarded))
     app.include_router(_public_routes())
     if not settings.disable_web_ui:
         install_web_page(app)
@@ -206,5 +208,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                        allow_credentials=settings.allow_credentials)
     app.add_middleware(TrimAfterLargeBodies)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_body_bytes)
+    if settings.enable_request_id_headers:
+        app.add_middleware(RequestIdHeader)
     document_event_streams(app)
     return app

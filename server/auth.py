@@ -9,12 +9,14 @@ from fastapi import Request
 from server.errors import APIError
 
 
-def _matches(given: str, expected: bytes) -> bool:
-    # compare_digest on bytes: constant time whatever the content (str would refuse non-ASCII)
-    return hmac.compare_digest(given.strip().encode(), expected)
+def _matches(given: str, expected: tuple[bytes, ...]) -> bool:
+    # compare_digest on bytes: constant time whatever the content (str would refuse non-ASCII); every key is
+    # compared, so the time does not say which one matched
+    given_bytes = given.strip().encode()
+    return sum(hmac.compare_digest(given_bytes, key) for key in expected) > 0
 
 
-def _bearer_matches(request: Request, expected: bytes) -> bool:
+def _bearer_matches(request: Request, expected: tuple[bytes, ...]) -> bool:
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
     return scheme.lower() == "bearer" and _matches(given, expected)
 
@@ -22,8 +24,8 @@ def _bearer_matches(request: Request, expected: bytes) -> bool:
 async def check_api_key(request: Request) -> None:
     """FastAPI dependency (async: a plain def would run in the thread pool, a hop per request); a no-op
     when the server runs without --api-key."""
-    expected: bytes | None = request.app.state.settings.api_key_bytes
-    if expected is None:
+    expected: tuple[bytes, ...] = request.app.state.settings.api_keys
+    if not expected:
         return
     if not _bearer_matches(request, expected):
         raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
@@ -32,8 +34,8 @@ async def check_api_key(request: Request) -> None:
 
 async def check_anthropic_api_key(request: Request) -> None:
     """check_api_key for the Anthropic routes: Anthropic's clients send the key as `x-api-key`."""
-    expected: bytes | None = request.app.state.settings.api_key_bytes
-    if expected is None:
+    expected: tuple[bytes, ...] = request.app.state.settings.api_keys
+    if not expected:
         return
     given = request.headers.get("x-api-key")
     if not (given is not None and _matches(given, expected)) and not _bearer_matches(request, expected):

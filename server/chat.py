@@ -20,14 +20,14 @@ from server.responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, 
                               DeltaMessage, UsageInfo)
 from server.beam_search import beam_search_params, queue_generation
 from server.sampling import (cached_details, check_fits, check_generates, check_logprobs, check_model,
-                             check_unsupported, sampling_params, truncated, warn_unknown_fields)
+                             check_unsupported, sampling_params, tokens_as_ids, truncated, warn_unknown_fields)
 from server.settings import REQUEST_TEMPLATE_TIMEOUT_S
 from server.state import ServerState
 from server.structured import structured_outputs
 from server.tools import ToolPlan, plan_tools, template_messages
 from server.tool_prompt import template_shows_tools, tools_description, with_tools_described
 from server.chat_reply import StreamedReply, one_entry_per_call, whole_reply
-from server.streaming import DONE, check_not_failed, sse, sse_response, unless_disconnected
+from server.streaming import DONE, check_not_failed, include_usage, sse, sse_response, unless_disconnected
 
 _RESERVED_TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "chat_template", "add_generation_prompt",
                            "continue_final_message"}
@@ -65,7 +65,8 @@ async def render_chat(state: ServerState, messages: list[ChatMessage], *, reques
         raise bad_request("a chat_template in the request is refused: the server runs without "
                           "--trust-request-chat-template", "chat_template")
     state.limits.check_chars(sum(len(message.text()) for message in messages), "messages")
-    kwargs = {k: v for k, v in (extra or {}).items() if k not in _RESERVED_TEMPLATE_ARGS}
+    given = {**(state.settings.default_chat_template_kwargs or {}), **(extra or {})}  # the request's win
+    kwargs = {k: v for k, v in given.items() if k not in _RESERVED_TEMPLATE_ARGS}
     if tools:
         kwargs["tools"] = tools
     describe = False  # the tools in a system message, for a template that ignores them
@@ -127,7 +128,7 @@ class ChatRun:
         if self.num_top is None or out.logprobs is None:
             return None
         return chat_logprobs(out.token_ids[start:], out.logprobs[start:], self.num_top, self.state.names,
-                             self.body.return_tokens_as_token_ids)
+                             tokens_as_ids(self.body.return_tokens_as_token_ids, self.state.settings))
 
     def usage(self, output: RequestOutput | None) -> UsageInfo:
         completion = sum(len(o.token_ids) for o in output.outputs) if output else 0
@@ -195,8 +196,8 @@ class ChatRun:
                                          stop_reason=out.stop_reason)
                 yield self.chunk([choice], self.usage(output) if continuous else None)
             if output.finished:
-                self.state.log_request(self.id, "finished", repr(output.outputs[0].text)[:2000])
-        if options and options.include_usage:
+                self.state.log_request(self.id, "finished", output.outputs[0].text)
+        if include_usage(options, self.state.settings.enable_force_include_usage):
             yield self.chunk([], self.usage(latest))
         yield DONE
 
@@ -254,7 +255,7 @@ async def start_chat(body: ChatCompletionRequest, state: ServerState) -> tuple[C
     params = sampling_params(body, max_tokens=max_tokens, logprobs=num_top, prompt_logprobs=body.prompt_logprobs,
                              structured_outputs=constraint, defaults=defaults)
     chat = ChatRun(body, state, model, len(ids), num_top, tools)
-    state.log_request(chat.id, "received", repr(text if text is not None else ids)[:2000], params)
+    state.log_request(chat.id, "received", text if text is not None else ids, params)
     prompt = {"prompt": text, "prompt_token_ids": ids}
     if images:
         prompt["multi_modal_data"] = {"image": images}
@@ -283,7 +284,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     warn_unknown_fields(body, "/v1/chat/completions")
     chat, stream = await start_chat(body, state)
     if body.stream:
-        return sse_response(chat.events(stream), [stream])
+        return sse_response(chat.events(stream), [stream], keep_alive_s=state.settings.sse_keep_alive_interval)
     final = await final_output(request, stream)
-    state.log_request(chat.id, "finished", repr(final.outputs[0].text)[:2000])
+    state.log_request(chat.id, "finished", final.outputs[0].text)
     return JSONResponse(chat.response(final).model_dump())

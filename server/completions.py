@@ -17,10 +17,10 @@ from server.protocol import CompletionRequest
 from server.responses import CompletionChoice, CompletionLogProbs, CompletionResponse, UsageInfo
 from server.beam_search import beam_search_params, queue_generation
 from server.sampling import (cached_details, check_fits, check_generates, check_logprobs, check_model,
-                             check_unsupported, sampling_params, truncated, warn_unknown_fields)
+                             check_unsupported, sampling_params, tokens_as_ids, truncated, warn_unknown_fields)
 from server.state import ServerState
 from server.structured import structured_outputs
-from server.streaming import DONE, merge, sse, sse_response, unless_disconnected
+from server.streaming import DONE, include_usage, merge, sse, sse_response, unless_disconnected
 
 
 @dataclasses.dataclass
@@ -77,7 +77,7 @@ class _Job:
         if self.body.logprobs is None or steps is None:
             return None
         return completion_logprobs(ids, steps, self.body.logprobs, self.state.names, offset,
-                                   self.body.return_tokens_as_token_ids)
+                                   tokens_as_ids(self.body.return_tokens_as_token_ids, self.state.settings))
 
     def echo_part(self, i: int, output: RequestOutput) -> tuple[str, CompletionLogProbs | None]:
         """The prompt as it is echoed before the completion, with its logprobs when asked."""
@@ -156,8 +156,8 @@ class _Job:
                 usage = self.usage(latest) if options and options.continuous_usage_stats else None
                 yield self.chunk([choice], usage)
             if output.finished:
-                self.state.log_request(f"{self.id}-{i}", "finished", repr(output.outputs[0].text)[:2000])
-        if options and options.include_usage:
+                self.state.log_request(f"{self.id}-{i}", "finished", output.outputs[0].text)
+        if include_usage(options, self.state.settings.enable_force_include_usage):
             yield self.chunk([], self.usage(latest))
         yield DONE
 
@@ -222,7 +222,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     streams: list[RequestStream] = []
     try:
         for i, (prompt, param, beam) in enumerate(zip(prompts, params, beams)):
-            state.log_request(f"{job.id}-{i}", "received", repr(prompt.text or prompt.token_ids)[:2000], param)
+            state.log_request(f"{job.id}-{i}", "received", prompt.text or prompt.token_ids, param)
             streams.append(await queue_generation(state, {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids},
                                                   param, beam, f"{job.id}-{i}", arrival_time=arrival,
                                                   priority=body.priority))
@@ -231,7 +231,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
             stream.close()
         raise
     if body.stream:
-        return sse_response(job.events(streams), streams)
+        return sse_response(job.events(streams), streams, keep_alive_s=state.settings.sse_keep_alive_interval)
 
     async def collect() -> dict[int, RequestOutput]:
         finals: dict[int, RequestOutput] = {}
@@ -245,5 +245,5 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
         for stream in streams:
             stream.close()
     for i, output in finals.items():
-        state.log_request(f"{job.id}-{i}", "finished", repr(output.outputs[0].text)[:2000])
+        state.log_request(f"{job.id}-{i}", "finished", output.outputs[0].text)
     return JSONResponse(job.response(finals).model_dump())

@@ -66,7 +66,7 @@ async def create_embedding(body: EmbeddingRequest, request: Request, state: Serv
                           "its embeddings", "dimensions")
     request_id = f"embd-{uuid.uuid4().hex}"
     prompts = await embedding_prompts(body, state)
-    state.log_request(request_id, "embeddings", f"{len(prompts)} inputs:", prompts)
+    state.log_request(request_id, f"embeddings of {len(prompts)} inputs", prompts)
     try:
         outputs = await engine.embed(prompts, truncate=False, truncate_prompt_tokens=body.truncate_prompt_tokens,
                                      dimensions=body.dimensions, normalize=body.normalize)

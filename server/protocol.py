@@ -134,7 +134,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, description="top logprobs per generated token (0..max_logprobs)")
     add_special_tokens: bool = True
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None  # None: the server's --return-tokens-as-token-ids
 
 
 class TextPart(OpenAIModel):
@@ -225,7 +225,7 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None  # None: the server's --return-tokens-as-token-ids
 
 
 class TokenizeRequest(RequestBody):
@@ -238,6 +238,7 @@ class TokenizeRequest(RequestBody):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 

@@ -50,9 +50,9 @@ async def create_response(body: ResponsesRequest, request: Request, state: Serve
     if body.stream:
         writer = EventWriter()
         return sse_response(ResponseEvents(shell, chat, writer, remember).events(stream), [stream],
-                            on_error=writer.error)
+                            on_error=writer.error, keep_alive_s=state.settings.sse_keep_alive_interval)
     final = await final_output(request, stream)
-    state.log_request(chat.id, "finished", repr(final.outputs[0].text)[:2000])
+    state.log_request(chat.id, "finished", final.outputs[0].text)
     reply = chat.response(final)
     cut = final.outputs[0].finish_reason == "length"
     response = shell.build(reply_items(reply.choices[0].message, cut), reply.usage, cut=cut)

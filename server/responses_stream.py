@@ -67,7 +67,7 @@ class ResponseEvents:
         for event in self._close("incomplete" if cut else "completed"):
             yield event
         response = self.shell.build(self.items, self.chat.usage(latest), cut=cut)
-        self.chat.state.log_request(self.chat.id, "finished", repr(text)[:2000])
+        self.chat.state.log_request(self.chat.id, "finished", text)
         self.finished(response)
         yield self.event("response.incomplete" if cut else "response.completed", response=response)
 

@@ -114,3 +114,9 @@ def sampling_params(body: SamplingFields, *, max_tokens: int, logprobs: int | No
     except ValueError as error:  # SamplingParams' messages start with the field's name
         field = str(error).split(" ", 1)[0]
         raise bad_request(str(error), field if field in SamplingParams.__dataclass_fields__ else None) from None
+
+
+def tokens_as_ids(requested: bool | None, settings: ServerSettings) -> bool:
+    """Whether logprobs name tokens as "token_id:N": the request's return_tokens_as_token_ids, else the server's
+    --return-tokens-as-token-ids."""
+    return settings.return_tokens_as_token_ids if requested is None else requested

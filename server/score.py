@@ -78,7 +78,7 @@ async def _scored_request(state: ServerState, kind: str, model_name: str | None,
     firsts = _texts(first, names[0], state, keep_head=cross, truncating=truncating)
     seconds = _texts(second, names[1], state, keep_head=cross, truncating=truncating)
     request_id = f"{kind}-{uuid.uuid4().hex}"
-    state.log_request(request_id, kind, f"{len(firsts)} x {len(seconds)} texts:", firsts, seconds)
+    state.log_request(request_id, f"{kind} of {len(firsts)} x {len(seconds)} texts", (firsts, seconds))
     return request_id, model, await _score(state, model, firsts, seconds, truncate_prompt_tokens, names)
 
 

@@ -8,12 +8,13 @@ import pathlib
 import signal
 import socket
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
 from jvllm.collector import freeze_start_up_heap
 from jvllm.engine.async_engine import AsyncEngine
+from server.open_files import raise_open_files_limit
 
 if TYPE_CHECKING:
     from jvllm.engine.arg_utils import EngineArgs
@@ -65,6 +66,15 @@ class DrainingServer(uvicorn.Server):
         asyncio.ensure_future(self.engine.shutdown())
 
 
+def uvicorn_config(app: Any, settings: ServerSettings) -> uvicorn.Config:
+    """uvicorn's configuration of the server: address, TLS, logging and how long idle connections stay open."""
+    return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                          access_log=not settings.disable_access_log, server_header=False,
+                          timeout_keep_alive=settings.timeout_keep_alive, root_path=settings.root_path or "",
+                          ssl_keyfile=settings.ssl_keyfile, ssl_certfile=settings.ssl_certfile,
+                          ssl_ca_certs=settings.ssl_ca_certs, ssl_cert_reqs=settings.ssl_cert_reqs, uds=settings.uds)
+
+
 def run_server(engine_args: EngineArgs, settings: ServerSettings) -> int:
     """Load the engine and serve it until SIGTERM or Ctrl-C; `settings.served_model_names` empty: the model's
     own name."""
@@ -72,6 +82,7 @@ def run_server(engine_args: EngineArgs, settings: ServerSettings) -> int:
     from jvllm.engine.llm import Engine
     from server.app import build_app
 
+    raise_open_files_limit()
     engine = Engine.from_engine_args(engine_args, UsageContext.OPENAI_API_SERVER)
     if not engine.is_leader:  # multi-host: rank 0 serves HTTP and schedules; this host runs its steps
         logger.info("this host follows rank 0's steps")
@@ -84,16 +95,14 @@ def run_server(engine_args: EngineArgs, settings: ServerSettings) -> int:
     app = build_app(async_engine, settings)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     freeze_start_up_heap()  # no ~0.4 s full collections stalling the streams (jvllm.collector)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            access_log=not settings.disable_access_log, server_header=False)
-    server = DrainingServer(config, async_engine, settings.shutdown_timeout)
+    server = DrainingServer(uvicorn_config(app, settings), async_engine, settings.shutdown_timeout)
     # uvicorn catches SIGTERM/SIGINT, stops accepting, and shuts down (see DrainingServer), stops the engine,
     # and finally re-raises the signal. With no-op handlers underneath, that re-raise ends in a clean exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    auth = "on" if settings.api_key else "off"
-    logger.info("serving %s on http://%s:%d (API key %s, pid %d)", settings.model_name, settings.host, settings.port, auth,
-                os.getpid())
+    keys = len(settings.api_keys)
+    auth = "off" if not keys else "on" if keys == 1 else f"on, {keys} keys"
+    logger.info("serving %s on %s (API key %s, pid %d)", settings.model_name, settings.address, auth, os.getpid())
     server.run()  # returns after the lifespan shutdown stopped the engine thread
     engine.shutdown()  # multi-host: release the followers
     return 0

@@ -6,9 +6,11 @@ import logging
 import time
 
 from fastapi import Request
+from fastapi.responses import Response
 
 from jvllm.engine.async_engine import AsyncEngine
 from server.blocking import BlockingWork
+from server.errors import APIError
 from server.limits import AdmissionLimits
 from server.metrics import ServerMetrics
 from server.response_store import ResponseStore
@@ -30,10 +32,15 @@ class ServerState:
     template_shows_tools: bool | None = None  # whether the chat template renders `tools` (found on first use)
     responses: ResponseStore = dataclasses.field(default_factory=ResponseStore)  # for previous_response_id
 
-    def log_request(self, request_id: str, what: str, *details: object) -> None:
-        """Content (prompts, outputs) is logged only with --enable-log-requests; ids always at debug."""
+    def log_request(self, request_id: str, what: str, content: object, *context: object) -> None:
+        """`content` (prompts, outputs: its repr, cut at --max-log-len characters) and `context` (e.g. the sampling
+        parameters) are logged only with --enable-log-requests; ids always at debug."""
         if self.settings.enable_log_requests:
-            request_logger.info("%s %s: %s", request_id, what, " ".join(map(str, details)))
+            text = repr(content)
+            limit = self.settings.max_log_len
+            if limit and len(text) > limit:
+                text = f"{text[:limit]}... ({len(text) - limit} more characters)"
+            request_logger.info("%s %s: %s", request_id, what, " ".join([text, *map(str, context)]))
         else:
             request_logger.debug("%s %s", request_id, what)
 
@@ -44,3 +51,10 @@ class ServerState:
 
 def state_of(request: Request) -> ServerState:
     return request.app.state.jvllm
+
+
+def engine_health(request: Request) -> Response:
+    """200 while the engine runs, else 503: what /health (and SageMaker's /ping) answer."""
+    if not state_of(request).engine.is_running:
+        raise APIError(503, "the engine is not running", code="engine_dead")
+    return Response(status_code=200)

@@ -17,7 +17,14 @@ from server.errors import APIError, ClientGone, error_body, to_api_error
 logger = logging.getLogger("jvllm.server")
 T = TypeVar("T")
 DONE = "data: [DONE]\n\n"
+KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: clients skip it, proxies see traffic
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def include_usage(stream_options: Any, force: bool) -> bool:
+    """Whether a stream ends with a usage chunk: the request's stream_options.include_usage, or
+    --enable-force-include-usage for every stream."""
+    return force or bool(stream_options and stream_options.include_usage)
 
 
 def sse(payload: BaseModel | dict[str, Any]) -> str:
@@ -30,14 +37,44 @@ def error_events(error: APIError) -> list[str]:
     return [sse(error_body(error.status, error.message, error.param, error.code)), DONE]
 
 
+async def with_keep_alive(events: AsyncIterator[str], interval_s: float) -> AsyncIterator[str]:
+    """`events`, with a KEEP_ALIVE comment whenever none came for `interval_s` seconds (0: as they are): a request
+    waiting in the queue or in a long prefill sends nothing for a while, and a proxy with a read timeout (nginx's
+    60 s) would close the stream."""
+    if interval_s <= 0:
+        async for event in events:
+            yield event
+        return
+    source = events.__aiter__()
+    pending = asyncio.ensure_future(source.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=interval_s)
+            if not done:
+                yield KEEP_ALIVE
+                continue
+            try:
+                event = pending.result()
+            except StopAsyncIteration:
+                return
+            yield event
+            pending = asyncio.ensure_future(source.__anext__())
+    finally:
+        if not pending.done():  # the client left or the body was closed: stop the source where it waits
+            pending.cancel()
+            await asyncio.wait({pending})
+
+
 def sse_response(events: AsyncIterator[str], streams: list[RequestStream],
-                 on_error: Callable[[APIError], list[str]] = error_events) -> StreamingResponse:
-    """Stream `events`; an exception becomes the events `on_error` makes of it; the end (or a client that
-    disconnects, which cancels this body) closes every request stream, aborting unfinished ones."""
+                 on_error: Callable[[APIError], list[str]] = error_events,
+                 keep_alive_s: float = 0.0) -> StreamingResponse:
+    """Stream `events` (with keep-alive comments after `keep_alive_s` seconds of silence; 0: none); an exception
+    becomes the events `on_error` makes of it; the end (or a client that disconnects, which cancels this body)
+    closes every request stream, aborting unfinished ones."""
 
     async def body() -> AsyncIterator[str]:
         try:
-            async for event in events:
+            async for event in with_keep_alive(events, keep_alive_s):
                 yield event
         except Exception as error:  # headers are gone: tell the client in-band
             for event in on_error(to_api_error(error)):

@@ -15,6 +15,10 @@ import numpy as np
 from entrypoints.bench.datasets import BenchRequest, build_requests
 from entrypoints.bench.report import distribution, print_table, save
 
+# Seconds a client keeps an idle connection for reuse: below any server's keep-alive (vLLM's and uvicorn's default:
+# 5 s), since a request sent on a connection the server is closing at that moment fails with "Server disconnected".
+CLIENT_KEEPALIVE_S = 2.0
+
 
 def _tokenizer(name: str | None) -> Any:
     """The prompts' tokenizer: a HF folder or a .gguf file, default the embedded model's."""
@@ -65,7 +69,7 @@ async def _drive(args: argparse.Namespace, url: str, model: str, requests: list[
     gate = asyncio.Semaphore(limit)
     rng = np.random.default_rng(args.seed)
     progress = tqdm(total=len(requests), unit="req", disable=args.disable_tqdm)
-    connector = aiohttp.TCPConnector(limit=limit)
+    connector = aiohttp.TCPConnector(limit=limit, keepalive_timeout=CLIENT_KEEPALIVE_S)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         async def gated(request: BenchRequest) -> dict:
             async with gate:

@@ -43,24 +43,23 @@ class LiveServer:
 def start_server(model_dir, *, max_waiting_requests: int | None = 1000, served_model_names: list[str] | None = None,
                  engine_args: dict | None = None, settings: dict | None = None, drain_timeout: float = 10.0,
                  **engine_overrides) -> LiveServer:
-    import uvicorn
-
     from jvllm import Engine
     from jvllm.engine.async_engine import AsyncEngine
     from server.app import build_app
-    from server.serve import DrainingServer
+    from server.serve import DrainingServer, uvicorn_config
     from server.settings import ServerSettings
 
     args = {**(ENGINE_ARGS if engine_args is None else engine_args), **engine_overrides}
     model = None if model_dir is None else str(model_dir)  # None: the default model
     engine = AsyncEngine(Engine(model=model, **args), max_waiting_requests=max_waiting_requests)
-    app = build_app(engine, ServerSettings(served_model_names or [MODEL, "alias"], api_key=API_KEY,
-                                           model_root=model, **(settings or {})))
+    server_settings = ServerSettings(served_model_names or [MODEL, "alias"], model_root=model,
+                                     **{"api_key": API_KEY, "log_level": "warning", **(settings or {})})
+    app = build_app(engine, server_settings)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = DrainingServer(uvicorn.Config(app, log_level="warning"), engine, drain_timeout)
+    server = DrainingServer(uvicorn_config(app, server_settings), engine, drain_timeout)  # as `jvllm serve`
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -68,7 +67,7 @@ def start_server(model_dir, *, max_waiting_requests: int | None = 1000, served_m
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)
-    return LiveServer(f"http://127.0.0.1:{port}", engine, app, server, thread)
+    return LiveServer(f"{server_settings.scheme}://127.0.0.1:{port}", engine, app, server, thread)
 
 
 @pytest.fixture(scope="session")

@@ -148,3 +148,9 @@ def test_generation_routes_on_an_embedding_model_are_400(embed_server, route, bo
 
 def test_models_route_lists_the_embedding_model(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_sagemaker_invocations_embed_as_the_embeddings_route(embed_server):
+    body = {"model": MODEL, "input": TEXTS[:3]}
+    own, invoked = _post(embed_server, body).json(), _post(embed_server, body, "/invocations").json()
+    assert invoked["data"] == own["data"] and invoked["usage"] == own["usage"]

@@ -180,9 +180,14 @@ def test_prompts_and_outputs_are_logged_only_with_enable_log_requests(live_serve
     settings.enable_log_requests = True
     try:
         assert _post(live_server, "/v1/completions", body).status_code == 200
+        assert "my private prompt" in caplog.text
+        settings.max_log_len = 10  # --max-log-len: the logged prompt is cut, saying how much was left out
+        caplog.clear()
+        assert _post(live_server, "/v1/completions", {**body, "prompt": "a long prompt " * 20}).status_code == 200
+        received = next(r.getMessage() for r in caplog.records if " received: " in r.getMessage())
+        assert "'a long pr... (272 more characters)" in received and "a long prompt a long" not in received
     finally:
-        settings.enable_log_requests = False
-    assert "my private prompt" in caplog.text
+        settings.enable_log_requests, settings.max_log_len = False, 2000
 
 
 def test_internal_errors_are_500_without_details(live_server, monkeypatch):
