@@ -12,13 +12,29 @@ def command_line(module: str, argv: list[str] | None) -> str:
     return " ".join([f"python -m {module}", *(argv if argv is not None else sys.argv[1:])])
 
 
+def cpu_model() -> str:
+    """The CPU's model name as Linux reports it ('' where /proc/cpuinfo does not say)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
 def machine_info() -> dict:
-    """Platform, CPUs, Python / jax versions, backend and the load average at the time of the run."""
+    """Platform, CPU model, CPUs, Python / jax versions, backend, whether the native kernels' many-row products run
+    on AMX, and the load average at the time of the run."""
     import jax
 
-    return {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-            "python": platform.python_version(), "jax": jax.__version__, "backend": jax.default_backend(),
-            "device": str(jax.devices()[0]), "load_average": os.getloadavg()}
+    try:
+        from cpu_kernels.bf16_rows import amx_products
+        amx = amx_products()
+    except Exception:  # no native kernels here (no compiler): nothing runs on AMX
+        amx = False
+    return {"platform": platform.platform(), "processor": platform.processor(), "cpu_model": cpu_model(),
+            "cpus": os.cpu_count(), "python": platform.python_version(), "jax": jax.__version__,
+            "backend": jax.default_backend(), "device": str(jax.devices()[0]), "amx_products": amx,
+            "load_average": os.getloadavg()}
 
 
 def write_json(path: str | None, results: dict) -> None:

@@ -43,6 +43,13 @@ def bf16_tiles_available() -> bool:
     return bool(load().JvllmBf16TilesAvailable())
 
 
+@functools.lru_cache(maxsize=1)
+def amx_products() -> bool:
+    """Whether the bf16 tiles (here and in the GGUF blocks' many-row products) run on Intel's AMX tile unit: the
+    CPU has AMX-BF16, Linux granted the tile registers, and JVLLM_CPU_AMX is not 0 (AVX-512 BF16 otherwise)."""
+    return bool(load().JvllmAmxProducts())
+
+
 def bf16_tiles_product(x: jax.Array, w: jax.Array, out_in: bool, live_rows: jax.Array | None = None) -> jax.Array:
     """x [M, K] float32 (K a multiple of 32) with bfloat16 weights w [N, K] (`out_in`) or [K, N] -> x @ W [M, N]
     float32: x rounded to bfloat16, float32 sums (XLA's bf16 x bf16 -> f32 dot, in another order). `live_rows` ([]

@@ -72,3 +72,13 @@ extern "C" int64_t JvllmBf16TilesAvailable() {
   return 0;
 #endif
 }
+
+// Whether many-row bf16 products here run on the AMX tile unit (amx_tiles.h): the build has it, the kernel granted
+// this process the tile registers and JVLLM_CPU_AMX is not 0.
+extern "C" int64_t JvllmAmxProducts() {
+#if JVLLM_AMX
+  return jvllm::AmxUsable() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
