@@ -58,16 +58,30 @@ class AmxTileScope {
       kAmxRows, kAmxRows, kAmxRows, kAmxRows, kAmxRows, kAmxRows, kAmxRows, kAmxRows, 0, 0, 0, 0, 0, 0, 0, 0};
 };
 
-// sums [16 R, 16 or 32] (rows `sums_stride` floats apart) = rows [0, 16 R) of x times pairs [p0, p1) of weight tile
-// t0 (sums' columns 0-15) and, when `two`, of t1 (columns 16-31, else not touched); with `add`, plus the sums there
-// before. x: bf16 bits of row 0 from value 0, rows `x_stride` values apart; tiles [K / 2, 16] of 32-bit pairs. p0 and
-// p1 - p0 are multiples of kAmxPairs. Tiles 0-3 hold the sums (row tile r, weight tile c: 2r + c), 4-5 x, 6-7 the
-// weights.
+// x [M, K] in bfloat16 as AMX's A tiles: each whole group of 16 rows as K / 32 tiles of 16 rows x 32 values, one
+// after another ([M / 16, K / 32, 16, 32]), so a tile is 1 KB read in one run rather than 16 rows' 64-byte pieces
+// 2K bytes apart. This packs group `group`; rows past the last whole group are not packed.
+inline void PackAmxPanels(const uint16_t* bits, int64_t k, uint16_t* panels, int64_t group) {
+  const int64_t chunks = k / 32;
+  for (int64_t c = 0; c < chunks; ++c) {
+    for (int r = 0; r < kAmxRows; ++r) {
+      const __m512i values = _mm512_loadu_si512(bits + (group * kAmxRows + r) * k + c * 32);
+      _mm512_storeu_si512(panels + ((group * chunks + c) * kAmxRows + r) * 32, values);
+    }
+  }
+}
+
+// sums [16 R, 16 or 32] (rows `sums_stride` floats apart) = R groups of 16 rows of x times pairs [p0, p1) of weight
+// tile t0 (sums' columns 0-15) and, when `two`, of t1 (columns 16-31, else not touched); with `add`, plus the sums
+// there before. x: the first group's panel (PackAmxPanels), the next group's `group_values` later; tiles [K / 2, 16]
+// of 32-bit pairs. p0 and p1 - p0 are multiples of kAmxPairs. Tiles 0-3 hold the sums (row tile r, weight tile c:
+// 2r + c), 4-5 x, 6-7 the weights.
 template <int R>
-inline void AmxRowsTimesTiles(const uint16_t* x, int64_t x_stride, const uint32_t* t0, const uint32_t* t1, int64_t p0,
-                              int64_t p1, bool two, float* sums, int64_t sums_stride, bool add) {
+inline void AmxRowsTimesTiles(const uint16_t* x, int64_t group_values, const uint32_t* t0, const uint32_t* t1,
+                              int64_t p0, int64_t p1, bool two, float* sums, int64_t sums_stride, bool add) {
   static_assert(R == 1 || R == 2, "16 or 32 rows");
-  const int64_t x_bytes = x_stride * 2, sums_bytes = sums_stride * 4;
+  const int64_t sums_bytes = sums_stride * 4;
+  constexpr int64_t kRowBytes = 64, kTileValues = kAmxRows * 32;
   float* const sums1 = sums + kAmxRows * sums_stride;  // the second row tile's
   if (add) {
     _tile_loadd(0, sums, sums_bytes);
@@ -85,13 +99,14 @@ inline void AmxRowsTimesTiles(const uint16_t* x, int64_t x_stride, const uint32_
     }
   }
   for (int64_t p = p0; p < p1; p += kAmxPairs) {
-    _tile_loadd(4, x + 2 * p, x_bytes);
-    if constexpr (R == 2) _tile_loadd(5, x + kAmxRows * x_stride + 2 * p, x_bytes);
-    _tile_loadd(6, t0 + p * 16, 64);
+    const uint16_t* a = x + p / kAmxPairs * kTileValues;
+    _tile_loadd(4, a, kRowBytes);
+    if constexpr (R == 2) _tile_loadd(5, a + group_values, kRowBytes);
+    _tile_loadd(6, t0 + p * 16, kRowBytes);
     _tile_dpbf16ps(0, 4, 6);
     if constexpr (R == 2) _tile_dpbf16ps(2, 5, 6);
     if (two) {
-      _tile_loadd(7, t1 + p * 16, 64);
+      _tile_loadd(7, t1 + p * 16, kRowBytes);
       _tile_dpbf16ps(1, 4, 7);
       if constexpr (R == 2) _tile_dpbf16ps(3, 5, 7);
     }

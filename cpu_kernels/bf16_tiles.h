@@ -69,16 +69,37 @@ struct Bf16InOut {};
 
 // x [M, K] rounded to bfloat16 (K a multiple of 32), in chunks shared by the caller and the helper threads: a
 // prefill step's x comes from DRAM, which one core alone reads at a fraction of the machine's bandwidth.
+// Where the products run on AMX, also its whole groups of 16 rows packed as the tile unit's A operand.
 struct Bf16Rows {
   std::vector<uint16_t> bits;  // [M, K]
+  std::vector<uint16_t> panels;  // AMX: [M / 16, K / 32, 16, 32] (PackAmxPanels); else empty
 
   void Convert(const float* x, int64_t m, int64_t k) {
     bits.resize(static_cast<size_t>(m * k));
     const Chunks chunks{x, bits.data(), m * k};
     RunItems(chunks);
+    panels.clear();
+#if JVLLM_AMX
+    if (m >= kAmxRows && k % 32 == 0 && AmxUsable()) {
+      panels.resize(static_cast<size_t>(m / kAmxRows * kAmxRows * k));
+      const Panels groups{bits.data(), panels.data(), m, k};
+      RunItems(groups);
+    }
+#endif
   }
 
  private:
+#if JVLLM_AMX
+  struct Panels {
+    const uint16_t* bits;
+    uint16_t* panels;
+    int64_t m, k;
+
+    int64_t num_items() const { return m / kAmxRows; }
+    void Run(int64_t group) const { PackAmxPanels(bits, k, panels, group); }
+  };
+#endif
+
   struct Chunks {
     static constexpr int64_t kValues = 1 << 14;  // 64 KB of x an item
     const float* x;
@@ -140,7 +161,7 @@ class Bf16Tiles {
     const int64_t tiles_per_column_tile = up_ == nullptr ? 1 : 2;
     const int64_t most_tiles = (std::min(chunk, n1 - n0) + kTileCols - 1) / kTileCols * tiles_per_column_tile;
 #if JVLLM_AMX
-    const bool amx = m_ >= kAmxRows && pairs % kAmxPairs == 0 && AmxUsable();
+    const bool amx = m_ >= kAmxRows && !xb_->panels.empty();  // Convert packed x: AMX usable, K whole 32-value chunks
     std::optional<AmxTileScope> amx_tiles;
     if (amx) amx_tiles.emplace();
     const int64_t block_rows = amx ? 2 * kAmxRows : kBlockRows;
@@ -309,15 +330,15 @@ class Bf16Tiles {
     const uint32_t* t1 = slice.tiles + (k_ / 2) * kTileCols;
     int64_t m = m0;
     while (m + kAmxRows <= m1) {
-      const uint16_t* x = xb_->bits.data() + m * k_;
+      const uint16_t* x = xb_->panels.data() + m * k_;  // the panel of rows [m, m + 16): m is a multiple of 16
       const int rows = m + 2 * kAmxRows <= m1 ? 2 * kAmxRows : kAmxRows;
       float* sums = in_y ? y_ + m * n_ + slice.n : buffer;
       const int64_t stride = in_y ? n_ : 2 * kTileCols;
       const bool add = in_y && slice.p0 > 0;
       if (rows == 2 * kAmxRows) {
-        AmxRowsTimesTiles<2>(x, k_, slice.tiles, t1, slice.p0, slice.p1, two, sums, stride, add);
+        AmxRowsTimesTiles<2>(x, kAmxRows * k_, slice.tiles, t1, slice.p0, slice.p1, two, sums, stride, add);
       } else {
-        AmxRowsTimesTiles<1>(x, k_, slice.tiles, t1, slice.p0, slice.p1, two, sums, stride, add);
+        AmxRowsTimesTiles<1>(x, kAmxRows * k_, slice.tiles, t1, slice.p0, slice.p1, two, sums, stride, add);
       }
       for (int r = 0; r < rows && !in_y; ++r) {
         const float* row = buffer + r * 2 * kTileCols;
