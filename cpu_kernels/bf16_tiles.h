@@ -22,6 +22,7 @@
 #include "block_formats.h"
 #include "code_tiles.h"
 #include "float_tiles.h"
+#include "line_aligned.h"
 #include "prefetch_line.h"
 #include "run_items.h"
 #include "transpose.h"
@@ -71,8 +72,8 @@ struct Bf16InOut {};
 // prefill step's x comes from DRAM, which one core alone reads at a fraction of the machine's bandwidth.
 // Where the products run on AMX, also its whole groups of 16 rows packed as the tile unit's A operand.
 struct Bf16Rows {
-  std::vector<uint16_t> bits;  // [M, K]
-  std::vector<uint16_t> panels;  // AMX: [M / 16, K / 32, 16, 32] (PackAmxPanels); else empty
+  LineAlignedVector<uint16_t> bits;  // [M, K]
+  LineAlignedVector<uint16_t> panels;  // AMX: [M / 16, K / 32, 16, 32] (PackAmxPanels); else empty
 
   void Convert(const float* x, int64_t m, int64_t k) {
     bits.resize(static_cast<size_t>(m * k));
@@ -150,7 +151,7 @@ class Bf16Tiles {
   int64_t ColumnsPerTilePair() const { return up_ == nullptr ? 2 * kTileCols : kTileCols; }
 
   void Run(int64_t n0, int64_t n1) const {
-    thread_local std::vector<uint32_t> tiles;  // [tiles, K / 2, kTileCols] bf16 pairs, one tile after another
+    thread_local LineAlignedVector<uint32_t> tiles;  // [tiles, K / 2, kTileCols] bf16 pairs, one tile after another
     const int64_t pairs = k_ / 2, tile_values = pairs * kTileCols, step = ColumnsPerTilePair();
     // Plain bf16 weights in one block of rows (decode steps, short prompts): each pair of tiles is made right before
     // its products, the next pair's weights asked for as it is made, so they stream in behind the arithmetic.
