@@ -26,11 +26,13 @@ def machine_info() -> dict:
     on AMX, and the load average at the time of the run."""
     import jax
 
-    try:
-        from cpu_kernels.bf16_rows import amx_products
-        amx = amx_products()
-    except Exception:  # no native kernels here (no compiler): nothing runs on AMX
-        amx = False
+    amx = False
+    if jax.default_backend() == "cpu":  # elsewhere the native kernels are neither built nor used
+        try:
+            from cpu_kernels.bf16_rows import amx_products
+            amx = amx_products()
+        except Exception:  # no native kernels here (no compiler): nothing runs on AMX
+            pass
     return {"platform": platform.platform(), "processor": platform.processor(), "cpu_model": cpu_model(),
             "cpus": os.cpu_count(), "python": platform.python_version(), "jax": jax.__version__,
             "backend": jax.default_backend(), "device": str(jax.devices()[0]), "amx_products": amx,

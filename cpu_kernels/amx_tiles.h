@@ -1,9 +1,9 @@
 // bfloat16 products on the AMX tile unit of Intel Xeons since Sapphire Rapids (`tdpbf16ps`: a 16 x 16 tile of
 // float sums += 16 rows x 32 bf16 values of x times 16 pairs x 16 columns of weight pairs, 8,192 multiply-adds an
 // instruction against AVX-512 BF16's 32). Bf16Tiles' weight tiles ([K / 2, 16] bf16 pairs, the even weight in each
-// lane's low half) are the B operand as they lie, 64 bytes a pair row, and x [M, K] in bfloat16 is the A operand read
-// in place with a row stride of 2K bytes; so only the inner product changes: 16 or 32 rows of x against one or two
-// weight tiles, summed in 2-4 tiles and stored to a small buffer from which Bf16Tiles writes y as before.
+// lane's low half) are the B operand as they lie, 64 bytes a pair row, and x [M, K] in bfloat16, packed 16 rows at a
+// time (PackAmxPanels), the A operand; so only the inner product changes: 16 or 32 rows of x against one or two weight
+// tiles, summed in 2-4 tiles and stored into y (or a small buffer for Bf16Tiles' epilogue).
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
@@ -43,7 +43,7 @@ inline bool AmxUsable() {
 // the thread may configure them otherwise, and a released tile state costs nothing to save at a context switch.
 class AmxTileScope {
  public:
-  // A constant, not built on the stack: GCC 12 dropped some stores to a stack copy before `ldtilecfg` read it.
+  // A constant, not built on the stack: GCC 12 drops some stores to a stack copy before `ldtilecfg` reads it.
   AmxTileScope() { _tile_loadconfig(kConfig); }
   ~AmxTileScope() { _tile_release(); }
   AmxTileScope(const AmxTileScope&) = delete;

@@ -75,13 +75,14 @@ struct Bf16Rows {
   LineAlignedVector<uint16_t> bits;  // [M, K]
   LineAlignedVector<uint16_t> panels;  // AMX: [M / 16, K / 32, 16, 32] (PackAmxPanels); else empty
 
-  void Convert(const float* x, int64_t m, int64_t k) {
+  // `for_tiles` false: the caller takes another product than Bf16Tiles (Bf16XTiles), which reads no panels.
+  void Convert(const float* x, int64_t m, int64_t k, bool for_tiles = true) {
     bits.resize(static_cast<size_t>(m * k));
     const Chunks chunks{x, bits.data(), m * k};
     RunItems(chunks);
     panels.clear();
 #if JVLLM_AMX
-    if (m >= kAmxRows && k % 32 == 0 && AmxUsable()) {
+    if (for_tiles && m >= kAmxRows && k % 32 == 0 && AmxUsable()) {
       panels.resize(static_cast<size_t>(m / kAmxRows * kAmxRows * k));
       const Panels groups{bits.data(), panels.data(), m, k};
       RunItems(groups);

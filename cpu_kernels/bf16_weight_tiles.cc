@@ -35,10 +35,11 @@ ffi::Error Bf16TilesImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w, ffi:
   std::memset(out + live * n, 0, sizeof(float) * (m - live) * n);
   if (live == 0 || n == 0) return ffi::Error::Success();
 #if defined(__AVX512BF16__)
+  const bool x_tiles = out_in && jvllm::Bf16XTiles::Takes(live);  // few rows: [N, K] weights read in place
   jvllm::Bf16Rows xb;
-  xb.Convert(x.typed_data(), live, k);
+  xb.Convert(x.typed_data(), live, k, /*for_tiles=*/!x_tiles);
   const auto* bits = reinterpret_cast<const uint8_t*>(w.typed_data());
-  if (out_in && jvllm::Bf16XTiles::Takes(live)) {  // few rows: [N, K] weights read in place
+  if (x_tiles) {
     const jvllm::Bf16XTiles tiles(live, k, n, xb.bits.data(), reinterpret_cast<const uint16_t*>(bits), out);
     jvllm::RunColumnItems(tiles, n, tiles.ColumnsPerItemUnit());
   } else if (out_in) {

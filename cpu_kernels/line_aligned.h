@@ -1,6 +1,6 @@
 // Vectors whose data starts on a 64-byte cache line. glibc's malloc puts large blocks 16 bytes past a page start, so
 // every 64-byte row of a plain std::vector's tiles would straddle two lines: AMX's tile loads (16 rows of 64 bytes)
-// then touch twice the lines and ran the products at less than half their speed.
+// would then touch twice the lines, which costs the products ~40% of their speed (docs/design/cpu_amx.md).
 #pragma once
 
 #include <cstddef>
