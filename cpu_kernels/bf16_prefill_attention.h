@@ -9,9 +9,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
+#include "amx_prefill_attention.h"
 #include "bf16_attention.h"
+#include "line_aligned.h"
 #include "transpose.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -38,10 +41,13 @@ struct PrefillHead {
   float* denom;           // [rows_p]
 };
 
-// Per-thread scratch of one item: every head's state, and one block's tiles.
+// Per-thread scratch of one item: every head's state, and one block's tiles (on cache lines, for AMX's tile loads).
 struct PrefillScratch {
-  std::vector<uint32_t> query_pairs, prob_pairs, value_pairs;
-  std::vector<float> out_t, row_max, denom, scores_t, rescale;
+  LineAlignedVector<uint32_t> query_pairs, prob_pairs, value_pairs;
+  LineAlignedVector<float> out_t, scores_t;
+  std::vector<float> row_max, denom, rescale;
+  LineAlignedVector<uint16_t> key_rows;       // AMX: [block, hd] the block's keys one after another
+  LineAlignedVector<uint32_t> value_pairs_t;  // AMX: [hd, block / 2] value_pairs transposed
   std::vector<int32_t> row_pos;
   std::vector<uint16_t> converted;  // [max(2 * block, rows_p), hd] this step's own keys and values rounded to bf16
   std::vector<uint16_t> zero_row;   // [hd] of 0: the rows past a block's keys
@@ -55,6 +61,8 @@ struct PrefillScratch {
     grow(scores_t, block * rows_p);
     grow(prob_pairs, block / 2 * rows_p);
     grow(value_pairs, block / 2 * hd);
+    grow(key_rows, block * hd);
+    grow(value_pairs_t, block / 2 * hd);
     grow(rescale, rows_p);
     grow(row_pos, rows_p);
     grow(converted, std::max(2 * block, rows_p) * hd);
@@ -249,20 +257,31 @@ inline void ChunkSoftmax(const PrefillBlock& b, const PrefillHead& head, Prefill
   _mm512_storeu_ps(denom, _mm512_fmadd_ps(_mm512_loadu_ps(denom), rescale, sums));
 }
 
-// One block of keys for one KV head: scores, online softmax, values into head.out_t.
+// One block of keys for one KV head: scores, online softmax, values into head.out_t; with `amx`, the two products on
+// the tile unit (amx_prefill_attention.h; b.keys and b.values then hold rows up to nkeys rounded up to 32).
 inline void AttendPrefillBlock(const PrefillBlock& b, const PrefillHead& head, PrefillScratch& s, int64_t rows_p,
-                               int64_t hd) {
+                               int64_t hd, bool amx) {
   const int64_t chunks = rows_p / kTileRows;
   auto chunk_last = [&](int64_t c) { return static_cast<int64_t>(b.row_pos[c * kTileRows + kTileRows - 1]); };
-  float* scores_t = s.scores_t.data();
-  for (int64_t j = 0; j < b.nkeys; j += 4) {  // chunks whose rows all precede these keys are skipped (masked below)
+  auto first_chunk = [&](int64_t j) {  // the first chunk with a row at or after key j (those before are all masked)
     int64_t first = 0;
     while (first < chunks && chunk_last(first) < b.key0 + j) ++first;
-    InChunkGroups(first, chunks, [&](auto group, int64_t c0) {
+    return first;
+  };
+  float* scores_t = s.scores_t.data();
+  const int64_t pairs = (b.nkeys + 1) / 2;
+#if JVLLM_AMX
+  const int64_t keys_p = (b.nkeys + kAmxKeys - 1) / kAmxKeys * kAmxKeys;
+  if (amx) {
+    GatherKeyRows(b.keys, keys_p, hd, s.key_rows.data());
+    AmxKeyScores(s.key_rows.data(), keys_p, head.query_pairs, rows_p, hd, first_chunk, scores_t);
+  }
+#endif
+  for (int64_t j = 0; j < b.nkeys && !amx; j += 4) {
+    InChunkGroups(first_chunk(j), chunks, [&](auto group, int64_t c0) {
       KeyScores<decltype(group)::value>(b.keys + j, head.query_pairs, rows_p, hd, c0, scores_t + j * rows_p);
     });
   }
-  const int64_t pairs = (b.nkeys + 1) / 2;
   for (int64_t c = 0; c < chunks; ++c) {
     const bool all_visible = b.key0 + b.nkeys - 1 <= b.row_pos[c * kTileRows] &&
                              (b.window <= 0 || b.key0 > chunk_last(c) - b.window);
@@ -278,24 +297,33 @@ inline void AttendPrefillBlock(const PrefillBlock& b, const PrefillHead& head, P
       });
     }
   }
-  // values as key pairs: value_pairs[jp, d] = (v[2 jp][d], v[2 jp + 1][d])
+  // values as key pairs: value_pairs[jp, d] = (v[2 jp][d], v[2 jp + 1][d]) (AMX: up to a multiple of 16 pairs)
+  const int64_t value_pairs_made = amx ? (pairs + 15) / 16 * 16 : pairs;
   const __m512i low = PairIndices(0, 32), high = PairIndices(16, 32);
   uint32_t* const value_pairs = s.value_pairs.data();
-  for (int64_t jp = 0; jp < pairs; ++jp) {
+  for (int64_t jp = 0; jp < value_pairs_made; ++jp) {
     for (int64_t d = 0; d < hd; d += 32) {
       const __m512i a = _mm512_loadu_si512(b.values[2 * jp] + d), c = _mm512_loadu_si512(b.values[2 * jp + 1] + d);
       _mm512_storeu_si512(value_pairs + jp * hd + d, _mm512_permutex2var_epi16(a, low, c));
       _mm512_storeu_si512(value_pairs + jp * hd + d + 16, _mm512_permutex2var_epi16(a, high, c));
     }
   }
-  // chunk groups need only the key pairs their last row sees
+  // chunks need only the key pairs their last row sees
+  auto seen_pairs = [&](int64_t c) { return (std::clamp<int64_t>(chunk_last(c) - b.key0 + 1, 0, b.nkeys) + 1) / 2; };
   const uint32_t* const prob_pairs = s.prob_pairs.data();
   const float* const rescale = s.rescale.data();
+#if JVLLM_AMX
+  if (amx) {
+    TransposeValuePairs(value_pairs, value_pairs_made, hd, s.value_pairs_t.data());
+    AmxAddValues(s.value_pairs_t.data(), value_pairs_made, prob_pairs, rescale, rows_p, hd, seen_pairs, head.out_t);
+    return;
+  }
+#endif
   InChunkGroups(0, chunks, [&](auto group, int64_t c0) {
     constexpr int R = decltype(group)::value;
-    const int64_t seen = std::clamp<int64_t>(chunk_last(c0 + R - 1) - b.key0 + 1, 0, b.nkeys);
+    const int64_t seen = seen_pairs(c0 + R - 1);
     for (int64_t d0 = 0; d0 < hd; d0 += 4) {
-      AddValuePairs<R>(prob_pairs, value_pairs, rescale, rows_p, hd, (seen + 1) / 2, d0, c0, head.out_t);
+      AddValuePairs<R>(prob_pairs, value_pairs, rescale, rows_p, hd, seen, d0, c0, head.out_t);
     }
   });
 }
@@ -329,6 +357,13 @@ inline void AttendPrefillQueries(const PrefillQueries& q, int64_t block_keys, co
   }
   const int64_t last_pos = q.first_pos + q.rows / q.group - 1;
   const uint16_t *keys[kMaxBlockKeys], *values[kMaxBlockKeys];
+#if JVLLM_AMX
+  const bool amx = hd % 32 == 0 && block_keys % kAmxKeys == 0 && AmxUsable();
+  std::optional<AmxTileScope> amx_tiles;
+  if (amx) amx_tiles.emplace();
+#else
+  const bool amx = false;
+#endif
   for (int64_t key0 = q.lowest; key0 <= last_pos; key0 += block_keys) {
     const int64_t nkeys = std::min<int64_t>(block_keys, last_pos + 1 - key0);
     prefetch(key0 + block_keys, std::min<int64_t>(block_keys, last_pos + 1 - key0 - block_keys));
@@ -340,7 +375,8 @@ inline void AttendPrefillQueries(const PrefillQueries& q, int64_t block_keys, co
           keys[j] = values[j] = zero_row;
         }
       }
-      AttendPrefillBlock({keys, values, key0, nkeys, q.window, row_pos}, tiles.Head(h, rows_p, hd), tiles, rows_p, hd);
+      AttendPrefillBlock({keys, values, key0, nkeys, q.window, row_pos}, tiles.Head(h, rows_p, hd), tiles, rows_p, hd,
+                         amx);
     }
   }
   for (int64_t h = 0; h < q.heads; ++h) {

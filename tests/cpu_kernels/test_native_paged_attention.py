@@ -7,6 +7,11 @@ backend's) must return the pages with exactly the step's K/V stored at their slo
 few-query loops read the step's own K/V from the pages it wrote, so over bfloat16 pages the bits may differ)."""
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -297,6 +302,21 @@ def test_prefill_blocks_over_bf16_pages(head_dim, heads, kv_heads):
     rng = np.random.default_rng(head_dim + heads * kv_heads)
     chunks = [(0, 9), (0, 37), (5, 63), (64, 64), (17, 100), (130, 33), (1, 10)]
     run_case(rng, chunks, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=16, pool_dtype=jnp.bfloat16)
+
+
+def test_prefill_blocks_on_the_vector_path_where_amx_takes_them():
+    """On CPUs with AMX the prefill blocks' products run on the tile unit (cpu_kernels/amx_prefill_attention.h); the
+    AVX-512 BF16 loops they replace (JVLLM_CPU_AMX=0, in a subprocess) must still pass the same cases."""
+    from cpu_kernels.bf16_rows import amx_products
+
+    if not amx_products():
+        pytest.skip("no AMX here: the cases above ran the vector loops")
+    cases = [f"{__file__}::test_prefill_blocks_over_bf16_pages", f"{__file__}::test_long_prompt_in_blocks"]
+    env = {**os.environ, "JVLLM_CPU_AMX": "0"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *cases], env=env,
+                          cwd=pathlib.Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-1000:]
 
 
 def test_prefill_over_bf16_pages_without_tiles():
