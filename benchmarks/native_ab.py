@@ -7,7 +7,8 @@ the kernels' cache, so each base is built once) and its custom calls registered 
 jitted graphs then run with either build's targets: the products of the embedded model's layer shapes (30 layers,
 Q4_1 projections in this machine's native layout, random codes) at several row counts, and 30 calls of paged
 attention (9 heads, 3 KV heads, head_dim 64, bf16 pages; one pool for all, so its pages stay in the caches) for one
-sequence of q queries after `context` keys; with `--bf16-rows`, the products of a float checkpoint's bf16 copy (30
+sequence of q queries after `context` keys (with `--seqs`, that many sequences in scattered pages of one pool per
+layer, as a decode step of many requests meets them); with `--bf16-rows`, the products of a float checkpoint's bf16 copy (30
 layers of the model's shapes and the tied head, or of the shapes given, bf16_rows, the weights on 2 MiB pages where
 Linux allows, as the engine's) at those row counts. Each line prints both medians, their ratio, and whether the two
 builds give the same bits. Both builds must take the same custom-call attributes.
@@ -15,6 +16,7 @@ builds give the same bits. Both builds must take the same custom-call attributes
     python -m benchmarks.native_ab --base HEAD   # uncommitted kernel changes against the last commit
     python -m benchmarks.native_ab --base 670729b --rows 1,8,16 --queries 1,16 --context 100,700 --json out.json
     python -m benchmarks.native_ab --base 94a511d --rows "" --queries "" --bf16-rows 1,2,3,4
+    python -m benchmarks.native_ab --base HEAD --rows "" --queries 1 --context 140 --seqs 256
     python -m benchmarks.native_ab --base HEAD --rows "" --queries "" --bf16-rows 1 \\
         --bf16-model 2048,5632,512,49152,untied --bf16-layers 8   # a 1.6B model's shapes
 """
@@ -164,38 +166,50 @@ def bf16_products(prefixes: tuple[str, ...], rng: np.random.Generator, model: st
 
 
 def attention(prefix: str) -> Callable:
-    """A jitted 30-layer chain of the writing paged attention (queries nudged by each layer's output)."""
+    """A jitted 30-layer chain of the writing paged attention (queries nudged by each layer's output), layer l over
+    pools k_pools[l], v_pools[l] (one pool for all layers where one is given)."""
     import jax
     import jax.numpy as jnp
 
-    def layers(q, k, k_pages, v_pages, query_start, q_lens, kv_lens, page_tables, slots):
+    def layers(q, k, k_pools, v_pools, query_start, q_lens, kv_lens, page_tables, slots):
         stored = k.astype(jnp.bfloat16).view(jnp.uint16)
-        outs = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-                jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype))
+        k_pools, v_pools = list(k_pools), list(v_pools)
+        outs = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(k_pools[0].shape, k_pools[0].dtype),
+                jax.ShapeDtypeStruct(v_pools[0].shape, v_pools[0].dtype))
         call = jax.ffi.ffi_call(prefix + "paged_attention_write", outs, input_output_aliases={5: 1, 6: 2})
-        for _ in range(LAYERS):
-            out, k_pages, v_pages = call(q, k, k, stored, stored, k_pages, v_pages, query_start, q_lens, kv_lens,
-                                         page_tables, slots, scale=np.float32(HEAD_DIM ** -0.5),
-                                         sliding_window=np.int64(0), soft_cap=np.float32(0.0), bf16_tiles=np.int64(1),
-                                         direct_queries=np.int64(16))
+        for layer in range(LAYERS):
+            i = layer % len(k_pools)
+            out, k_pools[i], v_pools[i] = call(q, k, k, stored, stored, k_pools[i], v_pools[i], query_start, q_lens,
+                                               kv_lens, page_tables, slots, scale=np.float32(HEAD_DIM ** -0.5),
+                                               sliding_window=np.int64(0), soft_cap=np.float32(0.0),
+                                               bf16_tiles=np.int64(1), direct_queries=np.int64(16))
             q = q + out * 1e-3
-        return q, k_pages, v_pages
+        return q, k_pools, v_pools
 
     return jax.jit(layers, donate_argnums=(2, 3))
 
 
-def attention_inputs(rng: np.random.Generator, queries: int, context: int) -> tuple:
-    """One sequence: `context` keys in pages 1.. of a random bf16 pool, its last `queries` tokens this step's."""
+def attention_inputs(rng: np.random.Generator, queries: int, context: int, seqs: int = 1) -> tuple:
+    """`seqs` sequences of `context` keys each, their last `queries` tokens this step's; one sequence: in pages 1..
+    of one random bf16 pool; several: in scattered pages of one pool per layer (a decode step of many requests reads
+    every layer's keys from memory, not from the caches)."""
     import jax.numpy as jnp
 
     pages = -(-context // PAGE)
-    pool = (pages + 2, PAGE, KV_HEADS, HEAD_DIM)
+    num_pages = seqs * pages + 2
+    pool = (num_pages, PAGE, KV_HEADS, HEAD_DIM)
     bits = lambda: jnp.asarray(rng.integers(0, 1 << 14, pool).astype(np.uint16) | 0x3000)  # bf16 values in [0.5, 4)
+    tables = (np.arange(1, pages + 1)[None] if seqs == 1 else
+              rng.permutation(np.arange(1, num_pages))[:seqs * pages].reshape(seqs, pages)).astype(np.int32)
     positions = np.arange(context - queries, context)
-    return (jnp.asarray(rng.standard_normal((queries, HEADS, HEAD_DIM)), jnp.float32),
-            jnp.asarray(rng.standard_normal((queries, KV_HEADS, HEAD_DIM)), jnp.float32), bits(), bits(),
-            jnp.zeros(1, jnp.int32), jnp.full(1, queries, jnp.int32), jnp.full(1, context, jnp.int32),
-            jnp.arange(1, pages + 1, dtype=jnp.int32)[None], jnp.asarray(positions + PAGE, jnp.int32))
+    slots = (tables[:, positions // PAGE] * PAGE + positions % PAGE).reshape(-1)
+    tokens = seqs * queries
+    pools = 1 if seqs == 1 else LAYERS
+    return (jnp.asarray(rng.standard_normal((tokens, HEADS, HEAD_DIM)), jnp.float32),
+            jnp.asarray(rng.standard_normal((tokens, KV_HEADS, HEAD_DIM)), jnp.float32),
+            [bits() for _ in range(pools)], [bits() for _ in range(pools)],
+            jnp.arange(0, tokens, queries, dtype=jnp.int32), jnp.full(seqs, queries, jnp.int32),
+            jnp.full(seqs, context, jnp.int32), jnp.asarray(tables), jnp.asarray(slots, jnp.int32))
 
 
 def alternate(calls: dict[str, Callable[[], object]], reps: int) -> dict:
@@ -225,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bf16-layers", type=int, default=LAYERS, help="their layers (each its own weights)")
     parser.add_argument("--queries", default="1,16", help="queries of the attention's sequence (empty: none)")
     parser.add_argument("--context", default="100,700", help="its keys, after this step's")
+    parser.add_argument("--seqs", type=int, default=1,
+                        help="sequences of the attention's step (several: one pool per layer, scattered pages)")
     parser.add_argument("--reps", type=int, default=30, help="calls of each build per case")
     parser.add_argument("--json", dest="json_path", help="write the results here")
     args = parser.parse_args(argv)
@@ -262,15 +278,16 @@ def main(argv: list[str] | None = None) -> int:
     runs = {name: attention(prefix) for name, prefix in (("base", "base_"), ("new", "jvllm_"))}
     for q in ints(args.queries):
         for context in ints(args.context):
-            inputs = {name: list(attention_inputs(np.random.default_rng(context + q), q, context)) for name in runs}
+            inputs = {name: list(attention_inputs(np.random.default_rng(context + q), q, context, args.seqs))
+                      for name in runs}
 
             def step(name: str):
                 out, inputs[name][2], inputs[name][3] = runs[name](*inputs[name])  # the pools come back donated
                 return out
 
             row = alternate({name: (lambda name=name: step(name)) for name in runs}, args.reps)
-            results["attention"][f"{q}x{context}"] = row
-            print(f"attention, {q:2d} queries after {context} keys: base {row['base_ms']:.2f} ms, new "
+            results["attention"][f"{args.seqs}x{q}x{context}" if args.seqs > 1 else f"{q}x{context}"] = row
+            print(f"attention, {args.seqs} x {q:2d} queries after {context} keys: base {row['base_ms']:.2f} ms, new "
                   f"{row['new_ms']:.2f} ms -> {row['new_over_base']:.3f}x; same bits: {row['same_bits']}", flush=True)
     write_json(args.json_path, results)
     return 0

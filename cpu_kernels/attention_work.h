@@ -8,9 +8,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
+#include "amx_decode_attention.h"
 #include "attention_blocks.h"
 #include "attention_vectors.h"
 #include "bf16_attention.h"
@@ -165,6 +167,16 @@ class Attention : public PageView<PoolT> {
     if (bf16_dots) {
       SplitToBf16(scratch.queries.data(), heads * rows * hd, scratch.queries_hi.data(), scratch.queries_lo.data());
     }
+#if JVLLM_AMX
+    // bf16 dot products on a CPU with AMX: the blocks whose keys are all in the pages take the tile unit
+    const bool amx = bf16_dots && opt_.soft_cap == 0.0f && AmxUsable();
+    thread_local AmxDirectScratch amx_scratch;
+    std::optional<AmxTileScope> amx_tiles;
+    if (amx) {
+      amx_tiles.emplace();
+      PackAmxQueries(amx_scratch, scratch, heads, rows);
+    }
+#endif
     if (!direct) Prefetch(s, h0, h1, cached, lowest, kBlockKeys);
     for (int64_t key0 = lowest; key0 < key_end; key0 += kBlockKeys) {
       const int64_t nkeys = std::min<int64_t>(kBlockKeys, key_end - key0);
@@ -178,6 +190,13 @@ class Attention : public PageView<PoolT> {
           PrefetchUntil(scratch.cursor, here, key_end, next, key0 + done / 2 + kPrefetchKeys, done - before + 1);
           before = done;
         };
+#if JVLLM_AMX
+        if constexpr (std::is_same_v<PoolT, uint16_t>) {
+          if (amx && AmxDirectBlock(scratch, amx_scratch, s, h0, h1, cached, first_pos, key0, nkeys, rows, prefetch)) {
+            continue;
+          }
+        }
+#endif
         DirectScores(scratch, s, h0, h1, cached, key0, nkeys, rows, scratch.queries.data(), bf16_dots, scores,
                      prefetch);
         for (int64_t h = 0; h < heads; ++h) {
@@ -249,6 +268,78 @@ class Attention : public PageView<PoolT> {
           [&](int64_t key0, int64_t nkeys) { Prefetch(s, h0, h1, cached, key0, nkeys); },
           [&](int64_t h, int64_t r) { return out_ + ((start + r / group) * sh_.heads + (h0 + h) * group + r % group) * hd; });
     }
+  }
+#endif
+
+#if JVLLM_AMX
+  // The AMX direct path's query operands: per head and pass of up to 8 rows, from scratch's bf16 query parts.
+  void PackAmxQueries(AmxDirectScratch& amx, const AttentionScratch& scratch, int64_t heads, int64_t rows) const {
+    const int64_t hd = sh_.head_dim, passes = (rows + kAmxQueryRows - 1) / kAmxQueryRows;
+    amx.Reserve(heads, rows, hd);
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t pass = 0; pass < passes; ++pass) {
+        const int64_t r0 = pass * kAmxQueryRows, at = (h * rows + r0) * hd;
+        PackQueryColumns(scratch.queries_hi.data() + at, scratch.queries_lo.data() + at,
+                         std::min(kAmxQueryRows, rows - r0), hd, amx, AmxQueryColumns(amx, h, pass, rows));
+      }
+    }
+  }
+
+  uint32_t* AmxQueryColumns(AmxDirectScratch& amx, int64_t h, int64_t pass, int64_t rows) const {
+    const int64_t passes = (rows + kAmxQueryRows - 1) / kAmxQueryRows;
+    return amx.query_cols.data() + (h * passes + pass) * sh_.head_dim / 2 * 16;
+  }
+
+  // One block of the direct path on the tile unit (amx_decode_attention.h): scores, mask, online softmax and values
+  // for every head of [h0, h1), as DirectScores .. DirectValues do with vectors. False (nothing done) where some of
+  // the block's keys are not in the pages (this step's own, read from its arguments).
+  template <typename AskAhead>
+  bool AmxDirectBlock(AttentionScratch& scratch, AmxDirectScratch& amx, int64_t s, int64_t h0, int64_t h1,
+                      int64_t cached, int64_t first_pos, int64_t key0, int64_t nkeys, int64_t rows,
+                      const AskAhead& prefetch) const {
+    BlockRows keys, values;
+    const int64_t paged_below = PagedBelow(s, cached);
+    PointRows(k_pages_, k_, s, h0, paged_below, key0, nkeys, &keys);
+    if (keys.paged < nkeys) return false;
+    PointRows(v_pages_, v_, s, h0, paged_below, key0, nkeys, &values);
+    const int64_t hd = sh_.head_dim, heads = h1 - h0, token_stride = sh_.kv_heads * hd;
+    const int64_t groups = (nkeys + kAmxGroupKeys - 1) / kAmxGroupKeys;
+    float* scores = scratch.scores.data();
+    const uint16_t* tiles[kAmxBlockGroups];
+    int64_t tile_bytes[kAmxBlockGroups];
+    auto group_rows = [&](const BlockRows& block, int64_t h) {
+      for (int64_t g = 0; g < groups; ++g) {
+        uint16_t* staged = reinterpret_cast<uint16_t*>(amx.staged_rows.data()) + g * kAmxGroupKeys * hd;
+        tiles[g] = GroupRows(block.pages, h * hd, g * kAmxGroupKeys, nkeys - g * kAmxGroupKeys, token_stride, hd,
+                             staged, &tile_bytes[g]);
+      }
+    };
+    for (int64_t h = 0; h < heads; ++h) {
+      group_rows(keys, h);
+      for (int64_t r0 = 0; r0 < rows; r0 += kAmxQueryRows) {
+        AmxBlockScores(groups, tiles, tile_bytes, hd, AmxQueryColumns(amx, h, r0 / kAmxQueryRows, rows),
+                       std::min(kAmxQueryRows, rows - r0), amx, scores + (h * rows + r0) * kBlockKeys, kBlockKeys,
+                       [&](int64_t g) { if (r0 == 0) prefetch(nkeys * (h * groups + g + 1) / (heads * groups)); });
+      }
+    }
+    const int64_t group_size = sh_.group;
+    for (int64_t h = 0; h < heads; ++h) {
+      Mask(first_pos, group_size, key0, nkeys, rows, opt_.sliding_window, scores + h * rows * kBlockKeys);
+    }
+    Softmax(heads * rows, scores, scratch.row_max.data(), scratch.denom.data(), scratch.rescale.data());
+    SplitToBf16(scores, heads * rows * kBlockKeys, scratch.probs_hi.data(), scratch.probs_lo.data());
+    for (int64_t h = 0; h < heads; ++h) {
+      group_rows(values, h);
+      for (int64_t r0 = 0; r0 < rows; r0 += kAmxQueryRows) {
+        const int64_t at = h * rows + r0;
+        AmxBlockValues(groups, tiles, tile_bytes, hd, scratch.probs_hi.data() + at * kBlockKeys,
+                       scratch.probs_lo.data() + at * kBlockKeys, kBlockKeys, std::min(kAmxQueryRows, rows - r0),
+                       scratch.rescale.data() + at, amx, scratch.acc.data() + at * hd, [&](int64_t g) {
+                         if (r0 == 0) prefetch(nkeys + nkeys * (h * groups + g + 1) / (heads * groups));
+                       });
+      }
+    }
+    return true;
   }
 #endif
 
