@@ -2,8 +2,9 @@
 // float sums += 16 rows x 32 bf16 values of x times 16 pairs x 16 columns of weight pairs, 8,192 multiply-adds an
 // instruction against AVX-512 BF16's 32). Bf16Tiles' weight tiles ([K / 2, 16] bf16 pairs, the even weight in each
 // lane's low half) are the B operand as they lie, 64 bytes a pair row, and x [M, K] in bfloat16, packed 16 rows at a
-// time (PackAmxPanels), the A operand; so only the inner product changes: 16 or 32 rows of x against one or two weight
-// tiles, summed in 2-4 tiles and stored into y (or a small buffer for Bf16Tiles' epilogue).
+// time (Bf16Rows' panels: [M / 16, K / 32, 16, 32], each tile 1 KB in one run), the A operand; so only the inner
+// product changes: 16 or 32 rows of x against one or two weight tiles, summed in 2-4 tiles and stored into y (or a
+// small buffer for Bf16Tiles' epilogue).
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
@@ -58,22 +59,9 @@ class AmxTileScope {
       kAmxRows, kAmxRows, kAmxRows, kAmxRows, kAmxRows, kAmxRows, kAmxRows, kAmxRows, 0, 0, 0, 0, 0, 0, 0, 0};
 };
 
-// x [M, K] in bfloat16 as AMX's A tiles: each whole group of 16 rows as K / 32 tiles of 16 rows x 32 values, one
-// after another ([M / 16, K / 32, 16, 32]), so a tile is 1 KB read in one run rather than 16 rows' 64-byte pieces
-// 2K bytes apart. This packs group `group`; rows past the last whole group are not packed.
-inline void PackAmxPanels(const uint16_t* bits, int64_t k, uint16_t* panels, int64_t group) {
-  const int64_t chunks = k / 32;
-  for (int64_t c = 0; c < chunks; ++c) {
-    for (int r = 0; r < kAmxRows; ++r) {
-      const __m512i values = _mm512_loadu_si512(bits + (group * kAmxRows + r) * k + c * 32);
-      _mm512_storeu_si512(panels + ((group * chunks + c) * kAmxRows + r) * 32, values);
-    }
-  }
-}
-
 // sums [16 R, 16 or 32] (rows `sums_stride` floats apart) = R groups of 16 rows of x times pairs [p0, p1) of weight
 // tile t0 (sums' columns 0-15) and, when `two`, of t1 (columns 16-31, else not touched); with `add`, plus the sums
-// there before. x: the first group's panel (PackAmxPanels), the next group's `group_values` later; tiles [K / 2, 16]
+// there before. x: the first group's panel (Bf16Rows' panels), the next group's `group_values` later; tiles [K / 2, 16]
 // of 32-bit pairs. p0 and p1 - p0 are multiples of kAmxPairs. Tiles 0-3 hold the sums (row tile r, weight tile c:
 // 2r + c), 4-5 x, 6-7 the weights.
 template <int R>

@@ -70,21 +70,28 @@ struct Bf16InOut {};
 
 // x [M, K] rounded to bfloat16 (K a multiple of 32), in chunks shared by the caller and the helper threads: a
 // prefill step's x comes from DRAM, which one core alone reads at a fraction of the machine's bandwidth.
-// Where the products run on AMX, also its whole groups of 16 rows packed as the tile unit's A operand.
+// Where the products run on AMX, its whole groups of 16 rows go straight into the tile unit's A operand (panels)
+// instead, and only the rows after them into `bits`. The buffers keep their size between calls (a thread's next
+// product reuses them): growing one zero-fills the new part, which would otherwise cost a pass over it every call.
 struct Bf16Rows {
-  LineAlignedVector<uint16_t> bits;  // [M, K]
-  LineAlignedVector<uint16_t> panels;  // AMX: [M / 16, K / 32, 16, 32] (PackAmxPanels); else empty
+  LineAlignedVector<uint16_t> bits;    // [M, K]: every row, or (use_panels) the rows past the last whole group of 16
+  LineAlignedVector<uint16_t> panels;  // use_panels: [M / 16, K / 32, 16, 32], each 16 x 32 tile in one run
+  bool use_panels = false;
 
   // `for_tiles` false: the caller takes another product than Bf16Tiles (Bf16XTiles), which reads no panels.
   void Convert(const float* x, int64_t m, int64_t k, bool for_tiles = true) {
-    bits.resize(static_cast<size_t>(m * k));
-    const Chunks chunks{x, bits.data(), m * k};
-    RunItems(chunks);
-    panels.clear();
+    use_panels = false;
 #if JVLLM_AMX
-    if (for_tiles && m >= kAmxRows && k % 32 == 0 && AmxUsable()) {
-      panels.resize(static_cast<size_t>(m / kAmxRows * kAmxRows * k));
-      const Panels groups{bits.data(), panels.data(), m, k};
+    use_panels = for_tiles && m >= kAmxRows && k % 32 == 0 && AmxUsable();
+#endif
+    const int64_t grouped = use_panels ? m / kAmxRows * kAmxRows : 0;
+    if (bits.size() < static_cast<size_t>(m * k)) bits.resize(static_cast<size_t>(m * k));
+    const Chunks chunks{x + grouped * k, bits.data() + grouped * k, (m - grouped) * k};
+    RunItems(chunks);
+#if JVLLM_AMX
+    if (use_panels) {
+      if (panels.size() < static_cast<size_t>(grouped * k)) panels.resize(static_cast<size_t>(grouped * k));
+      const Panels groups{x, panels.data(), grouped / kAmxRows, k};
       RunItems(groups);
     }
 #endif
@@ -92,13 +99,24 @@ struct Bf16Rows {
 
  private:
 #if JVLLM_AMX
+  // Group g of 16 rows of x -> panels, rounded to bfloat16 as Chunks rounds them.
   struct Panels {
-    const uint16_t* bits;
+    const float* x;
     uint16_t* panels;
-    int64_t m, k;
+    int64_t groups, k;
 
-    int64_t num_items() const { return m / kAmxRows; }
-    void Run(int64_t group) const { PackAmxPanels(bits, k, panels, group); }
+    int64_t num_items() const { return groups; }
+    void Run(int64_t g) const {
+      const int64_t chunks = k / 32;
+      for (int64_t c = 0; c < chunks; ++c) {
+        uint16_t* tile = panels + (g * chunks + c) * kAmxRows * 32;
+        for (int r = 0; r < kAmxRows; ++r) {
+          const float* row = x + (g * kAmxRows + r) * k + c * 32;
+          const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 16), _mm512_loadu_ps(row));
+          _mm512_store_si512(tile + r * 32, reinterpret_cast<const __m512i&>(v));
+        }
+      }
+    }
   };
 #endif
 
@@ -163,7 +181,7 @@ class Bf16Tiles {
     const int64_t tiles_per_column_tile = up_ == nullptr ? 1 : 2;
     const int64_t most_tiles = (std::min(chunk, n1 - n0) + kTileCols - 1) / kTileCols * tiles_per_column_tile;
 #if JVLLM_AMX
-    const bool amx = m_ >= kAmxRows && !xb_->panels.empty();  // Convert packed x: AMX usable, K whole 32-value chunks
+    const bool amx = m_ >= kAmxRows && xb_->use_panels;  // Convert packed x: AMX usable, K whole 32-value chunks
     std::optional<AmxTileScope> amx_tiles;
     if (amx) amx_tiles.emplace();
     const int64_t block_rows = amx ? 2 * kAmxRows : kBlockRows;
