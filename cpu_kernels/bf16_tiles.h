@@ -85,12 +85,12 @@ struct Bf16Rows {
     use_panels = for_tiles && m >= kAmxRows && k % 32 == 0 && AmxUsable();
 #endif
     const int64_t grouped = use_panels ? m / kAmxRows * kAmxRows : 0;
-    if (bits.size() < static_cast<size_t>(m * k)) bits.resize(static_cast<size_t>(m * k));
+    GrowTo(bits, static_cast<size_t>(m * k));
     const Chunks chunks{x + grouped * k, bits.data() + grouped * k, (m - grouped) * k};
     RunItems(chunks);
 #if JVLLM_AMX
     if (use_panels) {
-      if (panels.size() < static_cast<size_t>(grouped * k)) panels.resize(static_cast<size_t>(grouped * k));
+      GrowTo(panels, static_cast<size_t>(grouped * k));
       const Panels groups{x, panels.data(), grouped / kAmxRows, k};
       RunItems(groups);
     }
@@ -189,7 +189,7 @@ class Bf16Tiles {
     const int64_t block_rows = kBlockRows;
 #endif
     const int64_t depth = up_ == nullptr ? kDepthPairs : pairs;
-    tiles.resize(static_cast<size_t>(most_tiles * tile_values));
+    GrowTo(tiles, static_cast<size_t>(most_tiles * tile_values));
     auto make = [&](int64_t t, int64_t n, int cols) {
       uint32_t* tile = tiles.data() + t * tile_values;
       // streamed: the weights of the same columns of the next pair are asked for as this tile's are read
@@ -279,7 +279,7 @@ class Bf16Tiles {
   void KQuantTile(const uint8_t* w, int64_t n, int cols, uint32_t* tile) const {
     thread_local std::vector<uint16_t> rows;
     const int64_t k = k_;
-    rows.resize(static_cast<size_t>(8 * k));
+    GrowTo(rows, static_cast<size_t>(8 * k));
     for (int half = 0; half < kTileCols / 8; ++half) {
       for (int r = 0; r < 8; ++r) {
         const int col = half * 8 + r;

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "block_formats.h"
+#include "line_aligned.h"
 #include "transpose.h"
 
 #if defined(__SSE__)
@@ -174,7 +175,7 @@ class FloatTiles {
   // panel's two vectors of x times each tile row's weight broadcast (an outer product into 12 accumulators).
   void Tiled(int64_t n0, int64_t n1) const {
     thread_local std::vector<float> tile;
-    tile.resize(static_cast<size_t>(kTileRows) * k_);
+    GrowTo(tile, static_cast<size_t>(kTileRows) * k_);
     const int64_t panels = (m_ + kPanelRows - 1) / kPanelRows;
     for (int64_t n = n0; n < n1; n += kTileRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kTileRows, n1 - n));
@@ -242,7 +243,7 @@ class FloatTiles {
     const int64_t depth_blocks = (k + kDepth - 1) / kDepth;
     const int64_t depth = (k / Fmt::kWeights + depth_blocks - 1) / depth_blocks * Fmt::kWeights;
     const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (k * kTileCols * 4)) * kTileCols;
-    tiles.resize(static_cast<size_t>(std::min(chunk, n1 - n0 + kTileCols) * k));
+    GrowTo(tiles, static_cast<size_t>(std::min(chunk, n1 - n0 + kTileCols) * k));
     for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
       const int64_t c1 = std::min(n1, c0 + chunk), num_tiles = (c1 - c0 + kTileCols - 1) / kTileCols;
       for (int64_t t = 0; t < num_tiles; ++t) {
@@ -278,7 +279,7 @@ class FloatTiles {
   void TileWeights(int64_t n, int cols, float* tile) const {
     thread_local std::vector<float> rows;
     const int64_t k = k_;
-    rows.resize(static_cast<size_t>(kLanes * k));
+    GrowTo(rows, static_cast<size_t>(kLanes * k));
     for (int half = 0; half < kTileCols / kLanes; ++half) {
       for (int r = 0; r < kLanes; ++r) {
         float* dst = rows.data() + r * k;

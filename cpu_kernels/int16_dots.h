@@ -13,6 +13,8 @@
 #include <cstring>
 #include <vector>
 
+#include "line_aligned.h"
+
 namespace jvllm {
 
 // Rows of x in blocks of 32: q = round(x / d) in [-limit, limit] with d = max|x| / limit, and s = d * sum(q).
@@ -23,9 +25,9 @@ struct Int16Rows {
 
   void Quantize(const float* x, int64_t m, int64_t k, int32_t limit = 32767) {
     const int64_t blocks = k / 32;
-    q.resize(static_cast<size_t>(m * k));
-    d.resize(static_cast<size_t>(m * blocks));
-    s.resize(static_cast<size_t>(m * blocks));
+    GrowTo(q, static_cast<size_t>(m * k));
+    GrowTo(d, static_cast<size_t>(m * blocks));
+    GrowTo(s, static_cast<size_t>(m * blocks));
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < m * blocks; ++b) {
       const float* src = x + b * 32;

@@ -18,6 +18,7 @@
 #include "float_tiles.h"
 #include "int16_dots.h"
 #include "interleaved_blocks.h"
+#include "line_aligned.h"
 #include "transpose.h"
 
 namespace jvllm {
@@ -50,8 +51,8 @@ class Int16Tiles {
     const int64_t depth_subs = (subs_ + slices - 1) / slices;
     const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (k * kTileCols * 2)) * kTileCols;
     const int64_t most_tiles = (std::min(chunk, n1 - n0) + kTileCols - 1) / kTileCols;
-    codes.resize(static_cast<size_t>(most_tiles * k * kTileCols));
-    scales.resize(static_cast<size_t>(most_tiles * 2 * subs_ * kTileCols));
+    GrowTo(codes, static_cast<size_t>(most_tiles * k * kTileCols));
+    GrowTo(scales, static_cast<size_t>(most_tiles * 2 * subs_ * kTileCols));
     for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
       const int64_t c1 = std::min(n1, c0 + chunk), num_tiles = (c1 - c0 + kTileCols - 1) / kTileCols;
       for (int64_t t = 0; t < num_tiles; ++t) {
@@ -100,7 +101,7 @@ class Int16Tiles {
     } else {
       thread_local std::vector<int16_t> rows;
       const int64_t k = k_;
-      rows.resize(static_cast<size_t>(kLanes * k));
+      GrowTo(rows, static_cast<size_t>(kLanes * k));
       float* d = scales;
       float* c = scales + subs_ * kTileCols;
       for (int half = 0; half < kTileCols / kLanes; ++half) {

@@ -46,6 +46,7 @@ constexpr bool TakesInt8Tiles(int64_t m, int64_t min_rows) {
 
 #include "block_formats.h"
 #include "float_tiles.h"
+#include "line_aligned.h"
 #include "run_items.h"
 #include "vector_exp.h"
 #include "word_group_blocks.h"
@@ -60,9 +61,9 @@ struct Int8Rows {
   std::vector<float> sums;    // [M, K / 32]
 
   void Quantize(const float* x, int64_t m, int64_t k) {
-    codes.resize(static_cast<size_t>(m * k));
-    scales.resize(static_cast<size_t>(m * k / 32));
-    sums.resize(scales.size());
+    GrowTo(codes, static_cast<size_t>(m * k));
+    GrowTo(scales, static_cast<size_t>(m * k / 32));
+    GrowTo(sums, static_cast<size_t>(m * k / 32));
     RunItems(Chunks{x, this, m * k / 32});
   }
 
@@ -120,7 +121,7 @@ class Int8Tiles {
     const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (tile_words * 4 * per_column_tile)) * ColumnsPerTilePair();
     const int64_t most_tiles = (std::min(chunk, n1 - n0) + kTileCols - 1) / kTileCols * per_column_tile;
     const int64_t blocks = k_ / 32, depth = up_ == nullptr ? kDepthBlocks : blocks;
-    tiles.resize(static_cast<size_t>(most_tiles * tile_words));
+    GrowTo(tiles, static_cast<size_t>(most_tiles * tile_words));
     auto make = [&](int64_t t, int64_t n, int cols) {
       uint32_t* tile = tiles.data() + t * tile_words;
       TileCodes(w_, n, cols, tile);

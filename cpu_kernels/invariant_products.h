@@ -44,6 +44,7 @@ constexpr bool TakesInvariantProduct(int64_t m, int64_t max_rows) {
 
 #include "float_tiles.h"
 #include "int16_tiles.h"
+#include "line_aligned.h"
 #include "run_items.h"
 #include "vector_exp.h"
 #include "word_group_blocks.h"
@@ -67,7 +68,7 @@ class InvariantProduct {
     thread_local Int16Rows xq;
     thread_local std::vector<int16_t> pairs;
     xq.Quantize(x, m, k, Int16Limit<Fmt>());
-    pairs.resize(static_cast<size_t>(m * k));
+    GrowTo(pairs, static_cast<size_t>(m * k));
     const __m512i order = PairOrder();
     for (int64_t b = 0; b < m * blocks_; ++b) {
       const __m512i codes = _mm512_loadu_si512(xq.q.data() + b * 32);
@@ -82,7 +83,7 @@ class InvariantProduct {
   // Output columns [16 g0, 16 g1).
   void Run(int64_t g0, int64_t g1) const {
     thread_local std::vector<float> sums;  // [2, M, 16]: one group's float sums (gated: the gate's, then the up's)
-    sums.resize(static_cast<size_t>(2 * m_ * 16));
+    GrowTo(sums, static_cast<size_t>(2 * m_ * 16));
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t n = 16 * g;
       const int cols = static_cast<int>(std::min<int64_t>(16, n_ - n));

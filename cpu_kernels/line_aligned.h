@@ -29,4 +29,12 @@ struct LineAllocator {
 template <typename T>
 using LineAlignedVector = std::vector<T, LineAllocator<T>>;
 
+// Makes a reused buffer (a thread's, kept between calls) hold at least n elements. Never shrinks it: calls of
+// different shapes would otherwise zero-fill the regrown part every time (resize value-initializes), a pass over up
+// to a megabyte that the call then overwrites anyway.
+template <typename Vector>
+inline void GrowTo(Vector& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+}
+
 }  // namespace jvllm
