@@ -8,10 +8,10 @@ jitted graphs then run with either build's targets: the products of the embedded
 Q4_1 projections in this machine's native layout, random codes) at several row counts, and 30 calls of paged
 attention (9 heads, 3 KV heads, head_dim 64, bf16 pages; one pool for all, so its pages stay in the caches) for one
 sequence of q queries after `context` keys (with `--seqs`, that many sequences in scattered pages of one pool per
-layer, as a decode step of many requests meets them); with `--bf16-rows`, the products of a float checkpoint's bf16 copy (30
-layers of the model's shapes and the tied head, or of the shapes given, bf16_rows, the weights on 2 MiB pages where
-Linux allows, as the engine's) at those row counts. Each line prints both medians, their ratio, and whether the two
-builds give the same bits. Both builds must take the same custom-call attributes.
+layer, as a decode step of many requests meets them); with `--bf16-rows`, the products of a float checkpoint's bf16
+copy (30 layers of the model's shapes and the tied head, or of the shapes given, bf16_rows, the weights on 2 MiB
+pages where Linux allows, as the engine's) at those row counts. Each line prints both medians, their ratio, and
+whether the two builds give the same bits. Both builds must take the same custom-call attributes.
 
     python -m benchmarks.native_ab --base HEAD   # uncommitted kernel changes against the last commit
     python -m benchmarks.native_ab --base 670729b --rows 1,8,16 --queries 1,16 --context 100,700 --json out.json

@@ -32,7 +32,8 @@ constexpr int64_t kAmxBlockGroups = 4;  // groups of 16 keys in a block of the d
 // Per-thread buffers of the AMX direct path (64-byte lines: tile rows must not straddle two).
 struct AmxDirectScratch {
   LineAlignedVector<uint32_t> query_cols;   // [heads, row passes, hd / 2, 16] B operands of the scores
-  LineAlignedVector<uint32_t> staged_rows;  // [4, 16, hd / 2]: query rows before their transpose; a block's rows not in place
+  // [4, 16, hd / 2]: query rows before their transpose; a block's key or value rows that are not in place
+  LineAlignedVector<uint32_t> staged_rows;
   LineAlignedVector<float> sums;            // [4, 16, 16] tiles of sums
   LineAlignedVector<uint32_t> prob_pairs;   // [4 groups, 2 (even, odd), 16, 16] A operands of the values
 

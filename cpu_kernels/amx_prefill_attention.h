@@ -21,7 +21,7 @@ namespace jvllm {
 
 constexpr int64_t kAmxKeys = 32;  // keys per step of the products: two tiles of scores, one A tile of value pairs
 
-// key_rows [keys_p, hd] = the rows keys[j] (bf16, hd values each) for j < keys_p: the A operand's rows one after another.
+// key_rows [keys_p, hd] = the rows keys[j] (bf16, hd values each) for j < keys_p: the A operand's rows in one run.
 inline void GatherKeyRows(const uint16_t* const* keys, int64_t keys_p, int64_t hd, uint16_t* key_rows) {
   for (int64_t j = 0; j < keys_p; ++j) std::memcpy(key_rows + j * hd, keys[j], hd * sizeof(uint16_t));
 }
@@ -89,7 +89,9 @@ inline void AmxKeyScores(const uint16_t* key_rows, int64_t keys_p, const uint32_
 // value_pairs_t [hd, pairs_p] = value_pairs [pairs_p, hd] transposed (32-bit pairs; pairs_p and hd multiples of 16).
 inline void TransposeValuePairs(const uint32_t* value_pairs, int64_t pairs_p, int64_t hd, uint32_t* value_pairs_t) {
   for (int64_t p = 0; p < pairs_p; p += 16) {
-    for (int64_t d = 0; d < hd; d += 16) Transpose16(value_pairs + p * hd + d, hd, value_pairs_t + d * pairs_p + p, pairs_p);
+    for (int64_t d = 0; d < hd; d += 16) {
+      Transpose16(value_pairs + p * hd + d, hd, value_pairs_t + d * pairs_p + p, pairs_p);
+    }
   }
 }
 

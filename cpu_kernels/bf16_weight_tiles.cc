@@ -36,7 +36,7 @@ ffi::Error Bf16TilesImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w, ffi:
   if (live == 0 || n == 0) return ffi::Error::Success();
 #if defined(__AVX512BF16__)
   const bool x_tiles = out_in && jvllm::Bf16XTiles::Takes(live);  // few rows: [N, K] weights read in place
-  jvllm::Bf16Rows xb;
+  thread_local jvllm::Bf16Rows xb;  // its buffers reused by this thread's next call
   xb.Convert(x.typed_data(), live, k, /*for_tiles=*/!x_tiles);
   const auto* bits = reinterpret_cast<const uint8_t*>(w.typed_data());
   if (x_tiles) {
