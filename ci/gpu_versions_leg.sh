@@ -81,6 +81,9 @@ for jax_version in $versions; do
   # CPU): the main leg runs it. JVLLM_REQUIRE_TRITON=1 turns a missing triton into a failure instead of a skip.
   echo "== tests/pallas_kernels on jax $jax_version"
   # PYTHONDONTWRITEBYTECODE cleared: pip installed without byte-compiling, so the test processes write what they import
-  JVLLM_REQUIRE_TRITON=1 PYTHONDONTWRITEBYTECODE= "$venv/bin/python" -m pytest -q -n 2 --dist loadfile \
+  # `timeout` bounds the run (LEG_TIMEOUT_S, default 1500 s, ~8x a 2-core machine's time): a hung run fails with
+  # exit code 124 instead of holding CI until its own limit
+  JVLLM_REQUIRE_TRITON=1 PYTHONDONTWRITEBYTECODE= timeout --kill-after=30 "${LEG_TIMEOUT_S:-1500}" \
+    "$venv/bin/python" -m pytest -q -n 2 --dist loadfile \
     tests/pallas_kernels --ignore=tests/pallas_kernels/test_pallas_engine.py "$@"
 done
