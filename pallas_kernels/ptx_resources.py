@@ -10,6 +10,8 @@ import tempfile
 
 from pallas_kernels.cuda_lowering import TritonKernel
 
+PTXAS_TIMEOUT_S = 300  # one kernel takes ptxas well under a second
+
 # H100 (sm_90) per-SM limits, from the CUDA occupancy calculator's table for compute capability 9.0
 SM_REGISTERS = 65536
 SM_SHARED_BYTES = 228 * 1024
@@ -80,7 +82,8 @@ def compile_for_sm90(kernel: TritonKernel, num_warps: int | None = None,
                                   options=dict(num_warps=num_warps, num_stages=num_stages))
         ptx = os.path.join(folder, f"{kernel.name}.ptx")
         pathlib.Path(ptx).write_text(compiled.asm["ptx"])
+        # a bound: a stalled ptxas fails its caller instead of holding it until the test's timeout ends the process
         done = subprocess.run([str(ptxas_path()), "-v", "--gpu-name=sm_90a", ptx, "-o", os.devnull],
-                              capture_output=True, text=True, check=True)
+                              capture_output=True, text=True, check=True, timeout=PTXAS_TIMEOUT_S)
     registers, stack, stores, loads = parse_ptxas_report(done.stdout + done.stderr)
     return Resources(num_warps, num_stages, registers, stack, stores, loads, compiled.metadata.shared)
