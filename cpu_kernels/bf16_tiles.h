@@ -70,12 +70,12 @@ struct Bf16InOut {};
 
 // x [M, K] rounded to bfloat16 (K a multiple of 32), in chunks shared by the caller and the helper threads: a
 // prefill step's x comes from DRAM, which one core alone reads at a fraction of the machine's bandwidth.
-// Where the products run on AMX, its whole groups of 16 rows go straight into the tile unit's A operand (panels)
-// instead, and only the rows after them into `bits`. The buffers keep their size between calls (a thread's next
-// product reuses them): growing one zero-fills the new part, which would otherwise cost a pass over it every call.
+// Where the products run on AMX, x goes straight into the tile unit's A operand (panels) instead, its last group of
+// 16 rows padded with zero rows. The buffers keep their size between calls (a thread's next product reuses them):
+// growing one zero-fills the new part, which would otherwise cost a pass over it every call.
 struct Bf16Rows {
-  LineAlignedVector<uint16_t> bits;    // [M, K]: every row, or (use_panels) the rows past the last whole group of 16
-  LineAlignedVector<uint16_t> panels;  // use_panels: [M / 16, K / 32, 16, 32], each 16 x 32 tile in one run
+  LineAlignedVector<uint16_t> bits;    // [M, K], unless use_panels
+  LineAlignedVector<uint16_t> panels;  // use_panels: [ceil(M / 16), K / 32, 16, 32], each 16 x 32 tile in one run
   bool use_panels = false;
 
   // `for_tiles` false: the caller takes another product than Bf16Tiles (Bf16XTiles), which reads no panels.
@@ -83,38 +83,36 @@ struct Bf16Rows {
     use_panels = false;
 #if JVLLM_AMX
     use_panels = for_tiles && m >= kAmxRows && k % 32 == 0 && AmxUsable();
-#endif
-    const int64_t grouped = use_panels ? m / kAmxRows * kAmxRows : 0;
-    GrowTo(bits, static_cast<size_t>(m * k));
-    const Chunks chunks{x + grouped * k, bits.data() + grouped * k, (m - grouped) * k};
-    RunItems(chunks);
-#if JVLLM_AMX
     if (use_panels) {
-      GrowTo(panels, static_cast<size_t>(grouped * k));
-      const Panels groups{x, panels.data(), grouped / kAmxRows, k};
-      RunItems(groups);
+      const int64_t groups = (m + kAmxRows - 1) / kAmxRows;
+      GrowTo(panels, static_cast<size_t>(groups * kAmxRows * k));
+      RunItems(Panels{x, panels.data(), groups, m, k});
+      return;
     }
 #endif
+    GrowTo(bits, static_cast<size_t>(m * k));
+    RunItems(Chunks{x, bits.data(), m * k});
   }
 
  private:
 #if JVLLM_AMX
-  // Group g of 16 rows of x -> panels, rounded to bfloat16 as Chunks rounds them.
+  // Group g of 16 rows of x -> panels, rounded to bfloat16 as Chunks rounds them; rows from m on are zeros.
   struct Panels {
     const float* x;
     uint16_t* panels;
-    int64_t groups, k;
+    int64_t groups, m, k;
 
     int64_t num_items() const { return groups; }
     void Run(int64_t g) const {
-      const int64_t chunks = k / 32;
+      const int64_t chunks = k / 32, live = std::min<int64_t>(kAmxRows, m - g * kAmxRows);
       for (int64_t c = 0; c < chunks; ++c) {
         uint16_t* tile = panels + (g * chunks + c) * kAmxRows * 32;
-        for (int r = 0; r < kAmxRows; ++r) {
+        for (int r = 0; r < live; ++r) {
           const float* row = x + (g * kAmxRows + r) * k + c * 32;
           const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 16), _mm512_loadu_ps(row));
           _mm512_store_si512(tile + r * 32, reinterpret_cast<const __m512i&>(v));
         }
+        for (int r = live; r < kAmxRows; ++r) _mm512_store_si512(tile + r * 32, _mm512_setzero_si512());
       }
     }
   };
@@ -149,8 +147,8 @@ struct Bf16Rows {
 // L2 for K > 2 * kDepthPairs) so the epilogue sees finished sums, and only [M, N] of the activations is written.
 //
 // On CPUs with AMX (amx_tiles.h, 4-5x these products' speed) x goes 32 rows at a time to the tile unit (16 where
-// fewer are left), whose blocks of x stay in L1 while a chunk's tiles pass by; the last rows (under 16) take the
-// vector products.
+// fewer are left, a last group of fewer than 16 zero-padded), whose blocks of x stay in L1 while a chunk's tiles
+// pass by.
 template <typename Fmt>
 class Bf16Tiles {
  public:
@@ -340,18 +338,21 @@ class Bf16Tiles {
   }
 
 #if JVLLM_AMX
-  // Rows [m0, m1) of x times the slice on the tile unit, 32 or 16 rows at a time; returns the first row left to the
-  // vector products (fewer than 16 remain). Whole tiles of columns are summed in y itself (the depth slices after
-  // the first add to what is there); gated products, a part of a tile and streamed outputs go through a buffer.
+  // Rows [m0, m1) of x times the slice on the tile unit, 32 or 16 rows at a time (a last group of fewer than 16 as
+  // a whole tile of the zero-padded panel: its price is a whole tile's either way, and a row's sums then do not
+  // depend on where it falls in the batch); returns m1. Whole tiles of columns are summed in y itself (the depth
+  // slices after the first add to what is there); gated products, a part of a tile or of a group of rows, and
+  // streamed outputs go through a buffer.
   int64_t AmxGroupsTimesSlice(const Slice& slice, int64_t m0, int64_t m1) const {
     alignas(64) float buffer[2 * kAmxRows * 2 * kTileCols];  // [32 rows, 32 columns]
     const bool two = slice.cols > kTileCols || up_ != nullptr;
-    const bool in_y = up_ == nullptr && !stream_ && slice.cols % kTileCols == 0;
+    const bool whole_tiles = up_ == nullptr && !stream_ && slice.cols % kTileCols == 0;
     const uint32_t* t1 = slice.tiles + (k_ / 2) * kTileCols;
-    int64_t m = m0;
-    while (m + kAmxRows <= m1) {
+    for (int64_t m = m0; m < m1;) {
       const uint16_t* x = xb_->panels.data() + m * k_;  // the panel of rows [m, m + 16): m is a multiple of 16
-      const int rows = m + 2 * kAmxRows <= m1 ? 2 * kAmxRows : kAmxRows;
+      const int rows = m + kAmxRows < m1 ? 2 * kAmxRows : kAmxRows;
+      const int64_t live = std::min<int64_t>(rows, m1 - m);
+      const bool in_y = whole_tiles && live == rows;
       float* sums = in_y ? y_ + m * n_ + slice.n : buffer;
       const int64_t stride = in_y ? n_ : 2 * kTileCols;
       const bool add = in_y && slice.p0 > 0;
@@ -360,13 +361,13 @@ class Bf16Tiles {
       } else {
         AmxRowsTimesTiles<1>(x, kAmxRows * k_, slice.tiles, t1, slice.p0, slice.p1, two, sums, stride, add);
       }
-      for (int r = 0; r < rows && !in_y; ++r) {
+      for (int64_t r = 0; r < live && !in_y; ++r) {
         const float* row = buffer + r * 2 * kTileCols;
         WriteRow(slice, m + r, _mm512_load_ps(row), two ? _mm512_load_ps(row + kTileCols) : _mm512_setzero_ps());
       }
       m += rows;
     }
-    return m;
+    return m1;
   }
 #endif
 

@@ -1,7 +1,7 @@
 """The many-row bfloat16 products on Intel's AMX tile unit (cpu_kernels/amx_tiles.h, inside bf16_tiles.h): on CPUs
 with AMX-BF16 they run there, within float32 summation of float64 products, and agree with the same products on
-AVX-512 BF16 (JVLLM_CPU_AMX=0, in a subprocess). Row counts cover 32- and 16-row tile groups with vector rows left
-over; bf16 weights both ways round, and an MLP's gate and up GGUF weights summed into silu(gate) * up."""
+AVX-512 BF16 (JVLLM_CPU_AMX=0, in a subprocess). Row counts cover 32- and 16-row tile groups and a last group of
+fewer than 16 rows (a zero-padded tile); bf16 weights both ways round, and an MLP's gate and up GGUF weights summed into silu(gate) * up."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-# (kind, rows, K, N): 300 rows = 4 blocks of 128 (4 x 32 row tiles) less 84, then 32 + 12 vector rows; 49 rows
+# (kind, rows, K, N): 300 rows = 4 blocks of 128 (4 x 32 row tiles) less 84, then 32 + a group of 12; 49 rows
 # = 32 + 16 + 1; 17 columns: a partial weight tile; K = 2,048: depth slices of 512 pairs added into y
 CASES = [("bf16_in_out", 300, 576, 96), ("bf16_in_out", 49, 2048, 17), ("bf16_out_in", 64, 1536, 40),
          ("q8_0_gated", 48, 576, 40), ("q8_0_gated", 130, 2048, 17), ("q6_k_gated", 64, 512, 24)]
