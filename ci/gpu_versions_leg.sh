@@ -82,7 +82,11 @@ for jax_version in $versions; do
   echo "== tests/pallas_kernels on jax $jax_version"
   # PYTHONDONTWRITEBYTECODE cleared: pip installed without byte-compiling, so the test processes write what they import
   # `timeout` bounds the run (LEG_TIMEOUT_S, default 1500 s, ~8x a 2-core machine's time): a hung run fails with
-  # exit code 124 instead of holding CI until its own limit
+  # exit code 124 instead of holding CI until its own limit. Four host devices: Mosaic GPU's interpret mode runs each
+  # of a kernel's warpgroups (three in the warp-specialized ones) as its own XLA execution, and a warpgroup waiting at
+  # a barrier holds an XLA CPU worker; with fewer workers than warpgroups the others never start (on one CPU every
+  # time; docs/design/test_suite.md). With four devices they all run (the whole leg passes on one CPU).
+  XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_force_host_platform_device_count=4" \
   JVLLM_REQUIRE_TRITON=1 PYTHONDONTWRITEBYTECODE= timeout --kill-after=30 "${LEG_TIMEOUT_S:-1500}" \
     "$venv/bin/python" -m pytest -q -n 2 --dist loadfile \
     tests/pallas_kernels --ignore=tests/pallas_kernels/test_pallas_engine.py "$@"
