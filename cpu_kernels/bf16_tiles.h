@@ -197,12 +197,13 @@ class Bf16Tiles {
     };
     auto pair = [&](int64_t t, int64_t p0, int64_t p1, int64_t n, int cols, int64_t m0, int64_t m1) {
       const Slice slice{tiles.data() + t * tile_values, p0, p1, n, cols};
-      int64_t first_vector_row = m0;
 #if JVLLM_AMX
-      if (amx) first_vector_row = AmxGroupsTimesSlice(slice, m0, m1);
+      if (amx) {
+        AmxGroupsTimesSlice(slice, m0, m1);
+        return;
+      }
 #endif
-      ForRowGroups<kRowGroup>(first_vector_row, m1,
-                              [&](auto rows, int64_t m) { GroupTimesSlice<decltype(rows)::value>(slice, m); });
+      ForRowGroups<kRowGroup>(m0, m1, [&](auto rows, int64_t m) { GroupTimesSlice<decltype(rows)::value>(slice, m); });
     };
     SweepTilePairs(m_, n0, n1, chunk, up_ != nullptr, pairs, depth, make, pair, block_rows);
     if (stream_) _mm_sfence();  // streamed stores are seen before the call returns
@@ -340,10 +341,10 @@ class Bf16Tiles {
 #if JVLLM_AMX
   // Rows [m0, m1) of x times the slice on the tile unit, 32 or 16 rows at a time (a last group of fewer than 16 as
   // a whole tile of the zero-padded panel: its price is a whole tile's either way, and a row's sums then do not
-  // depend on where it falls in the batch); returns m1. Whole tiles of columns are summed in y itself (the depth
+  // depend on where it falls in the batch). Whole tiles of columns are summed in y itself (the depth
   // slices after the first add to what is there); gated products, a part of a tile or of a group of rows, and
   // streamed outputs go through a buffer.
-  int64_t AmxGroupsTimesSlice(const Slice& slice, int64_t m0, int64_t m1) const {
+  void AmxGroupsTimesSlice(const Slice& slice, int64_t m0, int64_t m1) const {
     alignas(64) float buffer[2 * kAmxRows * 2 * kTileCols];  // [32 rows, 32 columns]
     const bool two = slice.cols > kTileCols || up_ != nullptr;
     const bool whole_tiles = up_ == nullptr && !stream_ && slice.cols % kTileCols == 0;
@@ -367,7 +368,6 @@ class Bf16Tiles {
       }
       m += rows;
     }
-    return m1;
   }
 #endif
 

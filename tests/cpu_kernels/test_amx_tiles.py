@@ -1,7 +1,8 @@
 """The many-row bfloat16 products on Intel's AMX tile unit (cpu_kernels/amx_tiles.h, inside bf16_tiles.h): on CPUs
 with AMX-BF16 they run there, within float32 summation of float64 products, and agree with the same products on
 AVX-512 BF16 (JVLLM_CPU_AMX=0, in a subprocess). Row counts cover 32- and 16-row tile groups and a last group of
-fewer than 16 rows (a zero-padded tile); bf16 weights both ways round, and an MLP's gate and up GGUF weights summed into silu(gate) * up."""
+fewer than 16 rows (a zero-padded tile); bf16 weights both ways round, and an MLP's gate and up GGUF weights summed
+into silu(gate) * up."""
 from __future__ import annotations
 
 import json
