@@ -147,8 +147,8 @@ struct Bf16Rows {
 // L2 for K > 2 * kDepthPairs) so the epilogue sees finished sums, and only [M, N] of the activations is written.
 //
 // On CPUs with AMX (amx_tiles.h, 4-5x these products' speed) x goes 32 rows at a time to the tile unit (16 where
-// fewer are left, a last group of fewer than 16 zero-padded), whose blocks of x stay in L1 while a chunk's tiles
-// pass by.
+// fewer are left, a last group of fewer than 16 zero-padded) against each pair of a chunk's tiles in turn, and
+// from kRowSplitMinRows rows the threads share the rows instead of the columns (SplitsRows).
 template <typename Fmt>
 class Bf16Tiles {
  public:
@@ -157,6 +157,8 @@ class Bf16Tiles {
   // Outputs larger than this, written once (one depth slice), bypass the caches (streaming stores): a decode step's
   // logits [rows, vocab] would otherwise be read into the cache line by line just to be overwritten.
   static constexpr int64_t kStreamBytes = 16 << 20;
+  static constexpr int64_t kRowSplitMinRows = 512;  // see SplitsRows
+  static constexpr int64_t kRowSplitUnit = 32;       // a share of the rows: whole blocks of the tile unit's 32
   static constexpr bool kPlainBf16 = std::is_same_v<Fmt, Bf16OutIn> || std::is_same_v<Fmt, Bf16InOut>;
 
   Bf16Tiles(int64_t m, int64_t k, int64_t n, const Bf16Rows* xb, const uint8_t* w, float* y,
@@ -167,7 +169,25 @@ class Bf16Tiles {
   // Output columns per pair of tiles (a work item takes whole pairs).
   int64_t ColumnsPerTilePair() const { return up_ == nullptr ? 2 * kTileCols : kTileCols; }
 
-  void Run(int64_t n0, int64_t n1) const {
+  // Output columns [n0, n1) of every row.
+  void Run(int64_t n0, int64_t n1) const { Sweep(0, m_, n0, n1); }
+
+  // Whether the threads share the rows of x rather than the columns (RunRows): on the tile unit with many rows, a
+  // thread's share of x then stays in its own caches (a share of the columns reads all of x from L3 once per item),
+  // and each of its blocks of x meets every column, for the price of every thread making every tile.
+  bool SplitsRows() const {
+#if JVLLM_AMX
+    return m_ >= kRowSplitMinRows && xb_->use_panels;
+#else
+    return false;
+#endif
+  }
+
+  // Rows [m0, m1) of x (m0 a multiple of 32) times every column.
+  void RunRows(int64_t m0, int64_t m1) const { Sweep(m0, m1, 0, n_); }
+
+ private:
+  void Sweep(int64_t m_begin, int64_t m_end, int64_t n0, int64_t n1) const {
     thread_local LineAlignedVector<uint32_t> tiles;  // [tiles, K / 2, kTileCols] bf16 pairs, one tile after another
     const int64_t pairs = k_ / 2, tile_values = pairs * kTileCols, step = ColumnsPerTilePair();
     // Plain bf16 weights in one block of rows (decode steps, short prompts): each pair of tiles is made right before
@@ -205,11 +225,10 @@ class Bf16Tiles {
 #endif
       ForRowGroups<kRowGroup>(m0, m1, [&](auto rows, int64_t m) { GroupTimesSlice<decltype(rows)::value>(slice, m); });
     };
-    SweepTilePairs(m_, n0, n1, chunk, up_ != nullptr, pairs, depth, make, pair, block_rows);
+    SweepTilePairs(m_begin, m_end, n0, n1, chunk, up_ != nullptr, pairs, depth, make, pair, block_rows);
     if (stream_) _mm_sfence();  // streamed stores are seen before the call returns
   }
 
- private:
   // Pairs [p0, p1) of one or two adjacent tiles (`cols` output columns from n: up to 32).
   struct Slice {
     const uint32_t* tiles;  // the first tile [K / 2, kTileCols]; the second follows it

@@ -44,10 +44,10 @@ ffi::Error Bf16TilesImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w, ffi:
     jvllm::RunColumnItems(tiles, n, tiles.ColumnsPerItemUnit());
   } else if (out_in) {
     const jvllm::Bf16Tiles<jvllm::Bf16OutIn> tiles(live, k, n, &xb, bits, out);
-    jvllm::RunColumnItems(tiles, n, tiles.ColumnsPerTilePair());
+    jvllm::RunTileItems(tiles, live, n, tiles.ColumnsPerTilePair(), tiles.kRowSplitUnit);
   } else {
     const jvllm::Bf16Tiles<jvllm::Bf16InOut> tiles(live, k, n, &xb, bits, out);
-    jvllm::RunColumnItems(tiles, n, tiles.ColumnsPerTilePair());
+    jvllm::RunTileItems(tiles, live, n, tiles.ColumnsPerTilePair(), tiles.kRowSplitUnit);
   }
   return ffi::Error::Success();
 #else

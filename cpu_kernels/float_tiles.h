@@ -82,11 +82,13 @@ constexpr int64_t kChunkBytes = 1 << 20;
 // [n0, n1): chunks of `chunk` columns, whose tiles of kTileCols weight rows make(t, n, cols) builds (tile t of the
 // chunk; gated, t and t + 1 are the gate and up tiles of the same columns), then x kBlockRows rows at a time, the
 // depth `depth` units at a time (of `depth_total`), and the tiles two by two: pair(t, d0, d1, n, cols, m0, m1) for
-// the pair from tile t, depth units [d0, d1), output columns [n, n + cols) and rows [m0, m1). Rows go `block_rows` at
-// a time (the AMX products take 32: such a block of x stays in L1 while the chunk's tiles pass by).
+// the pair from tile t, depth units [d0, d1), output columns [n, n + cols) and rows [m0, m1) of x's rows [m_begin,
+// m_end). Rows go `block_rows` at a time (the AMX products take 32: such a block of x stays in L1 while the chunk's
+// tiles pass by).
 template <typename Make, typename Pair>
-inline void SweepTilePairs(int64_t m, int64_t n0, int64_t n1, int64_t chunk, bool gated, int64_t depth_total,
-                           int64_t depth, Make&& make, Pair&& pair, int64_t block_rows = kBlockRows) {
+inline void SweepTilePairs(int64_t m_begin, int64_t m_end, int64_t n0, int64_t n1, int64_t chunk, bool gated,
+                           int64_t depth_total, int64_t depth, Make&& make, Pair&& pair,
+                           int64_t block_rows = kBlockRows) {
   const int64_t per_column_tile = gated ? 2 : 1;
   for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
     const int64_t c1 = std::min(n1, c0 + chunk), column_tiles = (c1 - c0 + kTileCols - 1) / kTileCols;
@@ -95,8 +97,8 @@ inline void SweepTilePairs(int64_t m, int64_t n0, int64_t n1, int64_t chunk, boo
       make(t * per_column_tile, n, static_cast<int>(std::min<int64_t>(kTileCols, c1 - n)));
     }
     const int64_t num_tiles = column_tiles * per_column_tile;
-    for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
-      const int64_t m1 = std::min(m, m0 + block_rows);
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += block_rows) {
+      const int64_t m1 = std::min(m_end, m0 + block_rows);
       for (int64_t d0 = 0; d0 < depth_total; d0 += depth) {
         const int64_t d1 = std::min(depth_total, d0 + depth);
         for (int64_t t = 0; t < num_tiles; t += 2) {

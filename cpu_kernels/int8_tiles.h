@@ -131,7 +131,7 @@ class Int8Tiles {
       const Slice slice{tiles.data() + t * tile_words, b0, b1, n, cols};
       ForRowGroups<kRowGroup>(m0, m1, [&](auto rows, int64_t m) { GroupTimesSlice<decltype(rows)::value>(slice, m); });
     };
-    SweepTilePairs(m_, n0, n1, chunk, up_ != nullptr, blocks, depth, make, pair);
+    SweepTilePairs(0, m_, n0, n1, chunk, up_ != nullptr, blocks, depth, make, pair);
   }
 
  private:

@@ -378,6 +378,22 @@ class Matmul {
 #endif
 };
 
+#if defined(__AVX512BF16__)
+// Bf16Tiles' products (gated with `up`) over the threads: by rows where the tiles split them (the tile unit, many
+// rows), else by columns as Matmul's items take them.
+template <typename Fmt>
+void RunBf16TileProduct(Shapes sh, const float* x, const uint8_t* w, float* y, const Bf16Rows* xb,
+                        const uint8_t* up = nullptr) {
+  const jvllm::Bf16Tiles<Fmt> tiles(sh.m, sh.k, sh.n, xb, w, y, up);
+  if (tiles.SplitsRows()) {
+    jvllm::RunTileItems(tiles, sh.m, sh.n, tiles.ColumnsPerTilePair(), tiles.kRowSplitUnit);
+    return;
+  }
+  Matmul<Fmt> work(Path::kBf16Tiles, sh, x, w, y, nullptr, nullptr, xb, up);
+  jvllm::RunItems(work);
+}
+#endif
+
 template <typename Fmt>
 void RunProduct(Shapes sh, const float* x, const uint8_t* w, float* y, const RowPaths& paths) {
   if constexpr (kWordGroups<Fmt>) {
@@ -402,8 +418,11 @@ void RunProduct(Shapes sh, const float* x, const uint8_t* w, float* y, const Row
     if (paths.bf16_max_rows > 0 && sh.m >= paths.bf16_min_rows) {  // bfloat16 products: rows, tiles past kBf16MaxRows
       thread_local Bf16Rows xb;
       xb.Convert(x, sh.m, sh.k);
-      const bool rows = sh.m <= std::min(paths.bf16_max_rows, kBf16MaxRows);
-      Matmul<Fmt> work(rows ? Path::kBf16Rows : Path::kBf16Tiles, sh, x, w, y, nullptr, nullptr, &xb);
+      if (sh.m > std::min(paths.bf16_max_rows, kBf16MaxRows)) {
+        RunBf16TileProduct<Fmt>(sh, x, w, y, &xb);
+        return;
+      }
+      Matmul<Fmt> work(Path::kBf16Rows, sh, x, w, y, nullptr, nullptr, &xb);
       jvllm::RunItems(work);
       return;
     }
@@ -474,8 +493,7 @@ void RunGatedRowsProduct(Shapes sh, const float* x, const uint8_t* gate, const u
     if (paths.bf16_max_rows > 0 && sh.m > std::min(paths.bf16_max_rows, kBf16MaxRows)) {
       thread_local Bf16Rows xb;
       xb.Convert(x, sh.m, sh.k);
-      Matmul<Fmt> work(Path::kBf16Tiles, sh, x, gate, y, nullptr, nullptr, &xb, up);
-      jvllm::RunItems(work);
+      RunBf16TileProduct<Fmt>(sh, x, gate, y, &xb, up);
       return;
     }
 #endif

@@ -168,4 +168,23 @@ void RunColumnItems(const Tiles& tiles, int64_t n, int64_t unit) {
   RunItems(Items{tiles, n, BalancedUnits((n + unit - 1) / unit, threads) * unit});
 }
 
+// Runs a tiled product over the caller and the helper threads: by output columns (RunColumnItems), or, where
+// tiles.SplitsRows(), by rows, one contiguous share of whole `row_unit`s per thread (each share makes its own tiles
+// of every column, so it is made once: no more items than threads).
+template <typename Tiles>
+void RunTileItems(const Tiles& tiles, int64_t m, int64_t n, int64_t column_unit, int64_t row_unit) {
+  if (!tiles.SplitsRows()) {
+    RunColumnItems(tiles, n, column_unit);
+    return;
+  }
+  struct Items {
+    const Tiles& tiles;
+    int64_t m, rows_per_item;
+    int64_t num_items() const { return (m + rows_per_item - 1) / rows_per_item; }
+    void Run(int64_t item) const { tiles.RunRows(item * rows_per_item, std::min(m, (item + 1) * rows_per_item)); }
+  };
+  const int64_t threads = HelperPool::Get().num_helpers() + 1, units = (m + row_unit - 1) / row_unit;
+  RunItems(Items{tiles, m, (units + threads - 1) / threads * row_unit});
+}
+
 }  // namespace jvllm

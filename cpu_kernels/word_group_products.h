@@ -35,7 +35,7 @@ void RunWordGroupProduct(int64_t m, int64_t k, int64_t n, const float* x, const 
   thread_local Bf16Rows xb;
   xb.Convert(x, m, k);
   const Bf16Tiles<Fmt> tiles(m, k, n, &xb, w, y, up);
-  RunColumnItems(tiles, n, tiles.ColumnsPerTilePair());
+  RunTileItems(tiles, m, n, tiles.ColumnsPerTilePair(), tiles.kRowSplitUnit);
 }
 
 }  // namespace jvllm
