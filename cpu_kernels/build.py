@@ -30,7 +30,8 @@ HERE = pathlib.Path(__file__).parent
 # long unit left alone on a core: the block formats' products ~8-15 s a unit, the attention ~6, the rest 2-3.
 SOURCES = [HERE / name for name in ("kquant_products.cc", "word_group_format_products.cc", "blocks32_products.cc",
                                     "interleaved_format_products.cc", "q6k_products.cc", "paged_attention.cc",
-                                    "bf16_rows.cc", "bf16_weight_tiles.cc", "quantized_matmul.cc", "rms_norm.cc")]
+                                    "bf16_rows.cc", "bf16_weight_tiles.cc", "quantized_matmul.cc", "rms_norm.cc",
+                                    "rope.cc")]
 HEADERS = sorted(HERE.glob("*.h"))
 TARGETS = {  # XLA custom-call name -> exported handler symbol
     "jvllm_paged_attention": "JvllmPagedAttention",
@@ -39,6 +40,7 @@ TARGETS = {  # XLA custom-call name -> exported handler symbol
     "jvllm_gated_matmul": "JvllmGatedMatmul",
     "jvllm_rms_norm": "JvllmRmsNorm",
     "jvllm_add_rms_norm": "JvllmAddRmsNorm",
+    "jvllm_rope_qkv": "JvllmRopeQkv",
     "jvllm_bf16_rows": "JvllmBf16Rows",
     "jvllm_bf16_tiles": "JvllmBf16Tiles",
 }

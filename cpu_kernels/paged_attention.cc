@@ -109,8 +109,29 @@ void WriteRows(const ffi::AnyBuffer& rows, const int32_t* slots, ffi::Result<ffi
   }
 }
 
+// rows [T, width] float32 -> the bfloat16 pool's slots (uint16 bits), rounded to nearest even as jnp's astype
+// rounds (NaN stays a quiet NaN).
+void WriteRowsAsBf16(const float* rows, int64_t tokens, int64_t width, const int32_t* slots,
+                     ffi::Result<ffi::AnyBuffer>& pool) {
+  const int64_t pool_rows = pool->size_bytes() / std::max<int64_t>(width * 2, 1);
+  auto* dst = static_cast<uint16_t*>(pool->untyped_data());
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (slots[t] < 0 || slots[t] >= pool_rows) continue;
+    const float* src = rows + t * width;
+    uint16_t* out = dst + slots[t] * width;
+#pragma omp simd
+    for (int64_t i = 0; i < width; ++i) {
+      uint32_t u;
+      std::memcpy(&u, src + i, sizeof(u));
+      const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+      out[i] = static_cast<uint16_t>(nan ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+  }
+}
+
 // The step's K/V written into the (aliased) pages at their slots, then the attention over them: the layer's own
-// pages are its result, so no pool write runs after the step.
+// pages are its result, so no pool write runs after the step. K/V to store come in the pages' dtype, or as float32
+// for bfloat16 pages (uint16 bits), rounded here as they are written.
 ffi::Error PagedAttentionWriteImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                                    ffi::AnyBuffer k_store, ffi::AnyBuffer v_store, ffi::AnyBuffer k_pages,
                                    ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> query_start,
@@ -120,19 +141,29 @@ ffi::Error PagedAttentionWriteImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32
                                    ffi::Result<ffi::AnyBuffer> v_out, float scale, int64_t sliding_window,
                                    float soft_cap, int64_t bf16_tiles, int64_t direct_queries) {
   const auto pd = k_pages.dimensions();
-  if (k_store.element_type() != k_pages.element_type() || v_store.element_type() != v_pages.element_type() ||
+  const bool rounds = k_pages.element_type() == ffi::DataType::U16 && v_pages.element_type() == ffi::DataType::U16 &&
+                      k_store.element_type() == ffi::DataType::F32 && v_store.element_type() == ffi::DataType::F32;
+  const int64_t store_bytes = rounds ? 4 : static_cast<int64_t>(ffi::ByteWidth(k_pages.element_type()));
+  if ((!rounds && (k_store.element_type() != k_pages.element_type() ||
+                   v_store.element_type() != v_pages.element_type())) ||
       k_store.dimensions().size() != 3 || pd.size() != 4 ||
-      k_store.size_bytes() !=
-          k.dimensions()[0] * pd[2] * pd[3] * static_cast<int64_t>(ffi::ByteWidth(k_pages.element_type())) ||
+      k_store.size_bytes() != k.dimensions()[0] * pd[2] * pd[3] * store_bytes ||
       v_store.size_bytes() != k_store.size_bytes() || slot_mapping.dimensions()[0] != k.dimensions()[0]) {
-    return ffi::Error::InvalidArgument("paged_attention_write: k/v to store [T, KVH, hd] in the pages' dtype");
+    return ffi::Error::InvalidArgument(
+        "paged_attention_write: k/v to store [T, KVH, hd] in the pages' dtype (or float32 for bfloat16 pages)");
   }
   if (k_out->untyped_data() != k_pages.untyped_data()) {  // not aliased: start from the pages given
     std::memcpy(k_out->untyped_data(), k_pages.untyped_data(), k_pages.size_bytes());
     std::memcpy(v_out->untyped_data(), v_pages.untyped_data(), v_pages.size_bytes());
   }
-  WriteRows(k_store, slot_mapping.typed_data(), k_out);
-  WriteRows(v_store, slot_mapping.typed_data(), v_out);
+  if (rounds) {
+    const int64_t tokens = k.dimensions()[0], width = pd[2] * pd[3];
+    WriteRowsAsBf16(static_cast<const float*>(k_store.untyped_data()), tokens, width, slot_mapping.typed_data(), k_out);
+    WriteRowsAsBf16(static_cast<const float*>(v_store.untyped_data()), tokens, width, slot_mapping.typed_data(), v_out);
+  } else {
+    WriteRows(k_store, slot_mapping.typed_data(), k_out);
+    WriteRows(v_store, slot_mapping.typed_data(), v_out);
+  }
   return Attend(q, k, v, pd, k_pages.element_type(), k_out->untyped_data(), v_out->untyped_data(), query_start,
                 q_lens, kv_lens, page_tables, out->typed_data(), scale, sliding_window, soft_cap, bf16_tiles, true,
                 direct_queries);
@@ -166,7 +197,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmPagedAttentionWrite, PagedAttentionWriteImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q [T, H, hd]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k [T, KVH, hd]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v [T, KVH, hd]
-                                  .Arg<ffi::AnyBuffer>()         // k to store [T, KVH, hd], the pages' dtype
+                                  .Arg<ffi::AnyBuffer>()         // k to store [T, KVH, hd]: the pages' dtype or f32
                                   .Arg<ffi::AnyBuffer>()         // v to store
                                   .Arg<ffi::AnyBuffer>()         // k_pages [N, page, KVH, hd] (aliased: k_out)
                                   .Arg<ffi::AnyBuffer>()         // v_pages (aliased: v_out)

@@ -57,7 +57,7 @@ def paged_attention_write(
     q: jax.Array,  # [T, H, hd]
     k: jax.Array,  # [T, KVH, hd] this step's keys
     v: jax.Array,  # [T, KVH, hd]
-    k_store: jax.Array,  # [T, KVH, hd] the keys as the pages store them (the pages' dtype)
+    k_store: jax.Array,  # [T, KVH, hd] the keys as the pages store them (the pages' dtype; float32 for bf16 pages)
     v_store: jax.Array,  # [T, KVH, hd]
     k_pages: jax.Array,  # [N, page, KVH, hd] donated: returned with the step's keys written
     v_pages: jax.Array,  # [N, page, KVH, hd]
@@ -76,7 +76,8 @@ def paged_attention_write(
     are aliased to the outputs) -> (out [T, H, hd] float32, k_pages, v_pages)."""
     if q.shape[-1] % HEAD_DIM_MULTIPLE:
         raise ValueError(f"the native paged attention needs head_dim a multiple of {HEAD_DIM_MULTIPLE}, got {q.shape[-1]}")
-    if k_store.dtype != k_pages.dtype or v_store.dtype != v_pages.dtype:
+    rounds = k_pages.dtype == jnp.uint16 and k_store.dtype == v_store.dtype == jnp.float32  # bf16 bits: rounded
+    if not rounds and (k_store.dtype != k_pages.dtype or v_store.dtype != v_pages.dtype):
         raise ValueError(f"K/V to store must have the pages' dtype {k_pages.dtype}, got {k_store.dtype}")
     load()
     outs = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),

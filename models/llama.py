@@ -16,7 +16,8 @@ from models.layers import MLP, Linear, RMSNorm, merge_output_columns, mlp_hf_par
 from models.hf_names import ArraySource, DerivedTensors, TensorSource, row_range
 from models.moe import SparseMoE
 from models.params import normal_param, value_or_none
-from models.quantized import CHANNEL_FORMATS, check_quantized, dequantized_rows, native_layout, quantized_dot
+from models.quantized import (CHANNEL_FORMATS, check_quantized, dequantized_rows, native_kernel_available,
+                              native_layout, quantized_dot)
 from models.rope import apply_rotary, attention_factor, inverse_frequencies, mrope_rotary_tables, rotary_tables
 
 LayerResults = list  # per layer: what the attention call returned beside its output
@@ -49,9 +50,23 @@ class Attention(nnx.Module):
                  md: AttentionMetadata, attention: LayerAttention) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         """x [T, D] -> (out [T, D], the attention call's per-layer result)."""
         tokens = x.shape[0]
+        if self.rope_table is not None:
+            cos, sin = cos[self.rope_table], sin[self.rope_table]
+        q, k, v = self._rotated_qkv(x, cos, sin)
+        out, layer_kv = attention(q, k, v, pages, md, self.scale, self.sliding_window, self.soft_cap)  # [T, H, hd]
+        return self.o_proj(out.reshape(tokens, -1)), layer_kv
+
+    def _rotated_qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [T, D] -> q [T, H, hd] and k [T, KVH, hd] normed (with q/k norms) and rotated, and v [T, KVH, hd]."""
+        tokens = x.shape[0]
         if self.k_proj is None:  # q, k and v as one projection (fuse_qkv): columns [q | k | v]
+            qkv = self.q_proj(x)
+            if self._native_rope(qkv, cos):
+                from cpu_kernels.rope import rope_qkv
+
+                return rope_qkv(qkv, cos, sin, self.num_heads, self.num_kv_heads)
             q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = split_columns(self.q_proj(x), (q_width, kv_width, kv_width), self.joined_shards)
+            q, k, v = split_columns(qkv, (q_width, kv_width, kv_width), self.joined_shards)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(tokens, self.num_heads, self.head_dim)  # [T, H, hd]
@@ -59,11 +74,14 @@ class Attention(nnx.Module):
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
         if self.q_norm is not None:
             q, k = self.q_norm(q).astype(q.dtype), self.k_norm(k).astype(k.dtype)
-        if self.rope_table is not None:
-            cos, sin = cos[self.rope_table], sin[self.rope_table]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out, layer_kv = attention(q, k, v, pages, md, self.scale, self.sliding_window, self.soft_cap)  # [T, H, hd]
-        return self.o_proj(out.reshape(tokens, -1)), layer_kv
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def _native_rope(self, qkv: jax.Array, cos: jax.Array) -> bool:
+        """Whether q, k and v come from the joined projection's output in one native pass (cpu_kernels.rope, XLA
+        CPU): float32 columns [q | k | v] of one device, no q/k norm between, tables [T, rotary] of even width."""
+        return (jax.default_backend() == "cpu" and self.joined_shards == 1 and self.q_norm is None
+                and qkv.dtype == jnp.float32 and cos.dtype == jnp.float32 and cos.ndim == 2
+                and cos.shape[-1] % 2 == 0 and cos.shape[-1] <= self.head_dim and native_kernel_available())
 
     def fuse_qkv(self) -> bool:
         """Hold q, k and v as one projection where all three hold the same kind of weights

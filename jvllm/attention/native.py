@@ -6,11 +6,12 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from cpu_kernels.paged_attention import DIRECT_QUERIES, HEAD_DIM_MULTIPLE, paged_attention_write
 from jvllm.attention.backend import AttentionBackend, InStepWrite
-from jvllm.attention.pool_storage import as_stored, storage_dtype
+from jvllm.attention.pool_storage import BITS, as_stored, storage_dtype
 from models.attention import AttentionMetadata
 from models.quantized import bf16_products_enabled, invariant_rows
 
@@ -66,7 +67,15 @@ def write_and_attend(
     (models.quantized.bf16_products); a sequence of up to the step's invariant rows of queries takes the direct loops,
     which give each query the bits it would get alone."""
     out, k_pages, v_pages = paged_attention_write(
-        q, k, v, as_stored(k, k_pages.dtype), as_stored(v, v_pages.dtype), k_pages, v_pages, md.query_start,
+        q, k, v, _to_store(k, k_pages.dtype), _to_store(v, v_pages.dtype), k_pages, v_pages, md.query_start,
         md.q_lens, md.kv_lens, md.page_tables, md.slot_mapping, scale, sliding_window, soft_cap,
         bf16_tiles=bf16_products_enabled(), direct_queries=max(DIRECT_QUERIES, invariant_rows()))
     return out.astype(q.dtype), k_pages, v_pages
+
+
+def _to_store(values: jax.Array, pool_dtype: Any) -> jax.Array:
+    """The step's K or V as the kernel takes them to store: float32 values for a bfloat16 pool, which the kernel
+    rounds as it writes them (in XLA the rounding is one more pass over them), else as the pool stores them."""
+    if values.dtype == jnp.float32 and jnp.dtype(pool_dtype) == BITS:
+        return values
+    return as_stored(values, pool_dtype)

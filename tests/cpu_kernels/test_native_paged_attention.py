@@ -150,6 +150,17 @@ def run_case(rng, chunks: list[tuple[int, int]], *, heads: int, kv_heads: int, h
     for full, given, out in ((k_pages, k_in, k_out), (v_pages, v_in, v_out)):
         np.testing.assert_array_equal(
             np.asarray(out), np.where(mask, full if pool_dtype == jnp.float32 else as_bf16_bits(full), given))
+    if pool_dtype == jnp.bfloat16:  # float32 K/V for bf16 pages: rounded as written, the bits of jnp's rounding
+        rng = np.random.default_rng(num_tokens)
+        k_f, v_f = (np.asarray(a, np.float32) * (1 + rng.uniform(-0.01, 0.01, np.shape(a))).astype(np.float32)
+                    for a in (k, v))  # values between bfloat16's, so the rounding matters
+        step = jax.jit(paged_attention_write, static_argnames=("scale", "sliding_window", "soft_cap", "bf16_tiles"))
+        common = (k_in, v_in, query_start, q_len, kv_len, tables, slots)
+        options = dict(scale=head_dim ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap, bf16_tiles=bf16_tiles)
+        by_bits = step(q, k_f, v_f, as_bf16_bits(k_f), as_bf16_bits(v_f), *common, **options)
+        by_floats = step(q, k_f, v_f, k_f, v_f, *common, **options)
+        for a, b in zip(by_floats, by_bits):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 MIXED = [(0, 5), (3, 17), (40, 64), (100, 1), (0, 33), (70, 90)]  # fresh, chunked, decode rows, > 64 keys
