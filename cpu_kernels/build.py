@@ -31,7 +31,7 @@ HERE = pathlib.Path(__file__).parent
 SOURCES = [HERE / name for name in ("kquant_products.cc", "word_group_format_products.cc", "blocks32_products.cc",
                                     "interleaved_format_products.cc", "q6k_products.cc", "paged_attention.cc",
                                     "bf16_rows.cc", "bf16_weight_tiles.cc", "quantized_matmul.cc", "rms_norm.cc",
-                                    "rope.cc")]
+                                    "rope.cc", "row_argmax.cc")]
 HEADERS = sorted(HERE.glob("*.h"))
 TARGETS = {  # XLA custom-call name -> exported handler symbol
     "jvllm_paged_attention": "JvllmPagedAttention",
@@ -41,6 +41,7 @@ TARGETS = {  # XLA custom-call name -> exported handler symbol
     "jvllm_rms_norm": "JvllmRmsNorm",
     "jvllm_add_rms_norm": "JvllmAddRmsNorm",
     "jvllm_rope_qkv": "JvllmRopeQkv",
+    "jvllm_row_argmax": "JvllmRowArgmax",
     "jvllm_bf16_rows": "JvllmBf16Rows",
     "jvllm_bf16_tiles": "JvllmBf16Tiles",
 }

@@ -7,12 +7,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jvllm.sample.logprobs import logprob_stats
 from jvllm.sampling_params import SamplingParams
-from jvllm.sample.sampler import RowSpec, SamplerFlags, build_sampling_tensors, process_logits, row_argmax, sample
+from jvllm.sample.sampler import (RowSpec, SamplerFlags, blocked_row_argmax, build_sampling_tensors, process_logits,
+                                  row_argmax, sample)
 from jvllm.sample.tensors import empty_masks, pack_token_bits
 
 sample_jit = jax.jit(sample, static_argnames=("flags",))
@@ -100,9 +102,11 @@ def test_greedy_argmax_and_raw_logprob():
     np.testing.assert_allclose(lps, expect, atol=1e-5)
 
 
-@pytest.mark.parametrize("vocab", [1, 127, 128, 300, 49152])
-def test_row_argmax_matches_numpy_first_index(vocab):
-    """Blocked argmax: ties resolve to the first index, -inf, +inf and NaN rows as numpy, any vocab size."""
+@pytest.mark.parametrize("argmax", [row_argmax, blocked_row_argmax], ids=["row_argmax", "blocked"])
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 127, 128, 300, 49152])
+def test_row_argmax_matches_numpy_first_index(vocab, argmax):
+    """The argmax (native on XLA CPU with the kernels, else blocked) and its blocked jnp form: ties resolve to the
+    first index, -inf, +inf and NaN rows as numpy, any vocab size (whole vectors of 16 and a tail)."""
     rng = np.random.default_rng(vocab)
     x = rng.normal(size=(8, vocab)).astype(np.float32)  # [8, V] float32
     x[1] = np.round(x[1])  # many ties at the maximum
@@ -112,7 +116,18 @@ def test_row_argmax_matches_numpy_first_index(vocab):
     x[5, :] = 7.0  # every entry tied
     x[6, 0], x[6, -1] = -np.inf, np.inf  # both infinities in one block (its sum is NaN, it holds no NaN)
     x[7, -1], x[7, 0] = -np.inf, np.inf  # ... after an earlier +inf
-    np.testing.assert_array_equal(np.asarray(jax.jit(row_argmax)(x)), x.argmax(-1))
+    np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(x)), x.argmax(-1))
+
+
+def test_row_argmax_is_one_native_pass_on_cpu_and_jnp_for_gpus():
+    """On XLA CPU with the native kernels the argmax lowers to the kernel; lowered for CUDA, to the blocked jnp."""
+    from cpu_kernels.build import available
+
+    x = jax.ShapeDtypeStruct((4, 300), jnp.float32)
+    cpu = jax.jit(row_argmax).trace(x).lower(lowering_platforms=("cpu",)).as_text()
+    cuda = jax.jit(row_argmax).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert ("jvllm_row_argmax" in cpu) == (available() and jax.default_backend() == "cpu")
+    assert "jvllm_row_argmax" not in cuda and "reduce" in cuda
 
 
 # ---------------------------------------------------------------- statistics
