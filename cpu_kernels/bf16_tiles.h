@@ -158,6 +158,9 @@ class Bf16Tiles {
   // logits [rows, vocab] would otherwise be read into the cache line by line just to be overwritten.
   static constexpr int64_t kStreamBytes = 16 << 20;
   static constexpr int64_t kRowSplitMinRows = 512;  // see SplitsRows
+  // A row-split plain product's depth slice on the tile unit: a 32-row block's slice of x (20 KB) stays in L1 while
+  // each tile pair's slice passes; a whole K = 576 block of x (36 KB) and a pair's weights outgrow the 48 KB L1.
+  static constexpr int64_t kAmxDepthPairs = 160;
   static constexpr int64_t kRowSplitUnit = 32;       // a share of the rows: whole blocks of the tile unit's 32
   static constexpr bool kPlainBf16 = std::is_same_v<Fmt, Bf16OutIn> || std::is_same_v<Fmt, Bf16InOut>;
 
@@ -198,15 +201,19 @@ class Bf16Tiles {
     const int64_t chunk = streamed ? step : std::max<int64_t>(1, kChunkBytes / (k_ * 2 * kTileCols * 2)) * step;
     const int64_t tiles_per_column_tile = up_ == nullptr ? 1 : 2;
     const int64_t most_tiles = (std::min(chunk, n1 - n0) + kTileCols - 1) / kTileCols * tiles_per_column_tile;
+    int64_t depth = up_ == nullptr ? kDepthPairs : pairs;
 #if JVLLM_AMX
     const bool amx = m_ >= kAmxRows && xb_->use_panels;  // Convert packed x: AMX usable, K whole 32-value chunks
     std::optional<AmxTileScope> amx_tiles;
     if (amx) amx_tiles.emplace();
     const int64_t block_rows = amx ? 2 * kAmxRows : kBlockRows;
+    if (amx && up_ == nullptr && !stream_ && SplitsRows()) {  // even slices of at most kAmxDepthPairs, whole 16s
+      const int64_t slices = (pairs + kAmxDepthPairs - 1) / kAmxDepthPairs;
+      depth = (pairs / slices + kAmxPairs - 1) / kAmxPairs * kAmxPairs;
+    }
 #else
     const int64_t block_rows = kBlockRows;
 #endif
-    const int64_t depth = up_ == nullptr ? kDepthPairs : pairs;
     GrowTo(tiles, static_cast<size_t>(most_tiles * tile_values));
     auto make = [&](int64_t t, int64_t n, int cols) {
       uint32_t* tile = tiles.data() + t * tile_values;
