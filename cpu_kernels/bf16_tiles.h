@@ -161,7 +161,7 @@ class Bf16Tiles {
   // A row-split plain product's depth slice on the tile unit: a 32-row block's slice of x (20 KB) stays in L1 while
   // each tile pair's slice passes; a whole K = 576 block of x (36 KB) and a pair's weights outgrow the 48 KB L1.
   static constexpr int64_t kAmxDepthPairs = 160;
-  static constexpr int64_t kRowSplitUnit = 32;       // a share of the rows: whole blocks of the tile unit's 32
+  static constexpr int64_t kRowSplitUnit = 32;  // a share of the rows: whole blocks of the tile unit's 32
   static constexpr bool kPlainBf16 = std::is_same_v<Fmt, Bf16OutIn> || std::is_same_v<Fmt, Bf16InOut>;
 
   Bf16Tiles(int64_t m, int64_t k, int64_t n, const Bf16Rows* xb, const uint8_t* w, float* y,
@@ -207,7 +207,7 @@ class Bf16Tiles {
     std::optional<AmxTileScope> amx_tiles;
     if (amx) amx_tiles.emplace();
     const int64_t block_rows = amx ? 2 * kAmxRows : kBlockRows;
-    if (amx && up_ == nullptr && !stream_ && SplitsRows()) {  // even slices of at most kAmxDepthPairs, whole 16s
+    if (up_ == nullptr && !stream_ && SplitsRows()) {  // even slices of at most kAmxDepthPairs, whole 16s
       const int64_t slices = (pairs + kAmxDepthPairs - 1) / kAmxDepthPairs;
       depth = (pairs / slices + kAmxPairs - 1) / kAmxPairs * kAmxPairs;
     }

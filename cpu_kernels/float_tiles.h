@@ -83,8 +83,7 @@ constexpr int64_t kChunkBytes = 1 << 20;
 // chunk; gated, t and t + 1 are the gate and up tiles of the same columns), then x kBlockRows rows at a time, the
 // depth `depth` units at a time (of `depth_total`), and the tiles two by two: pair(t, d0, d1, n, cols, m0, m1) for
 // the pair from tile t, depth units [d0, d1), output columns [n, n + cols) and rows [m0, m1) of x's rows [m_begin,
-// m_end). Rows go `block_rows` at a time (the AMX products take 32: such a block of x stays in L1 while the chunk's
-// tiles pass by).
+// m_end). Rows go `block_rows` at a time (the AMX products take 32, the rows of two tiles of sums).
 template <typename Make, typename Pair>
 inline void SweepTilePairs(int64_t m_begin, int64_t m_end, int64_t n0, int64_t n1, int64_t chunk, bool gated,
                            int64_t depth_total, int64_t depth, Make&& make, Pair&& pair,
