@@ -3,14 +3,19 @@
 Each call of a compiled piece costs the host a fixed amount of work (arguments, the runtime's bookkeeping, on a GPU
 the launch of each kernel), so a step of L layers called one layer at a time pays it L times. A run of n layers in
 one executable pays it L / n times; its compile takes about n times one layer's. JVLLM_LAYERS_PER_CALL sets n for
-decode steps (default 1: one layer per call, the shortest start-up); prefill steps, whose kernels outlast their
-dispatch, keep one layer a call."""
+decode steps. By default a CPU engine runs all of a decode step's layers in one call (on XLA CPU each call also
+hands the native kernels' work to their threads anew: a one-row step of the embedded model took ~1.2 ms less, ~9%
+more start-up with an empty compile cache; docs/design/host_loop.md), other devices one layer per call until a GPU
+run shows what the longer compile buys there. Prefill steps of more than SHORT_PREFILL_TOKENS tokens, whose kernels
+outlast their dispatch, keep one layer a call; shorter ones (a verification step of draft tokens, a short prompt)
+take the decode steps' runs."""
 from __future__ import annotations
 
 import dataclasses
 import os
 
 LAYERS_PER_CALL_ENV = "JVLLM_LAYERS_PER_CALL"
+SHORT_PREFILL_TOKENS = 64  # prefill steps of up to this many tokens take the decode steps' runs of layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,9 +30,9 @@ class LayerRun:
         return self.start + len(self.groups)
 
 
-def layers_per_call() -> int:
-    """The run length JVLLM_LAYERS_PER_CALL asks for (default 1)."""
-    value = os.environ.get(LAYERS_PER_CALL_ENV, "").strip() or "1"
+def layers_per_call(default: int = 1) -> int:
+    """The run length JVLLM_LAYERS_PER_CALL asks for, else `default`."""
+    value = os.environ.get(LAYERS_PER_CALL_ENV, "").strip() or str(default)
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"{LAYERS_PER_CALL_ENV}={value!r}: expected a whole number of layers, 1 or more")
     return int(value)
@@ -42,6 +47,11 @@ def split_layers(layer_groups: tuple[int, ...], per_call: int) -> list[LayerRun]
 def runs_by_kind(layer_groups: tuple[int, ...], per_call: int) -> dict[str, list[LayerRun]]:
     """Per step kind ("decode", "prefill"), its layers' runs: `per_call` layers for decode steps, one for prefill."""
     return {"decode": split_layers(layer_groups, per_call), "prefill": split_layers(layer_groups, 1)}
+
+
+def runs_kind(kind: str, tokens: int) -> str:
+    """Whose runs of layers (runs_by_kind's key) a step of this kind and token count calls."""
+    return "decode" if kind == "decode" or tokens <= SHORT_PREFILL_TOKENS else "prefill"
 
 
 def first_runs(runs: list[LayerRun]) -> dict[tuple[int, ...], LayerRun]:

@@ -21,7 +21,7 @@ from jvllm.worker.compiled_steps import CompiledSteps
 from jvllm.worker.encoder_runner import EncoderBufferLayout, encoder_runner
 from jvllm.worker.huge_pages import back_with_huge_pages
 from jvllm.worker.input_transfer import InputTransfer
-from jvllm.worker.layer_runs import LayerRun, layers_per_call, runs_by_kind
+from jvllm.worker.layer_runs import LayerRun, layers_per_call, runs_by_kind, runs_kind
 from jvllm.worker.page_copy import copy_list
 from jvllm.worker.step_functions import build_step_functions
 from jvllm.worker.step_launcher import Launch, StepLauncher, dispatch_thread_asked
@@ -136,7 +136,9 @@ class ModelRunner:
                                      bf16_block_products=bf16_block_products, invariant_rows=invariant_rows,
                                      int8_block_products=int8_block_products,
                                      one_row_bf16=self.step_weights.one_row_bf16)
-        self._layer_runs = runs_by_kind(self.step_weights.parts.layer_groups, layers_per_call())
+        layer_groups = self.step_weights.parts.layer_groups
+        # on a CPU, every decode layer in one call (jvllm.worker.layer_runs)
+        self._layer_runs = runs_by_kind(layer_groups, layers_per_call(len(layer_groups) if self._on_cpu else 1))
         self.compiled = CompiledSteps(steps, self)
         # multi-host leaders send each step before running it, and CPU meshes run one executable at a time: both
         # keep their steps on the engine's thread
@@ -146,7 +148,7 @@ class ModelRunner:
 
     def layer_runs(self, shape: StepShape) -> list[LayerRun]:
         """The runs of layers a step of `shape` calls, one executable each (jvllm.worker.layer_runs)."""
-        return self._layer_runs[shape.kind]
+        return self._layer_runs[runs_kind(shape.kind, shape.tokens)]
 
     def back_weights_with_huge_pages(self) -> None:
         """On CPU, put the weights one-token steps read on 2 MiB pages (each decode step streams them: fewer TLB

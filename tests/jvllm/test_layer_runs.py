@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from benchmarks.gpu_models import TINY_BASE, TINY_FAMILIES, write_folder
-from jvllm.worker.layer_runs import (LAYERS_PER_CALL_ENV, LayerRun, first_runs, layers_per_call, runs_by_kind,
-                                     split_layers)
+from jvllm.worker.layer_runs import (LAYERS_PER_CALL_ENV, SHORT_PREFILL_TOKENS, LayerRun, first_runs,
+                                     layers_per_call, runs_by_kind, runs_kind, split_layers)
 
 
 def test_split_layers_covers_every_layer_in_order():
@@ -21,6 +21,12 @@ def test_split_layers_covers_every_layer_in_order():
     assert by_kind["prefill"] == [LayerRun(0, (0,)), LayerRun(1, (1,)), LayerRun(2, (0,))]
 
 
+def test_short_prefill_steps_take_the_decode_runs():
+    assert runs_kind("decode", 256) == "decode"
+    assert runs_kind("prefill", SHORT_PREFILL_TOKENS) == "decode"
+    assert runs_kind("prefill", 2 * SHORT_PREFILL_TOKENS) == "prefill"
+
+
 @pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
 def test_a_bad_layers_per_call_is_refused(monkeypatch, value):
     monkeypatch.setenv(LAYERS_PER_CALL_ENV, value)
@@ -28,22 +34,27 @@ def test_a_bad_layers_per_call_is_refused(monkeypatch, value):
         layers_per_call()
 
 
-def test_layers_per_call_defaults_to_one(monkeypatch):
+def test_layers_per_call_takes_the_callers_default_unless_set(monkeypatch):
     monkeypatch.delenv(LAYERS_PER_CALL_ENV, raising=False)
     assert layers_per_call() == 1
+    assert layers_per_call(30) == 30
     monkeypatch.setenv(LAYERS_PER_CALL_ENV, " 4 ")
-    assert layers_per_call() == 4
+    assert layers_per_call(30) == 4
 
 
-def _generate(folder, tokenizer, backend: str, monkeypatch, per_call: int):
+def _generate(folder, tokenizer, backend: str, monkeypatch, per_call: int | None):
+    """(tokens, logprobs, layer calls per decode step, decode steps' layer patterns); per_call None: the default."""
     from jvllm import Engine, SamplingParams
 
-    monkeypatch.setenv(LAYERS_PER_CALL_ENV, str(per_call))
+    if per_call is None:
+        monkeypatch.delenv(LAYERS_PER_CALL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(LAYERS_PER_CALL_ENV, str(per_call))
     engine = Engine(str(folder), tokenizer=str(tokenizer), load_format="dummy", dtype="float32", seed=0,
-                    attention_backend=backend, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=16,
+                    attention_backend=backend, max_model_len=128, max_num_seqs=2, max_num_batched_tokens=128,
                     kv_cache_memory_bytes=8 << 20, precompile=False)
     rng = np.random.default_rng(1)
-    prompts = [{"prompt_token_ids": rng.integers(100, 49000, size=n).tolist()} for n in (3, 21)]
+    prompts = [{"prompt_token_ids": rng.integers(100, 49000, size=n).tolist()} for n in (3, 21, 90)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
     outputs = engine.generate(prompts, params, use_tqdm=False)
     compiled = engine.runner.compiled._by_shape
@@ -51,9 +62,12 @@ def _generate(folder, tokenizer, backend: str, monkeypatch, per_call: int):
     calls_per_step = len(engine.runner.layer_runs(decode))
     patterns = {groups for shape, executables in compiled.items() if shape.kind == "decode"
                 for groups in executables.layers}
-    prefill_patterns = {groups for shape, executables in compiled.items() if shape.kind == "prefill"
-                        for groups in executables.layers}
-    assert {len(groups) for groups in prefill_patterns} == {1}  # prefill steps: one layer a call
+    long_prefill = {groups for shape, executables in compiled.items()
+                    if shape.kind == "prefill" and shape.tokens > SHORT_PREFILL_TOKENS for groups in executables.layers}
+    short_prefill = {groups for shape, executables in compiled.items()
+                     if shape.kind == "prefill" and shape.tokens <= SHORT_PREFILL_TOKENS for groups in executables.layers}
+    assert long_prefill and {len(groups) for groups in long_prefill} == {1}  # long prefill steps: one layer a call
+    assert short_prefill <= patterns  # short ones: the decode steps' runs
     tokens = [out.outputs[0].token_ids for out in outputs]
     logprobs = [[step[token].logprob for step, token in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
                 for out in outputs]
@@ -63,6 +77,7 @@ def _generate(folder, tokenizer, backend: str, monkeypatch, per_call: int):
 @pytest.mark.parametrize("family,backend,per_call,calls,patterns", [
     ("gemma3", "xla", 2, 2, {(0, 0), (1,)}),  # sliding, sliding | full: runs of two structures and two lengths
     ("llama", "xla", 8, 1, {(0, 0, 0, 0, 0)}),  # every layer in one call
+    ("llama", "xla", None, 1, {(0, 0, 0, 0, 0)}),  # a CPU engine's default: every layer in one call
     ("llama", "pallas", 2, 3, {(0, 0), (0,)}),  # the kernels' pool donated per run
 ])
 def test_runs_of_layers_give_the_tokens_of_one_layer_per_call(tmp_path, smollm_tokenizer_dir, monkeypatch, family,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pathlib
 import re
 import sys
@@ -126,9 +127,13 @@ def collectives(hlo: str) -> list[dict[str, Any]]:
 
 
 def hlo(args: dict[str, Any]) -> dict[str, Any]:
-    """Compile a decode step (after one prefill) and the pool write; report their collectives."""
+    """Compile a decode step (after one prefill) and the pool write; report their collectives (one layer's: the
+    decode layers one per call)."""
     from jvllm import SamplingParams
     from jvllm.engine.step_plan import plan_chunks
+    from jvllm.worker.layer_runs import LAYERS_PER_CALL_ENV
+
+    os.environ[LAYERS_PER_CALL_ENV] = "1"
 
     eng = engine(args["model"], args["tp"], attention_backend=args.get("backend", "xla"))
     eng.add_request("r", {"prompt_token_ids": args["prompts"][0]}, SamplingParams(max_tokens=4, temperature=0.0))
