@@ -3,16 +3,17 @@
 Each call of a compiled piece costs the host a fixed amount of work (arguments, the runtime's bookkeeping, on a GPU
 the launch of each kernel), so a step of L layers called one layer at a time pays it L times. A run of n layers in
 one executable pays it L / n times; its compile takes about n times one layer's. JVLLM_LAYERS_PER_CALL sets n for
-decode steps. By default a CPU engine runs all of a decode step's layers in one call (on XLA CPU each call also
-hands the native kernels' work to their threads anew: a one-row step of the embedded model took ~1.2 ms less, ~9%
-more start-up with an empty compile cache; docs/design/host_loop.md), other devices one layer per call until a GPU
-run shows what the longer compile buys there. Prefill steps of more than SHORT_PREFILL_TOKENS tokens, whose kernels
-outlast their dispatch, keep one layer a call; shorter ones (a verification step of draft tokens, a short prompt)
-take the decode steps' runs."""
+decode steps and the prefill steps that take their runs. By default a CPU engine runs all of a step's layers in one call, prefill steps' too (on XLA CPU each
+call also hands the native kernels' work to their threads anew: a one-row step of the embedded model took ~1.2 ms
+less, a 2,048-token prefill step about as long or less, for about the same start-up; docs/design/host_loop.md); other
+devices one layer per call until a GPU run shows what the longer compile buys there, and there prefill steps of
+more than SHORT_PREFILL_TOKENS tokens, whose kernels outlast their dispatch and which compile the longest, keep one
+layer a call while shorter ones (a verification step of draft tokens, a short prompt) take the decode steps' runs."""
 from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 LAYERS_PER_CALL_ENV = "JVLLM_LAYERS_PER_CALL"
 SHORT_PREFILL_TOKENS = 64  # prefill steps of up to this many tokens take the decode steps' runs of layers
@@ -49,9 +50,15 @@ def runs_by_kind(layer_groups: tuple[int, ...], per_call: int) -> dict[str, list
     return {"decode": split_layers(layer_groups, per_call), "prefill": split_layers(layer_groups, 1)}
 
 
-def runs_kind(kind: str, tokens: int) -> str:
-    """Whose runs of layers (runs_by_kind's key) a step of this kind and token count calls."""
-    return "decode" if kind == "decode" or tokens <= SHORT_PREFILL_TOKENS else "prefill"
+def short_prefill_tokens(on_cpu: bool) -> int:
+    """Prefill steps of up to this many tokens take the decode steps' runs: every one on a CPU."""
+    return sys.maxsize if on_cpu else SHORT_PREFILL_TOKENS
+
+
+def runs_kind(kind: str, tokens: int, short_prefill: int = SHORT_PREFILL_TOKENS) -> str:
+    """Whose runs of layers (runs_by_kind's key) a step of this kind and token count calls, prefill steps of up to
+    `short_prefill` tokens taking the decode steps'."""
+    return "decode" if kind == "decode" or tokens <= short_prefill else "prefill"
 
 
 def first_runs(runs: list[LayerRun]) -> dict[tuple[int, ...], LayerRun]:

@@ -21,7 +21,7 @@ from jvllm.worker.compiled_steps import CompiledSteps
 from jvllm.worker.encoder_runner import EncoderBufferLayout, encoder_runner
 from jvllm.worker.huge_pages import back_with_huge_pages
 from jvllm.worker.input_transfer import InputTransfer
-from jvllm.worker.layer_runs import LayerRun, layers_per_call, runs_by_kind, runs_kind
+from jvllm.worker.layer_runs import LayerRun, layers_per_call, runs_by_kind, runs_kind, short_prefill_tokens
 from jvllm.worker.page_copy import copy_list
 from jvllm.worker.step_functions import build_step_functions
 from jvllm.worker.step_launcher import Launch, StepLauncher, dispatch_thread_asked
@@ -137,8 +137,9 @@ class ModelRunner:
                                      int8_block_products=int8_block_products,
                                      one_row_bf16=self.step_weights.one_row_bf16)
         layer_groups = self.step_weights.parts.layer_groups
-        # on a CPU, every decode layer in one call (jvllm.worker.layer_runs)
+        # on a CPU, every layer of a step in one call (jvllm.worker.layer_runs)
         self._layer_runs = runs_by_kind(layer_groups, layers_per_call(len(layer_groups) if self._on_cpu else 1))
+        self._short_prefill = short_prefill_tokens(self._on_cpu)
         self.compiled = CompiledSteps(steps, self)
         # multi-host leaders send each step before running it, and CPU meshes run one executable at a time: both
         # keep their steps on the engine's thread
@@ -148,7 +149,7 @@ class ModelRunner:
 
     def layer_runs(self, shape: StepShape) -> list[LayerRun]:
         """The runs of layers a step of `shape` calls, one executable each (jvllm.worker.layer_runs)."""
-        return self._layer_runs[runs_kind(shape.kind, shape.tokens)]
+        return self._layer_runs[runs_kind(shape.kind, shape.tokens, self._short_prefill)]
 
     def back_weights_with_huge_pages(self) -> None:
         """On CPU, put the weights one-token steps read on 2 MiB pages (each decode step streams them: fewer TLB

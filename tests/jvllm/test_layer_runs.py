@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks.gpu_models import TINY_BASE, TINY_FAMILIES, write_folder
 from jvllm.worker.layer_runs import (LAYERS_PER_CALL_ENV, SHORT_PREFILL_TOKENS, LayerRun, first_runs,
-                                     layers_per_call, runs_by_kind, runs_kind, split_layers)
+                                     layers_per_call, runs_by_kind, runs_kind, short_prefill_tokens, split_layers)
 
 
 def test_split_layers_covers_every_layer_in_order():
@@ -21,10 +21,12 @@ def test_split_layers_covers_every_layer_in_order():
     assert by_kind["prefill"] == [LayerRun(0, (0,)), LayerRun(1, (1,)), LayerRun(2, (0,))]
 
 
-def test_short_prefill_steps_take_the_decode_runs():
+def test_short_prefill_steps_take_the_decode_runs_and_on_a_cpu_every_one():
     assert runs_kind("decode", 256) == "decode"
     assert runs_kind("prefill", SHORT_PREFILL_TOKENS) == "decode"
     assert runs_kind("prefill", 2 * SHORT_PREFILL_TOKENS) == "prefill"
+    assert short_prefill_tokens(on_cpu=False) == SHORT_PREFILL_TOKENS
+    assert runs_kind("prefill", 4096, short_prefill_tokens(on_cpu=True)) == "decode"
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
@@ -62,12 +64,9 @@ def _generate(folder, tokenizer, backend: str, monkeypatch, per_call: int | None
     calls_per_step = len(engine.runner.layer_runs(decode))
     patterns = {groups for shape, executables in compiled.items() if shape.kind == "decode"
                 for groups in executables.layers}
-    long_prefill = {groups for shape, executables in compiled.items()
-                    if shape.kind == "prefill" and shape.tokens > SHORT_PREFILL_TOKENS for groups in executables.layers}
-    short_prefill = {groups for shape, executables in compiled.items()
-                     if shape.kind == "prefill" and shape.tokens <= SHORT_PREFILL_TOKENS for groups in executables.layers}
-    assert long_prefill and {len(groups) for groups in long_prefill} == {1}  # long prefill steps: one layer a call
-    assert short_prefill <= patterns  # short ones: the decode steps' runs
+    prefill_patterns = {groups for shape, executables in compiled.items() if shape.kind == "prefill"
+                        for groups in executables.layers}
+    assert prefill_patterns and prefill_patterns <= patterns  # a CPU engine's prefill steps: the decode steps' runs
     tokens = [out.outputs[0].token_ids for out in outputs]
     logprobs = [[step[token].logprob for step, token in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
                 for out in outputs]
