@@ -183,6 +183,10 @@ class RMSNorm(nnx.Module):
         normed = rms_normalized(x, self.eps)
         return self.weight[...] * normed.astype(x.dtype)  # transformers' order; f32 when the weight is bf16
 
+    def adds_natively(self, x: jax.Array) -> bool:
+        """Whether add_and_norm of x's dtype runs as one native pass (the same bits as the add, then the norm)."""
+        return self._native(x, x)
+
     def add_and_norm(self, x: jax.Array, delta: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(x + delta, its norm)."""
         if self._native(x, delta) and x.shape == delta.shape:

@@ -115,10 +115,25 @@ class DecoderLayer(nnx.Module):
                                      else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs))
 
     def __call__(self, x, cos, sin, pages, md, attention):
-        attn_out, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, pages, md, attention)
+        x, mlp_out, new_kv = self.call_deferred(x, None, cos, sin, pages, md, attention)
+        return x + mlp_out, new_kv
+
+    def defers_residual(self, x: jax.Array) -> bool:
+        """Whether call_deferred saves a pass here: the input norm adds the previous layer's output natively."""
+        return self.input_layernorm.adds_natively(x)
+
+    def call_deferred(self, x, delta, cos, sin, pages, md, attention):
+        """The layer with its residual adds left to its neighbours: x plus `delta` (the previous layer's MLP output,
+        added in the input norm's pass; None: nothing to add) -> (x, this layer's MLP output, new_kv), whose sum is
+        what __call__ returns."""
+        if delta is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_and_norm(x, delta)
+        attn_out, new_kv = self.self_attn(h, cos, sin, pages, md, attention)
         x, h = self.post_attention_layernorm.add_and_norm(x, attn_out)
         mlp_out = self.mlp(h, attention_mesh(attention)) if isinstance(self.mlp, SparseMoE) else self.mlp(h)
-        return x + mlp_out.astype(x.dtype), new_kv
+        return x, mlp_out.astype(x.dtype), new_kv
 
 
 class LlamaForCausalLM(nnx.Module):

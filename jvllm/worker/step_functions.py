@@ -132,7 +132,17 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
 
     def layer_run(weights: list[list[jax.Array]], x: jax.Array, cos: jax.Array, sin: jax.Array, pages: list[tuple],
                   md: AttentionMetadata, *, groups: tuple[int, ...]):
-        """Consecutive layers in one executable (their groups in order) -> (x, each layer's result)."""
+        """Consecutive layers in one executable (their groups in order) -> (x, each layer's result). Where every
+        layer of the run defers its residual add (models.llama.DecoderLayer.call_deferred), each layer's MLP output
+        is added in the next layer's input-norm pass (the same bits, one pass over x fewer) and the last at the end."""
+        modules = [parts.layer(layer_weights, group) for layer_weights, group in zip(weights, groups)]
+        if len(modules) > 1 and all(getattr(m, "defers_residual", lambda _: False)(x) for m in modules):
+            results, delta = [], None
+            with live_rows(jnp.sum(md.q_lens), x.shape[0]), products():
+                for module, layer_pages in zip(modules, pages):
+                    x, delta, result = module.call_deferred(x, delta, cos, sin, layer_pages, md, attention)
+                    results.append(result)
+                return x + delta, results
         results = []
         for layer_weights, layer_pages, group in zip(weights, pages, groups):
             x, result = layer(layer_weights, x, cos, sin, layer_pages, md, group=group)
