@@ -3,12 +3,13 @@
 Each call of a compiled piece costs the host a fixed amount of work (arguments, the runtime's bookkeeping, on a GPU
 the launch of each kernel), so a step of L layers called one layer at a time pays it L times. A run of n layers in
 one executable pays it L / n times; its compile takes about n times one layer's. JVLLM_LAYERS_PER_CALL sets n for
-decode steps and the prefill steps that take their runs. By default a CPU engine runs all of a step's layers in one call, prefill steps' too (on XLA CPU each
-call also hands the native kernels' work to their threads anew: a one-row step of the embedded model took ~1.2 ms
-less, a 2,048-token prefill step about as long or less, for about the same start-up; docs/design/host_loop.md); other
-devices one layer per call until a GPU run shows what the longer compile buys there, and there prefill steps of
-more than SHORT_PREFILL_TOKENS tokens, whose kernels outlast their dispatch and which compile the longest, keep one
-layer a call while shorter ones (a verification step of draft tokens, a short prompt) take the decode steps' runs."""
+decode steps and for the prefill steps that take their runs.
+
+By default a CPU engine runs all of a step's layers in one call, prefill steps included: on XLA CPU a call also
+hands the native kernels' work to their helper threads anew, and compiling the whole run costs about what the
+pieces do (docs/design/host_loop.md). Other devices call one layer at a time until a GPU run shows what the longer
+compile buys there; their prefill steps of up to SHORT_PREFILL_TOKENS tokens (a verification step of draft tokens,
+a short prompt) take the decode steps' runs, longer ones, whose kernels outlast their dispatch, one layer a call."""
 from __future__ import annotations
 
 import dataclasses

@@ -124,10 +124,15 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
         with bf16_products(bf16_block_products, invariant_rows, int8_block_products), native_bf16_rows(one_row_bf16):
             yield
 
+    @contextlib.contextmanager
+    def layer_products(x: jax.Array, md: AttentionMetadata) -> Iterator[None]:
+        """A layer's products: none for padding tokens on CPU's quantized weights, in the engine's precisions."""
+        with live_rows(jnp.sum(md.q_lens), x.shape[0]), products():
+            yield
+
     def layer(weights: list[jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array, pages: tuple,
               md: AttentionMetadata, *, group: int = 0):
-        with live_rows(jnp.sum(md.q_lens), x.shape[0]), products():
-            # padding tokens: no products on CPU's quantized weights
+        with layer_products(x, md):
             return parts.layer(weights, group)(x, cos, sin, pages, md, attention)
 
     def layer_run(weights: list[list[jax.Array]], x: jax.Array, cos: jax.Array, sin: jax.Array, pages: list[tuple],
@@ -136,18 +141,16 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
         layer of the run defers its residual add (models.llama.DecoderLayer.call_deferred), each layer's MLP output
         is added in the next layer's input-norm pass (the same bits, one pass over x fewer) and the last at the end."""
         modules = [parts.layer(layer_weights, group) for layer_weights, group in zip(weights, groups)]
-        if len(modules) > 1 and all(getattr(m, "defers_residual", lambda _: False)(x) for m in modules):
-            results, delta = [], None
-            with live_rows(jnp.sum(md.q_lens), x.shape[0]), products():
-                for module, layer_pages in zip(modules, pages):
+        deferred = len(modules) > 1 and all(getattr(m, "defers_residual", lambda _: False)(x) for m in modules)
+        results, delta = [], None
+        with layer_products(x, md):
+            for module, layer_pages in zip(modules, pages):
+                if deferred:
                     x, delta, result = module.call_deferred(x, delta, cos, sin, layer_pages, md, attention)
-                    results.append(result)
-                return x + delta, results
-        results = []
-        for layer_weights, layer_pages, group in zip(weights, pages, groups):
-            x, result = layer(layer_weights, x, cos, sin, layer_pages, md, group=group)
-            results.append(result)
-        return x, results
+                else:
+                    x, result = module(x, cos, sin, layer_pages, md, attention)
+                results.append(result)
+        return (x + delta if deferred else x), results
 
     @functools.cache
     def layer_runs(length: int) -> Any:
