@@ -24,7 +24,7 @@ from benchmarks.spec_decode import SETTINGS, prompts
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--method", choices=["ngram", "suffix"], default="suffix")
+    parser.add_argument("--method", choices=["off", "ngram", "suffix"], default="suffix")
     parser.add_argument("--kind", default="code edit", help="the spec_decode prompts to run (default: code edit)")
     parser.add_argument("--prompts", type=int, default=2, help="measured prompts of that kind (after one warm-up)")
     parser.add_argument("--max-tokens", type=int, default=256)

@@ -12,7 +12,7 @@ import torch
 import transformers
 from flax import nnx
 
-from models.bert import attention_bias
+from models.bert import attention_bias, gelu_erf
 from jvllm.model_loader.embedded_models import embedded_model_path, find_embedded_model
 from jvllm.model_loader.loader import load_model
 
@@ -171,3 +171,12 @@ def test_minilm_weights_match_transformers_on_real_text():
     ids, mask = batch["input_ids"].astype(np.int32), batch["attention_mask"].astype(np.int32)
     assert_close_on_real_tokens(jvllm_hidden_states(folder, ids, mask), torch_hidden_states(model, ids, mask), mask,
                                 atol=5e-5)
+
+
+def test_gelu_is_torchs_erf_form_and_keeps_the_dtype():
+    """The erf form PyTorch computes: within 1e-6 of torch's GELU everywhere (the far negative tail
+    included, where it and jax.nn.gelu's erfc form are all below 1e-6), and bfloat16 stays bfloat16."""
+    x = np.linspace(-12, 12, 4001, dtype=np.float32)
+    theirs = torch.nn.functional.gelu(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(np.asarray(gelu_erf(jnp.asarray(x))), theirs, rtol=2e-6, atol=1e-6)
+    assert gelu_erf(jnp.asarray(x, jnp.bfloat16)).dtype == jnp.bfloat16
