@@ -31,7 +31,7 @@ HERE = pathlib.Path(__file__).parent
 SOURCES = [HERE / name for name in ("kquant_products.cc", "word_group_format_products.cc", "blocks32_products.cc",
                                     "interleaved_format_products.cc", "q6k_products.cc", "paged_attention.cc",
                                     "bf16_rows.cc", "bf16_weight_tiles.cc", "quantized_matmul.cc", "rms_norm.cc",
-                                    "rope.cc", "row_argmax.cc")]
+                                    "rope.cc", "row_argmax.cc", "encoder.cc")]
 HEADERS = sorted(HERE.glob("*.h"))
 TARGETS = {  # XLA custom-call name -> exported handler symbol
     "jvllm_paged_attention": "JvllmPagedAttention",
@@ -44,6 +44,7 @@ TARGETS = {  # XLA custom-call name -> exported handler symbol
     "jvllm_row_argmax": "JvllmRowArgmax",
     "jvllm_bf16_rows": "JvllmBf16Rows",
     "jvllm_bf16_tiles": "JvllmBf16Tiles",
+    "jvllm_segment_attention": "JvllmSegmentAttention",
 }
 # -fno-gnu-unique: another build of the kernels (benchmarks.native_ab) can be loaded beside this one in one process
 # with its own copies of inline functions' statics

@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 
 from models.config import EncoderConfig
+from models.quantized import native_kernel_available
 from models.params import normal_param
 
 _MASKED = -1e30  # finite: a fully padded row softmaxes to a harmless uniform instead of NaN
@@ -41,11 +42,14 @@ class Dense(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        return (self.product(x) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+    def product(self, x: jax.Array) -> jax.Array:
+        """x @ kernel without the bias, float32."""
         kernel = self.kernel[...]
         # The activation is cast to the weights' dtype (never the weights up): bf16 weights stay a
         # bf16 x bf16 -> f32 dot, the fast CPU path for big batches.
-        y = jnp.einsum("...d,de->...e", x.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
-        return (y + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+        return jnp.einsum("...d,de->...e", x.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
 
 
 class LayerNorm(nnx.Module):
@@ -67,19 +71,19 @@ class SelfAttention(nnx.Module):
 
     def __init__(self, cfg: EncoderConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
         d = cfg.hidden_size
-        self.query = Dense(d, d, dtype, rngs)
-        self.key = Dense(d, d, dtype, rngs)
-        self.value = Dense(d, d, dtype, rngs)
+        self.qkv = Dense(d, 3 * d, dtype, rngs)  # query, key and value as one product: [D, 3D]
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
 
-    def __call__(self, x: jax.Array, bias: jax.Array) -> jax.Array:
-        """x [B, L, D], bias [B, L, L] (0 where a query may see a key, -1e30 elsewhere) -> [B, L, D]."""
+    def __call__(self, x: jax.Array, segments: jax.Array) -> jax.Array:
+        """x [B, L, D], segments [B, L] (a token sees the tokens of its row with its own nonzero value) -> [B, L, D]."""
         batch, length, _ = x.shape
+        if _native(x, self.qkv.bias[...]):  # each sequence's queries against its own keys only
+            from cpu_kernels.encoder import segment_attention
 
-        def heads(y: jax.Array) -> jax.Array:  # [B, L, D] -> [B, H, L, hd]: head-major einsums are faster on CPU
-            return y.reshape(batch, length, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
-
-        q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
+            return segment_attention(self.qkv.product(x), segments, self.qkv.bias[...], self.num_heads)
+        bias = attention_bias(segments)  # [B, L, L]
+        # [B, L, 3D] -> [3, B, H, L, hd]: head-major einsums are faster on CPU
+        q, k, v = self.qkv(x).reshape(batch, length, 3, self.num_heads, self.head_dim).transpose(2, 0, 3, 1, 4)
         scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32) * self.head_dim ** -0.5
         scores = scores + bias[:, None]  # [B, H, L, L]
         weights = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
@@ -104,8 +108,8 @@ class EncoderLayer(nnx.Module):
             raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; supported: {', '.join(_ACTIVATIONS)}")
         self.act_name = cfg.hidden_act
 
-    def __call__(self, x: jax.Array, bias: jax.Array) -> jax.Array:
-        x = self.attention_norm(x + self.attention_output(self.attention(x, bias)))
+    def __call__(self, x: jax.Array, segments: jax.Array) -> jax.Array:
+        x = self.attention_norm(x + self.attention_output(self.attention(x, segments)))
         return self.output_norm(x + self.output(_ACTIVATIONS[self.act_name](self.intermediate(x))))
 
 
@@ -129,9 +133,8 @@ class BertModel(nnx.Module):
         mask is one sequence per row and packed rows number their sequences 1, 2, ... (`positions` [B, L] then
         restart at 0 for each; by default they count 0..L-1 along the row)."""
         x = self.embed(input_ids, positions, token_type_ids)
-        bias = attention_bias(attention_mask)
         for layer in self.layers:
-            x = layer(x, bias)
+            x = layer(x, attention_mask)
         return x
 
     def embed(self, input_ids: jax.Array, positions: jax.Array | None = None,
@@ -172,8 +175,10 @@ class BertModel(nnx.Module):
         norm(self.embeddings_norm, "embeddings.LayerNorm")
         for i, layer in enumerate(self.layers):
             p = f"encoder.layer.{i}."
-            for proj in ("query", "key", "value"):
-                dense(getattr(layer.attention, proj), p + "attention.self." + proj)
+            projections = [p + "attention.self." + proj for proj in ("query", "key", "value")]
+            qkv = layer.attention.qkv
+            qkv.kernel.set_value(jnp.concatenate([take(name + ".weight", transpose=True) for name in projections], 1))
+            qkv.bias.set_value(jnp.concatenate([take(name + ".bias") for name in projections]))
             dense(layer.attention_output, p + "attention.output.dense")
             norm(layer.attention_norm, p + "attention.output.LayerNorm")
             dense(layer.intermediate, p + "intermediate.dense")
@@ -215,6 +220,12 @@ class BertForSequenceClassification(nnx.Module):
                 raise ValueError(f"weights are missing tensor {missing[0]!r} of the classification head")
             module.kernel.set_value(jnp.asarray(np.asarray(tensors[name + ".weight"]).T, dtype=dtype))
             module.bias.set_value(jnp.asarray(np.asarray(tensors[name + ".bias"]), dtype=dtype))
+
+def _native(*arrays: jax.Array) -> bool:
+    """Whether float32 `arrays` take the native encoder attention (XLA CPU with the kernels built)."""
+    return (jax.default_backend() == "cpu" and all(a.dtype == jnp.float32 for a in arrays)
+            and native_kernel_available())
+
 
 def attention_bias(attention_mask: jax.Array) -> jax.Array:
     """[B, L] segment mask (0 padding) -> [B, L, L] float32 bias: 0 where query and key share a segment."""

@@ -12,7 +12,8 @@ import torch
 import transformers
 from flax import nnx
 
-from models.bert import attention_bias, gelu_erf
+import models.bert
+from models.bert import gelu_erf
 from jvllm.model_loader.embedded_models import embedded_model_path, find_embedded_model
 from jvllm.model_loader.loader import load_model
 
@@ -43,6 +44,14 @@ def make_tiny(tmp_path_factory, tokenizer_files):
     return make
 
 
+@pytest.fixture(autouse=True, params=["native", "xla"])
+def encoder_path(request, monkeypatch):
+    """Every test on both paths: the native encoder attention (XLA CPU's default for float32) and XLA's."""
+    if request.param == "xla":
+        monkeypatch.setattr(models.bert, "_native", lambda *arrays: False)
+    return request.param
+
+
 def padded_batch(seed: int = 0, low: int = 5) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     ids = np.zeros((len(LENGTHS), max(LENGTHS)), np.int32)
@@ -65,9 +74,8 @@ def jvllm_hidden_states(folder, ids: np.ndarray, mask: np.ndarray) -> list[np.nd
     model = nnx.merge(loaded.graphdef, loaded.state)
     x = model.embed(jnp.asarray(ids))
     states = [np.asarray(x)]
-    bias = attention_bias(jnp.asarray(mask))
     for layer in model.layers:
-        x = layer(x, bias)
+        x = layer(x, jnp.asarray(mask))
         states.append(np.asarray(x))
     final = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask)))
     np.testing.assert_array_equal(final, states[-1])  # __call__ is exactly embed + the layers
