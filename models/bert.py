@@ -10,8 +10,8 @@ import numpy as np
 from flax import nnx
 
 from models.config import EncoderConfig
-from models.quantized import native_kernel_available
 from models.params import normal_param
+from models.quantized import native_kernel_available
 
 _MASKED = -1e30  # finite: a fully padded row softmaxes to a harmless uniform instead of NaN
 
@@ -220,6 +220,7 @@ class BertForSequenceClassification(nnx.Module):
                 raise ValueError(f"weights are missing tensor {missing[0]!r} of the classification head")
             module.kernel.set_value(jnp.asarray(np.asarray(tensors[name + ".weight"]).T, dtype=dtype))
             module.bias.set_value(jnp.asarray(np.asarray(tensors[name + ".bias"]), dtype=dtype))
+
 
 def _native(*arrays: jax.Array) -> bool:
     """Whether float32 `arrays` take the native encoder attention (XLA CPU with the kernels built)."""
