@@ -11,15 +11,15 @@ from flax import nnx
 
 from models.config import EncoderConfig
 from models.params import normal_param
-from models.quantized import native_kernel_available
+from models.quantized import native_float32
 
 _MASKED = -1e30  # finite: a fully padded row softmaxes to a harmless uniform instead of NaN
 
 
 def gelu_erf(x: jax.Array) -> jax.Array:
     """The exact GELU as PyTorch computes it, x/2 (1 + erf(x / sqrt 2)). jax.nn.gelu's erfc form keeps its relative
-    precision far into the negative tail, where the outputs are below 1e-6 anyway, and on XLA CPU made an encoder's
-    forward ~8% slower (docs/design/models_and_outputs.md)."""
+    precision far into the negative tail, where the outputs are below 1e-6 anyway, at the cost of an exp and a
+    division an element on XLA CPU (docs/design/serving.md, "Embeddings in bf16 ...")."""
     return x * 0.5 * (1.0 + jax.lax.erf(x * 0.7071067811865476))
 
 
@@ -223,9 +223,8 @@ class BertForSequenceClassification(nnx.Module):
 
 
 def _native(*arrays: jax.Array) -> bool:
-    """Whether float32 `arrays` take the native encoder attention (XLA CPU with the kernels built)."""
-    return (jax.default_backend() == "cpu" and all(a.dtype == jnp.float32 for a in arrays)
-            and native_kernel_available())
+    """Whether `arrays` take the native encoder attention (float32 on XLA CPU with the kernels built)."""
+    return native_float32(*arrays)
 
 
 def attention_bias(attention_mask: jax.Array) -> jax.Array:

@@ -22,9 +22,9 @@ TILES_MAX_IN_OUT_DEPTH = 1024
 
 def bf16_rows_available() -> bool:
     """Whether this process can run the native product: XLA CPU with the native kernels built."""
-    from models.quantized import native_kernel_available
+    from models.quantized import native_cpu_kernels
 
-    return jax.default_backend() == "cpu" and native_kernel_available()
+    return native_cpu_kernels()
 
 
 @contextlib.contextmanager

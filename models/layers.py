@@ -12,7 +12,7 @@ from flax import nnx
 from models.bf16_rows import bf16_rows_dot
 from models.channel_quant import CHANNEL_FORMATS
 from models.params import normal_param, value_or_none
-from models.quantized import (check_quantized, native_kernel_available, native_layout, quantized_dot,
+from models.quantized import (check_quantized, native_float32, native_layout, quantized_dot,
                               quantized_gated_dot)
 
 
@@ -172,8 +172,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def _native(self, *xs: jax.Array) -> bool:
-        return (jax.default_backend() == "cpu" and self.weight.dtype == jnp.float32
-                and all(x.dtype == jnp.float32 for x in xs) and native_kernel_available())
+        return native_float32(self.weight[...], *xs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self._native(x):

@@ -211,6 +211,16 @@ def native_kernel_available() -> bool:
     return available()
 
 
+def native_cpu_kernels() -> bool:
+    """Whether this process runs on XLA CPU with the native kernels built (cpu_kernels)."""
+    return jax.default_backend() == "cpu" and native_kernel_available()
+
+
+def native_float32(*arrays: jax.Array) -> bool:
+    """Whether float32 kernels of cpu_kernels can take `arrays`: native_cpu_kernels() and every array float32."""
+    return all(a.dtype == jnp.float32 for a in arrays) and native_cpu_kernels()
+
+
 def invariant_block_rows_available() -> bool:
     """Whether the native kernels here give each row of a product with GGUF blocks the bits it would get alone, up
     to invariant_step_rows, whatever the engine asks (where `batch_invariant` is on by default): AVX-512 builds
@@ -318,7 +328,7 @@ def quantized_dot(x: jax.Array, raw: jax.Array, fmt: str, scale: jax.Array | Non
     format (models.channel_quant) takes codes raw [N, K] and their scales [N] instead."""
     if fmt in CHANNEL_FORMATS:
         return channel_dot(x, raw, scale)
-    if jax.default_backend() == "cpu" and native_kernel_available():
+    if native_cpu_kernels():
         from cpu_kernels.quantized_matmul import quantized_matmul, row_path_limits
 
         return quantized_matmul(x, raw, fmt, *row_path_limits(), live_rows_of(x.shape[0]),
