@@ -23,20 +23,21 @@ def cpu_model() -> str:
 
 def machine_info() -> dict:
     """Platform, CPU model, CPUs, Python / jax versions, backend, whether the native kernels' many-row products run
-    on AMX, and the load average at the time of the run."""
+    on AMX (and from how many rows the few-row block sums do), and the load average at the time of the run."""
     import jax
 
-    amx = False
+    amx, amx_block_sums = False, 0
     if jax.default_backend() == "cpu":  # elsewhere the native kernels are neither built nor used
         try:
             from cpu_kernels.bf16_rows import amx_products
-            amx = amx_products()
+            from cpu_kernels.quantized_matmul import amx_block_sum_min_rows
+            amx, amx_block_sums = amx_products(), amx_block_sum_min_rows()
         except Exception:  # no native kernels here (no compiler): nothing runs on AMX
             pass
     return {"platform": platform.platform(), "processor": platform.processor(), "cpu_model": cpu_model(),
             "cpus": os.cpu_count(), "python": platform.python_version(), "jax": jax.__version__,
             "backend": jax.default_backend(), "device": str(jax.devices()[0]), "amx_products": amx,
-            "load_average": os.getloadavg()}
+            "amx_block_sum_min_rows": amx_block_sums, "load_average": os.getloadavg()}
 
 
 def write_json(path: str | None, results: dict) -> None:

@@ -125,6 +125,16 @@ inline __m512i AddPairProducts(__m512i sums, __m512i w, __m512i x) {
 }
 
 inline void KeepInRegister(__m512i& v) { __asm__("" : "+v"(v)); }
+
+// The invariant path's float chain (invariant_products.h): one block's term added to 16 outputs' sums at `at`,
+// f += c * xs; f += float(total) * (d * xd), the same operations on every path that takes it.
+template <bool kConstants>
+inline void AddBlockTerm(float* at, __m512i total, __m512 d, __m512 c, float xd, float xs) {
+  __m512 f = _mm512_loadu_ps(at);
+  if constexpr (kConstants) f = _mm512_fmadd_ps(c, _mm512_set1_ps(xs), f);
+  const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xd));
+  _mm512_storeu_ps(at, _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale, f));
+}
 #endif
 
 // An empty asm that says v is read and written in a vector register, so the compiler keeps a running sum there

@@ -40,8 +40,10 @@ constexpr bool TakesInvariantProduct(int64_t m, int64_t max_rows) {
 #include <immintrin.h>
 
 #include <algorithm>
+#include <optional>
 #include <vector>
 
+#include "amx_block_sums.h"
 #include "float_tiles.h"
 #include "int16_tiles.h"
 #include "line_aligned.h"
@@ -60,6 +62,11 @@ class InvariantProduct {
   static constexpr bool kConstants = !kSigned && !std::is_same_v<Fmt, Q6_K>;  // blocks with a constant term c
   static constexpr int kHeader = kKQuant ? 0 : Fmt::kBytes - (kSigned ? 32 : 16);
   static constexpr int kPairs = 16;  // pairs of weights a block
+#if JVLLM_AMX_INT8
+  static constexpr int64_t kChunk = kAmxChunkGroups;  // groups of 16 columns whose sums are made together
+#else
+  static constexpr int64_t kChunk = 1;
+#endif
 
   // x [M, K] quantized with 32767 as the largest code, then each block's codes permuted to the pairs' order.
   InvariantProduct(int64_t m, int64_t k, int64_t n, const float* x, const uint8_t* w, float* y,
@@ -68,13 +75,23 @@ class InvariantProduct {
     thread_local Int16Rows xq;
     thread_local std::vector<int16_t> pairs;
     xq.Quantize(x, m, k, Int16Limit<Fmt>());
+    xq_ = &xq;
+#if JVLLM_AMX_INT8
+    if constexpr (kWordGroups<Fmt>) {
+      if (m >= AmxBlockSumMinRows() && m <= kAmxBlockSumRows && AmxUsable()) {
+        thread_local AmxCodeBytes bytes;
+        bytes.Split(xq.q.data(), m, blocks_);
+        amx_x_ = &bytes;
+        return;
+      }
+    }
+#endif
     GrowTo(pairs, static_cast<size_t>(m * k));
     const __m512i order = PairOrder();
     for (int64_t b = 0; b < m * blocks_; ++b) {
       const __m512i codes = _mm512_loadu_si512(xq.q.data() + b * 32);
       _mm512_storeu_si512(pairs.data() + b * 32, _mm512_permutexvar_epi16(order, codes));
     }
-    xq_ = &xq;
     x_pairs_ = reinterpret_cast<const int32_t*>(pairs.data());
   }
 
@@ -82,24 +99,27 @@ class InvariantProduct {
 
   // Output columns [16 g0, 16 g1).
   void Run(int64_t g0, int64_t g1) const {
-    thread_local std::vector<float> sums;  // [2, M, 16]: one group's float sums (gated: the gate's, then the up's)
-    GrowTo(sums, static_cast<size_t>(2 * m_ * 16));
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t n = 16 * g;
-      const int cols = static_cast<int>(std::min<int64_t>(16, n_ - n));
-      const __mmask16 live = static_cast<__mmask16>((1u << cols) - 1u);
-      GroupSums(w_, n, cols, sums.data());
-      if (up_ == nullptr) {
+    thread_local std::vector<float> sums;  // [2, chunk, M, 16]: a chunk of groups' float sums (gated: the gate's,
+    GrowTo(sums, static_cast<size_t>(2 * kChunk * m_ * 16));  // then the up's)
+#if JVLLM_AMX_INT8
+    std::optional<AmxBlockSumScope> tiles;
+    if (amx_x_ != nullptr) tiles.emplace(m_);
+#endif
+    float* up_sums = sums.data() + kChunk * m_ * 16;
+    for (int64_t g = g0; g < g1; g += kChunk) {
+      const int64_t count = std::min(kChunk, g1 - g);
+      ChunkSums(w_, g, count, sums.data());
+      if (up_ != nullptr) ChunkSums(up_, g, count, up_sums);
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t n = 16 * (g + j);
+        const int cols = static_cast<int>(std::min<int64_t>(16, n_ - n));
+        const __mmask16 live = static_cast<__mmask16>((1u << cols) - 1u);
         for (int64_t r = 0; r < m_; ++r) {
-          _mm512_mask_storeu_ps(y_ + r * n_ + n, live, _mm512_loadu_ps(sums.data() + r * 16));
+          const int64_t at = (j * m_ + r) * 16;
+          __m512 out = _mm512_loadu_ps(sums.data() + at);
+          if (up_ != nullptr) out = _mm512_mul_ps(Silu512(out), _mm512_loadu_ps(up_sums + at));
+          _mm512_mask_storeu_ps(y_ + r * n_ + n, live, out);
         }
-        continue;
-      }
-      float* up_sums = sums.data() + m_ * 16;
-      GroupSums(up_, n, cols, up_sums);
-      for (int64_t r = 0; r < m_; ++r) {
-        const __m512 gate = _mm512_loadu_ps(sums.data() + r * 16), up = _mm512_loadu_ps(up_sums + r * 16);
-        _mm512_mask_storeu_ps(y_ + r * n_ + n, live, _mm512_mul_ps(Silu512(gate), up));
       }
     }
   }
@@ -269,6 +289,24 @@ class InvariantProduct {
     }
   }
 
+  // sums [count, M, 16] = the float sums of x against weight groups [g, g + count) of `w`.
+  void ChunkSums(const uint8_t* w, int64_t g, int64_t count, float* sums) const {
+    const int64_t row_bytes = blocks_ / Fmt::kSubs * Fmt::kBytes;
+#if JVLLM_AMX_INT8
+    if constexpr (kWordGroups<Fmt>) {
+      if (amx_x_ != nullptr) {
+        AmxWordGroupSums<Fmt, kConstants>(w + 16 * g * row_bytes, count, blocks_, m_, *amx_x_, xq_->d.data(),
+                                          xq_->s.data(), sums);
+        return;
+      }
+    }
+#endif
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t n = 16 * (g + j);
+      GroupSums(w, n, static_cast<int>(std::min<int64_t>(16, n_ - n)), sums + j * m_ * 16);
+    }
+  }
+
   // sums[r, 0 .. 16) = the float sums of rows r of x against weight rows [n, n + cols) (`w`).
   void GroupSums(const uint8_t* w, int64_t n, int cols, float* sums) const {
     const int64_t row_bytes = blocks_ / Fmt::kSubs * Fmt::kBytes;
@@ -317,11 +355,7 @@ class InvariantProduct {
       __m512i total = acc[i][0];
       for (int j = 1; j < kChains; ++j) total = _mm512_add_epi32(total, acc[i][j]);
       const int64_t row_block = (r + i) * blocks_ + b;
-      float* at = sums + (r + i) * 16;
-      __m512 f = _mm512_loadu_ps(at);
-      if constexpr (kConstants) f = _mm512_fmadd_ps(c, _mm512_set1_ps(xq_->s[row_block]), f);
-      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xq_->d[row_block]));
-      _mm512_storeu_ps(at, _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale, f));
+      AddBlockTerm<kConstants>(sums + (r + i) * 16, total, d, c, xq_->d[row_block], xq_->s[row_block]);
     }
   }
 
@@ -331,6 +365,9 @@ class InvariantProduct {
   float* y_;
   const Int16Rows* xq_ = nullptr;
   const int32_t* x_pairs_ = nullptr;  // [M, blocks, 16]: x's code pairs in the pairs' order
+#if JVLLM_AMX_INT8
+  const AmxCodeBytes* amx_x_ = nullptr;  // x's code bytes where the block sums run on the tile unit
+#endif
 };
 
 // y[M, N] = x . W^T (or, with `up`, silu(x . W^T) * (x . U^T)) on the invariant path: groups of 16 output columns,

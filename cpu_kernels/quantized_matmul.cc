@@ -172,6 +172,15 @@ extern "C" int32_t JvllmInterleavedRowsPreferred() {
 extern "C" int32_t JvllmWordGroupsPreferred() { return JVLLM_WORD_GROUPS; }
 // Up to this many rows, products with the formats of invariant_products.h can take its path (0: the build has none).
 extern "C" int32_t JvllmInvariantMaxRows() { return JVLLM_INT16_512 ? 32 : 0; }
+// From this many rows (up to 16) the invariant path's word-group products sum their blocks on the AMX tile unit
+// (amx_block_sums.h: CPUs with AMX-INT8 whose tiles Linux granted, JVLLM_CPU_AMX not 0); 0: never. The same bits.
+extern "C" int32_t JvllmAmxBlockSumMinRows() {
+#if JVLLM_AMX_INT8 && JVLLM_WORD_GROUPS
+  return jvllm::AmxUsable() ? static_cast<int32_t>(jvllm::AmxBlockSumMinRows()) : 0;
+#else
+  return 0;
+#endif
+}
 extern "C" int32_t JvllmBf16MaxRows() { return static_cast<int32_t>(jvllm::kBf16MaxRows); }
 // From this many rows, 8-bit products with 4- and 5-bit blocks (CPUs with AVX-512 VNNI), where the bf16 tiles take
 // over from the bf16 rows: the 8-bit tiles are at least as fast from there (docs/design/gguf_blocks.md).

@@ -53,6 +53,13 @@ def invariant_max_rows() -> int:
 
 
 @functools.lru_cache(maxsize=1)
+def amx_block_sum_min_rows() -> int:
+    """From how many live rows (up to 16) the invariant path's products with word-grouped Q8_0 / Q4_0 / Q4_1 weights
+    sum their blocks on Intel's AMX tile unit (AMX-INT8 CPUs; the same bits as the vector loops); 0: never."""
+    return int(load().JvllmAmxBlockSumMinRows())
+
+
+@functools.lru_cache(maxsize=1)
 def int8_tile_min_rows() -> int:
     """From how many live rows this machine's kernel build multiplies 4- and 5-bit blocks with 8-bit activations
     (AVX-512 VNNI builds; 0: never)."""

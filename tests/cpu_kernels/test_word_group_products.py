@@ -1,16 +1,18 @@
 """Q8_0 / Q4_0 / Q4_1 weights grouped by code words for 16 rows (models.quantized.interleave_rows(.., 16), the native
 kernels' layout on AVX-512 builds with BF16: cpu_kernels/word_group_blocks.h): the layout round trip, and products
-with the same bits as the row-major blocks' on both of its paths (the invariant path, the bfloat16 tiles past it),
-gated too, and the 8-bit tiles asked for; without bfloat16 the invariant path at every row count, against float64; embedding lookups from the
+with the same bits as the row-major blocks' on both of its paths (the invariant path, its block sums on AMX-INT8
+where the CPU has it, the bfloat16 tiles past it), gated too, and the 8-bit tiles asked for; without bfloat16 the invariant path at every row count, against float64; embedding lookups from the
 groups."""
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpu_kernels.quantized_matmul import gated_matmul, quantized_matmul, word_groups_preferred
+from cpu_kernels.quantized_matmul import amx_block_sum_min_rows, gated_matmul, quantized_matmul, word_groups_preferred
 from jvllm.model_loader.gguf_blocks import dequantize_blocks
 from models.quantized import check_blocks, dequantize, dequantized_rows, interleave_rows, native_layout
 from tests.cpu_kernels.test_interleaved_products import int16_bound, weights
@@ -67,6 +69,43 @@ def test_products_have_the_row_major_blocks_bits(fmt, m, n, k):
     np.testing.assert_array_equal(gated(x, interleave_rows(gate, fmt, 16), interleave_rows(up, fmt, 16), fmt + "x16",
                                         **paths),
                                   gated(x, gate, up, fmt, **paths))
+
+
+@pytest.mark.parametrize("gated_product", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_row_count_to_16_gives_each_row_its_own_bits(fmt, gated_product):
+    """1-16 rows: on AMX-INT8 CPUs from amx_block_sum_min_rows() on the tile unit (x's codes split into bytes: to 7
+    rows one tile with a row of ones, then two), else the vector loops; every row the bits it has alone (a decode
+    step) and those of the row-major blocks (the vector loops' transposes). Blocks at x's largest codes (+-32767)
+    and a block 10^3 larger than the rest."""
+    needs_word_groups()
+    n, k = 48, 576
+    raw, up = weights(fmt, n, k, seed=21), weights(fmt, n, k, seed=22)
+    grouped, grouped_up = interleave_rows(raw, fmt, 16), interleave_rows(up, fmt, 16)
+    x = np.random.default_rng(23).standard_normal((16, k)).astype(np.float32)
+    x[:, :32] *= 1e3
+    x[:, 32:64] = np.where(np.arange(32) % 2, 1.0, -1.0)  # every code of the block at +-32767
+
+    def run(rows: np.ndarray, grouped_layout: bool) -> np.ndarray:
+        name = fmt + "x16" if grouped_layout else fmt
+        if gated_product:
+            return gated(rows, grouped if grouped_layout else raw, grouped_up if grouped_layout else up, name)
+        return product(rows, grouped if grouped_layout else raw, name)
+
+    alone = np.concatenate([run(x[i:i + 1], True) for i in range(16)])
+    for m in range(2, 17):
+        together = run(x[:m], True)
+        np.testing.assert_array_equal(together, alone[:m], err_msg=f"{m} rows")
+        np.testing.assert_array_equal(together, run(x[:m], False), err_msg=f"{m} rows, row-major blocks")
+
+
+def test_the_amx_block_sums_are_taken_where_the_cpu_has_amx_int8():
+    """amx_block_sum_min_rows(): 3 on AMX-INT8 CPUs with word groups (JVLLM_CPU_AMX not 0; JVLLM_AMX_BLOCK_SUM_ROWS
+    sets another count), else 0."""
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+    expected = ("amx_int8" in flags and "amx_tile" in flags and word_groups_preferred()
+                and os.environ.get("JVLLM_CPU_AMX") != "0")
+    assert amx_block_sum_min_rows() == (int(os.environ.get("JVLLM_AMX_BLOCK_SUM_ROWS", "3")) if expected else 0)
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
