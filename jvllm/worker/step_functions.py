@@ -70,6 +70,20 @@ verified position of a chunk with draft tokens);
     copy_pages: Any
 
 
+def counted_as_work(x_in: jax.Array, x_out: jax.Array) -> jax.Array:
+    """x_out (the same values) times 1 + min(|p|, 0), p from a 32 x 32 product of x_in's first values (~65k flops,
+    about a microsecond): exactly 1 for any finite p, and XLA cannot drop the product.
+
+    XLA's CPU client runs an executable on the calling thread, inside the call, when its inputs are ready and its
+    cost analysis counts fewer than 1,000 flops ("cheap" computations). The native kernels are custom calls, which
+    it counts as none, so a step whose layers are all native kernels ran inside its call whenever the previous step
+    had ended: the host's work for the next step then waited behind it instead of overlapping it, and each later step
+    found its inputs ready too (docs/design/host_loop.md). The product makes the run count as the work it is."""
+    values = jnp.resize(x_in.reshape(-1)[:1024].astype(jnp.float32), (32, 32))
+    one = 1.0 + jnp.minimum(jnp.abs((values @ values)[0, 0]), 0.0)
+    return x_out * one.astype(x_out.dtype)
+
+
 def _zero_stats(rows: int) -> LogprobStats:
     return LogprobStats(jnp.zeros(rows, jnp.float32), jnp.zeros(rows, jnp.int32),
                         jnp.zeros((rows, MAX_LOGPROBS), jnp.int32), jnp.zeros((rows, MAX_LOGPROBS), jnp.float32))
@@ -91,6 +105,7 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
     `one_row_bf16`: products of 1-4 token rows with bf16 weights take the native CPU kernel where it is the faster
     one (unsharded weights on CPU; models.bf16_rows)."""
     attention = backend.layer_attention(mesh)
+    on_cpu = (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform == "cpu"
     embed_lookup = None if mesh is None else ops.vocab_parallel_lookup(mesh)
     gather = (lambda x: x) if mesh is None else ops.replicate(mesh)
     gather_vocab = None if mesh is None else ops.gather_vocab(mesh)
@@ -139,7 +154,9 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
                   md: AttentionMetadata, *, groups: tuple[int, ...]):
         """Consecutive layers in one executable (their groups in order) -> (x, each layer's result). Where every
         layer of the run defers its residual add (models.llama.DecoderLayer.call_deferred), each layer's MLP output
-        is added in the next layer's input-norm pass (the same bits, one pass over x fewer) and the last at the end."""
+        is added in the next layer's input-norm pass (the same bits, one pass over x fewer) and the last at the end.
+        On a CPU the run is marked as work for XLA's CPU client (counted_as_work)."""
+        x_in = x
         modules = [parts.layer(layer_weights, group) for layer_weights, group in zip(weights, groups)]
         deferred = len(modules) > 1 and all(getattr(m, "defers_residual", lambda _: False)(x) for m in modules)
         results, delta = [], None
@@ -150,7 +167,8 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
                 else:
                     x, result = module(x, cos, sin, layer_pages, md, attention)
                 results.append(result)
-        return (x + delta if deferred else x), results
+        x = x + delta if deferred else x
+        return (counted_as_work(x_in, x) if on_cpu else x), results
 
     @functools.cache
     def layer_runs(length: int) -> Any:

@@ -91,3 +91,40 @@ def test_runs_of_layers_give_the_tokens_of_one_layer_per_call(tmp_path, smollm_t
     assert run_patterns == patterns
     assert run_tokens == one_tokens
     np.testing.assert_allclose(np.concatenate(run_logprobs), np.concatenate(one_logprobs), rtol=0, atol=1e-5)
+
+
+def test_counted_as_work_keeps_every_value_bit_for_bit():
+    """x_out times exactly 1: zeros keep their sign, infinities and NaNs stay what they were. (Subnormals flush to 0,
+    as in every XLA CPU op: executables run with flush-to-zero and denormals-are-zero set.)"""
+    import jax
+    import jax.numpy as jnp
+
+    from jvllm.worker.step_functions import counted_as_work
+
+    x_in = jnp.asarray(np.random.default_rng(2).standard_normal((3, 40)), jnp.float32)
+    x_out = np.asarray([[-0.0, 0.0, np.inf, -np.inf, np.nan, 1.5e-38, -3.5, 7e37]] * 2, np.float32)
+    got = np.asarray(jax.jit(counted_as_work)(x_in, jnp.asarray(x_out)))
+    np.testing.assert_array_equal(got.view(np.uint32)[:, :4], x_out.view(np.uint32)[:, :4])
+    np.testing.assert_array_equal(got, x_out)  # NaN where NaN
+    assert got.dtype == np.float32
+
+
+def test_a_cpu_engines_layer_runs_count_as_work_for_xlas_cpu_client(tmp_path, smollm_tokenizer_dir):
+    """XLA's CPU client runs an executable inside its call, on the calling thread, when its inputs are ready and its
+    cost analysis counts fewer than 1,000 flops; the native kernels count as none. Every layer run of a CPU engine
+    counts more, so a step dispatched after the previous one ended is queued like any other: the host's work for
+    the next step overlaps it."""
+    from jvllm import Engine, SamplingParams
+
+    folder = write_folder(tmp_path / "llama", {**TINY_BASE, "num_hidden_layers": 2, **TINY_FAMILIES["llama"]}, None)
+    engine = Engine(str(folder), tokenizer=str(smollm_tokenizer_dir), load_format="dummy", dtype="float32", seed=0,
+                    max_model_len=128, max_num_seqs=2, max_num_batched_tokens=128, kv_cache_memory_bytes=8 << 20,
+                    precompile=False)
+    engine.generate([{"prompt_token_ids": [101, 102, 103]}], SamplingParams(max_tokens=3), use_tqdm=False)
+    runs = [piece for executables in engine.runner.compiled._by_shape.values()
+            for piece in executables.layers.values()]
+    assert runs
+    for piece in runs:
+        analysis = piece.cost_analysis()
+        analysis = analysis[0] if isinstance(analysis, list) else analysis
+        assert analysis["flops"] >= 1000
