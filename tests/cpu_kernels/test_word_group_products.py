@@ -6,6 +6,8 @@ groups."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -99,13 +101,26 @@ def test_every_row_count_to_16_gives_each_row_its_own_bits(fmt, gated_product):
         np.testing.assert_array_equal(together, run(x[:m], False), err_msg=f"{m} rows, row-major blocks")
 
 
+def test_the_tile_unit_gives_the_same_bits_from_two_rows():
+    """The test above again with JVLLM_AMX_BLOCK_SUM_ROWS=2 (a subprocess: the kernels read it once), so that the
+    tile unit also takes 2-4 rows, which it leaves to the vector loops by default."""
+    if not amx_block_sum_min_rows():
+        pytest.skip("the block sums run on the AMX tile unit only on CPUs with AMX-INT8")
+    env = {**os.environ, "JVLLM_AMX_BLOCK_SUM_ROWS": "2"}
+    test = f"{__file__}::test_every_row_count_to_16_gives_each_row_its_own_bits"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "6 passed" in done.stdout
+
+
 def test_the_amx_block_sums_are_taken_where_the_cpu_has_amx_int8():
-    """amx_block_sum_min_rows(): 3 on AMX-INT8 CPUs with word groups (JVLLM_CPU_AMX not 0; JVLLM_AMX_BLOCK_SUM_ROWS
+    """amx_block_sum_min_rows(): 5 on AMX-INT8 CPUs with word groups (JVLLM_CPU_AMX not 0; JVLLM_AMX_BLOCK_SUM_ROWS
     sets another count), else 0."""
     flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
     expected = ("amx_int8" in flags and "amx_tile" in flags and word_groups_preferred()
                 and os.environ.get("JVLLM_CPU_AMX") != "0")
-    assert amx_block_sum_min_rows() == (int(os.environ.get("JVLLM_AMX_BLOCK_SUM_ROWS", "3")) if expected else 0)
+    assert amx_block_sum_min_rows() == (int(os.environ.get("JVLLM_AMX_BLOCK_SUM_ROWS", "5")) if expected else 0)
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
