@@ -1,9 +1,9 @@
 // The invariant path's exact block sums (invariant_products.h) on the AMX tile unit, for few rows of x against
 // word-grouped Q8_0 / Q4_0 / Q4_1 weights (block_formats.h, WordGroups32). x's int16 codes q are split into bytes,
-// q = 256 h + l (h signed, l unsigned), and a block's 32 products summed as two 8-bit tile products (`tdpb*d`:
-// 16 x 16 int32 sums of 4-byte dot products), 256 H + L: both exact, so every row's block sums are the bits the
-// `vpdpwssd` loops give, and each output's float chain (AddBlockTerm, in block order) is the same too. A row then
-// has the same bits on either path and at any row count.
+// q = 256 h + l (h signed, l unsigned), and a block's 32 products summed by 8-bit tile products (`tdpb*d`: int32
+// sums of 4-byte dot products) as H and L, 256 H + L: exact, so every row's block sums are the bits the `vpdpwssd`
+// loops give, and each output's float chain (AddBlockTerm, in block order) is the same too. A row then has the same
+// bits on either path and at any row count.
 //
 // Per 16 weight rows and block the weight tile is [8 rows, 64 bytes]: row i holds, for each of the 16 weight rows,
 // the codes of 4 weights. A word group's word t (64 bytes: row r's code bytes 4t, 4t + 2, 4t + 1, 4t + 3 at 4r) is
