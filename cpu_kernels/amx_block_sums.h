@@ -39,9 +39,9 @@ constexpr int64_t kAmxBlockSumRows = 16;  // rows of x a tile holds: the most ro
 // product of a few rows (~15 cycles against ~7 for 6 rows, 2-core Xeon VM).
 constexpr int64_t kAmxOneTileRows = 7;
 
-// The fewest rows of x whose block sums run on the tile unit (JVLLM_AMX_BLOCK_SUM_ROWS while measuring). With the
-// weights streaming from L3, as in a model's step, 3-4 rows were no faster than the vector loops, 5-16 1.12-1.36x
-// (docs/design/cpu_amx.md).
+// The fewest rows of x whose block sums run on the tile unit (JVLLM_AMX_BLOCK_SUM_ROWS while measuring): with the
+// weights streaming from L3, as in a model's step, fewer rows are no faster than the vector loops
+// (docs/design/cpu_amx.md has the measurements).
 inline int64_t AmxBlockSumMinRows() {
   static const int64_t rows = [] {
     const char* setting = std::getenv("JVLLM_AMX_BLOCK_SUM_ROWS");
@@ -170,8 +170,8 @@ void AmxWordGroupSums(const uint8_t* groups, int64_t count, int64_t blocks, int6
   for (int64_t b = 0; b < blocks; ++b) {
     for (int64_t j = 0; j < count; ++j) {
       const uint8_t* block = groups + j * group_bytes + b * Fmt::kGroupBytes;
-      // the same block of the groups after these (the next call's), a whole pass over the blocks ahead, into L2
-      // (into L1 it was evicted before use: 3.46-3.67 against 3.17-3.30 ms for 6 rows through 30 layers' MLPs)
+      // the same block of the groups after these (the next call's), a whole pass over the blocks ahead: into L2,
+      // since L1 would evict it before use
       const char* ahead = reinterpret_cast<const char*>(block + kAmxChunkGroups * group_bytes);
       for (int line = 0; line < kLines; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
       tiles[j] = block + Fmt::kCodesAt;
@@ -186,8 +186,8 @@ void AmxWordGroupSums(const uint8_t* groups, int64_t count, int64_t blocks, int6
       }
     }
     const uint8_t* xb = x.bytes.data() + b * x_rows * 32;
+    _tile_loadd(0, xb, 32);
     if (one) {
-      _tile_loadd(0, xb, 32);
       for (int64_t j = 0; j < count; ++j) {
         switch (j & 3) {
           case 0: JVLLM_ONE_TILE_SUMS(2, 4, tiles[j], block_sums[j][0]); break;
@@ -197,7 +197,6 @@ void AmxWordGroupSums(const uint8_t* groups, int64_t count, int64_t blocks, int6
         }
       }
     } else {
-      _tile_loadd(0, xb, 32);
       _tile_loadd(1, xb + m * 32, 32);
       for (int64_t j = 0; j < count; ++j) {
         if (j & 1) {

@@ -99,8 +99,9 @@ class InvariantProduct {
 
   // Output columns [16 g0, 16 g1).
   void Run(int64_t g0, int64_t g1) const {
-    thread_local std::vector<float> sums;  // [2, chunk, M, 16]: a chunk of groups' float sums (gated: the gate's,
-    GrowTo(sums, static_cast<size_t>(2 * kChunk * m_ * 16));  // then the up's)
+    // [2, kChunk, M, 16]: a chunk of groups' float sums (gated: the gate's, then the up's)
+    thread_local std::vector<float> sums;
+    GrowTo(sums, static_cast<size_t>(2 * kChunk * m_ * 16));
 #if JVLLM_AMX_INT8
     std::optional<AmxBlockSumScope> tiles;
     if (amx_x_ != nullptr) tiles.emplace(m_);

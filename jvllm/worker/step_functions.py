@@ -76,9 +76,9 @@ def counted_as_work(x_in: jax.Array, x_out: jax.Array) -> jax.Array:
 
     XLA's CPU client runs an executable on the calling thread, inside the call, when its inputs are ready and its
     cost analysis counts fewer than 1,000 flops ("cheap" computations). The native kernels are custom calls, which
-    it counts as none, so a step whose layers are all native kernels ran inside its call whenever the previous step
-    had ended: the host's work for the next step then waited behind it instead of overlapping it, and each later step
-    found its inputs ready too (docs/design/host_loop.md). The product makes the run count as the work it is."""
+    it counts as none: unmarked, a run of native layers dispatched after the previous step has ended runs inside its
+    call, the host's work for the next step waits behind it instead of overlapping it, and each later step finds its
+    inputs ready too (docs/design/host_loop.md). The product makes the run count as the work it is."""
     values = jnp.resize(x_in.reshape(-1)[:1024].astype(jnp.float32), (32, 32))
     one = 1.0 + jnp.minimum(jnp.abs((values @ values)[0, 0]), 0.0)
     return x_out * one.astype(x_out.dtype)
