@@ -157,9 +157,11 @@ constexpr int64_t kAmxChunkGroups = 8;  // word groups a call of AmxWordGroupSum
 // (AddBlockTerm), xd and xs Int16Rows' d and s [M, blocks]. Needs an AmxBlockSumScope(M) on the thread. Blocks are
 // the outer loop: per block, the groups' weight tiles are made first (Q4: nibbles split by vector stores, which a
 // tile load right after would wait for), then multiplied and stored, then the float chains read the sums back.
+// `cold`: nothing asked for these groups' weights ahead (a range's first chunk), so they are, kColdAheadBlocks
+// blocks ahead of the work.
 template <typename Fmt, bool kConstants>
 void AmxWordGroupSums(const uint8_t* groups, int64_t count, int64_t blocks, int64_t m, const AmxCodeBytes& x,
-                      const float* xd, const float* xs, float* sums) {
+                      const float* xd, const float* xs, bool cold, float* sums) {
   alignas(64) uint8_t split[kAmxChunkGroups][8 * 64];              // Q4: the weight tiles split from the nibbles
   alignas(64) int32_t block_sums[kAmxChunkGroups][2][kAmxBlockSumRows * 16];  // [group][tile of sums][rows, 16]
   for (int64_t i = 0; i < count * m; ++i) _mm512_storeu_ps(sums + i * 16, _mm512_setzero_ps());
@@ -167,9 +169,19 @@ void AmxWordGroupSums(const uint8_t* groups, int64_t count, int64_t blocks, int6
   const int64_t x_rows = AmxCodeRows(m), group_bytes = blocks * Fmt::kGroupBytes;
   constexpr int kLines = Fmt::kGroupBytes / 64;
   const uint8_t* tiles[kAmxChunkGroups];
+  for (int64_t b = 0; cold && b < kColdAheadBlocks; ++b) {
+    for (int64_t j = 0; j < count; ++j) {
+      const char* block = reinterpret_cast<const char*>(groups + j * group_bytes + b * Fmt::kGroupBytes);
+      for (int line = 0; line < kLines; ++line) _mm_prefetch(block + line * 64, _MM_HINT_T0);
+    }
+  }
   for (int64_t b = 0; b < blocks; ++b) {
     for (int64_t j = 0; j < count; ++j) {
       const uint8_t* block = groups + j * group_bytes + b * Fmt::kGroupBytes;
+      if (cold) {  // a block past the group's last one is never read: asking for it costs nothing but the ask
+        const char* soon = reinterpret_cast<const char*>(block + kColdAheadBlocks * Fmt::kGroupBytes);
+        for (int line = 0; line < kLines; ++line) _mm_prefetch(soon + line * 64, _MM_HINT_T0);
+      }
       // the same block of the groups after these (the next call's), a whole pass over the blocks ahead: into L2,
       // since L1 would evict it before use
       const char* ahead = reinterpret_cast<const char*>(block + kAmxChunkGroups * group_bytes);

@@ -109,8 +109,9 @@ class InvariantProduct {
     float* up_sums = sums.data() + kChunk * m_ * 16;
     for (int64_t g = g0; g < g1; g += kChunk) {
       const int64_t count = std::min(kChunk, g1 - g);
-      ChunkSums(w_, g, count, sums.data());
-      if (up_ != nullptr) ChunkSums(up_, g, count, up_sums);
+      // the range's first chunk: nothing asked for its weights before (later chunks are, a chunk ahead)
+      ChunkSums(w_, g, count, g == g0, sums.data());
+      if (up_ != nullptr) ChunkSums(up_, g, count, g == g0, up_sums);
       for (int64_t j = 0; j < count; ++j) {
         const int64_t n = 16 * (g + j);
         const int cols = static_cast<int>(std::min<int64_t>(16, n_ - n));
@@ -290,26 +291,28 @@ class InvariantProduct {
     }
   }
 
-  // sums [count, M, 16] = the float sums of x against weight groups [g, g + count) of `w`.
-  void ChunkSums(const uint8_t* w, int64_t g, int64_t count, float* sums) const {
+  // sums [count, M, 16] = the float sums of x against weight groups [g, g + count) of `w`; `cold`: their weights
+  // were not asked for ahead (the first chunk of a range).
+  void ChunkSums(const uint8_t* w, int64_t g, int64_t count, bool cold, float* sums) const {
     const int64_t row_bytes = blocks_ / Fmt::kSubs * Fmt::kBytes;
 #if JVLLM_AMX_INT8
     if constexpr (kWordGroups<Fmt>) {
       if (amx_x_ != nullptr) {
         AmxWordGroupSums<Fmt, kConstants>(w + 16 * g * row_bytes, count, blocks_, m_, *amx_x_, xq_->d.data(),
-                                          xq_->s.data(), sums);
+                                          xq_->s.data(), cold, sums);
         return;
       }
     }
 #endif
     for (int64_t j = 0; j < count; ++j) {
       const int64_t n = 16 * (g + j);
-      GroupSums(w, n, static_cast<int>(std::min<int64_t>(16, n_ - n)), sums + j * m_ * 16);
+      GroupSums(w, n, static_cast<int>(std::min<int64_t>(16, n_ - n)), cold && j == 0, sums + j * m_ * 16);
     }
   }
 
-  // sums[r, 0 .. 16) = the float sums of rows r of x against weight rows [n, n + cols) (`w`).
-  void GroupSums(const uint8_t* w, int64_t n, int cols, float* sums) const {
+  // sums[r, 0 .. 16) = the float sums of rows r of x against weight rows [n, n + cols) (`w`); `cold`: these rows
+  // were not asked for ahead.
+  void GroupSums(const uint8_t* w, int64_t n, int cols, bool cold, float* sums) const {
     const int64_t row_bytes = blocks_ / Fmt::kSubs * Fmt::kBytes;
     const uint8_t* rows[16];  // rows past `cols` repeat the last one (their sums are not stored)
     for (int r = 0; r < 16; ++r) rows[r] = w + (n + std::min(r, cols - 1)) * row_bytes;
@@ -320,9 +323,16 @@ class InvariantProduct {
     constexpr int kLinesPerBlock = (16 * Fmt::kBytes / Fmt::kSubs + 63) / 64;
     BlockScales scales;
     const char* next_group = reinterpret_cast<const char*>(w + (n + 16) * row_bytes);
+    const char* this_group = reinterpret_cast<const char*>(w + n * row_bytes);
+    if (cold) {
+      for (int line = 0; line < kColdAheadBlocks * kLinesPerBlock; ++line) {
+        _mm_prefetch(this_group + line * 64, _MM_HINT_T0);
+      }
+    }
     for (int64_t b = 0; b < blocks_; ++b) {
       for (int line = 0; line < kLinesPerBlock; ++line) {
         _mm_prefetch(next_group + (b * kLinesPerBlock + line) * 64, _MM_HINT_T0);
+        if (cold) _mm_prefetch(this_group + ((b + kColdAheadBlocks) * kLinesPerBlock + line) * 64, _MM_HINT_T0);
       }
       __m512i pairs[kPairs];
       __m512 d, c = _mm512_setzero_ps();

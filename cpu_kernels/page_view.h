@@ -10,13 +10,15 @@
 
 #include "attention_blocks.h"
 #include "attention_vectors.h"
+#include "run_items.h"
 
 namespace jvllm {
 
 constexpr int kBlockQueries = 32;  // queries per work item: each block of keys is transposed once for them all
 // Blocks of up to this many queries (a decode row verifying draft tokens) read key rows as stored, without a
-// transpose (attention_work.h); a lone sequence's such queries go in two halves (PageView's constructor). A call
-// may raise it (AttentionOptions::direct_queries) so that longer runs of draft tokens get decode rows' bits too.
+// transpose (attention_work.h); a lone sequence's such queries go in two halves where its keys come in few spans
+// (PageView's constructor). A call may raise it (AttentionOptions::direct_queries) so that longer runs of draft
+// tokens get decode rows' bits too.
 constexpr int kDirectQueries = 8;
 // A sequence of that few queries (decode rows, rows verifying drafts) attends its keys in spans of this many
 // positions, one work item each (all its KV heads), whose partial softmax sums are merged after
@@ -81,8 +83,13 @@ class PageView {
     head_splits_ = blocks >= kMinItems ? 1 : sh.kv_heads;
     // A lone sequence verifying draft tokens (a few queries) would give one item per head, as many as a lone
     // decode row (3 heads on 2 threads: one thread idle a third of the time); its queries go in two halves
-    // instead, each item reading its head's keys for its half.
-    if (blocks < kMinItems && most_queries > 1 && most_queries <= opt.direct_queries) {
+    // instead, each item reading its head's keys for its half. Not where the keys come in spans enough to give
+    // every thread two or more: halves would read every span twice (and run twice the tile passes over it) for no
+    // better balance.
+    int64_t span_items = 0;
+    for (int64_t s = 0; s < sh.seqs; ++s) span_items += q_lens_[s] >= 1 ? SpansOf(s) : 0;
+    const int64_t threads = HelperPool::Get().num_helpers() + 1;
+    if (blocks < kMinItems && most_queries > 1 && most_queries <= opt.direct_queries && span_items < 2 * threads) {
       block_queries_ = (most_queries + 1) / 2;
     }
     item_start_.resize(sh.seqs + 1, 0);
@@ -93,7 +100,7 @@ class PageView {
     for (int64_t s = 0; s < sh.seqs; ++s) {
       if (q_lens_[s] >= 1 && q_lens_[s] <= opt.direct_queries) {
         first_span_[s] = LowestKey({s, 0, 0, 0, 0}) / kSpanKeys;
-        spans_[s] = (kv_lens_[s] - 1) / kSpanKeys - first_span_[s] + 1;
+        spans_[s] = SpansOf(s);
         // spans share the work out instead of heads: an item then reads whole token rows of the pages in order
         if (spans_[s] > 1) splits_[s] = 1;
       }
@@ -134,6 +141,13 @@ class PageView {
       place.partial = item;
     }
     return place;
+  }
+
+  // The spans of keys sequence s attends in (kSpanKeys positions each, from its lowest key's): 1 where its queries
+  // are too many for spans.
+  int64_t SpansOf(int64_t s) const {
+    if (q_lens_[s] < 1 || q_lens_[s] > opt_.direct_queries) return 1;
+    return (kv_lens_[s] - 1) / kSpanKeys - LowestKey({s, 0, 0, 0, 0}) / kSpanKeys + 1;
   }
 
   // The first key position item `place` attends (its sliding window's start; or its span's).

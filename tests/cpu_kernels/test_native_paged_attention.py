@@ -228,18 +228,20 @@ def test_verification_rows(pool_dtype):
     run_case(rng, chunks, heads=9, kv_heads=3, head_dim=64, page_size=16, pool_dtype=pool_dtype)
 
 
-@pytest.mark.parametrize("chunk", [(150, 6), (37, 3), (64, 8), (5, 2), (254, 4), (700, 6)])
+@pytest.mark.parametrize("chunk", [(150, 6), (37, 3), (64, 8), (5, 2), (254, 4), (700, 6), (1000, 6)])
 @pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
 def test_a_lone_verification_row(chunk, pool_dtype):
     """One sequence verifying drafts alone (single-stream speculative decoding): its queries are split over work
-    items in two halves."""
+    items in two halves, or (1,000 keys: four spans, two a thread on two threads) one item per span takes them
+    all."""
     run_case(np.random.default_rng(9), [chunk], heads=9, kv_heads=3, head_dim=64, page_size=16,
              pool_dtype=pool_dtype)
 
 
-# 253 + 6 and 511 + 2 cross a span edge (page_view.h kSpanKeys) among the queries; 700 has three spans
+# 253 + 6 and 511 + 2 cross a span edge (page_view.h kSpanKeys) among the queries; 700 has three spans, 1,020 four
+# (its queries not split in halves where the kernels run two threads)
 @pytest.mark.parametrize("cached, drafts, direct_queries", [
-    (150, 5, 8), (37, 2, 8), (64, 7, 8), (5, 3, 8), (126, 1, 8), (253, 5, 8), (511, 1, 8), (700, 7, 8),
+    (150, 5, 8), (37, 2, 8), (64, 7, 8), (5, 3, 8), (126, 1, 8), (253, 5, 8), (511, 1, 8), (700, 7, 8), (1020, 5, 8),
     (240, 20, 32), (700, 31, 32), (3, 12, 32), (100, 15, 16)])
 @pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
 def test_a_verification_row_gives_the_bits_of_the_decode_row(cached, drafts, direct_queries, pool_dtype):
