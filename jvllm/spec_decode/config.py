@@ -14,6 +14,7 @@ DEFAULT_MAX_BATCH = 4
 # request's verification step fills the 32-token step bucket; long copies are then accepted in fewer steps
 # (docs/design/speculative_decoding.md, has the measurements).
 SUFFIX_MAX_TREE_DEPTH = 32
+DEFAULT_PROMPT_LOOKUP = 5
 SUFFIX_NUM_SPECULATIVE_TOKENS = 31
 
 
@@ -31,8 +32,11 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
-    prompt_lookup_max: int = 5
-    prompt_lookup_min: int = 2
+    # vLLM's defaults: tails of exactly 5 tokens (one given alone sets the other; parse). Tails of 2-4 tokens
+    # proposed drafts the model rejected more often than not on short structured answers (JSON), where speculation
+    # then cost more than it saved (docs/design/speculative_decoding.md).
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
     suffix_decoding_max_tree_depth: int = SUFFIX_MAX_TREE_DEPTH
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
@@ -61,8 +65,8 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
-        """A dict as vLLM takes it (or its JSON text). With only one of prompt_lookup_min/max given, the other keeps
-        its default (min 2, max 5) unless that would cross it."""
+        """A dict as vLLM takes it (or its JSON text). With only one of prompt_lookup_min/max given, the other takes
+        its value, as in vLLM (neither: both 5)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
@@ -86,9 +90,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config needs num_speculative_tokens for the {fields['method']} method")
         low, high = fields.get("prompt_lookup_min"), fields.get("prompt_lookup_max")
         if low is None and high is not None:
-            fields["prompt_lookup_min"] = min(high, 2)
+            fields["prompt_lookup_min"] = high
         elif high is None and low is not None:
-            fields["prompt_lookup_max"] = max(low, 5)
+            fields["prompt_lookup_max"] = low
         return cls(**fields)
 
 

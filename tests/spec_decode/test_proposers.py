@@ -86,7 +86,14 @@ def test_suffix_continues_a_short_match_only_when_its_continuation_is_near_certa
 
 def test_config_parses_vllm_spellings_and_refuses_the_rest():
     config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
-    assert (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (3, 2, 4)
+    assert (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (3, 4, 4)
+    # vLLM's rules: neither given, both 5; one given, the other takes its value
+    lookups = [(c.prompt_lookup_min, c.prompt_lookup_max) for c in (
+        SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3}),
+        SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}),
+        SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+                                 "prompt_lookup_max": 7}))]
+    assert lookups == [(5, 5), (2, 2), (2, 7)]
     suffix = SpeculativeConfig.parse({"method": "suffix"})
     assert (suffix.num_speculative_tokens, suffix.suffix_decoding_max_tree_depth) == (31, 32)
     assert SpeculativeConfig.parse(None) is None

@@ -94,7 +94,8 @@ def _summary(outputs) -> list:
 
 
 @pytest.mark.parametrize("spec", [
-    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "max_batch_size": ALWAYS},
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 5,
+     "max_batch_size": ALWAYS},
     {"method": "suffix", "num_speculative_tokens": 6, "max_batch_size": ALWAYS},
     {"method": "draft_model", "num_speculative_tokens": 3, "max_batch_size": ALWAYS},
 ], ids=["ngram", "suffix", "draft_model"])
@@ -181,7 +182,8 @@ def test_requests_verifying_together_share_one_step_of_rows(model, plain):
 
 def test_a_large_batch_does_not_speculate(model, plain):
     engine = Engine(model, kv_cache_memory_bytes=1 << 18, speculative_config={
-        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "max_batch_size": 2}, **ENGINE)
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 5,
+        "max_batch_size": 2}, **ENGINE)
     jobs = _workload(plain, 3)[:6]
     for _, params in jobs:
         params.max_tokens = 8
