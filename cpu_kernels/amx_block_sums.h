@@ -40,12 +40,12 @@ constexpr int64_t kAmxBlockSumRows = 16;  // rows of x a tile holds: the most ro
 constexpr int64_t kAmxOneTileRows = 7;
 
 // The fewest rows of x whose block sums run on the tile unit (JVLLM_AMX_BLOCK_SUM_ROWS while measuring): with the
-// weights streaming from L3, as in a model's step, fewer rows are no faster than the vector loops
+// weights streaming from L3 on 2 MiB pages, as in a model's step, 2 rows are no faster than the vector loops
 // (docs/design/cpu_amx.md has the measurements).
 inline int64_t AmxBlockSumMinRows() {
   static const int64_t rows = [] {
     const char* setting = std::getenv("JVLLM_AMX_BLOCK_SUM_ROWS");
-    return setting == nullptr ? int64_t{5} : static_cast<int64_t>(std::atoi(setting));
+    return setting == nullptr ? int64_t{3} : static_cast<int64_t>(std::atoi(setting));
   }();
   return rows;
 }

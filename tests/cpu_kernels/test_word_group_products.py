@@ -103,7 +103,7 @@ def test_every_row_count_to_16_gives_each_row_its_own_bits(fmt, gated_product):
 
 def test_the_tile_unit_gives_the_same_bits_from_two_rows():
     """The test above again with JVLLM_AMX_BLOCK_SUM_ROWS=2 (a subprocess: the kernels read it once), so that the
-    tile unit also takes 2-4 rows, which it leaves to the vector loops by default."""
+    tile unit also takes 2 rows, which it leaves to the vector loops by default."""
     if not amx_block_sum_min_rows():
         pytest.skip("the block sums run on the AMX tile unit only on CPUs with AMX-INT8")
     env = {**os.environ, "JVLLM_AMX_BLOCK_SUM_ROWS": "2"}
@@ -115,12 +115,12 @@ def test_the_tile_unit_gives_the_same_bits_from_two_rows():
 
 
 def test_the_amx_block_sums_are_taken_where_the_cpu_has_amx_int8():
-    """amx_block_sum_min_rows(): 5 on AMX-INT8 CPUs with word groups (JVLLM_CPU_AMX not 0; JVLLM_AMX_BLOCK_SUM_ROWS
+    """amx_block_sum_min_rows(): 3 on AMX-INT8 CPUs with word groups (JVLLM_CPU_AMX not 0; JVLLM_AMX_BLOCK_SUM_ROWS
     sets another count), else 0."""
     flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
     expected = ("amx_int8" in flags and "amx_tile" in flags and word_groups_preferred()
                 and os.environ.get("JVLLM_CPU_AMX") != "0")
-    assert amx_block_sum_min_rows() == (int(os.environ.get("JVLLM_AMX_BLOCK_SUM_ROWS", "5")) if expected else 0)
+    assert amx_block_sum_min_rows() == (int(os.environ.get("JVLLM_AMX_BLOCK_SUM_ROWS", "3")) if expected else 0)
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
