@@ -178,7 +178,7 @@ void AmxWordGroupSums(const uint8_t* groups, int64_t count, int64_t blocks, int6
   for (int64_t b = 0; b < blocks; ++b) {
     for (int64_t j = 0; j < count; ++j) {
       const uint8_t* block = groups + j * group_bytes + b * Fmt::kGroupBytes;
-      if (cold) {  // a block past the group's last one is never read: asking for it costs nothing but the ask
+      if (cold) {  // past the group's last block: the next group's first blocks, read soon after
         const char* soon = reinterpret_cast<const char*>(block + kColdAheadBlocks * Fmt::kGroupBytes);
         for (int line = 0; line < kLines; ++line) _mm_prefetch(soon + line * 64, _MM_HINT_T0);
       }

@@ -126,8 +126,9 @@ inline __m512i AddPairProducts(__m512i sums, __m512i w, __m512i x) {
 
 inline void KeepInRegister(__m512i& v) { __asm__("" : "+v"(v)); }
 
-// The invariant path (invariant_products.h, amx_block_sums.h) reads the weights of the next group or chunk ahead of
-// the work; the first of a thread's range were not asked for by anything, and are, this many blocks ahead.
+// The invariant path (invariant_products.h, amx_block_sums.h) asks for the next group's or chunk's weights while it
+// works; the first group or chunk of a thread's range has nothing before it to ask, so it asks for its own weights
+// this many blocks ahead of the work.
 constexpr int kColdAheadBlocks = 2;
 
 // The invariant path's float chain (invariant_products.h): one block's term added to 16 outputs' sums at `at`,

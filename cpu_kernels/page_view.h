@@ -72,10 +72,18 @@ class PageView {
       : sh_(sh), opt_(opt), q_(q), k_(k), v_(v), k_pages_(k_pages), v_pages_(v_pages),
         query_start_(query_start), q_lens_(q_lens), kv_lens_(kv_lens), page_tables_(page_tables), out_(out) {
     if (sh.page_size > 0 && (sh.page_size & (sh.page_size - 1)) == 0) page_shift_ = __builtin_ctzll(sh.page_size);
-    int64_t blocks = 0, most_queries = 0;
+    // A sequence of few queries attends its keys in spans (kSpanKeys), from its lowest key's span on.
+    spans_.assign(sh.seqs, 1);
+    first_span_.assign(sh.seqs, 0);
+    int64_t blocks = 0, most_queries = 0, span_items = 0;
     for (int64_t s = 0; s < sh.seqs; ++s) {
       blocks += QueryBlocks(s);
       most_queries = std::max<int64_t>(most_queries, q_lens_[s]);
+      if (q_lens_[s] >= 1 && q_lens_[s] <= opt.direct_queries) {
+        first_span_[s] = LowestKey({s, 0, 0, 0, 0}) / kSpanKeys;
+        spans_[s] = (kv_lens_[s] - 1) / kSpanKeys - first_span_[s] + 1;
+      }
+      span_items += q_lens_[s] >= 1 ? spans_[s] : 0;
     }
     // An item reads every KV head of its keys (whole token rows of the pages); with few query blocks (a lone
     // decode row) the heads are split over items instead, so that every thread has work, unless its keys come in
@@ -86,24 +94,16 @@ class PageView {
     // instead, each item reading its head's keys for its half. Not where the keys come in spans enough to give
     // every thread two or more: halves would read every span twice (and run twice the tile passes over it) for no
     // better balance.
-    int64_t span_items = 0;
-    for (int64_t s = 0; s < sh.seqs; ++s) span_items += q_lens_[s] >= 1 ? SpansOf(s) : 0;
     const int64_t threads = HelperPool::Get().num_helpers() + 1;
     if (blocks < kMinItems && most_queries > 1 && most_queries <= opt.direct_queries && span_items < 2 * threads) {
       block_queries_ = (most_queries + 1) / 2;
     }
     item_start_.resize(sh.seqs + 1, 0);
     group_start_.resize(sh.seqs + 1, 0);
-    spans_.assign(sh.seqs, 1);
-    first_span_.assign(sh.seqs, 0);
     splits_.assign(sh.seqs, head_splits_);
     for (int64_t s = 0; s < sh.seqs; ++s) {
-      if (q_lens_[s] >= 1 && q_lens_[s] <= opt.direct_queries) {
-        first_span_[s] = LowestKey({s, 0, 0, 0, 0}) / kSpanKeys;
-        spans_[s] = SpansOf(s);
-        // spans share the work out instead of heads: an item then reads whole token rows of the pages in order
-        if (spans_[s] > 1) splits_[s] = 1;
-      }
+      // spans share the work out instead of heads: an item then reads whole token rows of the pages in order
+      if (spans_[s] > 1) splits_[s] = 1;
       const int64_t groups = QueryBlocks(s) * splits_[s];  // items of s but for spans
       item_start_[s + 1] = item_start_[s] + groups * spans_[s];
       group_start_[s + 1] = group_start_[s] + (spans_[s] > 1 ? groups : 0);
@@ -141,13 +141,6 @@ class PageView {
       place.partial = item;
     }
     return place;
-  }
-
-  // The spans of keys sequence s attends in (kSpanKeys positions each, from its lowest key's): 1 where its queries
-  // are too many for spans.
-  int64_t SpansOf(int64_t s) const {
-    if (q_lens_[s] < 1 || q_lens_[s] > opt_.direct_queries) return 1;
-    return (kv_lens_[s] - 1) / kSpanKeys - LowestKey({s, 0, 0, 0, 0}) / kSpanKeys + 1;
   }
 
   // The first key position item `place` attends (its sliding window's start; or its span's).

@@ -14,8 +14,9 @@ DEFAULT_MAX_BATCH = 4
 # request's verification step fills the 32-token step bucket; long copies are then accepted in fewer steps
 # (docs/design/speculative_decoding.md, has the measurements).
 SUFFIX_MAX_TREE_DEPTH = 32
-DEFAULT_PROMPT_LOOKUP = 5
 SUFFIX_NUM_SPECULATIVE_TOKENS = 31
+# ngram's tail length when neither prompt_lookup_min nor prompt_lookup_max is given (vLLM's default).
+DEFAULT_PROMPT_LOOKUP = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +33,9 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
-    # vLLM's defaults: tails of exactly 5 tokens (one given alone sets the other; parse). Tails of 2-4 tokens
-    # proposed drafts the model rejected more often than not on short structured answers (JSON), where speculation
-    # then cost more than it saved (docs/design/speculative_decoding.md).
+    # vLLM's defaults: tails of exactly 5 tokens (one given alone sets the other; parse). Shorter tails propose
+    # drafts the model mostly rejects on short structured answers (JSON), where verifying them costs more than it
+    # saves (docs/design/speculative_decoding.md has the measurements).
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
     suffix_decoding_max_tree_depth: int = SUFFIX_MAX_TREE_DEPTH
