@@ -72,7 +72,8 @@ class PhaseClock:
 PHASES = (
     ("jvllm.engine.step_plan", "plan_chunks", "plan the chunks (rows, sampler specs)"),
     ("runner", "step_call", "pack the step's host arrays"),
-    ("runner", "device_inputs", "send the changed inputs"),
+    ("runner", "layer_inputs", "send the changed inputs"),
+    ("runner", "sampler_inputs", "send the changed inputs"),
     ("runner", "run_call", "run_call: send + dispatch every jitted piece"),
     ("runner", "collect", "read the sampled ids"),
     ("engine", "_process_results", "append tokens, stop checks, outputs"),

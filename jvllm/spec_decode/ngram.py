@@ -7,14 +7,19 @@ import numpy as np
 def match_lengths(corpus: np.ndarray, ends: np.ndarray, context: np.ndarray, max_length: int) -> np.ndarray:
     """For each index in `ends`, how many tokens ending there (corpus[end - m + 1 .. end]) equal the last tokens of
     `context`, up to `max_length`; the caller picks ends whose token equals context[-1]. -> [len(ends)] int."""
+    depth = min(max_length, len(context))
     lengths = np.ones(len(ends), np.int64)
-    alive = np.arange(len(ends))
-    for back in range(1, min(max_length, len(context))):
-        alive = alive[ends[alive] >= back]
-        alive = alive[corpus[ends[alive] - back] == context[-1 - back]]
-        if not len(alive):
-            break
-        lengths[alive] += 1
+    if depth < 2 or not len(ends):
+        return lengths
+    # most ends already differ one token back: only those that match there are compared further, all at once
+    alive = np.flatnonzero((ends >= 1) & (corpus[ends - 1] == context[-2]))
+    if not len(alive):
+        return lengths
+    back = np.arange(depth)  # [D]
+    positions = ends[alive, None] - back  # [A, D] corpus index `back` tokens before each end
+    equal = (positions >= 0) & (corpus[np.maximum(positions, 0)] == context[::-1][:depth])  # [A, D]
+    # the leading run of matches: the first mismatch's index, or all D
+    lengths[alive] = np.where(equal.all(axis=1), depth, np.argmin(equal, axis=1))
     return lengths
 
 

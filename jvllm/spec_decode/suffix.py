@@ -23,6 +23,7 @@ MIN_MATCH = 3
 # (docs/design/speculative_decoding.md, has what it measured).
 SHORT_MATCH_SUPPORT = 2
 SHORT_MATCH_MIN_PROB = 0.9
+FEW_OCCURRENCES = 64  # _continuation follows this many occurrences or fewer in Python lists
 
 
 class OutputCache:
@@ -82,19 +83,47 @@ def _continuation(corpus: np.ndarray, known: int, candidates: np.ndarray, wanted
     probability = 1.0
     if len(corpus) < known + wanted:  # no room for the drafts yet (the sequence alone: a view of its buffer)
         corpus = np.concatenate([corpus[:known], np.full(wanted, SEPARATOR, np.int32)])
+    # a numpy array while there are many occurrences, a list once few are left (Python is faster than numpy's calls
+    # on a handful of values, the common case of a long match)
+    positions: np.ndarray | list[int] = candidates
     while len(drafts) < wanted:
-        candidates = candidates[candidates < known + len(drafts)]
-        following = corpus[candidates]
-        following = following[following != SEPARATOR]
-        if len(following) < support:
+        end = known + len(drafts)
+        if isinstance(positions, np.ndarray):
+            positions = positions[positions < end]
+            if len(positions) <= FEW_OCCURRENCES:
+                positions = positions.tolist()
+        else:
+            positions = [position for position in positions if position < end]
+        following = corpus[positions] if isinstance(positions, np.ndarray) else [corpus.item(p) for p in positions]
+        token, count, total = _most_frequent(following)
+        if total < support:
             break
-        values, counts = np.unique(following, return_counts=True)
-        top = int(np.argmax(counts))
-        probability *= counts[top] / len(candidates)
+        probability *= count / len(positions)
         if probability < min_prob:
             break
-        token = int(values[top])
-        corpus[known + len(drafts)] = token
+        corpus[end] = token
         drafts.append(token)
-        candidates = candidates[corpus[candidates] == token] + 1
+        if isinstance(positions, np.ndarray):
+            positions = positions[following == token] + 1
+        else:
+            positions = [position + 1 for position, value in zip(positions, following) if value == token]
     return drafts
+
+
+def _most_frequent(following: np.ndarray | list[int]) -> tuple[int, int, int]:
+    """The tokens after some occurrences -> (the most frequent one other than SEPARATOR, the lowest id among ties;
+    its count; how many are not SEPARATOR)."""
+    if isinstance(following, np.ndarray):
+        values, counts = np.unique(following[following != SEPARATOR], return_counts=True)
+        if not len(values):
+            return SEPARATOR, 0, 0
+        top = int(np.argmax(counts))
+        return int(values[top]), int(counts[top]), int(counts.sum())
+    counts: dict[int, int] = {}
+    for token in following:
+        if token != SEPARATOR:
+            counts[token] = counts.get(token, 0) + 1
+    if not counts:
+        return SEPARATOR, 0, 0
+    token, count = min(counts.items(), key=lambda item: (-item[1], item[0]))
+    return token, count, sum(counts.values())

@@ -9,8 +9,9 @@ from jvllm import SamplingParams
 from jvllm.core.request import Request
 from jvllm.spec_decode.config import SpeculativeConfig
 from jvllm.spec_decode.drafter import Drafter
-from jvllm.spec_decode.ngram import propose_ngram
-from jvllm.spec_decode.suffix import OutputCache, propose_suffix
+from jvllm.spec_decode.ngram import match_lengths, propose_ngram
+from jvllm.spec_decode.suffix import MIN_MATCH, SEPARATOR, SHORT_MATCH_MIN_PROB, SHORT_MATCH_SUPPORT, OutputCache, \
+    propose_suffix
 
 
 def _tokens(values: list[int]) -> tuple[np.ndarray, int]:
@@ -82,6 +83,77 @@ def test_suffix_continues_a_short_match_only_when_its_continuation_is_near_certa
     assert propose_suffix(tokens, n, cache, limit=4, max_depth=24, max_spec_factor=1.0, min_token_prob=0.1) == [8, 9]
     cache.add([3, 7, 6])  # 8 now follows two of three: not near-certain
     assert propose_suffix(tokens, n, cache, limit=4, max_depth=24, max_spec_factor=1.0, min_token_prob=0.1) == []
+
+
+def _reference_match_length(corpus: list[int], end: int, context: list[int], max_length: int) -> int:
+    length = 1
+    while length < min(max_length, len(context)) and end - length >= 0 and corpus[end - length] == context[-1 - length]:
+        length += 1
+    return length
+
+
+def _reference_suffix(tokens: list[int], outputs: list[list[int]], limit: int, max_depth: int, factor: float,
+                      min_prob: float) -> list[int]:
+    """The suffix rules as plain loops over lists: the longest match of the sequence's tail in the cached outputs
+    and the sequence, continued by the most frequent next token (ties: the lowest id), drafts written after the
+    sequence as they are chosen."""
+    if len(tokens) < 2 or limit < 1:
+        return []
+    corpus = [t for output in outputs for t in output + [SEPARATOR]] + ([SEPARATOR] if outputs else []) + tokens
+    known = len(corpus)
+    context = tokens[-max_depth:]
+    ends = [i for i in range(known - 1) if corpus[i] == context[-1]]
+    if not ends:
+        return []
+    lengths = [_reference_match_length(corpus, end, context, max_depth) for end in ends]
+    best = max(lengths)
+    candidates = [end + 1 for end, length in zip(ends, lengths) if length == best]
+    if best >= MIN_MATCH:
+        wanted, support = min(limit, max(1, int(factor * best))), 1
+    else:
+        wanted, support, min_prob = limit, SHORT_MATCH_SUPPORT, SHORT_MATCH_MIN_PROB
+    corpus += [SEPARATOR] * wanted
+    drafts: list[int] = []
+    probability = 1.0
+    while len(drafts) < wanted:
+        candidates = [c for c in candidates if c < known + len(drafts)]
+        following = [corpus[c] for c in candidates if corpus[c] != SEPARATOR]
+        if len(following) < support:
+            break
+        token = min(set(following), key=lambda t: (-following.count(t), t))
+        probability *= following.count(token) / len(candidates)
+        if probability < min_prob:
+            break
+        corpus[known + len(drafts)] = token
+        drafts.append(token)
+        candidates = [c + 1 for c in candidates if corpus[c] == token]
+    return drafts
+
+
+def test_proposers_match_plain_loop_references_on_random_sequences():
+    """match_lengths and propose_suffix (vectorised scans, counts in Python for few occurrences) against the same
+    rules as plain loops: small vocabularies (many ties and partial matches), copied spans, empty and full caches."""
+    rng = np.random.default_rng(0)
+    for trial in range(400):
+        vocab = int(rng.choice([2, 4, 30]))
+        outputs = [rng.integers(0, vocab, int(rng.integers(0, 40))).tolist() for _ in range(int(rng.integers(0, 6)))]
+        cache = OutputCache(max_requests=8)
+        for output in outputs:
+            cache.add(output)
+        kept = [output for output in outputs if len(output) > 1]
+        values = rng.integers(0, vocab, int(rng.integers(1, 120))).tolist()
+        if len(values) > 30 and rng.random() < 0.5:  # the tail repeats an earlier span
+            start = int(rng.integers(0, len(values) - 20))
+            values[-12:] = values[start:start + 12]
+        tokens, n = _tokens(values)
+        limit, depth = int(rng.integers(0, 12)), int(rng.choice([2, 5, 24]))
+        factor, prob = float(rng.choice([0.5, 1.0, 3.0])), float(rng.choice([0.0, 0.1, 0.5]))
+        assert propose_suffix(tokens, n, cache, limit, depth, factor, prob) == \
+            _reference_suffix(values, kept, limit, depth, factor, prob), trial
+        context = np.asarray(values[-depth:], np.int32)
+        ends = np.flatnonzero(tokens[:n - 1] == context[-1])
+        assert match_lengths(tokens, ends, context, depth).tolist() == \
+            [_reference_match_length(values, int(end), context.tolist(), depth) for end in ends], trial
 
 
 def test_config_parses_vllm_spellings_and_refuses_the_rest():
