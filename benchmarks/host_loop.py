@@ -77,7 +77,8 @@ PHASES = (
     ("runner", "run_call", "run_call: send + dispatch every jitted piece"),
     ("runner", "collect", "read the sampled ids"),
     ("engine", "_process_results", "append tokens, stop checks, outputs"),
-    ("jvllm.engine.llm", "plan_lookahead", "plan the look-ahead step"),
+    ("jvllm.engine.llm", "lookahead_possible", "plan the look-ahead step"),
+    ("jvllm.engine.llm", "reserve_lookahead", "plan the look-ahead step"),
     ("engine", "_settle_ahead", "settle the look-ahead step"),
     ("scheduler", "schedule", "schedule"),
 )

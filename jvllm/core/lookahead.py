@@ -23,18 +23,29 @@ def plan_lookahead(scheduler: Scheduler, current: list[ScheduledChunk]) -> list[
     pages reserved for the token each will compute; None when the next step must be scheduled normally: a
     request is waiting to be admitted, not every running request is in `current`, one uses penalties or verifies
     draft tokens, or pages are short. Never preempts. Requests whose current token is their last are left out: they finish now."""
+    return reserve_lookahead(scheduler, current) if lookahead_possible(scheduler, current) else None
+
+
+def lookahead_possible(scheduler: Scheduler, current: list[ScheduledChunk]) -> bool:
+    """plan_lookahead's checks before it reserves pages: whether `current` may be followed by a look-ahead step
+    at all (the engine asks this before asking its drafter anything)."""
     if scheduler.waiting or len(current) != len(scheduler.running):
-        return None
+        return False
     # Penalties count every output token, including the one still on the device. All or nothing: a request
     # left out of the look-ahead step would advance only every other step. (Grammars are fine: the look-ahead
     # step's sampler waits for them, see ModelRunner.finish_head.)
     if not all(chunk.samples and not chunk.request.params.uses_penalties for chunk in current):
-        return None
+        return False
     # Likewise bad words of two or more tokens: what they block next depends on the token still on the device.
     if any(follows_output(chunk.request.bad_word_ids) for chunk in current):
-        return None
-    if any(chunk.draft is not None for chunk in current):  # how many drafts it keeps is known on the host only
-        return None
+        return False
+    # how many drafts a verification step keeps is known on the host only
+    return all(chunk.draft is None for chunk in current)
+
+
+def reserve_lookahead(scheduler: Scheduler, current: list[ScheduledChunk]) -> list[ScheduledChunk] | None:
+    """The look-ahead chunks of `current` (lookahead_possible said yes) with their pages reserved; None when no
+    request goes on or pages are short."""
     requests = [chunk.request for chunk in current if _has_next_step(chunk.request)]
     if not requests:
         return None

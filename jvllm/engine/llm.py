@@ -26,7 +26,7 @@ from jvllm.engine.beam_calls import BeamSearchCalls
 from jvllm.pooling.embedder import generate_unsupported
 from jvllm.core.bad_words import bad_word_ids
 from jvllm.core.kv_pages import PageManager
-from jvllm.core.lookahead import plan_lookahead, settle_lookahead
+from jvllm.core.lookahead import lookahead_possible, reserve_lookahead, settle_lookahead
 from jvllm.worker.model_runner import ModelRunner
 from jvllm.engine.step_plan import StepInFlight, encoder_buffer_layout
 from jvllm.worker.weights import (batch_invariant_for, batched_weights_for, bf16_block_products,
@@ -311,10 +311,12 @@ class Engine(MultiHostRoles, FrontEndViews, BatchCalls, PoolingCalls, BeamSearch
         if not (self.async_scheduling and len(current.groups) == 1):
             return None
         alive = [chunk for chunk in current.step_order if not chunk.request.is_finished]  # not aborted
+        if not lookahead_possible(self.scheduler, alive):
+            return None
         if self.drafter is not None and self.drafter.speculates(len(self.scheduler.running)) and any(
                 self.drafter.has_proposal(chunk.request) for chunk in alive):
             return None  # the next step verifies drafts: it is scheduled once this step's tokens are known
-        chunks = plan_lookahead(self.scheduler, alive)
+        chunks = reserve_lookahead(self.scheduler, alive)
         if chunks is None:
             return None
         arrivals = self.arrivals if self.runner.dispatch_keeps_up else None
