@@ -1,7 +1,8 @@
 """Replay speculative decoding offline: the engine's own Drafter (proposers, back-off) over recorded greedy outputs,
 with step costs from a cost model, to compare policies in seconds instead of benchmark runs.
 
-The outputs are those of `benchmarks.spec_decode`'s prompts (warm-up prompts first, as each engine there sees them),
+The outputs are those of `benchmarks.spec_decode`'s prompts (every kind's warm-up prompts first, as each engine there
+sees them), with drafts of at most the engine's step rows less one (--step-rows),
 recorded once with the default `LLM()` and kept in --outputs. A request's steps follow the engine's single-stream
 rules: a step without drafts is dispatched ahead of the previous step's token (async scheduling) unless the
 drafter had a proposal from the tokens known at that time; a verification step is never followed by a look-ahead
@@ -95,7 +96,8 @@ def record(path: pathlib.Path, max_tokens: int) -> dict:
 
 
 def replay_request(drafter, request_id: str, prompt: list[int], output: list[int], costs: StepCosts) -> Replayed:
-    """The steps one request takes with `drafter`, its output known."""
+    """The steps one request takes with `drafter`, its output known: drafts of at most the drafter's step rows less
+    the known token, as the engine's scheduler asks for a lone request."""
     from jvllm import SamplingParams
     from jvllm.core.request import Request
 
@@ -106,7 +108,7 @@ def replay_request(drafter, request_id: str, prompt: list[int], output: list[int
     request.output_token_ids.append(output[0])
     while len(request.output_token_ids) < len(output):
         known = len(request.output_token_ids)
-        draft = None if look_ahead else drafter.propose(request, len(output))
+        draft = None if look_ahead else drafter.propose(request, drafter.max_step_rows - 1)
         if draft is None:
             done.decode_cost += 1.0 if look_ahead else costs.fresh
             done.look_ahead += look_ahead
@@ -128,17 +130,19 @@ def replay_request(drafter, request_id: str, prompt: list[int], output: list[int
     return done
 
 
-def replay(recorded: dict, setting: dict | None, costs: StepCosts) -> dict:
-    """Every kind's requests in the benchmark's order through one Drafter -> {kind: totals}."""
+def replay(recorded: dict, setting: dict | None, costs: StepCosts, step_rows: int) -> dict:
+    """Every kind's requests in the benchmark's order (every kind's warm-up prompts, then the measured ones kind by
+    kind) through one Drafter whose verification steps hold at most `step_rows` token rows -> {kind: totals}."""
     from jvllm.spec_decode.config import SpeculativeConfig
     from jvllm.spec_decode.drafter import Drafter
 
-    drafter = None if setting is None else Drafter(SpeculativeConfig.parse(setting))
+    drafter = None if setting is None else Drafter(SpeculativeConfig.parse(setting), max_step_rows=step_rows)
+    if drafter is not None:
+        for parts in recorded.values():
+            for prompt, output in parts["warm"]:
+                replay_request(drafter, "warm", prompt, output, costs)
     results = {}
     for kind, parts in recorded.items():
-        for prompt, output in parts["warm"]:
-            if drafter is not None:
-                replay_request(drafter, "warm", prompt, output, costs)
         total = Replayed(0.0, 0.0)
         tokens = 0
         for index, (prompt, output) in enumerate(parts["measured"]):
@@ -165,16 +169,23 @@ def main(argv: list[str] | None = None) -> int:
             parser.add_argument("--" + field.name.replace("_", "-"), type=float, default=field.default)
     parser.add_argument("--row-costs", type=parse_row_costs, default=(), metavar="ROWS:COST,...",
                         help="a verification step's cost by token rows (replaces --verify-base/--verify-per-draft)")
+    parser.add_argument("--step-rows", type=int, default=None,
+                        help="the most token rows of a verification step (default: the engine's for the embedded "
+                             "model on this machine, its batch-invariant step rows: 16 with AVX-512, 8 with AVX2)")
     args = parser.parse_args(argv)
+    if args.step_rows is None:
+        from models.quantized import invariant_step_rows
+
+        args.step_rows = invariant_step_rows({"q4_1", "q8_0"})  # the embedded GGUF's block formats
     path = pathlib.Path(args.outputs)
     recorded = json.loads(path.read_text()) if path.exists() else record(path, args.max_tokens)
     costs = StepCosts(**{field.name: getattr(args, field.name) for field in dataclasses.fields(StepCosts)})
     settings = ([json.loads(text) for text in args.setting] if args.setting
                 else [config for config in SETTINGS.values() if config is not None])
-    off = replay(recorded, None, costs)
+    off = replay(recorded, None, costs, args.step_rows)
     print(f"{'prompts':18s} {'setting':58s} {'ratio':>6s} {'decode':>6s}  steps: verify / fresh / look-ahead")
     for setting in settings:
-        for kind, got in replay(recorded, setting, costs).items():
+        for kind, got in replay(recorded, setting, costs, args.step_rows).items():
             ratio, decode = off[kind]["cost"] / got["cost"], off[kind]["decode_cost"] / got["decode_cost"]
             print(f"{kind:18s} {json.dumps(setting)[:58]:58s} {ratio:6.2f} {decode:6.2f}  "
                   f"{got['verify']} / {got['fresh']} / {got['look_ahead']}")

@@ -37,6 +37,21 @@ def test_an_output_that_copies_nothing_runs_look_ahead_steps():
     assert got.cost == len(output) - 1
 
 
+def test_drafts_fit_the_step_rows_as_the_engine_schedules_them():
+    """A long copy with suffix decoding (up to 31 drafts by default): each verification step holds at most the
+    drafter's step rows, the known token included, as the engine's scheduler gives a lone request."""
+    prompt = list(range(100, 200))
+    output = list(range(100, 180)) + [7]
+    for step_rows in (8, 16):
+        drafter = Drafter(SpeculativeConfig.parse({"method": "suffix"}), max_step_rows=step_rows)
+        drafted = []
+        record = drafter.record
+        drafter.record = lambda request, count, accepted: (drafted.append(count), record(request, count, accepted))
+        got = replay_request(drafter, "r", prompt, output, COSTS)
+        assert got.verify == len(drafted) > 0
+        assert max(drafted) == step_rows - 1
+
+
 def test_row_costs_replace_the_linear_model_between_the_rows_given():
     costs = StepCosts(row_costs=parse_row_costs("2:1.2,8:2.0,9:2.6,32:4.6"))
     assert costs.verify(0) == 1.0  # a lone token row: one step
