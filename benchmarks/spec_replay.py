@@ -2,9 +2,9 @@
 with step costs from a cost model, to compare policies in seconds instead of benchmark runs.
 
 The outputs are those of `benchmarks.spec_decode`'s prompts (every kind's warm-up prompts first, as each engine there
-sees them), with drafts of at most the engine's step rows less one (--step-rows),
-recorded once with the default `LLM()` and kept in --outputs. A request's steps follow the engine's single-stream
-rules: a step without drafts is dispatched ahead of the previous step's token (async scheduling) unless the
+sees them), recorded once with the default `LLM()` and kept in --outputs. A request's steps follow the engine's
+single-stream rules: a verification step holds at most the engine's step rows (--step-rows), drafts and the known
+token; a step without drafts is dispatched ahead of the previous step's token (async scheduling) unless the
 drafter had a proposal from the tokens known at that time; a verification step is never followed by a look-ahead
 step, so the step after it is scheduled once its tokens are known and either verifies new drafts or runs without
 (a "fresh" step: its host work is not hidden). Costs are in one-token look-ahead steps; the defaults were measured
