@@ -350,6 +350,12 @@ class InvariantProduct {
   template <int R>
   void RowsTimesBlock(const __m512i (&pairs)[kPairs], __m512 d, __m512 c, int64_t b, int64_t r, float* sums) const {
     constexpr int kChains = 8 / R;  // 8 independent chains of `vpdpwssd` at any R
+    // in locals: the float sums' stores below are unaligned vector stores, which may alias anything, so members read
+    // after them would be read again for every row
+    const int32_t* const x_pairs = x_pairs_;
+    const float* const xd = xq_->d.data();
+    const float* const xs = xq_->s.data();
+    const int64_t blocks = blocks_;
     __m512i acc[R][kChains];
     for (int i = 0; i < R; ++i) {
       for (int j = 0; j < kChains; ++j) acc[i][j] = _mm512_setzero_si512();
@@ -358,15 +364,15 @@ class InvariantProduct {
     for (int p = 0; p < kPairs; ++p) {
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i) {
-        const __m512i x = _mm512_set1_epi32(x_pairs_[((r + i) * blocks_ + b) * kPairs + p]);
+        const __m512i x = _mm512_set1_epi32(x_pairs[((r + i) * blocks + b) * kPairs + p]);
         acc[i][p % kChains] = AddPairProducts(acc[i][p % kChains], pairs[p], x);
       }
     }
     for (int i = 0; i < R; ++i) {
       __m512i total = acc[i][0];
       for (int j = 1; j < kChains; ++j) total = _mm512_add_epi32(total, acc[i][j]);
-      const int64_t row_block = (r + i) * blocks_ + b;
-      AddBlockTerm<kConstants>(sums + (r + i) * 16, total, d, c, xq_->d[row_block], xq_->s[row_block]);
+      const int64_t row_block = (r + i) * blocks + b;
+      AddBlockTerm<kConstants>(sums + (r + i) * 16, total, d, c, xd[row_block], xs[row_block]);
     }
   }
 
