@@ -10,8 +10,10 @@ attention (9 heads, 3 KV heads, head_dim 64, bf16 pages; one pool for all, so it
 sequence of q queries after `context` keys (with `--seqs`, that many sequences in scattered pages of one pool per
 layer, as a decode step of many requests meets them); with `--bf16-rows`, the products of a float checkpoint's bf16
 copy (30 layers of the model's shapes and the tied head, or of the shapes given, bf16_rows, the weights on 2 MiB
-pages where Linux allows, as the engine's) at those row counts. Each line prints both medians, their ratio, and
-whether the two builds give the same bits. Both builds must take the same custom-call attributes.
+pages where Linux allows, as the engine's) at those row counts. Each line prints both medians, the median of the
+rounds' ratios (each round calls both builds, in turn first) with its quartiles, and whether the two builds give the
+same bits. Quartiles on both sides of 1 say the run did not tell the builds apart (on the 2-core VM, 2026-12-06, two
+identical builds read 0.89-1.11x in single runs). Both builds must take the same custom-call attributes.
 
     python -m benchmarks.native_ab --base HEAD   # uncommitted kernel changes against the last commit
     python -m benchmarks.native_ab --base 670729b --rows 1,8,16 --queries 1,16 --context 100,700 --json out.json
@@ -213,19 +215,30 @@ def attention_inputs(rng: np.random.Generator, queries: int, context: int, seqs:
 
 
 def alternate(calls: dict[str, Callable[[], object]], reps: int) -> dict:
-    """Runs each call `reps` times, alternating -> {"base_ms", "new_ms", "new_over_base", "same_bits"}."""
+    """Runs each call `reps` times, alternating, the order reversed every other round -> {"base_ms", "new_ms" (the
+    medians), "new_over_base" (the median of the rounds' new / base: each round's two calls see the machine alike),
+    "ratio_quartiles", "same_bits"}."""
     import jax
 
     first = {name: [np.asarray(x) for x in jax.tree.leaves(call())] for name, call in calls.items()}
     times = {name: [] for name in calls}
-    for _ in range(reps):
-        for name, call in calls.items():
+    names = list(calls)
+    for round_ in range(reps):
+        for name in names if round_ % 2 == 0 else names[::-1]:
             started = time.perf_counter()
-            jax.block_until_ready(call())
+            jax.block_until_ready(calls[name]())
             times[name].append(time.perf_counter() - started)
     base, new = (statistics.median(times[name]) * 1e3 for name in ("base", "new"))
+    ratios = [n / b for b, n in zip(times["base"], times["new"])]
+    quartiles = statistics.quantiles(ratios, n=4)
     same = all(np.array_equal(a, b) for a, b in zip(first["base"], first["new"]))
-    return {"base_ms": base, "new_ms": new, "new_over_base": new / base, "same_bits": same}
+    return {"base_ms": base, "new_ms": new, "new_over_base": statistics.median(ratios),
+            "ratio_quartiles": [quartiles[0], quartiles[2]], "same_bits": same}
+
+
+def _quartiles(row: dict) -> str:
+    low, high = row["ratio_quartiles"]
+    return f"rounds' quartiles {low:.3f}-{high:.3f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         row = alternate({name: (lambda f=f: f(x576, x1536)) for name, f in fns.items()}, args.reps)
         results["products"][m] = row
         print(f"products, {m:2d} rows: base {row['base_ms']:.2f} ms, new {row['new_ms']:.2f} ms -> "
-              f"{row['new_over_base']:.3f}x; same bits: {row['same_bits']}", flush=True)
+              f"{row['new_over_base']:.3f}x ({_quartiles(row)}); same bits: {row['same_bits']}", flush=True)
     if ints(args.bf16_rows):
         by_prefix = bf16_products(("base_", "jvllm_"), np.random.default_rng(2), args.bf16_model, args.bf16_layers)
         fns = {"base": by_prefix["base_"], "new": by_prefix["jvllm_"]}
@@ -274,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         row = alternate({name: (lambda f=f: f(x)) for name, f in fns.items()}, args.reps)
         results["bf16_products"][m] = row
         print(f"bf16 products, {m} rows: base {row['base_ms']:.2f} ms, new {row['new_ms']:.2f} ms -> "
-              f"{row['new_over_base']:.3f}x; same bits: {row['same_bits']}", flush=True)
+              f"{row['new_over_base']:.3f}x ({_quartiles(row)}); same bits: {row['same_bits']}", flush=True)
     runs = {name: attention(prefix) for name, prefix in (("base", "base_"), ("new", "jvllm_"))}
     for q in ints(args.queries):
         for context in ints(args.context):
@@ -288,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
             row = alternate({name: (lambda name=name: step(name)) for name in runs}, args.reps)
             results["attention"][f"{args.seqs}x{q}x{context}" if args.seqs > 1 else f"{q}x{context}"] = row
             print(f"attention, {args.seqs} x {q:2d} queries after {context} keys: base {row['base_ms']:.2f} ms, new "
-                  f"{row['new_ms']:.2f} ms -> {row['new_over_base']:.3f}x; same bits: {row['same_bits']}", flush=True)
+                  f"{row['new_ms']:.2f} ms -> {row['new_over_base']:.3f}x ({_quartiles(row)}); "
+                  f"same bits: {row['same_bits']}", flush=True)
     write_json(args.json_path, results)
     return 0
 
