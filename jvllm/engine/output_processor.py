@@ -10,7 +10,7 @@ from jvllm.core.request import Request, RequestStatus
 if TYPE_CHECKING:
     from jvllm.core.scheduler import ScheduledChunk, Scheduler
     from jvllm.spec_decode.drafter import Drafter
-    from jvllm.worker.model_runner import StepResult
+    from jvllm.worker.step_results import StepResult
 
 
 def record_prompt_logprobs(request: Request, result: StepResult, decode: Callable[[int], str]) -> None:

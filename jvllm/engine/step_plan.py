@@ -15,8 +15,9 @@ from jvllm.multimodal.positions import mrope_positions
 from jvllm.sample.tensors import ALL_TOKENS, RowSpec
 from jvllm.worker.batch import ChunkRow
 from jvllm.worker.encoder_runner import EncoderBufferLayout
-from jvllm.worker.model_runner import DispatchedGroup, ModelRunner
+from jvllm.worker.model_runner import ModelRunner
 from jvllm.worker.step_plan import ChunkPlan, EncodeItem
+from jvllm.worker.step_results import DispatchedGroup
 
 
 def chunk_row(chunk: ScheduledChunk, encoder_cache: EncoderCache | None = None, mrope: bool = False) -> ChunkRow:

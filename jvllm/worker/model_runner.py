@@ -12,7 +12,7 @@ import numpy as np
 from jvllm.attention import get_backend
 from jvllm.model_loader.loader import LoadedModel
 from jvllm.parallel.mesh import host_array, named_sharding, put_replicated
-from jvllm.sample.logprobs import TokenLogprobs, host_rows
+from jvllm.sample.logprobs import host_rows
 from jvllm.sample.tensors import build_sampling_tensors, combine_allowed_bits
 from jvllm.utils import cdiv
 from jvllm.worker.batch import ChunkRow, HostBatch, build_batch
@@ -24,72 +24,16 @@ from jvllm.worker.input_transfer import InputTransfer
 from jvllm.worker.layer_runs import LayerRun, layers_per_call, runs_by_kind, runs_kind, short_prefill_tokens
 from jvllm.worker.page_copy import copy_list
 from jvllm.worker.step_functions import build_step_functions
-from jvllm.worker.step_launcher import Launch, StepLauncher, dispatch_thread_asked
+from jvllm.worker.step_launcher import StepLauncher, dispatch_thread_asked
 from jvllm.worker.step_call import EncoderCall, StepCall
 from jvllm.worker.step_plan import ChunkPlan
+from jvllm.worker.step_results import DispatchedGroup, PendingHead, StepResult, sampler_token_index
 from jvllm.worker.step_shapes import ShapeSet, StepShape
 from jvllm.worker.weights import BATCHED_MIN_ROWS, StepWeights
 
 logger = logging.getLogger("jvllm")
 
 PAGE_TABLE_MULTIPLE = 16  # page tables are padded to a multiple of this, so decode loops read whole spans
-
-
-@dataclasses.dataclass
-class StepResult:
-    """One chunk's outcome: the sampled token (None for a prompt chunk that does not sample) and, if asked,
-    its logprob stats and the prompt logprobs of prompt tokens prompt_start, prompt_start + 1, ..."""
-
-    token_id: int | None
-    token_logprobs: TokenLogprobs | None  # the sampled token's logprob, rank and top-k, when the request asked
-    prompt_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
-    prompt_start: int = 1
-    # a chunk with draft tokens: what was sampled after each draft, in order (valid while the drafts match)
-    after_drafts: list[StepResult] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class PendingHead:
-    """A step whose layers are dispatched and whose sampler waits: a look-ahead step of grammar-constrained rows
-    samples once the previous step's tokens have advanced their grammars (ModelRunner.finish_head)."""
-
-    run: Callable[[Any], dict]  # device sampling tensors -> the head's outputs
-
-
-@dataclasses.dataclass
-class DispatchedGroup:
-    """One device call started by ModelRunner.dispatch; `out` holds its device outputs (None while `pending`, and
-    while `launch`, its calls, is still being dispatched on the dispatch thread: `settle` waits for that)."""
-
-    plans: list[ChunkPlan]
-    call: StepCall
-    out: Any
-    pending: PendingHead | None = None
-    head_waits: bool = False  # its sampler waits for finish_head (grammar-constrained look-ahead rows)
-    launch: Launch | None = None
-
-    def settle(self) -> DispatchedGroup:
-        """Wait until the host has dispatched this group's calls (not for the device); -> self."""
-        launch = self.launch
-        if launch is not None:
-            value = launch.result()
-            if self.head_waits:
-                self.pending = value
-            else:
-                self.out = value
-            self.launch = None
-        return self
-
-
-def sampler_token_index(plans: list[ChunkPlan]) -> list[int]:
-    """The flat step token each sampler row samples after: a chunk's last token, or with draft tokens its last known
-    token and each draft."""
-    index, cursor = [], 0
-    for plan in plans:
-        last = cursor + plan.num_tokens - 1
-        index += range(last - plan.sampler_rows + 1, last + 1)
-        cursor += plan.num_tokens
-    return index
 
 
 class ModelRunner:
