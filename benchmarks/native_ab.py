@@ -230,7 +230,7 @@ def alternate(calls: dict[str, Callable[[], object]], reps: int) -> dict:
             times[name].append(time.perf_counter() - started)
     base, new = (statistics.median(times[name]) * 1e3 for name in ("base", "new"))
     ratios = [n / b for b, n in zip(times["base"], times["new"])]
-    quartiles = statistics.quantiles(ratios, n=4)
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
     same = all(np.array_equal(a, b) for a, b in zip(first["base"], first["new"]))
     return {"base_ms": base, "new_ms": new, "new_over_base": statistics.median(ratios),
             "ratio_quartiles": [quartiles[0], quartiles[2]], "same_bits": same}
