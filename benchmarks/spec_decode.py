@@ -6,8 +6,8 @@ prompts of the same kind; then every prompt is sent alone through `chat` (greedy
 setting, the settings in turn, their order reversed every other prompt (so that an engine's place in the process
 weighs on every setting alike), and tokens per second are counted from the call to the last token, prefill included
 (the last column: the share of the time without speculation that went to the prefill, which speculation cannot
-shorten). Every measured prompt is new to every engine (the suffix method's cache of earlier outputs holds only
-other prompts' outputs).
+shorten; a line after the table gives the ratios of the time after the first token alone). Every measured prompt
+is new to every engine (the suffix method's cache of earlier outputs holds only other prompts' outputs).
 
     python -m benchmarks.spec_decode --json benchmarks/results/spec_decode_cpu.json
     python -m benchmarks.spec_decode --crossover 1,2,3,4,8 --rounds 10   # where speculation stops paying
@@ -203,14 +203,21 @@ def main(argv: list[str] | None = None) -> int:
     results = {"command": command_line("benchmarks.spec_decode", argv), "machine": machine_info(),
                "settings": settings, "max_tokens": args.max_tokens, "kinds": {}}
     print(f"{'prompts':18s} " + " ".join(f"{name:>16s}" for name in engines) + "  prefill share (off)")
+    decode_ratios = {}  # the time after each prompt's first token alone: what speculation can shorten
     for kind in kinds:
         row = {name: tokens[kind, name] / seconds[kind, name] for name in engines}
+        decode = {name: tokens[kind, name] / max(seconds[kind, name] - prefill[kind, name], 1e-9) for name in engines}
+        decode_ratios[kind] = {name: decode[name] / decode["off"] for name in engines}
         results["kinds"][kind] = {name: {"tok_s": row[name], "tokens": tokens[kind, name],
                                          "ratio_to_off": row[name] / row["off"], "prompts": len(kinds[kind][1]),
                                          "prefill_share": prefill[kind, name] / seconds[kind, name],
+                                         "decode_ratio_to_off": decode_ratios[kind][name],
                                          "same_tokens_as_off": same[kind, name]} for name in engines}
         print(f"{kind:18s} " + " ".join(f"{row[name]:7.1f} ({row[name] / row['off']:4.2f}x)" for name in engines)
               + f"  {prefill[kind, 'off'] / seconds[kind, 'off']:.2f}")
+    print("after the first token alone: " + "; ".join(
+        f"{kind} " + " ".join(f"{name} {ratio:.2f}x" for name, ratio in ratios.items() if name != "off")
+        for kind, ratios in decode_ratios.items()))
     for name, engine in engines.items():
         if engine.drafter is not None:
             stats = engine.drafter.stats
