@@ -8,17 +8,20 @@ jitted graphs then run with either build's targets: the products of the embedded
 Q4_1 projections in this machine's native layout, random codes) at several row counts, and 30 calls of paged
 attention (9 heads, 3 KV heads, head_dim 64, bf16 pages; one pool for all, so its pages stay in the caches) for one
 sequence of q queries after `context` keys (with `--seqs`, that many sequences in scattered pages of one pool per
-layer, as a decode step of many requests meets them); with `--bf16-rows`, the products of a float checkpoint's bf16
-copy (30 layers of the model's shapes and the tied head, or of the shapes given, bf16_rows, the weights on 2 MiB
-pages where Linux allows, as the engine's) at those row counts. Each line prints both medians, the median of the
-rounds' ratios (each round calls both builds, in turn first) with its quartiles, and whether the two builds give the
-same bits. Quartiles on both sides of 1 say the run did not tell the builds apart (on the 2-core VM, 2026-12-06, two
-identical builds read 0.89-1.11x in single runs). Both builds must take the same custom-call attributes.
+layer, as a decode step of many requests meets them; with `--new-pages fp8_e5m2`, this checkout's calls read 8-bit
+pages holding the same values rounded, the base's bf16 ones); with `--bf16-rows`, the products of a float
+checkpoint's bf16 copy (30 layers of the model's shapes and the tied head, or of the shapes given, bf16_rows, the
+weights on 2 MiB pages where Linux allows, as the engine's) at those row counts. Each line prints both medians, the
+median of the rounds' ratios (each round calls both builds, in turn first) with its quartiles, and whether the two
+builds give the same bits. Quartiles on both sides of 1 say the run did not tell the builds apart (on the 2-core
+VM, 2026-12-06, two identical builds read 0.89-1.11x in single runs). Both builds must take the same custom-call
+attributes.
 
     python -m benchmarks.native_ab --base HEAD   # uncommitted kernel changes against the last commit
     python -m benchmarks.native_ab --base 670729b --rows 1,8,16 --queries 1,16 --context 100,700 --json out.json
     python -m benchmarks.native_ab --base 94a511d --rows "" --queries "" --bf16-rows 1,2,3,4
     python -m benchmarks.native_ab --base HEAD --rows "" --queries 1 --context 140 --seqs 256
+    python -m benchmarks.native_ab --base HEAD --rows "" --queries 1 --context 300 --seqs 128 --new-pages fp8_e5m2
     python -m benchmarks.native_ab --base HEAD --rows "" --queries "" --bf16-rows 1 \\
         --bf16-model 2048,5632,512,49152,untied --bf16-layers 8   # a 1.6B model's shapes
 """
@@ -167,14 +170,14 @@ def bf16_products(prefixes: tuple[str, ...], rng: np.random.Generator, model: st
     return {prefix: jitted(prefix) for prefix in prefixes}
 
 
-def attention(prefix: str) -> Callable:
+def attention(prefix: str, pages: str = "bfloat16") -> Callable:
     """A jitted 30-layer chain of the writing paged attention (queries nudged by each layer's output), layer l over
-    pools k_pools[l], v_pools[l] (one pool for all layers where one is given)."""
+    pools k_pools[l], v_pools[l] (one pool for all layers where one is given) of `pages` (bfloat16 or fp8_e5m2)."""
     import jax
     import jax.numpy as jnp
 
     def layers(q, k, k_pools, v_pools, query_start, q_lens, kv_lens, page_tables, slots):
-        stored = k.astype(jnp.bfloat16).view(jnp.uint16)
+        stored = k.astype(jnp.float8_e5m2) if pages == "fp8_e5m2" else k.astype(jnp.bfloat16).view(jnp.uint16)
         k_pools, v_pools = list(k_pools), list(v_pools)
         outs = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(k_pools[0].shape, k_pools[0].dtype),
                 jax.ShapeDtypeStruct(v_pools[0].shape, v_pools[0].dtype))
@@ -191,16 +194,21 @@ def attention(prefix: str) -> Callable:
     return jax.jit(layers, donate_argnums=(2, 3))
 
 
-def attention_inputs(rng: np.random.Generator, queries: int, context: int, seqs: int = 1) -> tuple:
+def attention_inputs(rng: np.random.Generator, queries: int, context: int, seqs: int = 1,
+                     pages_dtype: str = "bfloat16") -> tuple:
     """`seqs` sequences of `context` keys each, their last `queries` tokens this step's; one sequence: in pages 1..
     of one random bf16 pool; several: in scattered pages of one pool per layer (a decode step of many requests reads
-    every layer's keys from memory, not from the caches)."""
+    every layer's keys from memory, not from the caches). `pages_dtype` fp8_e5m2: the same values rounded to 8 bits."""
+    import jax
     import jax.numpy as jnp
 
     pages = -(-context // PAGE)
     num_pages = seqs * pages + 2
     pool = (num_pages, PAGE, KV_HEADS, HEAD_DIM)
-    bits = lambda: jnp.asarray(rng.integers(0, 1 << 14, pool).astype(np.uint16) | 0x3000)  # bf16 values in [0.5, 4)
+    def bits() -> jax.Array:  # bf16 values in [0.5, 4)
+        values = jnp.asarray(rng.integers(0, 1 << 14, pool).astype(np.uint16) | 0x3000)
+        return values.view(jnp.bfloat16).astype(jnp.float8_e5m2) if pages_dtype == "fp8_e5m2" else values
+
     tables = (np.arange(1, pages + 1)[None] if seqs == 1 else
               rng.permutation(np.arange(1, num_pages))[:seqs * pages].reshape(seqs, pages)).astype(np.int32)
     positions = np.arange(context - queries, context)
@@ -254,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", default="100,700", help="its keys, after this step's")
     parser.add_argument("--seqs", type=int, default=1,
                         help="sequences of the attention's step (several: one pool per layer, scattered pages)")
+    parser.add_argument("--new-pages", default="bfloat16", choices=["bfloat16", "fp8_e5m2"],
+                        help="the KV pages this checkout's attention calls read (the base's: bfloat16)")
     parser.add_argument("--reps", type=int, default=30, help="calls of each build per case")
     parser.add_argument("--json", dest="json_path", help="write the results here")
     args = parser.parse_args(argv)
@@ -269,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         register_base(build_base(args.base, pathlib.Path(workdir)))
     rng = np.random.default_rng(0)
     results = {"command": command_line("benchmarks.native_ab", argv), "machine": machine_info(), "base": args.base,
+               "new_pages": args.new_pages,
                "products": {}, "bf16_products": {}, "attention": {}}
     if ints(args.rows):
         fns = {name: products(prefix, np.random.default_rng(1)) for name, prefix in (("base", "base_"),
@@ -288,11 +299,12 @@ def main(argv: list[str] | None = None) -> int:
         results["bf16_products"][m] = row
         print(f"bf16 products, {m} rows: base {row['base_ms']:.2f} ms, new {row['new_ms']:.2f} ms -> "
               f"{row['new_over_base']:.3f}x ({_quartiles(row)}); same bits: {row['same_bits']}", flush=True)
-    runs = {name: attention(prefix) for name, prefix in (("base", "base_"), ("new", "jvllm_"))}
+    pages = {"base": "bfloat16", "new": args.new_pages}
+    runs = {name: attention(prefix, pages[name]) for name, prefix in (("base", "base_"), ("new", "jvllm_"))}
     for q in ints(args.queries):
         for context in ints(args.context):
-            inputs = {name: list(attention_inputs(np.random.default_rng(context + q), q, context, args.seqs))
-                      for name in runs}
+            inputs = {name: list(attention_inputs(np.random.default_rng(context + q), q, context, args.seqs,
+                                                  pages[name])) for name in runs}
 
             def step(name: str):
                 out, inputs[name][2], inputs[name][3] = runs[name](*inputs[name])  # the pools come back donated

@@ -3,7 +3,7 @@
 Each `ModelRunner.run_call` is timed up to `block_until_ready`, so this shows which step shapes a workload meets and
 what each costs (async scheduling's overlap is lost while measuring).
 
-    python -m benchmarks.step_times [--batched-weight-dtype bfloat16]
+    python -m benchmarks.step_times [--batched-weight-dtype bfloat16] [--kv-cache-dtype fp8_e5m2]
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import time
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batched-weight-dtype", default=None, help="e.g. bfloat16 (default: the engine's)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="e.g. fp8_e5m2 (default: auto)")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     from jvllm.worker.model_runner import ModelRunner
 
     options = {} if args.batched_weight_dtype is None else {"batched_weight_dtype": args.batched_weight_dtype}
-    engine = Engine(**options)
+    engine = Engine(kv_cache_dtype=args.kv_cache_dtype, **options)
     vocab = engine.model.config.vocab_size
     seconds: dict[str, list[float]] = collections.defaultdict(list)
     run_call = ModelRunner.run_call

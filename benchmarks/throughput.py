@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default=None, help="int8 or fp8 (GPUs): weights quantized at load")
     parser.add_argument("--attention-backend", default=None, help="e.g. mosaic (default: the engine's default)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="e.g. fp8_e5m2 (default: the engine's, auto)")
     parser.add_argument("--batched-weight-dtype", default=None,
                         help="weights for steps of >= 2 token rows, e.g. bfloat16 (default: the engine's default)")
     parser.add_argument("--scenarios", default="chat,traffic,batch,single,wide",
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         options["attention_backend"] = args.attention_backend
     if args.speculative_config:
         options["speculative_config"] = json.loads(args.speculative_config)
-    engine = Engine(args.model, dtype=args.dtype, load_format=args.load_format,
+    engine = Engine(args.model, dtype=args.dtype, load_format=args.load_format, kv_cache_dtype=args.kv_cache_dtype,
                     async_scheduling=args.async_scheduling, **options)
     cfg = engine.model.config
     results: dict = {
@@ -237,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         "quantization": args.quantization, "weight_bytes": engine.weight_bytes,
         "batched_weight_dtype": None if engine.runner.batched_weights is None else str(next(
             w.dtype for w in engine.runner.batched_weights if w.ndim == 2)),
-        "attention_backend": engine.runner.backend.name, "async_scheduling": engine.async_scheduling, "repeats": args.repeats,
+        "attention_backend": engine.runner.backend.name, "kv_cache_dtype": str(engine.runner.kv_cache_dtype),
+        "async_scheduling": engine.async_scheduling, "repeats": args.repeats,
         "step_shapes": len(engine.step_shapes()), "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "speculative_config": options.get("speculative_config"), "engine_start_seconds": time.perf_counter() - started,
     }

@@ -18,6 +18,7 @@
 #include "bf16_attention.h"
 #include "bf16_prefill_attention.h"
 #include "few_row_attention.h"
+#include "fp8_attention.h"
 #include "page_view.h"
 #include "transpose.h"
 
@@ -79,6 +80,12 @@ class Attention : public PageView<PoolT> {
 
  public:
   using View::View;
+
+ private:
+  // bfloat16 pages, and 8-bit ones, take the bf16 dot-product loops where the CPU has them
+  static constexpr bool kBf16Rows = std::is_same_v<PoolT, uint16_t> || kEightBitPages<PoolT>;
+
+ public:
 
   // Runs work item `item`; decode rows also ask for the first paged keys and values of item `next` (the next this
   // thread runs, -1: none) as they near their end.
@@ -154,22 +161,25 @@ class Attention : public PageView<PoolT> {
     }
     const int64_t key_end = std::min(last_pos + 1, here.key_hi);  // past the item's keys
 #if JVLLM_BF16_PREFILL
-    if constexpr (std::is_same_v<PoolT, uint16_t>) {
-      // bf16 pages on a CPU with bf16 dot products: prefill blocks of queries in transposed tiles
+    if constexpr (kBf16Rows) {
+      // bf16 (or 8-bit) pages on a CPU with bf16 dot products: prefill blocks of queries in transposed tiles
       if (opt_.bf16_tiles && !direct && hd % kBf16Chunk == 0 && opt_.soft_cap == 0.0f) {
         AttendInTiles(scratch, s, h0, h1, count, cached, start, first_pos, lowest);
         return;
       }
     }
 #endif
-    // bf16 pages on a CPU with bf16 dot products: the direct loops multiply bf16 pairs (bf16_attention.h)
-    const bool bf16_dots = std::is_same_v<PoolT, uint16_t> && kBf16Attention && direct && hd % kBf16Chunk == 0;
-    if (bf16_dots) {
+    // bf16 pages on a CPU with bf16 dot products: the direct loops multiply bf16 pairs (bf16_attention.h); 8-bit
+    // pages: their bytes widened to bf16 in registers, times one scaled bf16 part of the queries (fp8_attention.h)
+    const bool bf16_dots = kBf16Rows && kBf16Attention && direct && hd % kBf16Chunk == 0;
+    if (bf16_dots && kEightBitPages<PoolT>) {
+      ScaledToBf16(scratch.queries.data(), heads * rows * hd, scratch.queries_hi.data());
+    } else if (bf16_dots) {
       SplitToBf16(scratch.queries.data(), heads * rows * hd, scratch.queries_hi.data(), scratch.queries_lo.data());
     }
 #if JVLLM_AMX
     // bf16 dot products on a CPU with AMX: the blocks whose keys are all in the pages take the tile unit
-    const bool amx = bf16_dots && opt_.soft_cap == 0.0f && AmxUsable();
+    const bool amx = std::is_same_v<PoolT, uint16_t> && bf16_dots && opt_.soft_cap == 0.0f && AmxUsable();
     thread_local AmxDirectScratch amx_scratch;
     std::optional<AmxTileScope> amx_tiles;
     if (amx) {
@@ -203,7 +213,9 @@ class Attention : public PageView<PoolT> {
           Mask(first_pos, group, key0, nkeys, rows, opt_.sliding_window, scores + h * rows * kBlockKeys);
         }
         Softmax(heads * rows, scores, scratch.row_max.data(), scratch.denom.data(), scratch.rescale.data());
-        if (bf16_dots) {
+        if (bf16_dots && kEightBitPages<PoolT>) {
+          ScaledToBf16(scores, heads * rows * kBlockKeys, scratch.probs_hi.data());
+        } else if (bf16_dots) {
           SplitToBf16(scores, heads * rows * kBlockKeys, scratch.probs_hi.data(), scratch.probs_lo.data());
         }
         DirectValues(scratch, s, h0, h1, cached, key0, nkeys, rows, scores,
@@ -247,7 +259,7 @@ class Attention : public PageView<PoolT> {
 #if JVLLM_BF16_PREFILL
   void AttendInTiles(AttentionScratch& scratch, int64_t s, int64_t h0, int64_t h1, int64_t count, int64_t cached,
                      int64_t start, int64_t first_pos, int64_t lowest) const {
-    if constexpr (std::is_same_v<PoolT, uint16_t>) {
+    if constexpr (kBf16Rows) {
       const int64_t hd = sh_.head_dim, group = sh_.group;
       const PrefillQueries block{scratch.queries.data(), h1 - h0, count * group, group, hd, first_pos, lowest,
                                  opt_.sliding_window};
@@ -256,13 +268,21 @@ class Attention : public PageView<PoolT> {
           block, kBlockKeys,
           [&](int64_t h, int64_t pos, uint16_t* k_buf, uint16_t* v_buf, const uint16_t** key, const uint16_t** value) {
             const float *own_k, *own_v;
-            *key = Row(k_pages_, k_, s, h0 + h, pos, cached, &own_k);
-            *value = Row(v_pages_, v_, s, h0 + h, pos, cached, &own_v);
-            if (own_k != nullptr) {  // this step's own rows: rounded as the pages store them
-              RoundToBf16(own_k, hd, k_buf);
+            const PoolT* paged_k = Row(k_pages_, k_, s, h0 + h, pos, cached, &own_k);
+            const PoolT* paged_v = Row(v_pages_, v_, s, h0 + h, pos, cached, &own_v);
+            if (own_k != nullptr) {  // this step's own rows: rounded to bfloat16 (8-bit pages: their values come
+              RoundToBf16(own_k, hd, k_buf);  // rounded to the pages' format already)
               RoundToBf16(own_v, hd, v_buf);
               *key = k_buf;
               *value = v_buf;
+            } else if constexpr (kEightBitPages<PoolT>) {
+              E5m2ToBf16(paged_k, hd, k_buf);
+              E5m2ToBf16(paged_v, hd, v_buf);
+              *key = k_buf;
+              *value = v_buf;
+            } else {
+              *key = paged_k;
+              *value = paged_v;
             }
           },
           [&](int64_t key0, int64_t nkeys) { Prefetch(s, h0, h1, cached, key0, nkeys); },
@@ -359,7 +379,14 @@ class Attention : public PageView<PoolT> {
       for (int64_t h = 0; h < heads; ++h) {
         const float* qh = queries + h * rows * hd;
         float* sh = scores + h * rows * kBlockKeys;
-        if constexpr (std::is_same_v<PoolT, uint16_t>) {
+        if constexpr (kEightBitPages<PoolT>) {
+          if (bf16_dots) {
+            E5m2FewRowDots(rows, scratch.queries_hi.data() + h * rows * hd, hd, keys.pages, h * hd, j0, paged, sh,
+                           kBlockKeys);
+          } else {
+            FewRowDots(rows, qh, hd, keys.pages, h * hd, j0, paged, sh, kBlockKeys);
+          }
+        } else if constexpr (std::is_same_v<PoolT, uint16_t>) {
           if (bf16_dots) {
             const int64_t at = h * rows * hd;
             Bf16FewRowDots(rows, scratch.queries_hi.data() + at, scratch.queries_lo.data() + at, hd, keys.pages,
@@ -399,7 +426,14 @@ class Attention : public PageView<PoolT> {
       for (int64_t h = 0; h < h1 - h0; ++h) {
         const float* ph = probs + h * rows * kBlockKeys;
         float* ah = acc + h * rows * hd;
-        if constexpr (std::is_same_v<PoolT, uint16_t>) {
+        if constexpr (kEightBitPages<PoolT>) {
+          if (probs_hi != nullptr) {  // the probabilities' one scaled part
+            E5m2FewRowValues(rows, probs_hi + h * rows * kBlockKeys, kBlockKeys, values.pages, h * hd, j0, paged, ah,
+                             hd);
+          } else {
+            FewRowValues(rows, ph, kBlockKeys, values.pages, h * hd, j0, paged, ah, hd);
+          }
+        } else if constexpr (std::is_same_v<PoolT, uint16_t>) {
           if (probs_hi != nullptr) {
             const int64_t at = h * rows * kBlockKeys;
             Bf16FewRowValues(rows, probs_hi + at, probs_lo + at, kBlockKeys, values.pages, h * hd, j0, paged, ah, hd);

@@ -10,6 +10,7 @@
 
 #include "attention_blocks.h"
 #include "attention_vectors.h"
+#include "fp8_rows.h"
 #include "run_items.h"
 
 namespace jvllm {
@@ -62,7 +63,7 @@ struct PrefetchCursor {
   }
 };
 
-// A call's arguments (pages of PoolT: float or bfloat16 bits) and its work items.
+// A call's arguments (pages of PoolT: float, bfloat16 bits or e5m2 bytes) and its work items.
 template <typename PoolT>
 class PageView {
  public:

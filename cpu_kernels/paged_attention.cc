@@ -8,12 +8,13 @@
 // page_view.h), attended by attention_work.h, whose spans are then merged; the caller and the kernels' helper
 // threads (run_items.h) take items until none are left.
 //
-// Pages are token-major [num_pages, page_size, kv_heads, head_dim], float32 or bfloat16 (stored as
-// its uint16 bits). q, k, v and the output are float32.
+// Pages are token-major [num_pages, page_size, kv_heads, head_dim], float32, bfloat16 (stored as its uint16 bits)
+// or float8 e5m2 (read as bfloat16 rows: fp8_rows.h). q, k, v and the output are float32.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 
 #include "xla/ffi/api/ffi.h"
 #include "attention_work.h"
@@ -39,7 +40,18 @@ void MergeAllSpans(const Work& work) {
   }
 }
 
-// Attention over pages at k_pages / v_pages (float32 or bfloat16 bits, by `type`) into out.
+// The attention of a call over pages of PoolT, by its work items, then its spans merged.
+template <typename PoolT>
+void AttendOver(const AttentionShapes& sh, const AttentionOptions& opt, const float* q, const float* k,
+                const float* v, const void* k_pages, const void* v_pages, const int32_t* query_start,
+                const int32_t* q_lens, const int32_t* kv_lens, const int32_t* page_tables, float* dst) {
+  Attention<PoolT> work(sh, opt, q, k, v, static_cast<const PoolT*>(k_pages), static_cast<const PoolT*>(v_pages),
+                        query_start, q_lens, kv_lens, page_tables, dst);
+  jvllm::RunItems(work);
+  MergeAllSpans(work);
+}
+
+// Attention over pages at k_pages / v_pages (float32, bfloat16 bits or e5m2, by `type`) into out.
 ffi::Error Attend(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                   ffi::Span<const int64_t> pd, ffi::DataType type, const void* k_pages, const void* v_pages,
                   ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> q_lens, ffi::Buffer<ffi::S32> kv_lens,
@@ -65,22 +77,17 @@ ffi::Error Attend(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<
   used = std::min(used, sh.tokens);
   std::fill(dst + used * sh.heads * sh.head_dim, dst + sh.tokens * sh.heads * sh.head_dim, 0.0f);
 
+  const auto args = std::make_tuple(sh, opt, q.typed_data(), k.typed_data(), v.typed_data(), k_pages, v_pages,
+                                    query_start.typed_data(), q_lens.typed_data(), kv_lens.typed_data(),
+                                    page_tables.typed_data(), dst);
   if (type == ffi::DataType::F32) {
-    Attention<float> work(sh, opt, q.typed_data(), k.typed_data(), v.typed_data(),
-                          static_cast<const float*>(k_pages), static_cast<const float*>(v_pages),
-                          query_start.typed_data(), q_lens.typed_data(), kv_lens.typed_data(),
-                          page_tables.typed_data(), dst);
-    jvllm::RunItems(work);
-    MergeAllSpans(work);
+    std::apply(AttendOver<float>, args);
   } else if (type == ffi::DataType::U16 || type == ffi::DataType::BF16) {
-    Attention<uint16_t> work(sh, opt, q.typed_data(), k.typed_data(), v.typed_data(),
-                             static_cast<const uint16_t*>(k_pages), static_cast<const uint16_t*>(v_pages),
-                             query_start.typed_data(), q_lens.typed_data(), kv_lens.typed_data(),
-                             page_tables.typed_data(), dst);
-    jvllm::RunItems(work);
-    MergeAllSpans(work);
+    std::apply(AttendOver<uint16_t>, args);
+  } else if (type == ffi::DataType::F8E5M2) {
+    std::apply(AttendOver<E5m2>, args);
   } else {
-    return ffi::Error::InvalidArgument("paged_attention: pages must be float32 or bfloat16 (bits)");
+    return ffi::Error::InvalidArgument("paged_attention: pages must be float32, bfloat16 (bits) or float8_e5m2");
   }
   return ffi::Error::Success();
 }
@@ -173,6 +180,11 @@ ffi::Error PagedAttentionWriteImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32
 
 // Whether this build attends prefill blocks over bfloat16 pages in bf16 tiles (bf16_prefill_attention.h).
 extern "C" int32_t JvllmBf16PrefillTiles() { return jvllm::kBf16Prefill ? 1 : 0; }
+
+// dst[i] = the bfloat16 bits of e5m2 byte src[i], i < n, as the kernels read 8-bit pages (for tests).
+extern "C" void JvllmE5m2ToBf16(const uint8_t* src, int64_t n, uint16_t* dst) {
+  jvllm::E5m2ToBf16(reinterpret_cast<const jvllm::E5m2*>(src), n, dst);
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JvllmPagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()

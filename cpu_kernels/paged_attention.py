@@ -1,6 +1,8 @@
 """The native ragged paged attention (paged_attention.cc) as a JAX function, for XLA CPU."""
 from __future__ import annotations
 
+import ctypes
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,11 +21,20 @@ def bf16_prefill_tiles() -> bool:
     return bool(load().JvllmBf16PrefillTiles())
 
 
+def e5m2_to_bf16_bits(codes: np.ndarray) -> np.ndarray:
+    """e5m2 bytes [n] (uint8) -> the bfloat16 bits [n] (uint16) the kernels read them as (fp8_rows.h)."""
+    codes = np.ascontiguousarray(codes, np.uint8)
+    out = np.empty(codes.shape, np.uint16)
+    load().JvllmE5m2ToBf16(codes.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(codes.size),
+                           out.ctypes.data_as(ctypes.c_void_p))
+    return out
+
+
 def paged_attention(
     q: jax.Array,  # [T, H, hd]
     k: jax.Array,  # [T, KVH, hd] this step's keys (not in the pages yet)
     v: jax.Array,  # [T, KVH, hd]
-    k_pages: jax.Array,  # [N, page, KVH, hd] float32, or bfloat16 stored as uint16 bits
+    k_pages: jax.Array,  # [N, page, KVH, hd] float32, bfloat16 stored as uint16 bits, or float8_e5m2
     v_pages: jax.Array,  # [N, page, KVH, hd]
     query_start: jax.Array,  # [S] int32 flat index of each sequence's first token this step
     q_lens: jax.Array,  # [S] int32 tokens of each sequence this step (0: a padding row)

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 
 # A bfloat16 pool may be stored as its uint16 bits (the `xla` backend does, see jvllm.attention.pool_storage).
 BF16_BITS = jnp.dtype(jnp.uint16)
+# 8-bit float pools (kv_cache_dtype "fp8_e5m2") hold values the model computes with in bfloat16
+EIGHT_BIT_POOLS = (jnp.dtype(jnp.float8_e5m2),)
 
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: (k_pages, v_pages), each [N, page, KVH, hd]
 # (q [T, H, hd], k/v [T, KVH, hd], (k_pages, v_pages), md, scale, sliding_window, soft_cap)
@@ -25,8 +27,11 @@ def attention_mesh(attention: LayerAttention) -> Any:
 
 
 def value_dtype(pool_dtype: Any) -> jnp.dtype:
-    """The dtype of the values a pool of `pool_dtype` holds (the model computes in it)."""
-    return jnp.dtype(jnp.bfloat16) if jnp.dtype(pool_dtype) == BF16_BITS else jnp.dtype(pool_dtype)
+    """The dtype the model computes in over a pool of `pool_dtype`: the values it holds (bfloat16 for its bits,
+    and for 8-bit floats)."""
+    if jnp.dtype(pool_dtype) == BF16_BITS or jnp.dtype(pool_dtype) in EIGHT_BIT_POOLS:
+        return jnp.dtype(jnp.bfloat16)
+    return jnp.dtype(pool_dtype)
 
 
 @jax.tree_util.register_dataclass

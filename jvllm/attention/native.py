@@ -11,8 +11,8 @@ import numpy as np
 
 from cpu_kernels.paged_attention import DIRECT_QUERIES, HEAD_DIM_MULTIPLE, paged_attention_write
 from jvllm.attention.backend import AttentionBackend, InStepWrite
-from jvllm.attention.pool_storage import BITS, as_stored, storage_dtype
-from models.attention import AttentionMetadata
+from jvllm.attention.pool_storage import BITS, as_stored, as_values, storage_dtype
+from models.attention import EIGHT_BIT_POOLS, AttentionMetadata
 from models.quantized import bf16_products_enabled, invariant_rows
 
 
@@ -54,7 +54,7 @@ def write_and_attend(
     q: jax.Array,  # [T, H, hd]
     k: jax.Array,  # [T, KVH, hd] this step's keys
     v: jax.Array,  # [T, KVH, hd]
-    k_pages: jax.Array,  # [N, page, KVH, hd] donated (float32, or bfloat16 stored as bits)
+    k_pages: jax.Array,  # [N, page, KVH, hd] donated (float32, bfloat16 stored as bits, or float8_e5m2)
     v_pages: jax.Array,  # [N, page, KVH, hd]
     md: AttentionMetadata,
     scale: float,
@@ -65,9 +65,14 @@ def write_and_attend(
     pages plus this step's chunk -> (out [T, H, hd], k_pages, v_pages). Prefill blocks over bfloat16 pages round
     queries and probabilities to bfloat16 where the step's products round their activations
     (models.quantized.bf16_products); a sequence of up to the step's invariant rows of queries takes the direct loops,
-    which give each query the bits it would get alone."""
+    which give each query the bits it would get alone. Over 8-bit pages every key and value is attended as the pages
+    keep it, the step's own included (rounded here), so that a prompt's outputs do not depend on which of its pages
+    came from the prefix cache or an earlier chunk."""
+    k_store, v_store = _to_store(k, k_pages.dtype), _to_store(v, v_pages.dtype)
+    if k_pages.dtype in EIGHT_BIT_POOLS:
+        k, v = as_values(k_store), as_values(v_store)
     out, k_pages, v_pages = paged_attention_write(
-        q, k, v, _to_store(k, k_pages.dtype), _to_store(v, v_pages.dtype), k_pages, v_pages, md.query_start,
+        q, k, v, k_store, v_store, k_pages, v_pages, md.query_start,
         md.q_lens, md.kv_lens, md.page_tables, md.slot_mapping, scale, sliding_window, soft_cap,
         bf16_tiles=bf16_products_enabled(), direct_queries=max(DIRECT_QUERIES, invariant_rows()))
     return out.astype(q.dtype), k_pages, v_pages

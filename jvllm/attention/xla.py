@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jvllm.attention.pool_storage import as_stored, as_values
-from models.attention import AttentionMetadata
+from models.attention import EIGHT_BIT_POOLS, AttentionMetadata
 
 # Decode steps take `decode_attention`, a loop over pages (faster than gathering whole contexts at every batch
 # size measured: docs/design/step_shapes.md). Prefill steps put chunks of similar length side by side, one per row
@@ -63,7 +63,10 @@ def paged_attention(
 ) -> jax.Array:
     """Causal attention of each query over its sequence's cached pages plus this step's chunk -> [T, H, hd].
     With `sliding_window`, a query at position p sees only keys at positions > p - window; with `soft_cap`,
-    scores become soft_cap * tanh(score / soft_cap) (Gemma 2)."""
+    scores become soft_cap * tanh(score / soft_cap) (Gemma 2). Over 8-bit pages the step's own K/V are attended
+    rounded as the pages will keep them, like every cached key."""
+    if k_pages.dtype in EIGHT_BIT_POOLS:
+        k, v = as_values(as_stored(k, k_pages.dtype)), as_values(as_stored(v, v_pages.dtype))
     if md.decode:  # one token per row, row s is token s
         out = decode_attention(q, k, v, k_pages, v_pages, md.page_tables, md.cached_lens, scale, sliding_window,
                                soft_cap)

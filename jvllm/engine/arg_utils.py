@@ -145,8 +145,10 @@ class EngineArgs:
                                                      "of free memory on GPU)", parse=human_int)
     kv_cache_dtype: str = option("auto", "what the KV pages hold: auto (the model's dtype; on CPU bfloat16 for a GGUF "
                                          "model served from its blocks, like llama.cpp's 16-bit KV cache, and for a "
-                                         "float checkpoint whose matrices are loaded in bfloat16), bfloat16 or float32",
-                                 choices=["auto", "bfloat16", "float32"])
+                                         "float checkpoint whose matrices are loaded in bfloat16), bfloat16, float32, "
+                                         "or fp8_e5m2 (8-bit floats, half of bfloat16's bytes, as vLLM's CPU build "
+                                         "stores them; cpu and xla attention backends)",
+                                 choices=["auto", "bfloat16", "float32", "fp8_e5m2"])
     enable_prefix_caching: bool = option(True, "reuse the KV pages of shared prompt prefixes (default on)")
     attention_backend: str = option("auto", "auto (pallas on GPU, cpu on CPU); pallas (Pallas Triton "
                                             "paged-attention kernels for GPUs, interpret mode on CPU), mosaic (the "

@@ -112,7 +112,7 @@ class Engine(MultiHostRoles, FrontEndViews, BatchCalls, PoolingCalls, BeamSearch
         self.tokenizer = self.model.tokenizer
         self.default_sampling = model_sampling_defaults(args, self.model.folder)
         backend = attention_backend_for(args.attention_backend, self.model)
-        kv_dtype = kv_cache_dtype_for(args.kv_cache_dtype, args.dtype, self.model)
+        kv_dtype = kv_cache_dtype_for(args.kv_cache_dtype, args.dtype, self.model, backend)
         self.config: EngineConfig = engine_config_for(self.model, args, kv_dtype, usage, hosts.multi_host)
         self.enable_prefix_caching = args.enable_prefix_caching
         cfg = self.config

@@ -21,3 +21,16 @@ def test_the_checkout_against_its_own_sources_gives_the_same_bits(tmp_path):
     rows = [results["products"]["1"], results["attention"]["2x40"]]
     assert all(row["same_bits"] for row in rows)
     assert all(row["base_ms"] > 0 and row["new_ms"] > 0 for row in rows)
+
+
+@pytest.mark.skipif(not available(), reason="the native CPU kernels cannot be built here")
+def test_eight_bit_pages_against_the_base_s_bf16_ones(tmp_path):
+    """`--new-pages fp8_e5m2`: this checkout's calls read 8-bit pages of the same values rounded (other bits, close
+    outputs), the base's the bf16 pages."""
+    out = tmp_path / "ab.json"
+    checkout = pathlib.Path(native_ab.__file__).resolve().parent.parent
+    assert native_ab.main(["--base", str(checkout), "--rows", "", "--queries", "1", "--context", "40", "--seqs", "3",
+                           "--new-pages", "fp8_e5m2", "--reps", "2", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    row = results["attention"]["3x1x40"]
+    assert results["new_pages"] == "fp8_e5m2" and not row["same_bits"] and row["new_ms"] > 0

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from cpu_kernels import build
-from cpu_kernels.paged_attention import bf16_prefill_tiles, paged_attention, paged_attention_write
+from cpu_kernels.paged_attention import (bf16_prefill_tiles, e5m2_to_bf16_bits, paged_attention,
+                                         paged_attention_write)
 from pallas_kernels.reference import ragged_attention_reference
 
 TOLERANCE = dict(atol=2e-5, rtol=2e-5)  # float32 throughout; bfloat16 pools hold values the reference sees too
@@ -43,6 +44,23 @@ def test_kernels_build_here():
     assert build.load() is build.load()
 
 
+def test_e5m2_pages_read_as_the_bfloat16_of_their_values():
+    """Every e5m2 byte, in runs of every length and start (the 32- and 16-value vector steps and the scalar rest, a
+    subnormal, infinity or NaN in a step or not), reads as the bfloat16 of its value; NaN stays NaN."""
+    codes = np.arange(256, dtype=np.uint8)
+    expected = codes.view(E5M2).astype(jnp.bfloat16).view(np.uint16)
+    normal = codes[((codes & 0x7F) >= 4) & ((codes & 0x7F) < 0x7C)]
+    rng = np.random.default_rng(5)
+    runs = [codes, np.tile(normal, 3)] + [rng.permutation(codes)[:n] for n in (1, 15, 16, 17, 31, 32, 33, 64, 97)]
+    for run in runs:
+        for start in (0, 1, 7):
+            got = e5m2_to_bf16_bits(run[start:])
+            want = expected[run[start:]]
+            nan = np.isnan(want.view(jnp.bfloat16).astype(np.float32))
+            np.testing.assert_array_equal(got[~nan], want[~nan])
+            assert np.isnan(got[nan].view(jnp.bfloat16).astype(np.float32)).all()
+
+
 def random_array(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
     return rng.standard_normal(shape).astype(np.float32)
 
@@ -50,6 +68,22 @@ def random_array(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray
 def as_bf16_bits(x: np.ndarray) -> np.ndarray:
     """float32 -> the bfloat16 pool's uint16 storage (rounded to nearest even)."""
     return np.asarray(x, np.float32).astype(jnp.bfloat16).view(np.uint16)
+
+
+E5M2 = jnp.float8_e5m2
+POOL_DTYPES = [jnp.float32, jnp.bfloat16, E5M2]
+
+
+def as_pool(x: np.ndarray, pool_dtype) -> np.ndarray:
+    """float32 values -> what the cpu backend's pool of `pool_dtype` holds for them (bfloat16 as its bits)."""
+    if pool_dtype == jnp.bfloat16:
+        return as_bf16_bits(x)
+    return np.asarray(x, np.float32).astype(pool_dtype)
+
+
+def pool_values(x: np.ndarray, pool_dtype) -> np.ndarray:
+    """float32 values -> the values a pool of `pool_dtype` keeps of them, in float32."""
+    return np.asarray(x, np.float32).astype(pool_dtype).astype(np.float32)
 
 
 # The test's inputs are built in numpy and the reference runs jitted: each eager jnp op on a new shape is a compile
@@ -94,10 +128,8 @@ def run_case(rng, chunks: list[tuple[int, int]], *, heads: int, kv_heads: int, h
             pos = cached + i
             rows[starts[s] + i] = (block_tables[s, pos // page_size], pos % page_size)
 
-    if pool_dtype == jnp.bfloat16:  # the reference sees the same rounded values, in float32
-        k_pages, v_pages = (p.astype(jnp.bfloat16).astype(np.float32) for p in (full_k, full_v))
-    else:
-        k_pages, v_pages = full_k, full_v
+    # the reference sees the values the pool keeps (rounded to bfloat16 or e5m2), in float32
+    k_pages, v_pages = (pool_values(p, pool_dtype) for p in (full_k, full_v))
     k, v = k_pages[rows[:, 0], rows[:, 1]], v_pages[rows[:, 0], rows[:, 1]]  # [T, KVH, hd] each token's own K, V
 
     pad = lambda a: np.concatenate([np.asarray(a, np.int32), np.zeros(padding_rows, np.int32)])  # noqa: E731
@@ -105,15 +137,22 @@ def run_case(rng, chunks: list[tuple[int, int]], *, heads: int, kv_heads: int, h
     query_start, q_len, kv_len = pad(starts), pad(q_lens), pad(kv_lens)
     expected = np.asarray(reference(q, k_pages, v_pages, query_start, q_len, kv_len, tables, scale=head_dim ** -0.5,
                                     sliding_window=sliding_window, soft_cap=soft_cap))
-    in_tiles = np.zeros(num_tokens, bool)
-    if bf16_tiles and pool_dtype == jnp.bfloat16 and soft_cap is None and head_dim % 32 == 0 and bf16_prefill_tiles():
-        # bf16 tiles: the scaled queries are rounded to bfloat16 (the reference gets them so), and so are the
-        # probabilities, each within 2^-9 of itself: an output moves by at most 2^-9 of the largest |value|
-        in_tiles[:sum(q_lens)] = tiled_tokens(q_lens, heads // kv_heads)
+    # bf16 tiles (prefill blocks over bf16 or 8-bit pages) and the few-query loops over 8-bit pages round the scaled
+    # queries to bfloat16 (the reference gets them so), and the probabilities, each within 2^-9 of itself: an output
+    # moves by at most 2^-9 of the largest |value|
+    block_shaped = np.zeros(num_tokens, bool)  # the tokens a prefill block holds (the rest: few-query loops)
+    block_shaped[:sum(q_lens)] = tiled_tokens(q_lens, heads // kv_heads)
+    bf16_dots = head_dim % 32 == 0 and bf16_prefill_tiles()
+    in_tiles = block_shaped & (bf16_tiles and pool_dtype != jnp.float32 and soft_cap is None and bf16_dots)
+    scaled_parts = np.zeros(num_tokens, bool)  # few-query loops over 8-bit pages
+    scaled_parts[:sum(q_lens)] = pool_dtype == E5M2 and bf16_dots
+    scaled_parts &= ~block_shaped
+    rounded_queries = in_tiles | scaled_parts
+    if rounded_queries.any():
         rounded = (q * np.float32(head_dim ** -0.5)).astype(jnp.bfloat16).astype(np.float32)
-        expected_in_tiles = np.asarray(reference(rounded, k_pages, v_pages, query_start, q_len, kv_len, tables,
-                                                 scale=1.0, sliding_window=sliding_window))
-        largest_value = float(np.nanmax(np.abs(v_pages)))
+        expected_rounded = np.asarray(reference(rounded, k_pages, v_pages, query_start, q_len, kv_len, tables,
+                                                scale=1.0, sliding_window=sliding_window, soft_cap=soft_cap))
+        loose = dict(atol=2 ** -9 * float(np.nanmax(np.abs(v_pages))) + 2e-5, rtol=0)
 
     poisoned = np.zeros(k_pages.shape[:2], bool)  # this step's slots: the kernel must take them from k/v
     for s, (cached, new) in enumerate(chunks):
@@ -121,22 +160,21 @@ def run_case(rng, chunks: list[tuple[int, int]], *, heads: int, kv_heads: int, h
             poisoned[block_tables[s, pos // page_size], pos % page_size] = True
     mask = poisoned[:, :, None, None]
     k_in, v_in = np.where(mask, np.float32(np.nan), k_pages), np.where(mask, np.float32(np.nan), v_pages)
-    if pool_dtype == jnp.bfloat16:  # stored as bits, as the cpu backend stores a bfloat16 pool
-        k_in, v_in = as_bf16_bits(k_in), as_bf16_bits(v_in)
+    k_in, v_in = as_pool(k_in, pool_dtype), as_pool(v_in, pool_dtype)  # bfloat16: as bits, as the cpu backend
+
     got = np.asarray(jax.jit(paged_attention, static_argnames=("scale", "sliding_window", "soft_cap", "bf16_tiles"))(
         q, k, v, k_in, v_in, query_start, q_len, kv_len, tables, scale=head_dim ** -0.5,
         sliding_window=sliding_window, soft_cap=soft_cap, bf16_tiles=bf16_tiles))
     assert got.shape == q.shape and got.dtype == np.float32
-    np.testing.assert_allclose(got[~in_tiles], expected[~in_tiles], **TOLERANCE)
-    if in_tiles.any():
-        np.testing.assert_allclose(got[in_tiles], expected_in_tiles[in_tiles],
-                                   atol=2 ** -9 * largest_value + 2e-5, rtol=0)
+    np.testing.assert_allclose(got[~rounded_queries], expected[~rounded_queries], **TOLERANCE)
+    if rounded_queries.any():
+        np.testing.assert_allclose(got[rounded_queries], expected_rounded[rounded_queries], **loose)
     if padding_tokens:
         assert not got[sum(q_lens):].any(), "padding tokens must come back as zeros"
 
     slots = rows[:, 0] * page_size + rows[:, 1]
     slots[sum(q_lens):] = -1  # padding tokens: outside the pool, not written
-    stored = (k, v) if pool_dtype == jnp.float32 else (as_bf16_bits(k), as_bf16_bits(v))
+    stored = (as_pool(k, pool_dtype), as_pool(v, pool_dtype))
     written, k_out, v_out = jax.jit(paged_attention_write,
                                     static_argnames=("scale", "sliding_window", "soft_cap", "bf16_tiles"))(
         q, k, v, *stored, k_in, v_in, query_start, q_len, kv_len, tables, slots, scale=head_dim ** -0.5,
@@ -145,11 +183,13 @@ def run_case(rng, chunks: list[tuple[int, int]], *, heads: int, kv_heads: int, h
     if pool_dtype == jnp.float32:
         np.testing.assert_array_equal(written, got)
     else:  # the direct loops read the step's own K/V from the pages it wrote (bf16 dot products, as for cached keys)
-        np.testing.assert_allclose(written[~in_tiles], expected[~in_tiles], **TOLERANCE)
+        np.testing.assert_allclose(written[~rounded_queries], expected[~rounded_queries], **TOLERANCE)
         np.testing.assert_array_equal(written[in_tiles], got[in_tiles])
+        if scaled_parts.any():
+            np.testing.assert_allclose(written[scaled_parts], expected_rounded[scaled_parts], **loose)
     for full, given, out in ((k_pages, k_in, k_out), (v_pages, v_in, v_out)):
         np.testing.assert_array_equal(
-            np.asarray(out), np.where(mask, full if pool_dtype == jnp.float32 else as_bf16_bits(full), given))
+            np.asarray(out).view(np.uint8), np.where(mask, as_pool(full, pool_dtype), given).view(np.uint8))
     if pool_dtype == jnp.bfloat16:  # float32 K/V for bf16 pages: rounded as written, the bits of jnp's rounding
         rng = np.random.default_rng(num_tokens)
         k_f, v_f = (np.asarray(a, np.float32) * (1 + rng.uniform(-0.01, 0.01, np.shape(a))).astype(np.float32)
@@ -174,14 +214,14 @@ def test_prefill_and_decode_mix(head_dim, heads, kv_heads):
 
 
 @pytest.mark.parametrize("page_size", [16, 24, 32])
-@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("pool_dtype", POOL_DTYPES)
 def test_pages_and_pool_dtypes(page_size, pool_dtype):
     run_case(np.random.default_rng(page_size), MIXED, heads=8, kv_heads=2, head_dim=64, page_size=page_size,
              pool_dtype=pool_dtype, padding_rows=3, padding_tokens=11)
 
 
 @pytest.mark.parametrize("seqs", [1, 2, 5, 32])
-@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("pool_dtype", POOL_DTYPES)
 def test_decode_rows(seqs, pool_dtype):
     """One token per sequence, as a decode step lays them out (some threads get a single row, or a single head)."""
     rng = np.random.default_rng(seqs)
@@ -202,7 +242,7 @@ def test_decode_rows_per_kv_head(heads, kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("contexts", [(2100,), (300, 1000), (255, 256, 257, 511, 512, 513, 1000, 2100)])
-@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("pool_dtype", POOL_DTYPES)
 def test_decode_rows_over_key_spans(contexts, pool_dtype):
     """Decode rows whose keys go past one span (page_view.h kSpanKeys): each span is a work item of its own and the
     spans' sums are merged, for a lone row (its heads split over items too) and for rows together."""
@@ -211,7 +251,7 @@ def test_decode_rows_over_key_spans(contexts, pool_dtype):
 
 
 @pytest.mark.parametrize("window", [100, 300, 700])
-@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("pool_dtype", POOL_DTYPES)
 def test_sliding_window_over_key_spans(window, pool_dtype):
     """Spanned decode and verification rows under a sliding window: spans before the window have nothing visible,
     a window edge inside a span masks part of it."""
@@ -219,7 +259,7 @@ def test_sliding_window_over_key_spans(window, pool_dtype):
              head_dim=64, page_size=16, sliding_window=window, pool_dtype=pool_dtype)
 
 
-@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("pool_dtype", POOL_DTYPES)
 def test_verification_rows(pool_dtype):
     """2-8 tokens after a cached context, as a speculative verification step lays out a decode row and its drafts
     (read in place like decode rows)."""
@@ -229,7 +269,7 @@ def test_verification_rows(pool_dtype):
 
 
 @pytest.mark.parametrize("chunk", [(150, 6), (37, 3), (64, 8), (5, 2), (254, 4), (700, 6), (1000, 6)])
-@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("pool_dtype", POOL_DTYPES)
 def test_a_lone_verification_row(chunk, pool_dtype):
     """One sequence verifying drafts alone (single-stream speculative decoding): its queries are split over work
     items in two halves, or (1,000 keys: four spans, two a thread on two threads) one item per span takes them
@@ -243,7 +283,7 @@ def test_a_lone_verification_row(chunk, pool_dtype):
 @pytest.mark.parametrize("cached, drafts, direct_queries", [
     (150, 5, 8), (37, 2, 8), (64, 7, 8), (5, 3, 8), (126, 1, 8), (253, 5, 8), (511, 1, 8), (700, 7, 8), (1020, 5, 8),
     (240, 20, 32), (700, 31, 32), (3, 12, 32), (100, 15, 16)])
-@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("pool_dtype", POOL_DTYPES)
 def test_a_verification_row_gives_the_bits_of_the_decode_row(cached, drafts, direct_queries, pool_dtype):
     """A sequence's last token and its draft tokens attended in one step (the writing variant, as the engine runs it)
     give each query the same bits as decode steps of one token each over the same pages: speculative decoding's
@@ -257,7 +297,7 @@ def test_a_verification_row_gives_the_bits_of_the_decode_row(cached, drafts, dir
     pages = -(-(cached + count) // page_size)
     table = rng.permutation(np.arange(1, pages + 3))[:pages][None].astype(np.int32)
     slot_of = np.array([int(table[0, p // page_size]) * page_size + p % page_size for p in range(cached + count)])
-    stored = (lambda x: x) if pool_dtype == jnp.float32 else as_bf16_bits
+    stored = lambda x: as_pool(x, pool_dtype)  # noqa: E731
     shape = (pages + 3, page_size, kv_heads, head_dim)
 
     def cached_pool(x: np.ndarray) -> np.ndarray:  # [cached + count, KVH, hd] -> the pool holding the cached tokens
@@ -287,20 +327,20 @@ def test_a_verification_row_gives_the_bits_of_the_decode_row(cached, drafts, dir
 
 
 @pytest.mark.parametrize("window", [1, 7, 16, 50])
-@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("pool_dtype", POOL_DTYPES)
 def test_sliding_window(window, pool_dtype):
     run_case(np.random.default_rng(window), MIXED, heads=8, kv_heads=4, head_dim=64, page_size=16,
              sliding_window=window, pool_dtype=pool_dtype)
 
 
 @pytest.mark.parametrize("cap", [2.0, 50.0])
-@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("pool_dtype", POOL_DTYPES)
 def test_soft_cap(cap, pool_dtype):
     run_case(np.random.default_rng(int(cap)), MIXED, heads=8, kv_heads=4, head_dim=128, page_size=16, soft_cap=cap,
              sliding_window=20, pool_dtype=pool_dtype)
 
 
-@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("pool_dtype", POOL_DTYPES)
 def test_long_prompt_in_blocks(pool_dtype):
     """A 300-token chunk after 200 cached tokens: many query blocks and key blocks of one sequence."""
     run_case(np.random.default_rng(7), [(200, 300)], heads=4, kv_heads=2, head_dim=64, page_size=16,

@@ -120,6 +120,19 @@ def test_outputs_equal_those_without_speculation(model, plain, spec):
     assert engine.pages.num_free_pages == plain.pages.num_free_pages  # rejected drafts' pages came back
 
 
+def test_outputs_equal_those_without_speculation_over_8_bit_pages(model):
+    """8-bit KV pages (kv_cache_dtype fp8_e5m2): a verification step reads each draft's key and value as the pages
+    keep them (rounded), as the decode steps without speculation do, and every prefill reads its own rounded too
+    (the plain engine's prompts meet its prefix cache, the speculating one's do not): the outputs stay the same."""
+    options = dict(kv_cache_memory_bytes=1 << 18, kv_cache_dtype="fp8_e5m2", **ENGINE)
+    plain = Engine(model, **options)
+    engine = Engine(model, speculative_config={"method": "suffix", "num_speculative_tokens": 6,
+                                               "max_batch_size": ALWAYS}, **options)
+    jobs = _workload(plain, 3)
+    assert _summary(_run(engine, jobs)) == _summary(_run(plain, jobs))
+    assert engine.drafter.stats.num_accepted_tokens > 0
+
+
 @pytest.mark.parametrize("spec, changed, longest", [
     ({"method": "ngram", "num_speculative_tokens": 7}, 0.15, 7),
     ({"method": "suffix"}, 0.04, 17),  # its default of 31 drafts: verification steps of up to 32 tokens
