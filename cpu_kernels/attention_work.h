@@ -81,12 +81,6 @@ class Attention : public PageView<PoolT> {
  public:
   using View::View;
 
- private:
-  // bfloat16 pages, and 8-bit ones, take the bf16 dot-product loops where the CPU has them
-  static constexpr bool kBf16Rows = std::is_same_v<PoolT, uint16_t> || kEightBitPages<PoolT>;
-
- public:
-
   // Runs work item `item`; decode rows also ask for the first paged keys and values of item `next` (the next this
   // thread runs, -1: none) as they near their end.
   void RunWithNext(int64_t item, int64_t next) const {
@@ -127,6 +121,9 @@ class Attention : public PageView<PoolT> {
   }
 
  private:
+  // bfloat16 pages, and 8-bit ones, take the bf16 dot-product loops where the CPU has them
+  static constexpr bool kBf16Rows = std::is_same_v<PoolT, uint16_t> || kEightBitPages<PoolT>;
+
   // Attention of work item `here`; `next` is the item this thread runs after it (s < 0: none).
   void Attend(const AttentionItem& here, const AttentionItem& next) const {
     thread_local AttentionScratch scratch;

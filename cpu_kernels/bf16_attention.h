@@ -85,6 +85,31 @@ inline void FromPairOrder(__m512 lo, __m512 hi, __m512* n0, __m512* n1) {
   *n1 = _mm512_permutex2var_ps(lo, second, hi);
 }
 
+// acc[r][c0 : c0 + N * 32] of rows r < R (rows hd apart) in pair order: lo[r][c], hi[r][c] for chunk c.
+template <int R, int N>
+inline void LoadInPairOrder(const float* acc, int64_t hd, int64_t c0, __m512 (&lo)[R][N],
+                            __m512 (&hi)[R][N]) {
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < N; ++c) {
+      const float* a = acc + r * hd + c0 + c * kBf16Chunk;
+      ToPairOrder(_mm512_loadu_ps(a), _mm512_loadu_ps(a + 16), &lo[r][c], &hi[r][c]);
+    }
+}
+
+// LoadInPairOrder's inverse: the pairs' sums back into acc in natural order.
+template <int R, int N>
+inline void StoreFromPairOrder(const __m512 (&lo)[R][N], const __m512 (&hi)[R][N], float* acc, int64_t hd,
+                               int64_t c0) {
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < N; ++c) {
+      __m512 n0, n1;
+      FromPairOrder(lo[r][c], hi[r][c], &n0, &n1);
+      float* a = acc + r * hd + c0 + c * kBf16Chunk;
+      _mm512_storeu_ps(a, n0);
+      _mm512_storeu_ps(a + 16, n1);
+    }
+}
+
 // acc[r][c0 : c0 + N * 32] += sum_j p[r][j] * values[j][offset + c0 : ...] for keys j in [begin, end), two keys a
 // step: their rows interleaved into (v_j, v_j+1) pairs, times the pair (p_j, p_j+1) of each row's high and low
 // bf16 parts (p_hi / p_lo [R rows of `stride`], indexed by j). N x 2 x R sums in registers.
@@ -93,11 +118,7 @@ inline void Bf16AddValueChunks(const uint16_t* p_hi, const uint16_t* p_lo, int64
                                const uint16_t* const* values, int64_t offset, int64_t begin, int64_t end, float* acc,
                                int64_t hd, int64_t c0) {
   __m512 lo[R][N], hi[R][N];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < N; ++c) {
-      const float* a = acc + r * hd + c0 + c * kBf16Chunk;
-      ToPairOrder(_mm512_loadu_ps(a), _mm512_loadu_ps(a + 16), &lo[r][c], &hi[r][c]);
-    }
+  LoadInPairOrder(acc, hd, c0, lo, hi);
   for (int64_t j = begin; j < end; j += 2) {
     const bool lone = j + 1 == end;  // an odd count: the last key pairs with itself at probability 0
     const uint16_t* first = values[j] + offset + c0;
@@ -121,14 +142,7 @@ inline void Bf16AddValueChunks(const uint16_t* p_hi, const uint16_t* p_lo, int64
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < N; ++c) {
-      __m512 n0, n1;
-      FromPairOrder(lo[r][c], hi[r][c], &n0, &n1);
-      float* a = acc + r * hd + c0 + c * kBf16Chunk;
-      _mm512_storeu_ps(a, n0);
-      _mm512_storeu_ps(a + 16, n1);
-    }
+  StoreFromPairOrder(lo, hi, acc, hd, c0);
 }
 
 // Bf16AddValueChunks over the whole head, 64 dims a pass.

@@ -75,11 +75,7 @@ template <int R, int N>
 inline void E5m2AddValueChunks(const uint16_t* p, int64_t stride, const E5m2* const* values, int64_t offset,
                                int64_t begin, int64_t end, float* acc, int64_t hd, int64_t c0) {
   __m512 lo[R][N], hi[R][N];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < N; ++c) {
-      const float* a = acc + r * hd + c0 + c * kBf16Chunk;
-      ToPairOrder(_mm512_loadu_ps(a), _mm512_loadu_ps(a + 16), &lo[r][c], &hi[r][c]);
-    }
+  LoadInPairOrder(acc, hd, c0, lo, hi);
   for (int64_t j = begin; j < end; j += 2) {
     const bool lone = j + 1 == end;  // an odd count: the last key pairs with itself at probability 0
     const E5m2* first = values[j] + offset + c0;
@@ -99,14 +95,7 @@ inline void E5m2AddValueChunks(const uint16_t* p, int64_t stride, const E5m2* co
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < N; ++c) {
-      __m512 n0, n1;
-      FromPairOrder(lo[r][c], hi[r][c], &n0, &n1);
-      float* a = acc + r * hd + c0 + c * kBf16Chunk;
-      _mm512_storeu_ps(a, n0);
-      _mm512_storeu_ps(a + 16, n1);
-    }
+  StoreFromPairOrder(lo, hi, acc, hd, c0);
 }
 
 // E5m2DotKeys for any number of rows.

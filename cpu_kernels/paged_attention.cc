@@ -9,7 +9,7 @@
 // threads (run_items.h) take items until none are left.
 //
 // Pages are token-major [num_pages, page_size, kv_heads, head_dim], float32, bfloat16 (stored as its uint16 bits)
-// or float8 e5m2 (read as bfloat16 rows: fp8_rows.h). q, k, v and the output are float32.
+// or float8 e5m2 (widened in registers: fp8_rows.h, fp8_attention.h). q, k, v and the output are float32.
 
 #include <algorithm>
 #include <cstdint>
@@ -181,7 +181,7 @@ ffi::Error PagedAttentionWriteImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32
 // Whether this build attends prefill blocks over bfloat16 pages in bf16 tiles (bf16_prefill_attention.h).
 extern "C" int32_t JvllmBf16PrefillTiles() { return jvllm::kBf16Prefill ? 1 : 0; }
 
-// dst[i] = the bfloat16 bits of e5m2 byte src[i], i < n, as the kernels read 8-bit pages (for tests).
+// dst[i] = the bfloat16 bits of e5m2 byte src[i], i < n: the exact conversion of the prefill tiles' rows (for tests).
 extern "C" void JvllmE5m2ToBf16(const uint8_t* src, int64_t n, uint16_t* dst) {
   jvllm::E5m2ToBf16(reinterpret_cast<const jvllm::E5m2*>(src), n, dst);
 }
