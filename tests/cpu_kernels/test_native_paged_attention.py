@@ -241,6 +241,15 @@ def test_decode_rows_per_kv_head(heads, kv_heads, head_dim):
     run_case(rng, chunks, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=16, pool_dtype=jnp.bfloat16)
 
 
+@pytest.mark.parametrize("head_dim", [16, 48, 80])
+def test_eight_bit_pages_under_head_sizes_the_bf16_loops_do_not_take(head_dim):
+    """Head sizes that are not a multiple of 32 read 8-bit pages through the float loops, each row widened to floats
+    in place: decode rows, verification rows and prefill blocks."""
+    rng = np.random.default_rng(head_dim)
+    chunks = [(0, 1), (3, 1), (70, 1), (130, 5), (40, 17), (0, 40)]
+    run_case(rng, chunks, heads=8, kv_heads=2, head_dim=head_dim, page_size=16, pool_dtype=E5M2)
+
+
 @pytest.mark.parametrize("contexts", [(2100,), (300, 1000), (255, 256, 257, 511, 512, 513, 1000, 2100)])
 @pytest.mark.parametrize("pool_dtype", POOL_DTYPES)
 def test_decode_rows_over_key_spans(contexts, pool_dtype):
