@@ -378,8 +378,8 @@ class Attention : public PageView<PoolT> {
         float* sh = scores + h * rows * kBlockKeys;
         if constexpr (kEightBitPages<PoolT>) {
           if (bf16_dots) {
-            E5m2FewRowDots(rows, scratch.queries_hi.data() + h * rows * hd, hd, keys.pages, h * hd, j0, paged, sh,
-                           kBlockKeys);
+            Bf16FewRowDots<1>(rows, scratch.queries_hi.data() + h * rows * hd, nullptr, hd, keys.pages, h * hd, j0,
+                              paged, sh, kBlockKeys);
           } else {
             FewRowDots(rows, qh, hd, keys.pages, h * hd, j0, paged, sh, kBlockKeys);
           }
@@ -425,8 +425,8 @@ class Attention : public PageView<PoolT> {
         float* ah = acc + h * rows * hd;
         if constexpr (kEightBitPages<PoolT>) {
           if (probs_hi != nullptr) {  // the probabilities' one scaled part
-            E5m2FewRowValues(rows, probs_hi + h * rows * kBlockKeys, kBlockKeys, values.pages, h * hd, j0, paged, ah,
-                             hd);
+            Bf16FewRowValues<1>(rows, probs_hi + h * rows * kBlockKeys, nullptr, kBlockKeys, values.pages, h * hd,
+                                j0, paged, ah, hd);
           } else {
             FewRowValues(rows, ph, kBlockKeys, values.pages, h * hd, j0, paged, ah, hd);
           }

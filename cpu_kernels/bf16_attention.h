@@ -6,6 +6,7 @@
 // few_row_attention.h run instead.
 #pragma once
 
+#include <array>
 #include <cstdint>
 
 #include "few_row_attention.h"
@@ -37,10 +38,31 @@ inline __m512 DotPairs(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, reinterpret_cast<const __m512bh&>(a), reinterpret_cast<const __m512bh&>(b));
 }
 
-// scores[r * stride + j] = (q_hi[r] + q_lo[r]) . keys[j][offset : offset + hd] for rows r < R, keys j in
-// [begin, end); the query parts are bf16 [R, hd], keys bf16 rows. Four keys at a time, R x 4 sums in registers.
-template <int R>
-inline void Bf16DotKeys(const uint16_t* q_hi, const uint16_t* q_lo, int64_t hd, const uint16_t* const* keys,
+// 32 bf16 lanes of a page row, for the products below: bfloat16 pages as stored (8-bit pages: fp8_attention.h).
+inline __m512i RowChunk(const uint16_t* p) { return _mm512_loadu_si512(p); }
+
+// A row's `Parts` bf16 parts (1: hi alone; 2: hi and lo) at index `at`, 32 lanes each.
+template <int Parts>
+inline std::array<__m512i, Parts> LoadParts(const uint16_t* hi, const uint16_t* lo, int64_t at) {
+  if constexpr (Parts == 2) {
+    return {_mm512_loadu_si512(hi + at), _mm512_loadu_si512(lo + at)};
+  } else {
+    return {_mm512_loadu_si512(hi + at)};
+  }
+}
+
+// acc + the bf16 pair products of each part with b, part after part.
+template <size_t Parts>
+inline __m512 DotParts(__m512 acc, const std::array<__m512i, Parts>& parts, __m512i b) {
+  for (size_t i = 0; i < Parts; ++i) acc = DotPairs(acc, parts[i], b);
+  return acc;
+}
+
+// scores[r * stride + j] = q[r] . keys[j][offset : offset + hd] for rows r < R, keys j in [begin, end); q in
+// `Parts` bf16 parts (q_hi, and q_lo where Parts is 2: [R, hd] each), key rows of RowT read through RowChunk. Four
+// keys at a time, R x 4 sums in registers.
+template <int R, int Parts, typename RowT>
+inline void Bf16DotKeys(const uint16_t* q_hi, const uint16_t* q_lo, int64_t hd, const RowT* const* keys,
                         int64_t offset, int64_t begin, int64_t end, float* scores, int64_t stride) {
   constexpr int kKeys = 4;
   int64_t j = begin;
@@ -48,10 +70,10 @@ inline void Bf16DotKeys(const uint16_t* q_hi, const uint16_t* q_lo, int64_t hd, 
     VF acc[R][kKeys] = {};
     for (int64_t c = 0; c < hd; c += kBf16Chunk) {
       __m512i key[kKeys];
-      for (int t = 0; t < kKeys; ++t) key[t] = _mm512_loadu_si512(keys[j + t] + offset + c);
+      for (int t = 0; t < kKeys; ++t) key[t] = RowChunk(keys[j + t] + offset + c);
       for (int r = 0; r < R; ++r) {
-        const __m512i hi = _mm512_loadu_si512(q_hi + r * hd + c), lo = _mm512_loadu_si512(q_lo + r * hd + c);
-        for (int t = 0; t < kKeys; ++t) acc[r][t] = DotPairs(DotPairs(acc[r][t], hi, key[t]), lo, key[t]);
+        const auto query = LoadParts<Parts>(q_hi, q_lo, r * hd + c);
+        for (int t = 0; t < kKeys; ++t) acc[r][t] = DotParts(acc[r][t], query, key[t]);
       }
     }
     for (int r = 0; r < R; ++r) SumEach4(acc[r], scores + r * stride + j);
@@ -59,11 +81,8 @@ inline void Bf16DotKeys(const uint16_t* q_hi, const uint16_t* q_lo, int64_t hd, 
   for (; j < end; ++j) {
     VF acc[R] = {};
     for (int64_t c = 0; c < hd; c += kBf16Chunk) {
-      const __m512i key = _mm512_loadu_si512(keys[j] + offset + c);
-      for (int r = 0; r < R; ++r) {
-        acc[r] = DotPairs(DotPairs(acc[r], _mm512_loadu_si512(q_hi + r * hd + c), key),
-                          _mm512_loadu_si512(q_lo + r * hd + c), key);
-      }
+      const __m512i key = RowChunk(keys[j] + offset + c);
+      for (int r = 0; r < R; ++r) acc[r] = DotParts(acc[r], LoadParts<Parts>(q_hi, q_lo, r * hd + c), key);
     }
     for (int r = 0; r < R; ++r) scores[r * stride + j] = SumAsEach4(acc[r]);
   }
@@ -111,34 +130,33 @@ inline void StoreFromPairOrder(const __m512 (&lo)[R][N], const __m512 (&hi)[R][N
 }
 
 // acc[r][c0 : c0 + N * 32] += sum_j p[r][j] * values[j][offset + c0 : ...] for keys j in [begin, end), two keys a
-// step: their rows interleaved into (v_j, v_j+1) pairs, times the pair (p_j, p_j+1) of each row's high and low
-// bf16 parts (p_hi / p_lo [R rows of `stride`], indexed by j). N x 2 x R sums in registers.
-template <int R, int N>
-inline void Bf16AddValueChunks(const uint16_t* p_hi, const uint16_t* p_lo, int64_t stride,
-                               const uint16_t* const* values, int64_t offset, int64_t begin, int64_t end, float* acc,
-                               int64_t hd, int64_t c0) {
+// step: their rows (of RowT, read through RowChunk) interleaved into (v_j, v_j+1) pairs, times the pair (p_j, p_j+1)
+// of each of the rows' `Parts` bf16 parts (p_hi, and p_lo where Parts is 2: [R rows of `stride`], indexed by j).
+// N x 2 x R sums in registers.
+template <int R, int N, int Parts, typename RowT>
+inline void Bf16AddValueChunks(const uint16_t* p_hi, const uint16_t* p_lo, int64_t stride, const RowT* const* values,
+                               int64_t offset, int64_t begin, int64_t end, float* acc, int64_t hd, int64_t c0) {
+  const uint16_t* parts[2] = {p_hi, p_lo};
   __m512 lo[R][N], hi[R][N];
   LoadInPairOrder(acc, hd, c0, lo, hi);
   for (int64_t j = begin; j < end; j += 2) {
     const bool lone = j + 1 == end;  // an odd count: the last key pairs with itself at probability 0
-    const uint16_t* first = values[j] + offset + c0;
-    const uint16_t* second = lone ? first : values[j + 1] + offset + c0;
-    __m512i pair_hi[R], pair_lo[R];
+    const RowT* first = values[j] + offset + c0;
+    const RowT* second = lone ? first : values[j + 1] + offset + c0;
+    std::array<__m512i, Parts> pairs[R];
     for (int r = 0; r < R; ++r) {
-      uint32_t h = p_hi[r * stride + j], l = p_lo[r * stride + j];
-      if (!lone) {
-        h |= static_cast<uint32_t>(p_hi[r * stride + j + 1]) << 16;
-        l |= static_cast<uint32_t>(p_lo[r * stride + j + 1]) << 16;
+      for (int i = 0; i < Parts; ++i) {
+        uint32_t both = parts[i][r * stride + j];
+        if (!lone) both |= static_cast<uint32_t>(parts[i][r * stride + j + 1]) << 16;
+        pairs[r][i] = _mm512_set1_epi32(static_cast<int32_t>(both));
       }
-      pair_hi[r] = _mm512_set1_epi32(static_cast<int32_t>(h));
-      pair_lo[r] = _mm512_set1_epi32(static_cast<int32_t>(l));
     }
     for (int c = 0; c < N; ++c) {
-      const __m512i a = _mm512_loadu_si512(first + c * kBf16Chunk), b = _mm512_loadu_si512(second + c * kBf16Chunk);
+      const __m512i a = RowChunk(first + c * kBf16Chunk), b = RowChunk(second + c * kBf16Chunk);
       const __m512i low = _mm512_unpacklo_epi16(a, b), high = _mm512_unpackhi_epi16(a, b);
       for (int r = 0; r < R; ++r) {
-        lo[r][c] = DotPairs(DotPairs(lo[r][c], pair_hi[r], low), pair_lo[r], low);
-        hi[r][c] = DotPairs(DotPairs(hi[r][c], pair_hi[r], high), pair_lo[r], high);
+        lo[r][c] = DotParts(lo[r][c], pairs[r], low);
+        hi[r][c] = DotParts(hi[r][c], pairs[r], high);
       }
     }
   }
@@ -146,43 +164,47 @@ inline void Bf16AddValueChunks(const uint16_t* p_hi, const uint16_t* p_lo, int64
 }
 
 // Bf16AddValueChunks over the whole head, 64 dims a pass.
-template <int R>
-inline void Bf16AddValues(const uint16_t* p_hi, const uint16_t* p_lo, int64_t stride, const uint16_t* const* values,
+template <int R, int Parts, typename RowT>
+inline void Bf16AddValues(const uint16_t* p_hi, const uint16_t* p_lo, int64_t stride, const RowT* const* values,
                           int64_t offset, int64_t begin, int64_t end, float* acc, int64_t hd) {
   int64_t c0 = 0;
   for (; c0 + 2 * kBf16Chunk <= hd; c0 += 2 * kBf16Chunk)
-    Bf16AddValueChunks<R, 2>(p_hi, p_lo, stride, values, offset, begin, end, acc, hd, c0);
-  if (c0 < hd) Bf16AddValueChunks<R, 1>(p_hi, p_lo, stride, values, offset, begin, end, acc, hd, c0);
+    Bf16AddValueChunks<R, 2, Parts>(p_hi, p_lo, stride, values, offset, begin, end, acc, hd, c0);
+  if (c0 < hd) Bf16AddValueChunks<R, 1, Parts>(p_hi, p_lo, stride, values, offset, begin, end, acc, hd, c0);
 }
 
-// Bf16DotKeys for any number of rows.
+// Bf16DotKeys for any number of rows (`Parts` bf16 parts of the queries: 2 over bfloat16 pages, 1 over 8-bit ones).
+template <int Parts = 2, typename RowT>
 inline void Bf16FewRowDots(int64_t rows, const uint16_t* q_hi, const uint16_t* q_lo, int64_t hd,
-                           const uint16_t* const* keys, int64_t offset, int64_t begin, int64_t end, float* scores,
+                           const RowT* const* keys, int64_t offset, int64_t begin, int64_t end, float* scores,
                            int64_t stride) {
   if (begin >= end) return;
   InRowGroups(rows, [&](auto group, int64_t r) {
-    Bf16DotKeys<decltype(group)::value>(q_hi + r * hd, q_lo + r * hd, hd, keys, offset, begin, end,
-                                        scores + r * stride, stride);
+    Bf16DotKeys<decltype(group)::value, Parts>(q_hi + r * hd, Parts == 2 ? q_lo + r * hd : nullptr, hd, keys, offset,
+                                               begin, end, scores + r * stride, stride);
   });
 }
 
 // Bf16AddValues for any number of rows.
+template <int Parts = 2, typename RowT>
 inline void Bf16FewRowValues(int64_t rows, const uint16_t* p_hi, const uint16_t* p_lo, int64_t stride,
-                             const uint16_t* const* values, int64_t offset, int64_t begin, int64_t end, float* acc,
+                             const RowT* const* values, int64_t offset, int64_t begin, int64_t end, float* acc,
                              int64_t hd) {
   if (begin >= end) return;
   InRowGroups(rows, [&](auto group, int64_t r) {
-    Bf16AddValues<decltype(group)::value>(p_hi + r * stride, p_lo + r * stride, stride, values, offset, begin, end,
-                                          acc + r * hd, hd);
+    Bf16AddValues<decltype(group)::value, Parts>(p_hi + r * stride, Parts == 2 ? p_lo + r * stride : nullptr,
+                                                 stride, values, offset, begin, end, acc + r * hd, hd);
   });
 }
 #else
 constexpr bool kBf16Attention = false;
 constexpr int64_t kBf16Chunk = 32;
 inline void SplitToBf16(const float*, int64_t, uint16_t*, uint16_t*) {}
-inline void Bf16FewRowDots(int64_t, const uint16_t*, const uint16_t*, int64_t, const uint16_t* const*, int64_t,
-                           int64_t, int64_t, float*, int64_t) {}
-inline void Bf16FewRowValues(int64_t, const uint16_t*, const uint16_t*, int64_t, const uint16_t* const*, int64_t,
+template <int Parts = 2, typename RowT>
+inline void Bf16FewRowDots(int64_t, const uint16_t*, const uint16_t*, int64_t, const RowT* const*, int64_t, int64_t,
+                           int64_t, float*, int64_t) {}
+template <int Parts = 2, typename RowT>
+inline void Bf16FewRowValues(int64_t, const uint16_t*, const uint16_t*, int64_t, const RowT* const*, int64_t,
                              int64_t, int64_t, float*, int64_t) {}
 #endif
 
