@@ -1,5 +1,5 @@
 // 8-bit float KV pages (kv_cache_dtype "fp8_e5m2"): the byte format and its exact conversions to bfloat16 rows (the
-// prefill tiles' rows) and to float vectors (the float loops'); fp8_attention.h has the bf16 dot-product loops.
+// prefill tiles' rows) and to float vectors (the float loops'); fp8_attention.h has the bf16 dot products' rows.
 //
 // An e5m2 value is the top byte of an IEEE half (1 sign, 5 exponent, 2 mantissa bits), so the hardware's half ->
 // float conversion reads it exactly once shifted into place; every e5m2 value (subnormals, infinities and NaNs
