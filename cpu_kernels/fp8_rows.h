@@ -36,7 +36,8 @@ inline uint16_t E5m2ToBf16Bits(uint8_t b) {
   return sign | static_cast<uint16_t>(u >> 16);
 }
 
-// dst[i] = the bfloat16 bits of e5m2 value src[i], for i < n.
+// dst[i] = the bfloat16 bits of e5m2 value src[i], for i < n: the prefill tiles' rows (their CPUs have AVX-512
+// BF16; head sizes a multiple of 32), one bit-exact scalar loop elsewhere.
 inline void E5m2ToBf16(const E5m2* src, int64_t n, uint16_t* dst) {
   const auto* bytes = reinterpret_cast<const uint8_t*>(src);
   int64_t i = 0;
@@ -48,22 +49,6 @@ inline void E5m2ToBf16(const E5m2* src, int64_t n, uint16_t* dst) {
     const __m512 high = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(halves, 1));
     const __m512bh rounded = _mm512_cvtne2ps_pbh(high, low);
     _mm512_storeu_si512(dst + i, reinterpret_cast<const __m512i&>(rounded));
-  }
-#endif
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16) {
-    const __m256i halves = _mm256_slli_epi16(
-        _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + i))), 8);
-    const __m512i floats = _mm512_castps_si512(_mm512_cvtph_ps(halves));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(floats, 16)));
-  }
-#elif defined(__AVX2__) && defined(__F16C__)
-  for (; i + 8 <= n; i += 8) {
-    const __m128i halves = _mm_slli_epi16(
-        _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + i))), 8);
-    const __m256i floats = _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtph_ps(halves)), 16);
-    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(floats), _mm256_extracti128_si256(floats, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), packed);
   }
 #endif
   for (; i < n; ++i) dst[i] = E5m2ToBf16Bits(bytes[i]);

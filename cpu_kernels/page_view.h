@@ -10,7 +10,6 @@
 
 #include "attention_blocks.h"
 #include "attention_vectors.h"
-#include "fp8_rows.h"
 #include "run_items.h"
 
 namespace jvllm {

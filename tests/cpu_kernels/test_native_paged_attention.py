@@ -45,7 +45,7 @@ def test_kernels_build_here():
 
 
 def test_e5m2_pages_read_as_the_bfloat16_of_their_values():
-    """Every e5m2 byte, in runs of every length and start (the 32- and 16-value vector steps and the scalar rest, a
+    """Every e5m2 byte, in runs of every length and start (the 32-value vector steps and the scalar rest, a
     subnormal, infinity or NaN in a step or not), reads as the bfloat16 of its value; NaN stays NaN."""
     codes = np.arange(256, dtype=np.uint8)
     expected = codes.view(E5M2).astype(jnp.bfloat16).view(np.uint16)
