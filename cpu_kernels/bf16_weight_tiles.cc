@@ -30,11 +30,11 @@ ffi::Error Bf16TilesImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w, ffi:
   const int64_t n = out_in ? wd[0] : wd[1];
   if ((out_in ? wd[1] : wd[0]) != k) return ffi::Error::InvalidArgument("bf16_tiles: w does not take x's K");
   if (k % kDepthMultiple != 0) return ffi::Error::InvalidArgument("bf16_tiles: K must be a multiple of 32");
+#if defined(__AVX512BF16__)
   const int64_t live = std::clamp<int64_t>(live_rows.typed_data()[0], 0, m);
   float* out = y->typed_data();
   std::memset(out + live * n, 0, sizeof(float) * (m - live) * n);
   if (live == 0 || n == 0) return ffi::Error::Success();
-#if defined(__AVX512BF16__)
   const bool x_tiles = out_in && jvllm::Bf16XTiles::Takes(live);  // few rows: [N, K] weights read in place
   thread_local jvllm::Bf16Rows xb;  // its buffers reused by this thread's next call
   xb.Convert(x.typed_data(), live, k, /*for_tiles=*/!x_tiles);

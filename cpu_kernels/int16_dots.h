@@ -6,6 +6,15 @@
 // them within 32 tokens on 3 of 4 prompts of the embedded model.
 #pragma once
 
+// 1 where this build multiplies the 16-bit code tiles 512 bits at a time (int16_tiles.h), which also moves the
+// row counts at which the product's paths meet (quantized_matmul.cc).
+// Defined on every build (0 without AVX2) since other headers test it.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define JVLLM_INT16_512 1
+#else
+#define JVLLM_INT16_512 0
+#endif
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 
@@ -105,14 +114,6 @@ inline __m256i AddPairProducts(__m256i sums, __m256i w, __m256i x) {
   return _mm256_add_epi32(sums, _mm256_madd_epi16(w, x));
 #endif
 }
-
-// 1 where this build multiplies the 16-bit code tiles 512 bits at a time (int16_tiles.h), which also moves the
-// row counts at which the product's paths meet (quantized_matmul.cc).
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define JVLLM_INT16_512 1
-#else
-#define JVLLM_INT16_512 0
-#endif
 
 #if JVLLM_INT16_512
 // AddPairProducts on 512-bit vectors.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import pathlib
+import re
 
 import pytest
 
@@ -88,3 +89,38 @@ def test_compiles_run_at_most_as_many_at_once_as_asked(tmp_path):
     build._run_compiles([command] * 3, parallel=1)
     with pytest.raises(build.KernelsUnavailable, match="busy"):
         build._run_compiles([command] * 3, parallel=3)
+
+
+@pytest.mark.parametrize("machine, flags, lacking", [("aarch64", "fp asimd", "x86-64 CPU with AVX2 (this is aarch64)"),
+                                                     ("x86_64", "fpu sse4_2 avx", "lacks avx2 and fma")])
+def test_a_cpu_without_avx2_builds_nothing_and_says_why(monkeypatch, machine, flags, lacking):
+    """The kernels' vector paths need x86-64 with AVX2 and FMA; their plain loops alone ran far slower than XLA's
+    kernels, so such CPUs keep XLA's and spend no start-up compiling."""
+    monkeypatch.setattr(build.platform, "machine", lambda: machine)
+    monkeypatch.setattr(build, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(build, "_build", lambda *args: pytest.fail("compiled for a CPU the kernels do not run on"))
+    assert lacking in build.unsupported_cpu()
+    with pytest.raises(build.KernelsUnavailable, match=f"native CPU kernels not used: .*{re.escape(lacking)}"):
+        build.load.__wrapped__()
+
+
+def test_kernels_that_cannot_load_are_tried_once_a_process(monkeypatch, caplog):
+    """A failed build is not retried by each caller that asks (every try would compile again), and its reason is
+    logged once, as a warning where a compiler failed on a CPU the kernels support."""
+    tries = []
+
+    def failing_load() -> None:
+        tries.append(1)
+        raise build.KernelsUnavailable("building the CPU kernels failed: (the compiler's message)")
+
+    monkeypatch.setattr(build, "load", failing_load)
+    build.available.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="jvllm.cpu_kernels"):
+            assert build.available() is False and build.available() is False
+    finally:
+        build.available.cache_clear()  # the next caller asks the real library again
+    assert len(tries) == 1
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING and "the compiler's message" in record.getMessage()
+    assert "XLA's kernels instead" in record.getMessage()
