@@ -27,7 +27,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kMaxRows = 4;          // rows of x a call takes
-constexpr int64_t kOutputsPerItem = 16;  // [N, K] weights: output rows per item
+constexpr int64_t kOutputsPerItem = 16;  // [N, K] weights: an item's outputs are a multiple of this
 constexpr int64_t kColumnsPerItem = 128; // [K, N] weights without AVX-512: output columns per item
 // [N, K] weights: the longest K read one output at a time for one row of x, four for 2-4 rows (x's 12 KB a row stays
 // in L1 beside the weight streams); longer K read eight outputs at a time, which a 32 KB L1 (Zen 4) reads faster from
@@ -49,13 +49,23 @@ struct Operands {
   int64_t m, n, k;
 };
 
-// y = x . w^T with w [N, K]: a dot over contiguous K per output, kOutputsPerItem outputs an item.
+// Outputs an item of [N, K] weights: 1-4 items a thread (BalancedUnits), whole multiples of kOutputsPerItem, so that
+// each thread reads long runs of consecutive weight rows, which the prefetchers follow (with items of 16 outputs
+// taken in turn, two threads read a 49,152 x 576 head at ~18 GB/s; in 8 items ~35-47: docs/design/bf16_weights.md).
+int64_t OutputsPerItem(int64_t n) {
+  const int64_t threads = jvllm::HelperPool::Get().num_helpers() + 1;
+  return jvllm::BalancedUnits((n + kOutputsPerItem - 1) / kOutputsPerItem, threads) * kOutputsPerItem;
+}
+
+// y = x . w^T with w [N, K]: a dot over contiguous K per output, per_item outputs an item.
 struct RowsTimesOutIn : Operands {
-  int64_t num_items() const { return (n + kOutputsPerItem - 1) / kOutputsPerItem; }
+  int64_t per_item;
+
+  int64_t num_items() const { return (n + per_item - 1) / per_item; }
 
   void Run(int64_t item) const {
-    const int64_t end = std::min(n, (item + 1) * kOutputsPerItem);
-    for (int64_t j = item * kOutputsPerItem; j < end; ++j) {
+    const int64_t end = std::min(n, (item + 1) * per_item);
+    for (int64_t j = item * per_item; j < end; ++j) {
       const uint16_t* wj = w + j * k;
       for (int64_t r = 0; r < m; ++r) {
         const float* xr = x + r * k;
@@ -98,12 +108,13 @@ inline __mmask32 FirstWords(int64_t count) { return (__mmask32{1} << count) - 1;
 
 // Operands of [N, K] weights with `split` holding each row of x as [even elements, odd elements], each half
 // `padded` / 2 long (K rounded up to 32, zeros past K), so the same 16 lanes of a weight vector and of x's halves
-// pair up; kOutputsPerItem outputs an item.
+// pair up; per_item outputs an item (OutputsPerItem).
 struct SplitOutInOperands : Operands {
   const float* split;
   int64_t padded;
+  int64_t per_item;  // outputs an item
 
-  int64_t num_items() const { return (n + kOutputsPerItem - 1) / kOutputsPerItem; }
+  int64_t num_items() const { return (n + per_item - 1) / per_item; }
 
   // Output j's 32 weights from i (zeros past K).
   __m512i Weights(int64_t j, int64_t i) const {
@@ -119,8 +130,8 @@ struct SplitOutInOperands : Operands {
 template <int T>
 struct SplitRowTimesOutIn : SplitOutInOperands {
   void Run(int64_t item) const {
-    const int64_t end = std::min(n, (item + 1) * kOutputsPerItem);
-    for (int64_t j0 = item * kOutputsPerItem; j0 < end; j0 += T) {
+    const int64_t end = std::min(n, (item + 1) * per_item);
+    for (int64_t j0 = item * per_item; j0 < end; j0 += T) {
       const int outputs = static_cast<int>(std::min<int64_t>(T, end - j0));
       __m512 even_sums[T], odd_sums[T];
       for (int t = 0; t < T; ++t) even_sums[t] = odd_sums[t] = _mm512_setzero_ps();
@@ -142,8 +153,8 @@ struct SplitRowTimesOutIn : SplitOutInOperands {
 template <int M, int T>
 struct SplitRowsTimesOutIn : SplitOutInOperands {
   void Run(int64_t item) const {
-    const int64_t end = std::min(n, (item + 1) * kOutputsPerItem);
-    for (int64_t j0 = item * kOutputsPerItem; j0 < end; j0 += T) {
+    const int64_t end = std::min(n, (item + 1) * per_item);
+    for (int64_t j0 = item * per_item; j0 < end; j0 += T) {
       const int outputs = static_cast<int>(std::min<int64_t>(T, end - j0));
       __m512 sums[T][M];
       for (int t = 0; t < T; ++t)
@@ -268,19 +279,19 @@ std::vector<float> SplitEvenOdd(const float* x, int64_t m, int64_t k, int64_t pa
 template <int M>
 void RunSplit(const Operands& operands, bool out_in) {
   if (out_in) {
-    const int64_t padded = (operands.k + 31) / 32 * 32;
+    const int64_t padded = (operands.k + 31) / 32 * 32, per_item = OutputsPerItem(operands.n);
     const std::vector<float> split = SplitEvenOdd(operands.x, M, operands.k, padded);
     if constexpr (M == 1) {
       if (operands.k <= kMaxOneStreamK) {
-        jvllm::RunItems(SplitRowTimesOutIn<1>{{operands, split.data(), padded}});
+        jvllm::RunItems(SplitRowTimesOutIn<1>{{operands, split.data(), padded, per_item}});
       } else {
-        jvllm::RunItems(SplitRowTimesOutIn<8>{{operands, split.data(), padded}});
+        jvllm::RunItems(SplitRowTimesOutIn<8>{{operands, split.data(), padded, per_item}});
       }
     } else {
       if (operands.k > kMaxOneStreamK) {
-        jvllm::RunItems(SplitRowsTimesOutIn<M, 8>{{operands, split.data(), padded}});
+        jvllm::RunItems(SplitRowsTimesOutIn<M, 8>{{operands, split.data(), padded, per_item}});
       } else {
-        jvllm::RunItems(SplitRowsTimesOutIn<M, 4>{{operands, split.data(), padded}});
+        jvllm::RunItems(SplitRowsTimesOutIn<M, 4>{{operands, split.data(), padded, per_item}});
       }
     }
   } else {
@@ -309,7 +320,7 @@ ffi::Error Bf16RowsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w, ffi::
   }
 #endif
   if (out_in) {
-    jvllm::RunItems(RowsTimesOutIn{operands});
+    jvllm::RunItems(RowsTimesOutIn{operands, OutputsPerItem(n)});
   } else {
     jvllm::RunItems(RowsTimesInOut{operands});
   }

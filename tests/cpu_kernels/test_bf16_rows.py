@@ -15,13 +15,13 @@ from models.layers import Linear
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("k, n", [(576, 960), (1536, 576), (100, 37), (64, 300), (33, 129), (31, 17), (5, 40),
-                                  (2052, 70), (3100, 23)])
+                                  (2052, 70), (3100, 23), (64, 4100)])
 @pytest.mark.parametrize("out_in", [False, True], ids=["in_out", "out_in"])
 def test_products_are_the_bf16_weights_in_float32(rows, k, n, out_in):
-    """Sizes around the kernel's items (16 outputs of [N, K] weights, one row of x with K over 3,072 read eight
-    outputs at a time; slices of K of [K, N] ones, read 8 rows a pass: K under 8 or not a multiple of it), its
-    32-weight loads (K or N not a multiple of 32, or under 32) and row counts: within float32 summation of the
-    exact products."""
+    """Sizes around the kernel's items (whole multiples of 16 outputs of [N, K] weights, 1-4 a thread, the last one
+    short at N = 4,100; one row of x with K over 3,072 read eight outputs at a time; slices of K of [K, N] ones, read
+    8 rows a pass: K under 8 or not a multiple of it), its 32-weight loads (K or N not a multiple of 32, or under 32)
+    and row counts: within float32 summation of the exact products."""
     rng = np.random.default_rng(k * n + rows)
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)  # [K, N]
