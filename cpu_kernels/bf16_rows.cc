@@ -152,30 +152,36 @@ struct SplitRowTimesOutIn : SplitOutInOperands {
 // x's rows no longer stay in L1), each 64-byte load of an output's weights met by every row.
 template <int M, int T>
 struct SplitRowsTimesOutIn : SplitOutInOperands {
-  void Run(int64_t item) const {
-    const int64_t end = std::min(n, (item + 1) * per_item);
-    for (int64_t j0 = item * per_item; j0 < end; j0 += T) {
-      const int outputs = static_cast<int>(std::min<int64_t>(T, end - j0));
-      __m512 sums[T][M];
-      for (int t = 0; t < T; ++t)
-        for (int r = 0; r < M; ++r) sums[t][r] = _mm512_setzero_ps();
-      for (int64_t i = 0; i < padded; i += 32) {
-        __m512 even_x[M], odd_x[M];
+  // Outputs j0 .. j0 + U - 1; U is known when compiled, so that the sums stay in registers (with a count known only
+  // at run time they went through memory: 2-4 rows read the head ~2.5-3x slower than one row).
+  template <int U>
+  void Outputs(int64_t j0) const {
+    __m512 sums[U][M];
+    for (int t = 0; t < U; ++t)
+      for (int r = 0; r < M; ++r) sums[t][r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < padded; i += 32) {
+      __m512 even_x[M], odd_x[M];
+      for (int r = 0; r < M; ++r) {
+        even_x[r] = _mm512_loadu_ps(split + r * padded + i / 2);
+        odd_x[r] = _mm512_loadu_ps(split + r * padded + padded / 2 + i / 2);
+      }
+      for (int t = 0; t < U; ++t) {
+        const __m512i v = Weights(j0 + t, i);
+        const __m512 even = EvenWeights(v), odd = OddWeights(v);
         for (int r = 0; r < M; ++r) {
-          even_x[r] = _mm512_loadu_ps(split + r * padded + i / 2);
-          odd_x[r] = _mm512_loadu_ps(split + r * padded + padded / 2 + i / 2);
-        }
-        for (int t = 0; t < outputs; ++t) {
-          const __m512i v = Weights(j0 + t, i);
-          const __m512 even = EvenWeights(v), odd = OddWeights(v);
-          for (int r = 0; r < M; ++r) {
-            sums[t][r] = _mm512_fmadd_ps(odd, odd_x[r], _mm512_fmadd_ps(even, even_x[r], sums[t][r]));
-          }
+          sums[t][r] = _mm512_fmadd_ps(odd, odd_x[r], _mm512_fmadd_ps(even, even_x[r], sums[t][r]));
         }
       }
-      for (int t = 0; t < outputs; ++t)
-        for (int r = 0; r < M; ++r) y[r * n + j0 + t] = _mm512_reduce_add_ps(sums[t][r]);
     }
+    for (int t = 0; t < U; ++t)
+      for (int r = 0; r < M; ++r) y[r * n + j0 + t] = _mm512_reduce_add_ps(sums[t][r]);
+  }
+
+  void Run(int64_t item) const {
+    const int64_t end = std::min(n, (item + 1) * per_item);
+    int64_t j = item * per_item;
+    for (; j + T <= end; j += T) Outputs<T>(j);
+    for (; j < end; ++j) Outputs<1>(j);
   }
 };
 
