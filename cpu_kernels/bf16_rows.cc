@@ -50,8 +50,8 @@ struct Operands {
 };
 
 // Outputs an item of [N, K] weights: 1-4 items a thread (BalancedUnits), whole multiples of kOutputsPerItem, so that
-// each thread reads long runs of consecutive weight rows, which the prefetchers follow (with items of 16 outputs
-// taken in turn, two threads read a 49,152 x 576 head at ~18 GB/s; in 8 items ~35-47: docs/design/bf16_weights.md).
+// each thread reads long runs of consecutive weight rows, which the prefetchers follow; small items taken in turn by
+// the threads would break those runs every few KB (docs/design/bf16_weights.md).
 int64_t OutputsPerItem(int64_t n) {
   const int64_t threads = jvllm::HelperPool::Get().num_helpers() + 1;
   return jvllm::BalancedUnits((n + kOutputsPerItem - 1) / kOutputsPerItem, threads) * kOutputsPerItem;
@@ -152,8 +152,8 @@ struct SplitRowTimesOutIn : SplitOutInOperands {
 // x's rows no longer stay in L1), each 64-byte load of an output's weights met by every row.
 template <int M, int T>
 struct SplitRowsTimesOutIn : SplitOutInOperands {
-  // Outputs j0 .. j0 + U - 1; U is known when compiled, so that the sums stay in registers (with a count known only
-  // at run time they went through memory: 2-4 rows read the head ~2.5-3x slower than one row).
+  // Outputs j0 .. j0 + U - 1; U is known when compiled, so that the sums stay in registers (a count known only at
+  // run time keeps them in memory, at ~2-3x the time: docs/design/bf16_weights.md).
   template <int U>
   void Outputs(int64_t j0) const {
     __m512 sums[U][M];

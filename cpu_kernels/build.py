@@ -178,8 +178,8 @@ def built_library(compiler: str) -> pathlib.Path:
 
 def unsupported_cpu() -> str | None:
     """Why the kernels do not run on this CPU, or None where they do. Their vector paths are written for x86-64
-    with AVX2 and FMA; elsewhere only their plain loops would remain, which ran the embedded model ~15x slower than
-    XLA's own kernels (a build for x86-64-v2 on the 2-core Zen 5 VM: 14.6 against 270 chat tok/s)."""
+    with AVX2 and FMA; elsewhere only their plain loops would remain, which run the embedded model ~15x slower than
+    XLA's own kernels (docs/design/cpu_profiles.md, "CPUs without AVX2")."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"they need an x86-64 CPU with AVX2 (this is {platform.machine() or 'an unknown machine'})"
     missing = [flag for flag in ("avx2", "fma") if flag not in _cpu_flags().split()]

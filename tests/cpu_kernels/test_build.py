@@ -94,7 +94,7 @@ def test_compiles_run_at_most_as_many_at_once_as_asked(tmp_path):
 @pytest.mark.parametrize("machine, flags, lacking", [("aarch64", "fp asimd", "x86-64 CPU with AVX2 (this is aarch64)"),
                                                      ("x86_64", "fpu sse4_2 avx", "lacks avx2 and fma")])
 def test_a_cpu_without_avx2_builds_nothing_and_says_why(monkeypatch, machine, flags, lacking):
-    """The kernels' vector paths need x86-64 with AVX2 and FMA; their plain loops alone ran far slower than XLA's
+    """The kernels' vector paths need x86-64 with AVX2 and FMA; their plain loops alone run far slower than XLA's
     kernels, so such CPUs keep XLA's and spend no start-up compiling."""
     monkeypatch.setattr(build.platform, "machine", lambda: machine)
     monkeypatch.setattr(build, "_cpu_flags", lambda: flags)
