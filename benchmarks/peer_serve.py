@@ -4,6 +4,7 @@ Each round starts a fresh server of each engine in turn (jvllm on the GGUF file,
 dequantized: jvllm's converted folder), waits for /health, warms it up with a request set of the same kind (other
 seed), then runs `vllm bench serve` on the random dataset (`--num-prompts` x (`--input-len` in, `--output-len`
 out), EOS ignored) at each request rate of `--rates` ("inf": all at once), each on prompts not seen before.
+Odd rounds run the engines in the other order.
 Prints output tok/s, TTFT and TPOT p50 per engine and rate, the medians over rounds and jvllm's ratios.
 
     python -m benchmarks.peer_serve --out benchmarks/results/peer_serve_cpu.json
@@ -133,8 +134,8 @@ def main() -> None:
     parser.add_argument("--jvllm-args", default="", help="extra flags for `jvllm serve`, e.g. '--max-num-seqs 128'")
     parser.add_argument("--vllm-preload", default="/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:"
                         "/work/bench-venvs/vllm-cpu/lib/libiomp5.so", help="LD_PRELOAD for vLLM (its CPU guide's)")
-    parser.add_argument("--vllm-dtype", default="float32",
-                        help="vLLM's dtype (float32: its bf16 default has no fast kernels without AVX-512 BF16)")
+    parser.add_argument("--vllm-dtype", default="bfloat16",
+                        help="vLLM's dtype (its CPU default; float32 is faster on CPUs without AVX-512 BF16)")
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--warmup-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=128)
@@ -142,7 +143,8 @@ def main() -> None:
     parser.add_argument("--range-ratio", type=float, default=0.0,
                         help="lengths uniform in len * (1 +- ratio) (vLLM's --random-range-ratio; 0: all equal)")
     parser.add_argument("--rates", default="inf,4", help="comma-separated request rates (requests/s; inf: all at once)")
-    parser.add_argument("--rounds", type=int, default=2, help="fresh servers per engine, alternating")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="fresh servers per engine, alternating; odd rounds start with the other engine")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to start")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
@@ -155,7 +157,10 @@ def main() -> None:
     folder = float_folder(gguf)
     rounds: dict[str, list[dict]] = {}
     for round_index in range(args.rounds):
-        for name, (command, env) in server_commands(args, gguf, folder, args.port).items():
+        # an engine started right after another one can run slower (measured on the 2-core VMs), so which engine
+        # goes first alternates between rounds
+        order = list(server_commands(args, gguf, folder, args.port).items())
+        for name, (command, env) in order[::-1] if round_index % 2 else order:
             rounds.setdefault(name, []).append(one_round(args, name, command, env, folder, round_index))
     summary = summarize(rounds, args.rates.split(","))
     if args.out:

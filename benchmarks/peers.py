@@ -1,6 +1,6 @@
 """jvllm against llama.cpp and vLLM's CPU build on the same weights: each engine in a fresh process with its default
-settings, warmed up on other prompts, rounds alternating between the engines; prints each round's tok/s and
-jvllm's ratio to each peer.
+settings, warmed up on other prompts, rounds alternating between the engines (odd rounds in the other order);
+prints each round's tok/s and jvllm's ratio to each peer.
 
   single  4 prompts of uneven length x `--tokens` greedy tokens each, one at a time (prefill counted, EOS ignored):
           jvllm and llama.cpp on the GGUF file, vLLM on the same weights dequantized (jvllm's converted folder)
@@ -212,7 +212,8 @@ def compare(args: argparse.Namespace, scenario: str, model: str) -> dict:
                             {"LD_PRELOAD": args.vllm_preload})
     rounds: dict[str, list[dict]] = {name: [] for name in commands}
     for round_index in range(args.rounds):
-        for name, (command, env) in commands.items():
+        order = list(commands.items())  # odd rounds run the engines in the other order (see benchmarks.peer_serve)
+        for name, (command, env) in order[::-1] if round_index % 2 else order:
             done = subprocess.run(command, capture_output=True, text=True, cwd=HERE.parent, check=True,
                                   env={**os.environ, **env})
             result = _last_json(done.stdout)
