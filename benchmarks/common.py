@@ -1,10 +1,14 @@
-"""What every benchmark records: the command that ran, the machine it ran on, and the JSON file it writes."""
+"""What every benchmark records (the command that ran, the machine it ran on, the JSON file it writes), and the
+order in which the peer comparisons run their engines."""
 from __future__ import annotations
 
 import json
 import os
 import platform
 import sys
+from typing import TypeVar
+
+Item = TypeVar("Item")
 
 
 def command_line(module: str, argv: list[str] | None) -> str:
@@ -45,3 +49,10 @@ def write_json(path: str | None, results: dict) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def round_order(engines: list[Item], round_index: int) -> list[Item]:
+    """The engines in the order round `round_index` runs them: as given in even rounds, reversed in odd ones. An
+    engine started right after another one can run slower (measured on the 2-core VMs), so which one goes first
+    alternates."""
+    return engines[::-1] if round_index % 2 else engines

@@ -24,6 +24,8 @@ import tempfile
 import time
 import urllib.request
 
+from benchmarks.common import round_order
+
 HERE = pathlib.Path(__file__).resolve().parent
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
            "median_itl_ms", "median_e2el_ms", "completed")
@@ -157,10 +159,8 @@ def main() -> None:
     folder = float_folder(gguf)
     rounds: dict[str, list[dict]] = {}
     for round_index in range(args.rounds):
-        # an engine started right after another one can run slower (measured on the 2-core VMs), so which engine
-        # goes first alternates between rounds
-        order = list(server_commands(args, gguf, folder, args.port).items())
-        for name, (command, env) in order[::-1] if round_index % 2 else order:
+        for name, (command, env) in round_order(list(server_commands(args, gguf, folder, args.port).items()),
+                                                round_index):
             rounds.setdefault(name, []).append(one_round(args, name, command, env, folder, round_index))
     summary = summarize(rounds, args.rates.split(","))
     if args.out:

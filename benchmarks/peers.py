@@ -34,6 +34,8 @@ import sys
 import tempfile
 import time
 
+from benchmarks.common import round_order
+
 HERE = pathlib.Path(__file__).resolve().parent
 WARMUP_PROMPTS = ["Hello there!", "Name three colours."]
 # The long scenario's documents (benchmarks.workloads.long_document), in characters: the warm-up, then the timed
@@ -212,8 +214,7 @@ def compare(args: argparse.Namespace, scenario: str, model: str) -> dict:
                             {"LD_PRELOAD": args.vllm_preload})
     rounds: dict[str, list[dict]] = {name: [] for name in commands}
     for round_index in range(args.rounds):
-        order = list(commands.items())  # odd rounds run the engines in the other order (see benchmarks.peer_serve)
-        for name, (command, env) in order[::-1] if round_index % 2 else order:
+        for name, (command, env) in round_order(list(commands.items()), round_index):
             done = subprocess.run(command, capture_output=True, text=True, cwd=HERE.parent, check=True,
                                   env={**os.environ, **env})
             result = _last_json(done.stdout)
