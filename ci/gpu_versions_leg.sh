@@ -2,7 +2,7 @@
 # Second test leg: tests/pallas_kernels on Python 3.12 with the CPU jaxlib of each jax in JAX_VERSIONS, no GPU needed:
 # interpret-mode numerics (Mosaic GPU's interpret mode included), CUDA lowering (kernels and the engine's step pieces),
 # and the sm_90 register / spill / shared-memory checks, with the GPU image's triton 3.6 for its compiler and bundled
-# ptxas. Default: the newest jax the project supports (0.12.0.1), then the GPU machines' image (0.11.2) while the leg
+# ptxas. Default: the newest jax the project supports (0.12.1), then the GPU machines' image (0.11.2) while the leg
 # has run less than LEG_BUDGET_S seconds (default 180: both on a fast 2-core machine, only the first on a slow one, so
 # that CI stays within its time); an explicit JAX_VERSIONS runs every version it names. Creates or updates
 # .venv-gpu-jax-<version> per version (PYTHON312 picks the interpreter; default: python3.12 on PATH, else pyenv's
@@ -29,7 +29,7 @@ if [ -z "$python" ]; then
   [ "${1:-}" = "--install-in-background" ] && exit 0 || exit 1
 fi
 
-versions="${JAX_VERSIONS:-0.12.0.1 0.11.2}"
+versions="${JAX_VERSIONS:-0.12.1 0.11.2}"
 leg_requirements() {
   echo "jax==$1" "jaxlib==$1" "triton==3.6.0" "pytest>=8" "pytest-xdist>=3.5,<4" "pytest-timeout>=2.3,<3"
 }

@@ -197,7 +197,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _kernel_leg_file(path: pathlib.Path) -> bool:
-    """The Pallas kernels' own tests, which ci/gpu_versions_leg.sh runs on jax 0.12.0.1 (and 0.11.2)
+    """The Pallas kernels' own tests, which ci/gpu_versions_leg.sh runs on jax 0.12.1 (and 0.11.2)
     (test_pallas_engine.py, the kernels inside the engine on the default model, is the exception: that leg leaves it
     out)."""
     return path.parent.name == "pallas_kernels" and path.name != "test_pallas_engine.py"

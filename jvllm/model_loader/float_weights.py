@@ -57,5 +57,8 @@ def load_float_weights(module: Any, folder: Path, dtype: Any, matrix_dtype: Any 
 def cast_float_matrices(module: Any, matrix_dtype: Any) -> None:
     """Every float matrix parameter of a module in `matrix_dtype` (random weights drawn in the model's dtype)."""
     for _, param in nnx.iter_graph(module):
-        if isinstance(param, nnx.Param) and isinstance(param.value, jax.Array) and is_float_matrix(param.value):
-            param.set_value(param.value.astype(matrix_dtype))
+        if not isinstance(param, nnx.Param):
+            continue
+        value = param.get_value()
+        if isinstance(value, jax.Array) and is_float_matrix(value):
+            param.set_value(value.astype(matrix_dtype))

@@ -18,6 +18,8 @@ ENV_NUM_HOSTS, ENV_HOST_RANK, ENV_COORDINATOR = "JVLLM_NUM_HOSTS", "JVLLM_HOST_R
 _FIRST = 16384  # bytes of the first broadcast: header + a typical step's whole payload
 _HEADER = 16  # int64 kind, int64 payload length
 _STEP, _SHUTDOWN, _HEARTBEAT = 1, 2, 3
+# CPU hosts on this jax and later hang in their first step's gloo all-reduce (docs/design/gpu_and_parallel.md)
+GLOO_STEPS_HANG_FROM = (0, 12, 1)
 HEARTBEAT_INTERVAL_S = 60.0  # an idle rank 0 (the server's engine thread) pings its followers this often
 
 
@@ -61,6 +63,11 @@ def initialize(settings: HostSettings) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=settings.coordinator, num_processes=settings.num_hosts,
                                process_id=settings.host_rank)
+    if jax.default_backend() == "cpu" and jax.__version_info__ >= GLOO_STEPS_HANG_FROM:
+        raise RuntimeError(
+            f"num_hosts > 1 on CPU does not work with jax {jax.__version__}: from jax 0.12.1 the hosts' first "
+            "tensor-parallel step waits forever inside XLA's gloo all-reduce (jax 0.12.0.1 and earlier run it); "
+            "install jax<=0.12.0.1 for multi-host CPU runs")
     logger.info("jax.distributed up: host %d of %d, %d local / %d global devices", jax.process_index(),
                 jax.process_count(), jax.local_device_count(), jax.device_count())
 

@@ -12,7 +12,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import SingleDeviceSharding
 
 try:  # jaxlib's transfer behind jax.device_put; checked at first use, with jax.device_put as the fallback
     from jax._src import core as _core
@@ -29,7 +28,7 @@ class InputTransfer:
         self._last: dict[tuple[Any, int], tuple[np.ndarray, jax.Array]] = {}  # (tree, leaf) -> (host copy, device)
         self.sent = self.reused = 0  # arrays transferred / taken from an earlier step
         self._device = jax.devices()[0]
-        self._sharding = SingleDeviceSharding(self._device)
+        self._sharding = jax.sharding.make_single_device_sharding(self._device)
         self._direct = _xc is not None and hasattr(_xc, "batched_device_put")
 
     def put(self, tree: Any) -> Any:

@@ -1,4 +1,4 @@
-"""Weight-only int8 / fp8 projections lower for CUDA on a CPU-only machine (jax 0.10.2 and 0.12.0.1): a quantized
+"""Weight-only int8 / fp8 projections lower for CUDA on a CPU-only machine (jax 0.10.2 and 0.12): a quantized
 Linear of Llama-3-8B's gate/up shape takes its weights as 1-byte codes (half of bf16's bytes), converts them as the
 dot's operand (no dequantized weight argument, no weight-sized multiply), and applies the scales to the product.
 Whether XLA GPU then fuses the convert into the GEMM is a compile-time choice, reported by the device stage

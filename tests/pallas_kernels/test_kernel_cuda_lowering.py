@@ -1,4 +1,4 @@
-"""Every kernel variant the engine can launch lowers through Triton for CUDA on a CPU-only machine (jax 0.10.2, 0.12.0.1)."""
+"""Every kernel variant the engine can launch lowers through Triton for CUDA on a CPU-only machine (jax 0.10.2, 0.12)."""
 from __future__ import annotations
 
 import functools

@@ -1,4 +1,4 @@
-"""MoE layers lowered for CUDA on a CPU-only machine (jax 0.10.2 and 0.12.0.1) launch the Pallas grouped-matmul kernel:
+"""MoE layers lowered for CUDA on a CPU-only machine (jax 0.10.2 and 0.12) launch the Pallas grouped-matmul kernel:
 three calls (gate, up, down) per MoE layer; under a 2-device abstract mesh inside a shard_map, each on its device's
 half of the intermediate width, with one all-reduce. JVLLM_MOE_EXPERTS=pallas stands for the GPU's default choice
 (the trace runs on the CPU backend) and JVLLM_PALLAS_INTERPRET=0 lowers the kernels compiled."""

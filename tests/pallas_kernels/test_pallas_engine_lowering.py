@@ -1,4 +1,4 @@
-"""The engine's step pieces on the `pallas` backend lower for CUDA on a CPU-only machine (jax 0.10.2 and 0.12.0.1): the
+"""The engine's step pieces on the `pallas` backend lower for CUDA on a CPU-only machine (jax 0.10.2 and 0.12): the
 default model's architecture (dummy weights, bfloat16 as on a GPU), each piece traced on the inputs the runner
 compiles it for. Nothing runs; the kernels are lowered compiled (JVLLM_PALLAS_INTERPRET=0), not interpreted."""
 from __future__ import annotations

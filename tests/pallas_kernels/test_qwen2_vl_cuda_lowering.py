@@ -1,4 +1,4 @@
-"""Qwen2-VL and Qwen2.5-VL engines' steps lower for CUDA on a CPU-only machine (jax 0.10.2 and 0.12.0.1): the embedding
+"""Qwen2-VL and Qwen2.5-VL engines' steps lower for CUDA on a CPU-only machine (jax 0.10.2 and 0.12): the embedding
 with M-RoPE positions [3, T] and image rows, a layer with the Pallas attention kernel, and every packed encoder step
 (plain XLA, the encoder buffer donated). Dummy bfloat16 weights of a tiny config; no torch needed, nothing runs."""
 from __future__ import annotations
