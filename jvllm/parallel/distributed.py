@@ -65,7 +65,8 @@ def initialize(settings: HostSettings) -> None:
                                process_id=settings.host_rank)
     if jax.default_backend() == "cpu" and jax.__version_info__ >= GLOO_STEPS_HANG_FROM:
         raise RuntimeError(
-            f"num_hosts > 1 on CPU does not work with jax {jax.__version__}: from jax 0.12.1 the hosts' first "
+            f"num_hosts > 1 on CPU does not work with jax {jax.__version__}: from jax "
+            f"{'.'.join(map(str, GLOO_STEPS_HANG_FROM))} the hosts' first "
             "tensor-parallel step waits forever inside XLA's gloo all-reduce (jax 0.12.0.1 and earlier run it); "
             "install jax<=0.12.0.1 for multi-host CPU runs")
     logger.info("jax.distributed up: host %d of %d, %d local / %d global devices", jax.process_index(),

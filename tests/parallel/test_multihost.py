@@ -51,13 +51,13 @@ def test_two_processes_form_one_tp4_mesh_and_match_a_single_process(tiny_models)
     """2 processes x 2 CPU devices on loopback, gloo collectives: rank 0 generates, rank 1 follows its
     steps and exits when rank 0 shuts down; tokens equal a single process's TP=1 tokens."""
     model = tiny_models["llama_gqa"]
-    reference = run_worker("generate", {"model": model, "prompts": PROMPTS}, devices=1)
     coordinator = f"127.0.0.1:{free_port()}"
     commands = [[sys.executable, str(WORKER), "multihost",
                  json.dumps({"model": model, "tp": 4, "num_hosts": 2, "rank": rank, "coordinator": coordinator,
                              "prompts": PROMPTS})] for rank in (0, 1)]
     if hosts_refuse_this_jax(commands):
         return
+    reference = run_worker("generate", {"model": model, "prompts": PROMPTS}, devices=1)
     leader, follower = [_result(*r) for r in run_together(commands, devices=2)]
     assert (leader["devices"], leader["local_devices"]) == (4, 2)
     assert leader["tokens"] == reference["tokens"]

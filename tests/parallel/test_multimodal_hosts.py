@@ -51,13 +51,13 @@ def vision_language(tmp_path_factory) -> tuple[str, list]:
 def test_two_hosts_run_a_vision_language_model_like_one(vision_language):
     model, prompts = vision_language
     args = {"model": model, "mm_prompts": prompts, "max_tokens": MAX_TOKENS, "engine": ENGINE}
-    reference = run_worker("generate", args, devices=1)
     coordinator = f"127.0.0.1:{free_port()}"
     commands = [[sys.executable, str(WORKER), "multihost",
                  json.dumps({**args, "tp": 4, "num_hosts": 2, "rank": rank, "coordinator": coordinator})]
                 for rank in (0, 1)]
     if hosts_refuse_this_jax(commands):
         return
+    reference = run_worker("generate", args, devices=1)
     leader, follower = [worker_result(*r) for r in run_together(commands, devices=2)]
     assert (leader["devices"], leader["local_devices"]) == (4, 2)
     assert leader["tokens"] == reference["tokens"]
