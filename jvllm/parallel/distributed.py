@@ -18,8 +18,6 @@ ENV_NUM_HOSTS, ENV_HOST_RANK, ENV_COORDINATOR = "JVLLM_NUM_HOSTS", "JVLLM_HOST_R
 _FIRST = 16384  # bytes of the first broadcast: header + a typical step's whole payload
 _HEADER = 16  # int64 kind, int64 payload length
 _STEP, _SHUTDOWN, _HEARTBEAT = 1, 2, 3
-# CPU hosts on this jax and later hang in their first step's gloo all-reduce (docs/design/gpu_and_parallel.md)
-GLOO_STEPS_HANG_FROM = (0, 12, 1)
 HEARTBEAT_INTERVAL_S = 60.0  # an idle rank 0 (the server's engine thread) pings its followers this often
 
 
@@ -54,23 +52,30 @@ class HostSettings:
 
 
 def initialize(settings: HostSettings) -> None:
-    """Start jax.distributed (before anything else touches a JAX backend); a no-op for one host or if JAX's
-    distributed runtime is already up. CPU hosts exchange collectives over gloo."""
+    """Start jax.distributed (before anything else touches a JAX backend) unless it is already up; a no-op for one
+    host. CPU hosts exchange collectives over gloo."""
     import jax
 
-    if not settings.multi_host or jax.distributed.is_initialized():
+    if not settings.multi_host:
         return
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=settings.coordinator, num_processes=settings.num_hosts,
-                               process_id=settings.host_rank)
-    if jax.default_backend() == "cpu" and jax.__version_info__ >= GLOO_STEPS_HANG_FROM:
-        raise RuntimeError(
-            f"num_hosts > 1 on CPU does not work with jax {jax.__version__}: from jax "
-            f"{'.'.join(map(str, GLOO_STEPS_HANG_FROM))} the hosts' first "
-            "tensor-parallel step waits forever inside XLA's gloo all-reduce (jax 0.12.0.1 and earlier run it); "
-            "install jax<=0.12.0.1 for multi-host CPU runs")
+    if not jax.distributed.is_initialized():
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address=settings.coordinator, num_processes=settings.num_hosts,
+                                   process_id=settings.host_rank)
+    same_programs_on_every_host()
     logger.info("jax.distributed up: host %d of %d, %d local / %d global devices", jax.process_index(),
                 jax.process_count(), jax.local_device_count(), jax.device_count())
+
+
+def same_programs_on_every_host() -> None:
+    """Keep Python tracebacks out of the locations of the programs JAX builds, so that every host builds the same
+    bytes. The hosts trace the same steps from different calls (rank 0 under `generate`, the others under
+    `follow`), and from jax 0.12.1 hosts whose copies of a program differ only in those locations wait forever in
+    its first collective (docs/design/gpu_and_parallel.md). JAX's own errors keep their tracebacks; XLA's messages
+    lose the Python source lines."""
+    import jax
+
+    jax.config.update("jax_traceback_in_locations_limit", 0)
 
 
 def broadcast_from_leader(value: np.ndarray) -> np.ndarray:

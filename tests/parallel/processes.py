@@ -63,18 +63,3 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def hosts_refuse_this_jax(commands: list[list[str]]) -> bool:
-    """On a jax whose CPU hosts hang in their first step (jvllm.parallel.distributed.GLOO_STEPS_HANG_FROM): run
-    the ranks' `commands` and check that every one stops at start-up with the error that says so; -> True. On
-    other jax versions nothing runs; -> False, and the caller runs its hosts."""
-    import jax
-
-    from jvllm.parallel.distributed import GLOO_STEPS_HANG_FROM
-
-    if jax.__version_info__ < GLOO_STEPS_HANG_FROM:
-        return False
-    for _, stderr, returncode in run_together(commands, devices=2):
-        assert returncode != 0 and "num_hosts > 1 on CPU does not work with jax" in stderr, stderr[-3000:]
-    return True

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.parallel.processes import (REPO, WORKER, WORKER_TIMEOUT_S, free_port, hosts_refuse_this_jax, run_together,
+from tests.parallel.processes import (REPO, WORKER, WORKER_TIMEOUT_S, free_port, run_together,
                                       run_worker, worker_env as _env, worker_result as _result)
 from tests.parallel.test_tensor_parallel import PROMPTS
 
@@ -46,6 +46,38 @@ def test_step_channel_framing(monkeypatch):
     assert got[2] == messages[2]
 
 
+def test_hosts_trace_the_same_program_bytes_from_different_calls():
+    """Rank 0 traces a step under `generate`, the followers under `follow`: once `initialize` has set this up,
+    the programs' text (locations included) does not depend on the Python calls around the trace. jax 0.12.1
+    hosts whose programs differ there never finish their first collective."""
+    import jax
+    import jax.numpy as jnp
+
+    from jvllm.parallel import distributed
+
+    def step(x):
+        return jnp.sin(x) * 2
+
+    def traced_text() -> str:
+        jax.clear_caches()  # trace anew, as a fresh process would
+        return jax.jit(step).lower(jnp.ones(3)).as_text(debug_info=True)
+
+    def as_leader() -> str:
+        return traced_text()
+
+    def as_follower() -> str:
+        return traced_text()
+
+    before = jax.config.jax_traceback_in_locations_limit
+    try:
+        assert as_leader() != as_follower()  # tracebacks in the locations, by default
+        distributed.same_programs_on_every_host()
+        assert as_leader() == as_follower()
+    finally:
+        jax.config.update("jax_traceback_in_locations_limit", before)
+        jax.clear_caches()
+
+
 @pytest.mark.extended  # the same mesh, steps and shutdown with a vision-language model: test_multimodal_hosts.py
 def test_two_processes_form_one_tp4_mesh_and_match_a_single_process(tiny_models):
     """2 processes x 2 CPU devices on loopback, gloo collectives: rank 0 generates, rank 1 follows its
@@ -55,8 +87,6 @@ def test_two_processes_form_one_tp4_mesh_and_match_a_single_process(tiny_models)
     commands = [[sys.executable, str(WORKER), "multihost",
                  json.dumps({"model": model, "tp": 4, "num_hosts": 2, "rank": rank, "coordinator": coordinator,
                              "prompts": PROMPTS})] for rank in (0, 1)]
-    if hosts_refuse_this_jax(commands):
-        return
     reference = run_worker("generate", {"model": model, "prompts": PROMPTS}, devices=1)
     leader, follower = [_result(*r) for r in run_together(commands, devices=2)]
     assert (leader["devices"], leader["local_devices"]) == (4, 2)
