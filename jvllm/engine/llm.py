@@ -137,6 +137,8 @@ class Engine(MultiHostRoles, FrontEndViews, BatchCalls, PoolingCalls, BeamSearch
         shapes = ShapeSet(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         batched_dtype = batched_weights_for(args.batched_weight_dtype, args.dtype, self.model)
         self.channel = distributed.StepChannel() if hosts.multi_host else None
+        if self.channel is not None:
+            self.channel.warm_up()  # every host, here: the broadcasts compile at start, not during steps
         self.runner = None if self.model.is_encoder else ModelRunner(
             self.model, num_pages=cfg.num_pages, page_size=cfg.page_size, max_model_len=cfg.max_model_len,
             shapes=shapes, attention_backend=backend, batched_weight_dtype=batched_dtype, channel=self.channel,

@@ -17,6 +17,9 @@ logger = logging.getLogger("jvllm")
 ENV_NUM_HOSTS, ENV_HOST_RANK, ENV_COORDINATOR = "JVLLM_NUM_HOSTS", "JVLLM_HOST_RANK", "JVLLM_COORDINATOR"
 _FIRST = 16384  # bytes of the first broadcast: header + a typical step's whole payload
 _HEADER = 16  # int64 kind, int64 payload length
+# The rest of a longer payload goes in buffers of a power of two bytes in [_REST_MIN, _REST_MAX] (the last padded),
+# so the broadcasts come in a closed set of sizes that `warm_up` compiles at start.
+_REST_MIN, _REST_MAX = 1 << 12, 1 << 22
 _STEP, _SHUTDOWN, _HEARTBEAT = 1, 2, 3
 HEARTBEAT_INTERVAL_S = 60.0  # an idle rank 0 (the server's engine thread) pings its followers this often
 
@@ -85,17 +88,35 @@ def broadcast_from_leader(value: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.broadcast_one_to_all(value))
 
 
+def rest_buffer_sizes(rest: int) -> list[int]:
+    """Bytes of each buffer that carries `rest` payload bytes after the first broadcast: _REST_MAX-byte chunks,
+    then the remainder padded to a power of two of at least _REST_MIN."""
+    full, remainder = divmod(rest, _REST_MAX)
+    return [_REST_MAX] * full + ([max(_REST_MIN, next_power_of_2(remainder))] if remainder else [])
+
+
+def message_buffer_sizes() -> list[int]:
+    """Every buffer size a message's broadcasts use: _FIRST, and the powers of two from _REST_MIN to _REST_MAX."""
+    return sorted({_FIRST, *(1 << bits for bits in range(_REST_MIN.bit_length() - 1, _REST_MAX.bit_length()))})
+
+
 class StepChannel:
     """Rank 0 `send`s each step's host inputs (any picklable object; None = shut down), the other ranks
     `receive` them in the same order. A message is one broadcast of a fixed _FIRST-byte uint8 buffer (header
-    [kind, length], then the pickled payload), plus a second one for any payload that does not fit, padded
-    to a power of two. The hosts are one deployment: followers trust rank 0's pickles."""
+    [kind, length], then the pickled payload), plus buffers of `rest_buffer_sizes` for any payload that does not
+    fit. The hosts are one deployment: followers trust rank 0's pickles."""
 
     def __init__(self) -> None:
         import jax
 
         self.is_leader = jax.process_index() == 0
         self.closed = False
+
+    def warm_up(self) -> None:
+        """Every host, at the same point of start-up: broadcast one buffer of each size a message can use, so
+        that none compiles while steps run."""
+        for size in message_buffer_sizes():
+            broadcast_from_leader(np.zeros(size, np.uint8))
 
     def _send(self, kind: int, payload: bytes = b"") -> None:
         assert self.is_leader, "only rank 0 sends steps"
@@ -106,11 +127,13 @@ class StepChannel:
         head = payload[:_FIRST - _HEADER]
         first[_HEADER:_HEADER + len(head)] = np.frombuffer(head, np.uint8)
         broadcast_from_leader(first)
-        rest = payload[len(head):]
-        if rest:
-            buffer = np.zeros(next_power_of_2(len(rest)), np.uint8)
-            buffer[:len(rest)] = np.frombuffer(rest, np.uint8)
+        start = len(head)
+        for size in rest_buffer_sizes(len(payload) - start):
+            piece = payload[start:start + size]
+            buffer = np.zeros(size, np.uint8)
+            buffer[:len(piece)] = np.frombuffer(piece, np.uint8)
             broadcast_from_leader(buffer)
+            start += size
 
     def send(self, message: Any) -> None:
         if message is None:
@@ -132,10 +155,12 @@ class StepChannel:
         if kind == _SHUTDOWN:
             self.closed = True
             return None
-        payload = first[_HEADER:_HEADER + length].tobytes()
-        if length > len(payload):
-            rest = length - len(payload)
-            payload += broadcast_from_leader(np.zeros(next_power_of_2(rest), np.uint8))[:rest].tobytes()
+        pieces = [first[_HEADER:_HEADER + length].tobytes()]
+        rest = length - len(pieces[0])
+        for size in rest_buffer_sizes(rest):
+            pieces.append(broadcast_from_leader(np.zeros(size, np.uint8))[:min(size, rest)].tobytes())
+            rest -= size
+        payload = b"".join(pieces)
         return pickle.loads(payload)
 
     def shutdown(self) -> None:

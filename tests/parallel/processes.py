@@ -58,6 +58,9 @@ def run_together(commands: list[list[str]], devices: int) -> list[tuple[str, str
                 proc.wait()
     return results
 
+# jvllm.worker.compile_watch's warning for a compile outside any step (inside one it names the step's shape)
+COMPILE_BETWEEN_STEPS = "XLA compiled an executable after start-up:"
+
 
 def free_port() -> int:
     with socket.socket() as sock:

@@ -10,29 +10,37 @@ import sys
 
 import pytest
 
-from tests.parallel.processes import (REPO, WORKER, WORKER_TIMEOUT_S, free_port, run_together,
+from tests.parallel.processes import (COMPILE_BETWEEN_STEPS, REPO, WORKER, WORKER_TIMEOUT_S, free_port, run_together,
                                       run_worker, worker_env as _env, worker_result as _result)
 from tests.parallel.test_tensor_parallel import PROMPTS
 
 
 def test_step_channel_framing(monkeypatch):
-    """Messages of any size, heartbeats and shutdown survive the fixed-size first broadcast (+ remainder),
-    with the follower passing buffers of exactly the leader's shapes (a collective's requirement)."""
+    """Messages of any size, heartbeats and shutdown survive the fixed-size first broadcast (+ the rest in
+    chunks), with the follower passing buffers of exactly the leader's shapes (a collective's requirement), all
+    of them sizes that the start-up warm-up broadcast (so none compiles while steps run)."""
     import numpy as np
 
     from jvllm.parallel import distributed
 
+    monkeypatch.setattr(distributed, "_REST_MAX", 1 << 15)  # payloads past it go in several chunks
     wire: list[np.ndarray] = []
     monkeypatch.setattr(distributed, "broadcast_from_leader", lambda value: wire.append(value.copy()) or value)
     leader, follower = distributed.StepChannel(), distributed.StepChannel()
     follower.is_leader = False
-    messages = [{"ids": np.arange(5)}, {"big": np.arange(50_000, dtype=np.int32)}, "x" * 16_368]
+    leader.warm_up()
+    warmed = {value.size for value in wire}
+    assert warmed == {16384, 4096, 8192, 32768}
+    wire.clear()
+    messages = [{"ids": np.arange(5)}, {"big": np.arange(50_000, dtype=np.int32)}, "x" * 16_368, "y" * 16_369,
+                b"z" * (3 << 15)]
     for message in messages:
         leader.heartbeat()
         leader.send(message)
     leader.shutdown()
     leader.shutdown()  # idempotent
     sent = list(wire)
+    assert {value.size for value in sent} <= warmed and len(sent) > 2 * len(messages) + 1
 
     def replay(value: np.ndarray) -> np.ndarray:
         recorded = sent.pop(0)
@@ -43,7 +51,7 @@ def test_step_channel_framing(monkeypatch):
     assert follower.receive() is None and not sent
     np.testing.assert_array_equal(got[0]["ids"], messages[0]["ids"])
     np.testing.assert_array_equal(got[1]["big"], messages[1]["big"])
-    assert got[2] == messages[2]
+    assert got[2:] == messages[2:]
 
 
 def test_hosts_trace_the_same_program_bytes_from_different_calls():
@@ -88,7 +96,9 @@ def test_two_processes_form_one_tp4_mesh_and_match_a_single_process(tiny_models)
                  json.dumps({"model": model, "tp": 4, "num_hosts": 2, "rank": rank, "coordinator": coordinator,
                              "prompts": PROMPTS})] for rank in (0, 1)]
     reference = run_worker("generate", {"model": model, "prompts": PROMPTS}, devices=1)
-    leader, follower = [_result(*r) for r in run_together(commands, devices=2)]
+    ranks = run_together(commands, devices=2)
+    leader, follower = [_result(*r) for r in ranks]
+    assert not any(COMPILE_BETWEEN_STEPS in stderr for _, stderr, _ in ranks)  # the channel's broadcasts: at start
     assert (leader["devices"], leader["local_devices"]) == (4, 2)
     assert leader["tokens"] == reference["tokens"]
     assert follower["steps_followed"] > 0
