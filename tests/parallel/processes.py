@@ -14,6 +14,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "parallel" / "tp_worker.py"
 RESULT_PREFIX = "TP_WORKER_RESULT "
 WORKER_TIMEOUT_S = 600
+# jvllm.worker.compile_watch's warning for a compile outside any step (inside one it names the step's shape)
+COMPILE_BETWEEN_STEPS = "XLA compiled an executable after start-up:"
 
 
 def worker_env(devices: int) -> dict[str, str]:
@@ -57,9 +59,6 @@ def run_together(commands: list[list[str]], devices: int) -> list[tuple[str, str
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     return results
-
-# jvllm.worker.compile_watch's warning for a compile outside any step (inside one it names the step's shape)
-COMPILE_BETWEEN_STEPS = "XLA compiled an executable after start-up:"
 
 
 def free_port() -> int:

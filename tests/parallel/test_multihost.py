@@ -40,7 +40,8 @@ def test_step_channel_framing(monkeypatch):
     leader.shutdown()
     leader.shutdown()  # idempotent
     sent = list(wire)
-    assert {value.size for value in sent} <= warmed and len(sent) > 2 * len(messages) + 1
+    assert {value.size for value in sent} <= warmed
+    assert [value.size for value in sent].count(1 << 15) >= 2  # the long messages went in chunks
 
     def replay(value: np.ndarray) -> np.ndarray:
         recorded = sent.pop(0)
