@@ -5,6 +5,7 @@ import logging
 from typing import Any
 
 from jvllm.parallel import distributed
+from jvllm.worker.compile_watch import compile_watch
 
 logger = logging.getLogger("jvllm")
 
@@ -24,7 +25,10 @@ class MultiHostRoles:
         """On a follower host (rank > 0): run rank 0's steps until it shuts down; -> steps run."""
         if self.is_leader:
             raise RuntimeError("follow() is for hosts of rank > 0; rank 0 generates and calls shutdown()")
-        steps = distributed.follow(self.channel, self.runner.run_call)
+        # Rank 0's watch judges each step's compiles; a follower compiles what rank 0's steps ask for, the
+        # diagnostics rank 0 expects included, so its own warnings would only repeat (or contradict) rank 0's.
+        with compile_watch().expected():
+            steps = distributed.follow(self.channel, self.runner.run_call)
         logger.info("rank 0 shut down after %d steps", steps)
         return steps
 

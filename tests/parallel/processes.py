@@ -14,8 +14,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "parallel" / "tp_worker.py"
 RESULT_PREFIX = "TP_WORKER_RESULT "
 WORKER_TIMEOUT_S = 600
-# jvllm.worker.compile_watch's warning for a compile outside any step (inside one it names the step's shape)
-COMPILE_BETWEEN_STEPS = "XLA compiled an executable after start-up:"
+UNEXPECTED_COMPILE = "XLA compiled an executable after start-up"  # jvllm.worker.compile_watch's warning
 
 
 def worker_env(devices: int) -> dict[str, str]:
