@@ -86,7 +86,9 @@ for jax_version in $versions; do
   # of a kernel's warpgroups (three in the warp-specialized ones) as its own XLA execution, and a warpgroup waiting at
   # a barrier holds an XLA CPU worker; with fewer workers than warpgroups the others never start (on one CPU every
   # time; docs/design/test_suite.md). With four devices they all run (the whole leg passes on one CPU).
-  XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_force_host_platform_device_count=4" \
+  # JVLLM_CPU_KERNELS=0: the engines these tests build run on XLA's CPU kernels; the native ones are the main leg's,
+  # and building them for this jaxlib took 1-2 minutes of both cores (docs/design/test_suite.md).
+  XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_force_host_platform_device_count=4" JVLLM_CPU_KERNELS=0 \
   JVLLM_REQUIRE_TRITON=1 PYTHONDONTWRITEBYTECODE= timeout --kill-after=30 "${LEG_TIMEOUT_S:-1500}" \
     "$venv/bin/python" -m pytest -q -n 2 --dist loadfile \
     tests/pallas_kernels --ignore=tests/pallas_kernels/test_pallas_engine.py "$@"

@@ -2,7 +2,8 @@
 
 The shared library is cached under `$JVLLM_CACHE_DIR/cpu_kernels` (default `~/.cache/jvllm/cpu_kernels`), keyed
 by the source, the jaxlib version, the compiler and the CPU's instruction-set flags (it is built with
-`-march=native`). Without a C++ compiler the kernels are unavailable and `load()` says why."""
+`-march=native`). Without a C++ compiler, or with `JVLLM_CPU_KERNELS=0`, the kernels are unavailable and `load()`
+says why."""
 from __future__ import annotations
 
 import ctypes
@@ -24,6 +25,7 @@ except ImportError:  # no POSIX file locks (Windows): processes starting togethe
     fcntl = None
 
 logger = logging.getLogger("jvllm.cpu_kernels")
+SWITCH = "JVLLM_CPU_KERNELS"  # 0 turns the kernels off
 
 HERE = pathlib.Path(__file__).parent
 # Longest to compile first (seconds on the 2-core Zen 5 VM, each alone), so that the build does not end with one
@@ -188,12 +190,20 @@ def unsupported_cpu() -> str | None:
     return None
 
 
+def turned_off() -> str | None:
+    """Why the kernels are off on request (`JVLLM_CPU_KERNELS=0`: XLA's kernels everywhere, no build), or None."""
+    value = os.environ.get(SWITCH, "").strip()
+    if value.lower() in ("0", "false", "no", "off"):
+        return f"turned off by {SWITCH}={value}"
+    return None
+
+
 @functools.lru_cache(maxsize=1)
 def load() -> ctypes.CDLL:
     """The kernels' shared library, built if needed, with its custom calls registered for XLA CPU."""
     import jax.ffi
 
-    reason = unsupported_cpu()
+    reason = turned_off() or unsupported_cpu()
     if reason:
         raise KernelsUnavailable(f"native CPU kernels not used: {reason}")
     library = ctypes.CDLL(str(built_library(_compiler())))
@@ -209,7 +219,7 @@ def available() -> bool:
     try:
         load()
     except (KernelsUnavailable, OSError) as error:
-        log = logger.info if unsupported_cpu() else logger.warning
+        log = logger.info if turned_off() or unsupported_cpu() else logger.warning
         log("%s; the engine runs on XLA's kernels instead", error)
         return False
     return True

@@ -5,11 +5,14 @@ the launch of each kernel), so a step of L layers called one layer at a time pay
 one executable pays it L / n times; its compile takes about n times one layer's. JVLLM_LAYERS_PER_CALL sets n for
 decode steps and for the prefill steps that take their runs.
 
-By default a CPU engine runs all of a step's layers in one call, prefill steps included: on XLA CPU a call also
-hands the native kernels' work to their helper threads anew, and compiling the whole run costs about what the
-pieces do (docs/design/host_loop.md). Other devices call one layer at a time until a GPU run shows what the longer
-compile buys there; their prefill steps of up to SHORT_PREFILL_TOKENS tokens (a verification step of draft tokens,
-a short prompt) take the decode steps' runs, longer ones, whose kernels outlast their dispatch, one layer a call."""
+By default a CPU engine whose attention is the native `cpu` backend runs all of a step's layers in one call,
+prefill steps included: on XLA CPU a call also hands the native kernels' work to their helper threads anew, and
+compiling the whole run costs about what the pieces do (docs/design/host_loop.md). Where the attention is XLA's own
+(the `xla` backend, a CPU without the native kernels; the Pallas kernels in interpret mode), a layer's program is
+large and its compile grows with the run, so those engines, like other devices, call one layer at a time (the GPU
+until a device run shows what the longer compile buys there); their prefill steps of up to SHORT_PREFILL_TOKENS
+tokens (a verification step of draft tokens, a short prompt) take the decode steps' runs, longer ones, whose kernels
+outlast their dispatch, one layer a call."""
 from __future__ import annotations
 
 import dataclasses
@@ -51,9 +54,14 @@ def runs_by_kind(layer_groups: tuple[int, ...], per_call: int) -> dict[str, list
     return {"decode": split_layers(layer_groups, per_call), "prefill": split_layers(layer_groups, 1)}
 
 
-def short_prefill_tokens(on_cpu: bool) -> int:
-    """Prefill steps of up to this many tokens take the decode steps' runs: every one on a CPU."""
-    return sys.maxsize if on_cpu else SHORT_PREFILL_TOKENS
+def whole_step_runs(platform: str, attention: str) -> bool:
+    """Whether a step's layers run in one call by default: on a CPU whose attention is the native kernel."""
+    return platform == "cpu" and attention == "cpu"
+
+
+def short_prefill_tokens(whole_steps: bool) -> int:
+    """Prefill steps of up to this many tokens take the decode steps' runs: every one where those are whole steps."""
+    return sys.maxsize if whole_steps else SHORT_PREFILL_TOKENS
 
 
 def runs_kind(kind: str, tokens: int, short_prefill: int = SHORT_PREFILL_TOKENS) -> str:

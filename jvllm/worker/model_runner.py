@@ -21,7 +21,8 @@ from jvllm.worker.compiled_steps import CompiledSteps
 from jvllm.worker.encoder_runner import EncoderBufferLayout, encoder_runner
 from jvllm.worker.huge_pages import back_with_huge_pages
 from jvllm.worker.input_transfer import InputTransfer
-from jvllm.worker.layer_runs import LayerRun, layers_per_call, runs_by_kind, runs_kind, short_prefill_tokens
+from jvllm.worker.layer_runs import (LayerRun, layers_per_call, runs_by_kind, runs_kind, short_prefill_tokens,
+                                     whole_step_runs)
 from jvllm.worker.page_copy import copy_list
 from jvllm.worker.step_functions import build_step_functions
 from jvllm.worker.step_launcher import StepLauncher, dispatch_thread_asked
@@ -81,9 +82,10 @@ class ModelRunner:
                                      int8_block_products=int8_block_products,
                                      one_row_bf16=self.step_weights.one_row_bf16)
         layer_groups = self.step_weights.parts.layer_groups
-        # on a CPU, every layer of a step in one call (jvllm.worker.layer_runs)
-        self._layer_runs = runs_by_kind(layer_groups, layers_per_call(len(layer_groups) if self._on_cpu else 1))
-        self._short_prefill = short_prefill_tokens(self._on_cpu)
+        # on a CPU with the native attention, every layer of a step in one call (jvllm.worker.layer_runs)
+        whole_steps = whole_step_runs(jax.devices()[0].platform, self.backend.name)
+        self._layer_runs = runs_by_kind(layer_groups, layers_per_call(len(layer_groups) if whole_steps else 1))
+        self._short_prefill = short_prefill_tokens(whole_steps)
         self.compiled = CompiledSteps(steps, self)
         # multi-host leaders send each step before running it, and CPU meshes run one executable at a time: both
         # keep their steps on the engine's thread

@@ -104,6 +104,27 @@ def test_a_cpu_without_avx2_builds_nothing_and_says_why(monkeypatch, machine, fl
         build.load.__wrapped__()
 
 
+
+@pytest.mark.parametrize("value", ["0", "off"])
+def test_the_switch_turns_the_kernels_off_without_building(monkeypatch, caplog, value):
+    """JVLLM_CPU_KERNELS=0 keeps XLA's kernels everywhere (a CI leg that tests other kernels, a user ruling the native
+    ones out): nothing is compiled, and the engine is told so at the info level, not as a failure."""
+    monkeypatch.setenv("JVLLM_CPU_KERNELS", value)
+    monkeypatch.setattr(build, "_build", lambda *args: pytest.fail("compiled although turned off"))
+    with pytest.raises(build.KernelsUnavailable, match=f"turned off by JVLLM_CPU_KERNELS={value}"):
+        build.load.__wrapped__()
+    monkeypatch.setattr(build, "load", build.load.__wrapped__)
+    build.available.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="jvllm.cpu_kernels"):
+            assert build.available() is False
+    finally:
+        build.available.cache_clear()
+    [record] = caplog.records
+    assert record.levelno == logging.INFO and "XLA's kernels instead" in record.getMessage()
+    monkeypatch.setenv("JVLLM_CPU_KERNELS", "1")
+    assert build.turned_off() is None
+
 def test_kernels_that_cannot_load_are_tried_once_a_process(monkeypatch, caplog):
     """A failed build is not retried by each caller that asks (every try would compile again), and its reason is
     logged once, as a warning where a compiler failed on a CPU the kernels support."""

@@ -7,7 +7,8 @@ import pytest
 
 from benchmarks.gpu_models import TINY_BASE, TINY_FAMILIES, write_folder
 from jvllm.worker.layer_runs import (LAYERS_PER_CALL_ENV, SHORT_PREFILL_TOKENS, LayerRun, first_runs,
-                                     layers_per_call, runs_by_kind, runs_kind, short_prefill_tokens, split_layers)
+                                     layers_per_call, runs_by_kind, runs_kind, short_prefill_tokens, split_layers,
+                                     whole_step_runs)
 
 
 def test_split_layers_covers_every_layer_in_order():
@@ -21,12 +22,20 @@ def test_split_layers_covers_every_layer_in_order():
     assert by_kind["prefill"] == [LayerRun(0, (0,)), LayerRun(1, (1,)), LayerRun(2, (0,))]
 
 
-def test_short_prefill_steps_take_the_decode_runs_and_on_a_cpu_every_one():
+def test_short_prefill_steps_take_the_decode_runs_and_whole_steps_every_one():
     assert runs_kind("decode", 256) == "decode"
     assert runs_kind("prefill", SHORT_PREFILL_TOKENS) == "decode"
     assert runs_kind("prefill", 2 * SHORT_PREFILL_TOKENS) == "prefill"
-    assert short_prefill_tokens(on_cpu=False) == SHORT_PREFILL_TOKENS
-    assert runs_kind("prefill", 4096, short_prefill_tokens(on_cpu=True)) == "decode"
+    assert short_prefill_tokens(whole_steps=False) == SHORT_PREFILL_TOKENS
+    assert runs_kind("prefill", 4096, short_prefill_tokens(whole_steps=True)) == "decode"
+
+
+def test_whole_steps_where_the_native_cpu_attention_runs():
+    """XLA's own attention (and the Pallas kernels in interpret mode) make a layer's program large: its engines call
+    one layer at a time on a CPU as on a GPU."""
+    assert whole_step_runs("cpu", "cpu")
+    assert not whole_step_runs("cpu", "xla") and not whole_step_runs("cpu", "pallas")
+    assert not whole_step_runs("gpu", "pallas") and not whole_step_runs("gpu", "mosaic")
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
@@ -45,7 +54,8 @@ def test_layers_per_call_takes_the_callers_default_unless_set(monkeypatch):
 
 
 def _generate(folder, tokenizer, backend: str, monkeypatch, per_call: int | None):
-    """(tokens, logprobs, layer calls per decode step, decode steps' layer patterns); per_call None: the default."""
+    """(tokens, logprobs, layer calls per decode step, decode and prefill steps' layer patterns); per_call None: the
+    default."""
     from jvllm import Engine, SamplingParams
 
     if per_call is None:
@@ -66,18 +76,21 @@ def _generate(folder, tokenizer, backend: str, monkeypatch, per_call: int | None
                 for groups in executables.layers}
     prefill_patterns = {groups for shape, executables in compiled.items() if shape.kind == "prefill"
                         for groups in executables.layers}
-    assert prefill_patterns and prefill_patterns <= patterns  # a CPU engine's prefill steps: the decode steps' runs
     tokens = [out.outputs[0].token_ids for out in outputs]
     logprobs = [[step[token].logprob for step, token in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
                 for out in outputs]
-    return tokens, logprobs, calls_per_step, patterns
+    return tokens, logprobs, calls_per_step, (patterns, prefill_patterns)
 
 
+# the prompts (3, 21 and 90 tokens, two sequences a step) prefill in a short step, which takes the decode steps'
+# runs, and one past SHORT_PREFILL_TOKENS, which takes the prefill steps' runs unless those are whole steps too
 @pytest.mark.parametrize("family,backend,per_call,calls,patterns", [
-    ("gemma3", "xla", 2, 2, {(0, 0), (1,)}),  # sliding, sliding | full: runs of two structures and two lengths
-    ("llama", "xla", 8, 1, {(0, 0, 0, 0, 0)}),  # every layer in one call
-    ("llama", "xla", None, 1, {(0, 0, 0, 0, 0)}),  # a CPU engine's default: every layer in one call
-    ("llama", "pallas", 2, 3, {(0, 0), (0,)}),  # the kernels' pool donated per run
+    # sliding, sliding | full: runs of two structures and two lengths
+    ("gemma3", "xla", 2, 2, ({(0, 0), (1,)}, {(0, 0), (1,), (0,)})),
+    ("llama", "xla", 8, 1, ({(0, 0, 0, 0, 0)}, {(0, 0, 0, 0, 0), (0,)})),  # every layer in one call; long prefill: one
+    ("llama", "cpu", None, 1, ({(0, 0, 0, 0, 0)}, {(0, 0, 0, 0, 0)})),  # the native attention's default: whole steps
+    ("llama", "xla", None, 5, ({(0,)}, {(0,)})),  # XLA's attention: one layer a call by default
+    ("llama", "pallas", 2, 3, ({(0, 0), (0,)}, {(0, 0), (0,)})),  # the kernels' pool donated per run
 ])
 def test_runs_of_layers_give_the_tokens_of_one_layer_per_call(tmp_path, smollm_tokenizer_dir, monkeypatch, family,
                                                               backend, per_call, calls, patterns):
