@@ -56,7 +56,8 @@ class ModelRunner:
         # XLA:CPU runs each device's share of a collective on a small shared thread pool: two independent
         # sharded executions in flight (a step's layer and the next group's embedding) can fill it with
         # waiting participants and deadlock. Virtual CPU meshes therefore run one executable at a time.
-        self._on_cpu = jax.devices()[0].platform == "cpu"
+        platform = jax.devices()[0].platform
+        self._on_cpu = platform == "cpu"
         self._one_at_a_time = self.mesh is not None and self._on_cpu
         self.channel = channel
         self._inputs = InputTransfer()
@@ -83,7 +84,7 @@ class ModelRunner:
                                      one_row_bf16=self.step_weights.one_row_bf16)
         layer_groups = self.step_weights.parts.layer_groups
         # on a CPU with the native attention, every layer of a step in one call (jvllm.worker.layer_runs)
-        whole_steps = whole_step_runs(jax.devices()[0].platform, self.backend.name)
+        whole_steps = whole_step_runs(platform, self.backend.name)
         self._layer_runs = runs_by_kind(layer_groups, layers_per_call(len(layer_groups) if whole_steps else 1))
         self._short_prefill = short_prefill_tokens(whole_steps)
         self.compiled = CompiledSteps(steps, self)
