@@ -1,12 +1,14 @@
 """The weights a step runs with: the loaded ones, and an optional low-precision copy for steps of many rows."""
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from cpu_kernels.build import available as cpu_kernels_available
 from cpu_kernels.build import cpu_has_bf16_dots
 from jvllm.worker.model_parts import ModelParts, PartWeights, split_model
 from models.bf16_rows import bf16_rows_available
@@ -16,6 +18,8 @@ from models.layers import is_float_matrix, out_in_kernel_leaves
 # YNNPACK, where bf16 is faster from 2 rows; a 1-row bf16 dot is a slow matrix-vector product
 # (docs/design/bf16_weights.md).
 BATCHED_MIN_ROWS = 2
+
+logger = logging.getLogger("jvllm")
 
 
 AUTO_COPY_MAX_RAM_FRACTION = 0.25  # "auto" adds no copy when the float32 weights take more of the host's memory
@@ -115,8 +119,23 @@ def invariant_step_rows_for(loaded: Any) -> int:
 def int8_block_products(requested: Any) -> bool:
     """Whether products of 9+ rows with 4- and 5-bit GGUF blocks take 8-bit activations (CPUs with AVX-512 VNNI:
     models.quantized), given the engine's `batched_weight_dtype`: only when it is "int8" (llama.cpp's numerics:
-    faster prefill, greedy outputs further from float32's than bfloat16's; docs/design/gguf_blocks.md)."""
-    return requested == "int8"
+    faster prefill, greedy outputs further from float32's than bfloat16's; docs/design/gguf_blocks.md). Asked for
+    where the kernels have no 8-bit tiles, it is logged as having no effect."""
+    if requested != "int8":
+        return False
+    if not int8_tiles_here():
+        logger.warning("batched_weight_dtype='int8' has no effect here: 8-bit activations need the native CPU "
+                       "kernels built with AVX-512 VNNI; products keep their 16-bit or bfloat16 activations")
+    return True
+
+
+def int8_tiles_here() -> bool:
+    """Whether this process's default device is a CPU whose native kernels have 8-bit tiles."""
+    if jax.default_backend() != "cpu" or not cpu_kernels_available():
+        return False
+    from cpu_kernels.quantized_matmul import int8_tile_min_rows
+
+    return int8_tile_min_rows() > 0
 
 
 def _host_memory_bytes() -> int:

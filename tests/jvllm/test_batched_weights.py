@@ -207,3 +207,20 @@ def test_one_token_steps_on_the_bf16_copy_keep_the_float32_models_tokens(tiny_ll
                                use_tqdm=False)
     want = np.array([entry[token].logprob for entry, token in zip(scored.prompt_logprobs[-len(tokens):], tokens)])
     np.testing.assert_allclose(got, want, atol=5e-3, rtol=0)
+
+
+def test_int8_asked_where_the_kernels_have_no_8_bit_tiles_is_logged_as_without_effect(monkeypatch, caplog):
+    """batched_weight_dtype="int8" changes products only where the native kernels have 8-bit tiles (AVX-512 VNNI
+    builds); elsewhere the engine says so once at start instead of ignoring the request silently."""
+    from cpu_kernels.quantized_matmul import int8_tile_min_rows
+    from jvllm.worker import weights
+
+    assert weights.int8_tiles_here() == (int8_tile_min_rows() > 0)  # this test process runs on the CPU
+    for has_tiles, warned in ((False, True), (True, False)):
+        monkeypatch.setattr(weights, "int8_tiles_here", lambda has_tiles=has_tiles: has_tiles)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="jvllm"):
+            assert weights.int8_block_products("int8")
+            assert not weights.int8_block_products("auto") and not weights.int8_block_products("bfloat16")
+        said = [r.getMessage() for r in caplog.records if "has no effect" in r.getMessage()]
+        assert len(said) == (1 if warned else 0), said
