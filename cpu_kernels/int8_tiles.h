@@ -46,6 +46,7 @@ constexpr bool TakesInt8Tiles(int64_t m, int64_t min_rows) {
 
 #include "block_formats.h"
 #include "float_tiles.h"
+#include "int8_blocks.h"
 #include "line_aligned.h"
 #include "run_items.h"
 #include "vector_exp.h"
@@ -54,44 +55,23 @@ constexpr bool TakesInt8Tiles(int64_t m, int64_t min_rows) {
 namespace jvllm {
 
 // x [M, K] quantized per block of 32 to int8 codes with scale max |x| / 127, and each block's exact sum (for the
-// weights' block constants), in chunks of rows shared by the caller and the helper threads.
-struct Int8Rows {
-  std::vector<int8_t> codes;  // [M, K]
-  std::vector<float> scales;  // [M, K / 32]
-  std::vector<float> sums;    // [M, K / 32]
-
+// weights' block constants).
+struct Int8Rows : Int8Blocks {
   void Quantize(const float* x, int64_t m, int64_t k) {
-    GrowTo(codes, static_cast<size_t>(m * k));
-    GrowTo(scales, static_cast<size_t>(m * k / 32));
-    GrowTo(sums, static_cast<size_t>(m * k / 32));
-    RunItems(Chunks{x, this, m * k / 32});
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    QuantizeBlocks(m, k, [&](int64_t b) {
+      const __m512 lo = _mm512_loadu_ps(x + b * 32), hi = _mm512_loadu_ps(x + b * 32 + 16);
+      const float most = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
+      const float scale = most / 127.0f;
+      const __m512 inverse = _mm512_set1_ps(most > 0.0f ? 127.0f / most : 0.0f);
+      const __m128i qlo = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, inverse)));
+      const __m128i qhi = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes.data() + b * 32), qlo);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes.data() + b * 32 + 16), qhi);
+      scales[b] = scale;
+      sums[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    });
   }
-
- private:
-  struct Chunks {
-    static constexpr int64_t kBlocks = 1 << 11;  // 256 KB of x an item
-    const float* x;
-    Int8Rows* out;
-    int64_t total;  // blocks
-
-    int64_t num_items() const { return (total + kBlocks - 1) / kBlocks; }
-    void Run(int64_t item) const {
-      const int64_t end = std::min(total, (item + 1) * kBlocks);
-      const __m512 sign = _mm512_set1_ps(-0.0f);
-      for (int64_t b = item * kBlocks; b < end; ++b) {
-        const __m512 lo = _mm512_loadu_ps(x + b * 32), hi = _mm512_loadu_ps(x + b * 32 + 16);
-        const float most = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
-        const float scale = most / 127.0f;
-        const __m512 inverse = _mm512_set1_ps(most > 0.0f ? 127.0f / most : 0.0f);
-        const __m128i qlo = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, inverse)));
-        const __m128i qhi = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, inverse)));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out->codes.data() + b * 32), qlo);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out->codes.data() + b * 32 + 16), qhi);
-        out->scales[b] = scale;
-        out->sums[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-      }
-    }
-  };
 };
 
 // y[M, N] = x[M, K] . W[N, K]^T for ranges of output rows, with 8-bit products. Each thread unpacks up to

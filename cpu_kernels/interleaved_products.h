@@ -22,6 +22,7 @@
 #include "float_tiles.h"
 #include "int16_dots.h"
 #include "int16_tiles.h"
+#include "int8_code_tiles.h"
 #include "interleaved_blocks.h"
 #include "run_items.h"
 
@@ -105,10 +106,17 @@ class InterleavedRowProduct {
 };
 
 // y[M, N] = x[M, K] . W[N, K]^T for interleaved W: row chunks below `tile_min_rows` rows of x (0: always),
-// 16-bit code tiles unpacked from the groups from it, work items shared by the caller and the helper threads.
+// 16-bit code tiles unpacked from the groups from it, work items shared by the caller and the helper threads; from
+// `int8_tile_min_rows` rows (0: never) Q4_0 / Q4_1 take 8-bit code tiles instead (int8_code_tiles.h).
 template <typename Fmt>
 void RunInterleavedProduct(int64_t m, int64_t k, int64_t n, const float* x, const uint8_t* w, float* y,
-                           int64_t tile_min_rows) {
+                           int64_t tile_min_rows, int64_t int8_tile_min_rows = 0) {
+  if constexpr (kInt8CodeTiles<Fmt>) {
+    if (int8_tile_min_rows > 0 && m >= int8_tile_min_rows) {
+      RunInt8CodeTiles<Fmt>(m, k, n, x, w, y);
+      return;
+    }
+  }
   thread_local Int16Rows xq;
   xq.Quantize(x, m, k, Int16Limit<Fmt>());
   if (tile_min_rows == 0 || m < tile_min_rows) {

@@ -182,6 +182,26 @@ extern "C" int32_t JvllmAmxBlockSumMinRows() {
 #endif
 }
 extern "C" int32_t JvllmBf16MaxRows() { return static_cast<int32_t>(jvllm::kBf16MaxRows); }
-// From this many rows, 8-bit products with 4- and 5-bit blocks (CPUs with AVX-512 VNNI), where the bf16 tiles take
-// over from the bf16 rows: the 8-bit tiles are at least as fast from there (docs/design/gguf_blocks.md).
-extern "C" int32_t JvllmInt8TileMinRows() { return JVLLM_INT8_TILES ? 9 : 0; }
+// From this many rows, 8-bit products with 4- and 5-bit blocks: on CPUs with AVX-512 VNNI from where the bf16 tiles
+// take over from the bf16 rows (the 8-bit tiles are at least as fast from there), on AVX2 builds for the interleaved
+// Q4_0 / Q4_1 groups from where their 8-bit code tiles pass the int16 row chunks (docs/design/gguf_blocks.md).
+extern "C" int32_t JvllmInt8TileMinRows() {
+#if JVLLM_INT8_TILES
+  return 9;
+#elif defined(__AVX2__)
+  return static_cast<int32_t>(jvllm::kInt8CodeTileMinRows);
+#else
+  return 0;
+#endif
+}
+// The block formats (bits by jvllm::Format) whose products take 8-bit tiles from JvllmInt8TileMinRows rows.
+extern "C" int32_t JvllmInt8TileFormats() {
+  int32_t formats = 0;
+#if JVLLM_INT8_TILES
+  for (int f : {jvllm::kQ4_0, jvllm::kQ4_1, jvllm::kQ4_K, jvllm::kQ5_K, jvllm::kQ4_0x16, jvllm::kQ4_1x16}) formats |= 1 << f;
+#endif
+#if defined(__AVX2__)
+  for (int f : {jvllm::kQ4_0x8, jvllm::kQ4_1x8}) formats |= 1 << f;
+#endif
+  return formats;
+}

@@ -62,8 +62,16 @@ def amx_block_sum_min_rows() -> int:
 @functools.lru_cache(maxsize=1)
 def int8_tile_min_rows() -> int:
     """From how many live rows this machine's kernel build multiplies 4- and 5-bit blocks with 8-bit activations
-    (AVX-512 VNNI builds; 0: never)."""
+    when asked to (int8_tile_formats: which; 0: never)."""
     return int(load().JvllmInt8TileMinRows())
+
+
+@functools.lru_cache(maxsize=1)
+def int8_tile_formats() -> frozenset[str]:
+    """The block formats that take 8-bit activations from int8_tile_min_rows rows on this machine's kernel build:
+    Q4_0 / Q4_1 (as rows, word groups) and Q4_K / Q5_K with AVX-512 VNNI, the x8-interleaved Q4_0 / Q4_1 with AVX2."""
+    mask = int(load().JvllmInt8TileFormats())
+    return frozenset(name for name, (code, _, _) in FORMATS.items() if mask >> code & 1)
 
 
 def quantized_matmul(x: jax.Array, weight: jax.Array, fmt: str, int16_max_rows: int = 0,

@@ -14,7 +14,8 @@
 // 8-bit code tiles (int8_tiles.h). Up to the caller's invariant_max_rows (AVX-512 builds), the
 // invariant path instead: int16 x with exact block sums, each row's bits its own at any row count
 // (invariant_products.h). Q8_0 / Q4_0 / Q4_1 interleaved by groups of 8 rows (AVX2 builds' layout for them) take
-// their own paths with int16 x at every row count (interleaved_products.h). Work items are ranges of output rows,
+// their own paths with int16 x (interleaved_products.h), or Q4_0 / Q4_1 from int8_tile_min_rows 8-bit code tiles
+// (int8_code_tiles.h). Work items are ranges of output rows,
 // shared by the caller and the kernels' helper threads.
 //
 // The block formats are described in block_formats.h.
@@ -403,7 +404,7 @@ void RunProduct(Shapes sh, const float* x, const uint8_t* w, float* y, const Row
 #endif
   } else if constexpr (kInterleavedRows<Fmt>) {
 #if defined(__AVX2__)
-    RunInterleavedProduct<Fmt>(sh.m, sh.k, sh.n, x, w, y, paths.int16_tile_min_rows);
+    RunInterleavedProduct<Fmt>(sh.m, sh.k, sh.n, x, w, y, paths.int16_tile_min_rows, paths.int8_tile_min_rows);
 #endif
   } else {
     if (TakesInvariantProduct<Fmt>(sh.m, paths.invariant_max_rows)) {

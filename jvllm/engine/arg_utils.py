@@ -161,8 +161,9 @@ class EngineArgs:
                 "an embedding model only on CPUs with AVX-512 BF16, for batches of 512+ padded tokens), none, "
                 "or a dtype such as bfloat16. GGUF blocks get no copy; on CPUs with AVX-512 BF16 their products of "
                 "2+ rows run in bfloat16 unless this is none or float32; int8: as auto, and products of 9+ rows "
-                "with Q4_0/Q4_1/Q4_K/Q5_K blocks take 8-bit activations on CPUs with AVX-512 VNNI, as llama.cpp computes them "
-                "(prefill ~1.25x faster, greedy outputs further from float32's than with bfloat16)")
+                "with Q4_0/Q4_1/Q4_K/Q5_K blocks take 8-bit activations on CPUs with AVX-512 VNNI (Q4_0/Q4_1 on other "
+                "AVX2 CPUs), as llama.cpp computes them (prefill ~1.25-1.4x faster, greedy outputs further from "
+                "float32's than with bfloat16 or int16 activations)")
     batch_invariant: bool | None = option(
         None, "each token row of a step of up to 16 rows (8 on CPUs without AVX-512 and for models with other "
               "than GGUF blocks) computes the bits it would alone, as vLLM's VLLM_BATCH_INVARIANT: greedy outputs "

@@ -117,15 +117,16 @@ def invariant_step_rows_for(loaded: Any) -> int:
 
 
 def int8_block_products(requested: Any) -> bool:
-    """Whether products of 9+ rows with 4- and 5-bit GGUF blocks take 8-bit activations (CPUs with AVX-512 VNNI:
-    models.quantized), given the engine's `batched_weight_dtype`: only when it is "int8" (llama.cpp's numerics:
-    faster prefill, greedy outputs further from float32's than bfloat16's; docs/design/gguf_blocks.md). Asked for
-    where the kernels have no 8-bit tiles, it is logged as having no effect."""
+    """Whether products of 9+ rows with 4- and 5-bit GGUF blocks take 8-bit activations (CPUs with AVX-512 VNNI, or
+    AVX2 for Q4_0 / Q4_1: models.quantized), given the engine's `batched_weight_dtype`: only when it is "int8"
+    (llama.cpp's numerics: faster prefill, greedy outputs further from float32's than bfloat16's;
+    docs/design/gguf_blocks.md). Asked for where the kernels have no 8-bit tiles, it is logged as having no
+    effect."""
     if requested != "int8":
         return False
     if not int8_tiles_here():
         logger.warning("batched_weight_dtype='int8' has no effect here: 8-bit activations need the native CPU "
-                       "kernels built with AVX-512 VNNI; products keep their 16-bit or bfloat16 activations")
+                       "kernels (x86-64 with AVX2); products keep their float, 16-bit or bfloat16 activations")
     return True
 
 

@@ -1,7 +1,8 @@
 """Q8_0 / Q4_0 / Q4_1 weights interleaved by groups of 8 rows (models.quantized.interleave_rows, the native kernels' layout
 on AVX2 builds: cpu_kernels/interleaved_products.h): the layout round trip, the products of both of its paths (row
 chunks below the int16 tiles' row count, 16-bit code tiles from it) against gguf's reference dequantizer and
-float64 products, each row's bits at every row count, the gated product, and where the layout is chosen."""
+float64 products, each row's bits at every row count, the gated product, the 8-bit code tiles on request, and where
+the layout is chosen."""
 from __future__ import annotations
 
 import jax
@@ -9,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpu_kernels.quantized_matmul import (gated_matmul, interleaved_rows_preferred, quantized_matmul,
-                                          word_groups_preferred)
+from cpu_kernels.quantized_matmul import (gated_matmul, int8_tile_formats, interleaved_rows_preferred,
+                                          quantized_matmul, word_groups_preferred)
 from jvllm.model_loader.gguf_blocks import dequantize_blocks
 from models.layers import Linear
 from models.quantized import (INTERLEAVED, check_blocks, dequantize, interleave_rows, native_layout,
@@ -91,6 +92,51 @@ def test_gated_product_with_interleaved_weights():
         g, u = product(x, interleave_rows(gate, fmt), fmt + "x8"), product(x, interleave_rows(up, fmt), fmt + "x8")
         silu = 0.5 * g * (1 + np.tanh(0.5 * g))  # g / (1 + exp(-g)) without overflow
         np.testing.assert_allclose(got, silu * u, rtol=1e-5, atol=1e-6 * np.abs(g * u).max())
+
+
+# 8-bit code tiles (batched_weight_dtype="int8"): below their row limit (16), at it, a ragged row group, a half tile
+# of 8 columns, K past one depth slice.
+INT8_LIMIT = 16
+INT8_CASES = [(9, 16, 64), (16, 8, 32), (17, 40, 576), (64, 24, 64), (130, 48, 576), (70, 16, 2048)]
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("m, n, k", INT8_CASES)
+def test_8_bit_code_tiles_stay_within_half_a_step_of_each_blocks_scale(fmt, m, n, k):
+    """From int8_tile_min_rows rows, interleaved Q4_0 / Q4_1 products take x quantized to int8 per block of 32 on
+    AVX2 builds: each within the 8-bit bound of tests/cpu_kernels/test_quantized_matmul.py (one block of x far larger
+    than the rest), padding rows not multiplied; below the limit, and for formats without 8-bit tiles here, the
+    int16 paths' bits."""
+    from tests.cpu_kernels.test_quantized_matmul import int8_error_bound
+
+    raw = weights(fmt, n, k, seed=m * 7 + n)
+    x = np.random.default_rng(m + k).standard_normal((m, k)).astype(np.float32)
+    x[:, :32] *= 1e4
+    want = x.astype(np.float64) @ dequantize_blocks(raw, fmt).astype(np.float64).T
+    interleaved = interleave_rows(raw, fmt)
+    call = jax.jit(lambda a, b, c: quantized_matmul(a, b, fmt + "x8", live_rows=c, int8_tile_min_rows=INT8_LIMIT,
+                                                    **PATHS))
+    got = np.asarray(call(np.concatenate([x, x[:2]]), interleaved, np.int32(m)))  # two padding rows
+    np.testing.assert_array_less(np.abs(got[:m] - want), int8_error_bound(x, raw, fmt))
+    assert not got[m:].any()
+    int16 = product(x, interleaved, fmt + "x8")
+    if m >= INT8_LIMIT and fmt + "x8" in int8_tile_formats():
+        assert np.abs(got[:m] - int16).max() > 0  # the 8-bit path ran
+    else:
+        np.testing.assert_array_equal(got[:m], int16)
+
+
+def test_gated_product_with_8_bit_code_tiles():
+    """The gated product of interleaved weights from int8_tile_min_rows rows: silu(g) * u of the same 8-bit
+    products."""
+    fmt, n, k, m = "q4_1", 40, 576, 70
+    gate, up = (interleave_rows(weights(fmt, n, k, seed=seed), fmt) for seed in (11, 12))
+    x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+    limits = dict(PATHS, int8_tile_min_rows=INT8_LIMIT)
+    got = np.asarray(jax.jit(lambda a, b, c: gated_matmul(a, b, c, fmt + "x8", **limits))(x, gate, up))
+    g, u = (product(x, w, fmt + "x8", int8_tile_min_rows=INT8_LIMIT) for w in (gate, up))
+    silu = 0.5 * g * (1 + np.tanh(0.5 * g))
+    np.testing.assert_allclose(got, silu * u, rtol=1e-5, atol=1e-6 * np.abs(g * u).max())
 
 
 def test_interleaved_blocks_come_in_groups_of_eight_rows():

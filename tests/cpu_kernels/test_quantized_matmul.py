@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpu_kernels.quantized_matmul import bf16_max_rows, int8_tile_min_rows, quantized_matmul, row_path_limits
+from cpu_kernels.quantized_matmul import bf16_max_rows, int8_tile_formats, quantized_matmul, row_path_limits
 from jvllm.model_loader.gguf_blocks import dequantize_blocks
 from models.quantized import FORMATS, dequantize, dequantized_rows, quantize_reference, quantized_dot
 from models.quantized import _scale_min_k as scale_min_k
@@ -146,9 +146,10 @@ INT8_CASES += [(fmt, m, n, k) for fmt in ("q4_k", "q5_k") for m, n, k in ((1, 17
 
 @pytest.mark.parametrize("fmt, m, n, k", INT8_CASES)
 def test_int8_tiles_stay_within_half_a_step_of_each_blocks_scale(fmt, m, n, k):
-    """Activations quantized to int8 per block of 32 (builds with AVX-512 VNNI; elsewhere the bf16 or int16 paths,
-    within tighter bounds): each product within max |x| / 254 of the block times its sum |d q|, one block of x far
-    larger than the rest (each block has its own scale); padding rows are not multiplied."""
+    """Activations quantized to int8 per block of 32 (builds with AVX-512 VNNI; elsewhere these row-major blocks
+    keep the bf16 or int16 paths, within tighter bounds): each product within max |x| / 254 of the block times its
+    sum |d q|, one block of x far larger than the rest (each block has its own scale); padding rows are not
+    multiplied."""
     raw = random_blocks(fmt, n, k, seed=m * 13 + n)
     x = np.random.default_rng(k + m).standard_normal((m, k)).astype(np.float32)
     x[:, :32] *= 1e4
@@ -158,7 +159,7 @@ def test_int8_tiles_stay_within_half_a_step_of_each_blocks_scale(fmt, m, n, k):
     got = np.asarray(product(np.concatenate([x, x[:2]]), raw, np.int32(m)))  # two padding rows
     np.testing.assert_array_less(np.abs(got[:m] - want), int8_error_bound(x, raw, fmt))
     assert not got[m:].any()
-    if int8_tile_min_rows():  # the 8-bit path ran: not the bfloat16 or float32 products
+    if fmt in int8_tile_formats():  # the 8-bit path ran: not the bfloat16 or float32 products
         other = np.asarray(jax.jit(lambda a, b: quantized_matmul(a, b, fmt, bf16_max_rows=bf16_max_rows()))(x, raw))
         assert np.abs(got[:m] - other).max() > 0
 
