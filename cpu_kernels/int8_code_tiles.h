@@ -34,9 +34,9 @@ namespace jvllm {
 
 template <typename Fmt>
 constexpr bool kInt8CodeTiles = std::is_same_v<Fmt, Q4_0x8> || std::is_same_v<Fmt, Q4_1x8>;
-// From this many rows of x when 8-bit products are asked for: the layers' products of the embedded model took 0.93x
-// the int16 row chunks' time at 9 rows, 0.80x at 16 and ~0.70x from 24 (docs/design/gguf_blocks.md); up to 8 rows
-// the int16 row path gives each row its own bits (batch invariance).
+// From this many rows of x when 8-bit products are asked for: from there the tiles are faster than the int16 row
+// chunks (docs/design/gguf_blocks.md), and up to 8 rows the int16 row path gives each row its own bits (batch
+// invariance).
 constexpr int64_t kInt8CodeTileMinRows = 9;
 
 // x [M, K] quantized per block of 32 to int8 codes in the tiles' weight order (quad p: weights 2p, 2p + 1, 16 + 2p,

@@ -210,8 +210,8 @@ def test_one_token_steps_on_the_bf16_copy_keep_the_float32_models_tokens(tiny_ll
 
 
 def test_int8_asked_where_the_kernels_have_no_8_bit_tiles_is_logged_as_without_effect(monkeypatch, caplog):
-    """batched_weight_dtype="int8" changes products only where the native kernels have 8-bit tiles (AVX-512 VNNI
-    builds); elsewhere the engine says so once at start instead of ignoring the request silently."""
+    """batched_weight_dtype="int8" changes products only where the native kernels have 8-bit tiles (x86-64 CPUs with
+    AVX2); elsewhere (a GPU, no native kernels) the engine says so once at start instead of ignoring the request."""
     from cpu_kernels.quantized_matmul import int8_tile_min_rows
     from jvllm.worker import weights
 

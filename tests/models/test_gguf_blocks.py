@@ -170,9 +170,9 @@ def mean_nll(logits: np.ndarray, ids: list[int]) -> float:
 
 def test_prefill_of_the_embedded_model_in_8_bit_activations_on_request(default_engine):
     """batched_weight_dtype="int8" gives the embedded Q4_1 model's products of 9+ rows 8-bit activations on
-    CPUs with AVX-512 VNNI or AVX2, as llama.cpp multiplies 4-bit blocks: its prompt logits stay within reach of the float32
-    engine's, the text's likelihood within 2% (measured 0.1% on this prompt; bfloat16 0.005%) and the same next
-    token at most positions (89% here; bfloat16 100%). The default ("auto") keeps them in bfloat16, exactly as an
+    CPUs with AVX-512 VNNI or AVX2, as llama.cpp multiplies 4-bit blocks: its prompt logits stay within reach of the
+    float32 engine's, the text's likelihood within 2% (measured 0.1% on this prompt; bfloat16 0.005%) and the same
+    next token at most positions (89% here; bfloat16 100%). The default ("auto") keeps them in bfloat16, exactly as an
     explicit "bfloat16", whose greedy continuations of long prompts follow float32's."""
     kw = dict(kv_cache_memory_bytes=64 << 20, max_num_seqs=4, max_model_len=512, precompile=False)
     engine, bf16 = Engine(**kw), Engine(**kw, batched_weight_dtype="bfloat16")
