@@ -110,6 +110,31 @@ inline void SweepTilePairs(int64_t m_begin, int64_t m_end, int64_t n0, int64_t n
   }
 }
 
+// The same sweep for the tiled products that go one tile at a time (int16_tiles.h, int8_code_tiles.h): chunks of
+// `chunk` columns of [n0, n1), whose tiles make(t, n, cols) builds, then x's rows [0, m) kBlockRows at a time, the
+// depth `depth` units at a time (of `depth_total`), and each tile: tile(t, d0, d1, n, cols, m0, m1).
+template <typename Make, typename Tile>
+inline void SweepTiles(int64_t m, int64_t n0, int64_t n1, int64_t chunk, int64_t depth_total, int64_t depth,
+                       Make&& make, Tile&& tile) {
+  for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
+    const int64_t c1 = std::min(n1, c0 + chunk), num_tiles = (c1 - c0 + kTileCols - 1) / kTileCols;
+    for (int64_t t = 0; t < num_tiles; ++t) {
+      const int64_t n = c0 + t * kTileCols;
+      make(t, n, static_cast<int>(std::min<int64_t>(kTileCols, c1 - n)));
+    }
+    for (int64_t m0 = 0; m0 < m; m0 += kBlockRows) {
+      const int64_t m1 = std::min(m, m0 + kBlockRows);
+      for (int64_t d0 = 0; d0 < depth_total; d0 += depth) {
+        const int64_t d1 = std::min(depth_total, d0 + depth);
+        for (int64_t t = 0; t < num_tiles; ++t) {
+          const int64_t n = c0 + t * kTileCols;
+          tile(t, d0, d1, n, static_cast<int>(std::min<int64_t>(kTileCols, c1 - n)), m0, m1);
+        }
+      }
+    }
+  }
+}
+
 // x [M, K] -> panels [ceil(M / 16), K, 16]: panel p holds rows 16p.. k-major, padded with zero rows. Whole groups of
 // 8 rows are moved by 8 x 8 transposes (~4.5x faster than element by element: this runs on the calling thread alone).
 inline void PackPanels(const float* x, int64_t m, int64_t k, std::vector<float>& out) {

@@ -53,30 +53,16 @@ class Int16Tiles {
     const int64_t most_tiles = (std::min(chunk, n1 - n0) + kTileCols - 1) / kTileCols;
     GrowTo(codes, static_cast<size_t>(most_tiles * k * kTileCols));
     GrowTo(scales, static_cast<size_t>(most_tiles * 2 * subs_ * kTileCols));
-    for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
-      const int64_t c1 = std::min(n1, c0 + chunk), num_tiles = (c1 - c0 + kTileCols - 1) / kTileCols;
-      for (int64_t t = 0; t < num_tiles; ++t) {
-        const int64_t n = c0 + t * kTileCols;
-        TileCodes(n, static_cast<int>(std::min<int64_t>(kTileCols, c1 - n)), codes.data() + t * k * kTileCols,
-                  scales.data() + t * 2 * subs_ * kTileCols);
-      }
-      for (int64_t m0 = 0; m0 < m_; m0 += kBlockRows) {
-        const int64_t m1 = std::min(m_, m0 + kBlockRows);
-        for (int64_t s0 = 0; s0 < subs_; s0 += depth_subs) {
-          const int64_t subs = std::min(depth_subs, subs_ - s0);
-          for (int64_t t = 0; t < num_tiles; ++t) {
-            const int64_t n = c0 + t * kTileCols;
-            const Slice slice{codes.data() + (t * k + s0 * kBlock) * kTileCols,
-                              scales.data() + (t * 2 * subs_ + s0) * kTileCols,
-                              scales.data() + ((t * 2 + 1) * subs_ + s0) * kTileCols, s0, subs, n,
-                              static_cast<int>(std::min<int64_t>(kTileCols, c1 - n))};
-            ForRowGroups<kRowGroup>(m0, m1, [&](auto rows, int64_t m) {
-              GroupTimesSlice<decltype(rows)::value>(slice, m);
-            });
-          }
-        }
-      }
-    }
+    auto make = [&](int64_t t, int64_t n, int cols) {
+      TileCodes(n, cols, codes.data() + t * k * kTileCols, scales.data() + t * 2 * subs_ * kTileCols);
+    };
+    auto tile = [&](int64_t t, int64_t s0, int64_t s1, int64_t n, int cols, int64_t m0, int64_t m1) {
+      const Slice slice{codes.data() + (t * k + s0 * kBlock) * kTileCols,
+                        scales.data() + (t * 2 * subs_ + s0) * kTileCols,
+                        scales.data() + ((t * 2 + 1) * subs_ + s0) * kTileCols, s0, s1 - s0, n, cols};
+      ForRowGroups<kRowGroup>(m0, m1, [&](auto rows, int64_t m) { GroupTimesSlice<decltype(rows)::value>(slice, m); });
+    };
+    SweepTiles(m_, n0, n1, chunk, subs_, depth_subs, make, tile);
   }
 
  private:

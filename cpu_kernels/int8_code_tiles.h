@@ -106,29 +106,15 @@ class Int8CodeTiles {
     const int64_t most_tiles = (std::min(chunk, n1 - n0) + kTileCols - 1) / kTileCols;
     GrowTo(codes, static_cast<size_t>(most_tiles * tile_words));
     GrowTo(scales, static_cast<size_t>(most_tiles * tile_scales));
-    for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
-      const int64_t c1 = std::min(n1, c0 + chunk), num_tiles = (c1 - c0 + kTileCols - 1) / kTileCols;
-      for (int64_t t = 0; t < num_tiles; ++t) {
-        const int64_t n = c0 + t * kTileCols;
-        TileCodes(n, static_cast<int>(std::min<int64_t>(kTileCols, c1 - n)), codes.data() + t * tile_words,
-                  scales.data() + t * tile_scales);
-      }
-      for (int64_t m0 = 0; m0 < m_; m0 += kBlockRows) {
-        const int64_t m1 = std::min(m_, m0 + kBlockRows);
-        for (int64_t b0 = 0; b0 < blocks_; b0 += kDepthBlocks) {
-          const int64_t b1 = std::min(blocks_, b0 + kDepthBlocks);
-          for (int64_t t = 0; t < num_tiles; ++t) {
-            const int64_t n = c0 + t * kTileCols;
-            const float* tile_scale = scales.data() + t * tile_scales;
-            const Slice slice{codes.data() + t * tile_words, tile_scale, tile_scale + blocks_ * kTileCols, b0, b1, n,
-                              static_cast<int>(std::min<int64_t>(kTileCols, c1 - n))};
-            ForRowGroups<kRowGroup>(m0, m1, [&](auto rows, int64_t m) {
-              GroupTimesSlice<decltype(rows)::value>(slice, m);
-            });
-          }
-        }
-      }
-    }
+    auto make = [&](int64_t t, int64_t n, int cols) {
+      TileCodes(n, cols, codes.data() + t * tile_words, scales.data() + t * tile_scales);
+    };
+    auto tile = [&](int64_t t, int64_t b0, int64_t b1, int64_t n, int cols, int64_t m0, int64_t m1) {
+      const float* tile_scale = scales.data() + t * tile_scales;
+      const Slice slice{codes.data() + t * tile_words, tile_scale, tile_scale + blocks_ * kTileCols, b0, b1, n, cols};
+      ForRowGroups<kRowGroup>(m0, m1, [&](auto rows, int64_t m) { GroupTimesSlice<decltype(rows)::value>(slice, m); });
+    };
+    SweepTiles(m_, n0, n1, chunk, blocks_, kDepthBlocks, make, tile);
   }
 
  private:
