@@ -8,7 +8,7 @@
 #include <cstdint>
 
 #include "block_formats.h"
-#include "quantized_products.h"
+#include "product_paths.h"
 
 // `prefix` empty: the explicit instantiations (in the units above); `extern`: their declarations.
 #define JVLLM_FORMAT_PRODUCTS(prefix, Fmt)                                                             \

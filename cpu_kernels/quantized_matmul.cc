@@ -1,4 +1,4 @@
-// Matrix products with GGUF-quantized weights for XLA CPU, as XLA FFI custom calls (quantized_products.h; each
+// Matrix products with GGUF-quantized weights for XLA CPU, as XLA FFI custom calls (product_paths.h; each
 // format's products are compiled apart: format_products.h):
 //   jvllm_quantized_matmul:  y[M, N] = x[M, K] . W[N, K]^T
 //   jvllm_gated_matmul:      y[M, N] = silu(x . G^T) * (x . U^T)   (an MLP's gate and up projections)
