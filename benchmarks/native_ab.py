@@ -303,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = {name: attention(prefix, pages[name]) for name, prefix in (("base", "base_"), ("new", "jvllm_"))}
     for q in ints(args.queries):
         for context in ints(args.context):
+            if q > context:  # a step's queries are the last of its keys
+                print(f"attention, {q} queries after {context} keys: skipped (more queries than keys)", flush=True)
+                continue
             inputs = {name: list(attention_inputs(np.random.default_rng(context + q), q, context, args.seqs,
                                                   pages[name])) for name in runs}
 

@@ -75,6 +75,12 @@ inline void DotKeys(const float* queries, int64_t hd, const T* const* keys, int6
   }
 }
 
+// Rows of probabilities taken together by FewRowValues where that many are left (0: none): on AVX2, 6 rows x 2
+// vectors of sums leave registers for the value vectors and one broadcast, where 3 rows x 4 vectors (AddValues'
+// groups otherwise) had each value vector read again from memory for every row (two 256-bit loads a cycle bound
+// that loop as much as its FMAs). Every sum takes the same FMAs in the same key order either way: the same bits.
+constexpr int kWideValueRows = kLanes == 8 ? 6 : 0;
+
 // acc[r][c0 : c0 + N * kLanes] += sum_j probs[r * stride + j] * values[j][offset + c0 : ...], keys j in [begin, end):
 // R x N sums, R probabilities and one value vector in registers.
 template <int R, int N, typename T>
@@ -84,11 +90,20 @@ inline void AddValueChunks(const float* probs, int64_t stride, const T* const* v
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < N; ++c) a[r][c] = LoadV(acc + r * hd + c0 + c * kLanes);
   for (int64_t j = begin; j < end; ++j) {
-    float p[R];
-    for (int r = 0; r < R; ++r) p[r] = probs[r * stride + j];
-    for (int c = 0; c < N; ++c) {
-      const VF value = LoadV(values[j] + offset + c0 + c * kLanes);
-      for (int r = 0; r < R; ++r) a[r][c] += p[r] * value;
+    if constexpr (R == kWideValueRows) {  // the key's value vectors once, then one row's broadcast at a time
+      VF value[N];
+      for (int c = 0; c < N; ++c) value[c] = LoadV(values[j] + offset + c0 + c * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const float p = probs[r * stride + j];
+        for (int c = 0; c < N; ++c) a[r][c] += p * value[c];
+      }
+    } else {
+      float p[R];
+      for (int r = 0; r < R; ++r) p[r] = probs[r * stride + j];
+      for (int c = 0; c < N; ++c) {
+        const VF value = LoadV(values[j] + offset + c0 + c * kLanes);
+        for (int r = 0; r < R; ++r) a[r][c] += p[r] * value;
+      }
     }
   }
   for (int r = 0; r < R; ++r)
@@ -99,7 +114,7 @@ inline void AddValueChunks(const float* probs, int64_t stride, const T* const* v
 template <int R, typename T>
 inline void AddValues(const float* probs, int64_t stride, const T* const* values, int64_t offset, int64_t begin,
                       int64_t end, float* acc, int64_t hd) {
-  constexpr int kChunks = 4;
+  constexpr int kChunks = R == kWideValueRows ? 2 : 4;
   for (int64_t c0 = 0; c0 < hd; c0 += kChunks * kLanes) {
     switch ((hd - c0) / kLanes < kChunks ? (hd - c0) / kLanes : kChunks) {
       case 4: AddValueChunks<R, 4>(probs, stride, values, offset, begin, end, acc, hd, c0); break;
@@ -144,8 +159,15 @@ template <typename T>
 inline void FewRowValues(int64_t rows, const float* probs, int64_t stride, const T* const* values, int64_t offset,
                          int64_t begin, int64_t end, float* acc, int64_t hd) {
   if (begin >= end) return;
-  InRowGroups(rows, [&](auto group, int64_t r) {
-    AddValues<decltype(group)::value>(probs + r * stride, stride, values, offset, begin, end, acc + r * hd, hd);
+  int64_t wide = 0;
+  if constexpr (kWideValueRows > 0) {
+    for (; wide + kWideValueRows <= rows; wide += kWideValueRows) {
+      AddValues<kWideValueRows>(probs + wide * stride, stride, values, offset, begin, end, acc + wide * hd, hd);
+    }
+  }
+  InRowGroups(rows - wide, [&](auto group, int64_t r) {
+    const int64_t at = wide + r;
+    AddValues<decltype(group)::value>(probs + at * stride, stride, values, offset, begin, end, acc + at * hd, hd);
   });
 }
 

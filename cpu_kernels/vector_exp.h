@@ -2,8 +2,9 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -21,6 +22,32 @@ inline T ExpPolynomial(T r) {
   return p * r * r + r + 1.0f;
 }
 
+// floor(t) lane by lane, exactly: one rounding instruction where the vector width has one, else toward zero
+// through int32 and down by one where that rounded up (|t| < 2^31 in every caller).
+template <typename V, typename I>
+inline V FloorVector(V t) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(V) == 64) {
+    __m512 v;
+    std::memcpy(&v, &t, sizeof v);
+    v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    std::memcpy(&t, &v, sizeof v);
+    return t;
+  }
+#endif
+#if defined(__AVX__)
+  if constexpr (sizeof(V) == 32) {
+    __m256 v;
+    std::memcpy(&v, &t, sizeof v);
+    v = _mm256_round_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    std::memcpy(&t, &v, sizeof v);
+    return t;
+  }
+#endif
+  const V down = __builtin_convertvector(__builtin_convertvector(t, I), V);
+  return down > t ? down - 1.0f : down;
+}
+
 // exp(x) on a float vector V with int32 vector I of the same lanes (~1 ulp on [-87, 88]; below -87.3 it gives 0,
 // above 88.7 exp(88.7)): exp(x) = 2^n exp(r) with n = floor(x / ln2 + 1/2).
 template <typename V, typename I>
@@ -28,8 +55,7 @@ inline V ExpVector(V x) {
   const auto underflow = x < -87.3f;
   x = x < -87.3f ? V{} - 87.3f : (x > 88.7f ? V{} + 88.7f : x);
   const V t = x * 1.44269504088896341f + 0.5f;
-  V n = __builtin_convertvector(__builtin_convertvector(t, I), V);  // toward zero, then down to floor(t)
-  n = n > t ? n - 1.0f : n;
+  const V n = FloorVector<V, I>(t);
   const V p = ExpPolynomial(x - n * 0.693359375f + n * 2.12194440e-4f);
   const I bits = (__builtin_convertvector(n, I) + 127) << 23;
   const V result = p * reinterpret_cast<const V&>(bits);
