@@ -2,7 +2,6 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 
 #if defined(__AVX__)
 #include <immintrin.h>
@@ -28,21 +27,11 @@ template <typename V, typename I>
 inline V FloorVector(V t) {
 #if defined(__AVX512F__)
   if constexpr (sizeof(V) == 64) {
-    __m512 v;
-    std::memcpy(&v, &t, sizeof v);
-    v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    std::memcpy(&t, &v, sizeof v);
-    return t;
+    return __builtin_bit_cast(V, _mm512_roundscale_ps(__builtin_bit_cast(__m512, t), _MM_FROUND_TO_NEG_INF));
   }
 #endif
 #if defined(__AVX__)
-  if constexpr (sizeof(V) == 32) {
-    __m256 v;
-    std::memcpy(&v, &t, sizeof v);
-    v = _mm256_round_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    std::memcpy(&t, &v, sizeof v);
-    return t;
-  }
+  if constexpr (sizeof(V) == 32) return __builtin_bit_cast(V, _mm256_floor_ps(__builtin_bit_cast(__m256, t)));
 #endif
   const V down = __builtin_convertvector(__builtin_convertvector(t, I), V);
   return down > t ? down - 1.0f : down;
