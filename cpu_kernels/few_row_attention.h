@@ -76,9 +76,10 @@ inline void DotKeys(const float* queries, int64_t hd, const T* const* keys, int6
 }
 
 // Rows of probabilities taken together by FewRowValues where that many are left (0: none): on AVX2, 6 rows x 2
-// vectors of sums leave registers for the value vectors and one broadcast, where 3 rows x 4 vectors (AddValues'
-// groups otherwise) had each value vector read again from memory for every row (two 256-bit loads a cycle bound
-// that loop as much as its FMAs). Every sum takes the same FMAs in the same key order either way: the same bits.
+// vectors of sums leave registers for the value vectors and one broadcast; the 3 rows x 4 vectors of the smaller
+// groups leave none, so there each value vector is read from memory once per row (and two 256-bit loads a cycle
+// bound the loop as much as its FMAs). Every sum takes the same FMAs in the same key order either way: the same
+// bits.
 constexpr int kWideValueRows = kLanes == 8 ? 6 : 0;
 
 // acc[r][c0 : c0 + N * kLanes] += sum_j probs[r * stride + j] * values[j][offset + c0 : ...], keys j in [begin, end):
