@@ -1,4 +1,4 @@
-// The few-query attention's products over bf16 pages on the AMX tile unit (attention_work.h's direct path: decode rows
+// The few-query attention's products over bf16 pages on the AMX tile unit (direct_attention.h: decode rows
 // and rows verifying draft tokens). Per KV head and block of keys, in groups of 16 keys (one page's run of token rows
 // where the pages hold them so, read in place as a tile):
 // * scores: the keys [16, hd] are the A operand as they lie; the B operand holds up to 8 query rows as columns, each
