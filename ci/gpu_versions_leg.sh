@@ -31,7 +31,7 @@ fi
 
 versions="${JAX_VERSIONS:-0.12.1 0.11.2}"
 leg_requirements() {
-  echo "jax==$1" "jaxlib==$1" "triton==3.6.0" "pytest>=8" "pytest-xdist>=3.5,<4" "pytest-timeout>=2.3,<3"
+  echo "jax==$1" "jaxlib==$1" "triton==3.6.0" "pytest>=8" "pytest-xdist>=3.8,<4" "pytest-timeout>=2.3,<3"
 }
 
 install_dependencies() {  # VENV JAX_VERSION: everything but jvllm itself, whose editable build writes into the tree

@@ -1,7 +1,9 @@
 """Shared fixtures: offline hub, a per-session cache dir, one default engine, tiny random HF models."""
 from __future__ import annotations
 
+import collections
 import importlib.util
+import json
 import os
 import pathlib
 import shutil
@@ -162,35 +164,22 @@ def hf_smollm(_jvllm_cache):
         return model.eval()
 
 
-# The longest files, longest first (durations on the 2-core CI machine). With `--dist loadfile` each file goes whole
-# to the next free worker in collection order, so starting the long ones first keeps both workers busy to the end
-# instead of leaving one file running alone.
-LONGEST_FILES = [
-    "tests/parallel/test_tensor_parallel.py",
-    "tests/models/test_gguf_families.py",
-    "tests/notebooks/test_notebooks.py",
-    "tests/multimodal/test_multimodal_engine.py",
-    "tests/jvllm/test_prefix_cache.py",
-    "tests/server/test_cli_serve.py",
-    "tests/models/test_gguf_blocks.py",
-    "tests/models/test_family_parity.py",
-    "tests/jvllm/test_engine_scheduling.py",
-    "tests/multimodal/test_qwen2_vl_engine.py",
-    "tests/jvllm/test_no_compile.py",
-    "tests/models/test_llama_parity.py",
-    "tests/server/test_fuzz.py",
-    "tests/jvllm/test_cli.py",
-]
+# Each test file's seconds in a main-leg run on the 2-core CI machine (ci/file_durations.py writes it). With
+# `--dist loadfile` each file goes whole to the next free worker in the order given here (`--no-loadscope-reorder`
+# in pyproject.toml keeps xdist from reordering by test count), so the longest go first and the last to run are
+# short: neither worker is left running a long file alone at the end.
+FILE_SECONDS: dict[str, float] = json.loads((pathlib.Path(__file__).parent / "file_durations.json").read_text())
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {name: position for position, name in enumerate(LONGEST_FILES)}
+    root = pathlib.Path(str(config.rootpath)).resolve()
 
-    def file_rank(item: pytest.Item) -> int:
-        path = pathlib.Path(str(item.fspath)).resolve().relative_to(pathlib.Path(str(config.rootpath)).resolve())
-        return rank.get(path.as_posix(), len(LONGEST_FILES))
+    def file_of(item: pytest.Item) -> str:
+        return pathlib.Path(str(item.fspath)).resolve().relative_to(root).as_posix()
 
-    items.sort(key=file_rank)  # stable: the other files keep their order
+    tests_in = collections.Counter(file_of(item) for item in items)
+    # the timed files longest first, then the others (the GPU-versions leg's) by their number of tests
+    items.sort(key=lambda item: (-FILE_SECONDS.get(file_of(item), 0.0), -tests_in[file_of(item)], file_of(item)))
     for item in items:
         if _kernel_leg_file(pathlib.Path(str(item.fspath))):
             item.add_marker(pytest.mark.extended)

@@ -59,7 +59,7 @@ def test_chunked_prefill_and_preemption_with_the_cache_match_the_uncached_engine
                    max_model_len=512,
                    max_num_batched_tokens=48, precompile=False)  # 24 pages: too few for every request at once, prompts chunked
     prompts = _prompts(tight) * 2
-    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     got = tight.generate(prompts, params, use_tqdm=False)
     assert tight.scheduler.num_preemptions > 0 and tight.scheduler.prefix_cache_hits > 0
     assert _tokens(got) == _tokens(uncached_engine.generate(prompts, params, use_tqdm=False))

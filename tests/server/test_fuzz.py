@@ -11,7 +11,7 @@ import pytest
 from tests.server.conftest import API_KEY, LogRecords, idle, start_server, wait_until
 
 # cases per route: the CI run's quick pass, and the thorough one (extended)
-QUICK, THOROUGH = 20, 120
+QUICK, THOROUGH = 10, 120
 CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance,"
           "response_headers_conformance,negative_data_rejection")
 
