@@ -25,7 +25,7 @@ constexpr int kStripKeys = 16;  // keys of every head per strip, so token rows a
 // The direct path's blocks over a call's pages (PageView: its arguments); Attention runs them.
 template <typename PoolT>
 class DirectAttention : public PageView<PoolT> {
- protected:  // protected: Attention's own declarations of these names reach PageView's through this class
+ protected:  // not private: Attention's using-declarations of these names reach PageView's members through here
   using View = PageView<PoolT>;
   using typename View::BlockRows;
   using View::sh_, View::opt_, View::k_, View::v_, View::k_pages_, View::v_pages_;

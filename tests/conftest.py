@@ -173,13 +173,15 @@ FILE_SECONDS: dict[str, float] = json.loads((pathlib.Path(__file__).parent / "fi
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = pathlib.Path(str(config.rootpath)).resolve()
+    file_of = {item.nodeid: pathlib.Path(str(item.fspath)).resolve().relative_to(root).as_posix() for item in items}
+    tests_in = collections.Counter(file_of.values())
 
-    def file_of(item: pytest.Item) -> str:
-        return pathlib.Path(str(item.fspath)).resolve().relative_to(root).as_posix()
+    def rank(item: pytest.Item) -> tuple[float, int, str]:
+        """The timed files longest first, then the others (the GPU-versions leg's) by their number of tests."""
+        name = file_of[item.nodeid]
+        return -FILE_SECONDS.get(name, 0.0), -tests_in[name], name
 
-    tests_in = collections.Counter(file_of(item) for item in items)
-    # the timed files longest first, then the others (the GPU-versions leg's) by their number of tests
-    items.sort(key=lambda item: (-FILE_SECONDS.get(file_of(item), 0.0), -tests_in[file_of(item)], file_of(item)))
+    items.sort(key=rank)  # stable: a file's tests keep their order
     for item in items:
         if _kernel_leg_file(pathlib.Path(str(item.fspath))):
             item.add_marker(pytest.mark.extended)
