@@ -177,21 +177,11 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
         return jit(layer_run, out_shardings=out, static_argnames=("groups",),
                    donate_argnames=("pages",) if backend.step_donates_pool else ())
 
-    def last_rows(x: jax.Array, token_index: jax.Array) -> jax.Array:
-        return x[token_index]
-
     def head_logits(outer: list[jax.Array], x_last: jax.Array, num_rows: jax.Array) -> jax.Array:
         model = parts.outer(outer)
         # padding rows' logits: 0
         with live_rows(num_rows, x_last.shape[0]), products():
             return logits_of(model)(model.finish(x_last))  # [S, V] float32
-
-    def pick(logits: jax.Array, processed: jax.Array, sampling: SamplingTensors) -> dict[str, Any]:
-        token_ids = sample_processed(processed, sampling)  # [S] int32
-        sample_stats = jax.lax.cond(sampling.any_logprobs, lambda: logprob_stats(logits, token_ids, MAX_LOGPROBS),
-                                    lambda: _zero_stats(logits.shape[0]))
-        padded_ids = jnp.zeros(max_num_seqs, jnp.int32).at[:token_ids.shape[0]].set(token_ids)
-        return gather({"token_ids": padded_ids, "sample_stats": sample_stats})
 
     def prompt_stats(outer: list[jax.Array], x: jax.Array, prompt_targets: jax.Array) -> LogprobStats:
         """prompt_targets [T] int32: the next prompt token after each row (-1: none)."""
@@ -205,21 +195,45 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
             return logits_of(model)(model.finish(x))
 
     layer_out = None if mesh is None else (whole, backend.layer_result_sharding(mesh))
+    last_rows, pick = _model_free_pieces(max_num_seqs, mesh)
     return StepFunctions(
         embed=jit(embed_with_features if multimodal else embed, out_shardings=(whole, whole, whole)),
         layer=jit(layer, out_shardings=layer_out, static_argnames=("group",),
                   donate_argnames=("pages",) if backend.step_donates_pool else ()),
         layer_runs=layer_runs,
-        last_rows=jit(last_rows, out_shardings=whole),
+        last_rows=last_rows,
         head_logits=jit(head_logits, out_shardings=whole),
         penalize=jit(apply_penalties, out_shardings=whole),
         mask_tokens=jit(apply_token_masks, out_shardings=whole),
-        pick=jit(pick, out_shardings=whole),
+        pick=pick,
         prompt_stats=jit(prompt_stats, out_shardings=whole),
         logits=jit(logits, out_shardings=whole),
         store_kv=backend.store(mesh),
         take_ids=jit(_take_ids, out_shardings=whole),
         copy_pages=page_copier(mesh))
+
+
+@functools.lru_cache(maxsize=16)
+def _model_free_pieces(max_num_seqs: int, mesh: Mesh | None) -> tuple[Any, Any]:
+    """(last_rows, pick), jitted: they read no weights and depend on the row budget and the mesh alone, so the
+    engines of one process share them, and jax's tracing and lowering caches serve a later engine's row counts
+    (lowering the sampler took ~0.2 s per row count at every engine's start)."""
+    gather = (lambda x: x) if mesh is None else ops.replicate(mesh)
+    whole = None if mesh is None else replicated(mesh)
+
+    def last_rows(x: jax.Array, token_index: jax.Array) -> jax.Array:
+        return x[token_index]
+
+    def pick(logits: jax.Array, processed: jax.Array, sampling: SamplingTensors) -> dict[str, Any]:
+        token_ids = sample_processed(processed, sampling)  # [S] int32
+        sample_stats = jax.lax.cond(sampling.any_logprobs, lambda: logprob_stats(logits, token_ids, MAX_LOGPROBS),
+                                    lambda: _zero_stats(logits.shape[0]))
+        padded_ids = jnp.zeros(max_num_seqs, jnp.int32).at[:token_ids.shape[0]].set(token_ids)
+        return gather({"token_ids": padded_ids, "sample_stats": sample_stats})
+
+    if mesh is None:
+        return jax.jit(last_rows), jax.jit(pick)
+    return jax.jit(last_rows, out_shardings=whole), jax.jit(pick, out_shardings=whole)
 
 
 def _take_ids(source_ids: jax.Array, rows: jax.Array) -> jax.Array:
