@@ -67,7 +67,8 @@ def test_a_library_engine_starts_with_one_full_collection_leaves_its_heap_old_an
     assert collections == [2]
     assert young < old / 20, (young, old)
     assert gc.isenabled()
-    assert gc.get_freeze_count() == frozen_before  # a dropped engine must stay collectable
+    # a dropped engine must stay collectable: nothing frozen (the count drops as frozen objects die by refcount)
+    assert gc.get_freeze_count() <= frozen_before
 
 
 def test_a_library_engine_start_frees_an_engine_the_caller_dropped_in_a_cycle(tiny_llama):

@@ -18,8 +18,9 @@ CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,r
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_llama):
-    """Short contexts keep generated requests quick; the key is required, as on a real deployment."""
-    server = start_server(tiny_llama, max_num_seqs=16, kv_cache_memory_bytes=16 << 20, max_model_len=96)
+    """Short contexts keep generated requests quick (a request without max_tokens generates to the end of the
+    context); the key is required, as on a real deployment."""
+    server = start_server(tiny_llama, max_num_seqs=16, kv_cache_memory_bytes=16 << 20, max_model_len=40)
     yield server
     server.stop()
 
