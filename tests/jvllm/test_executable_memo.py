@@ -55,6 +55,8 @@ def test_a_second_engine_of_the_same_model_compiles_nothing_and_generates_the_sa
     hits = executable_memo.hits
     second = Engine(folder, **settings)
     assert executable_memo.hits - hits >= second.runner.compiled.count
+    # the sampler's jitted function is shared, so its tracing and lowering were not done again either
+    assert second.runner.compiled.steps.pick is first.runner.compiled.steps.pick
     assert [o.outputs[0].token_ids for o in second.generate(prompts, params)] == want
 
 

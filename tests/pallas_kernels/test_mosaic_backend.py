@@ -21,21 +21,10 @@ SHAPES, MAX_PAGES = ShapeSet(max_num_seqs=8, max_num_batched_tokens=64), 8
 STEPS = {"decode": [(40, 1), (15, 1), (0, 1)], "mixed": [(0, 13), (35, 1), (17, 9)], "prefill": [(0, 21), (0, 6)]}
 
 
-KERNELS = [pytest.param(jnp.bfloat16, "one_warpgroup", id="bf16"), pytest.param(jnp.float32, "one_warpgroup", id="f32"),
-           pytest.param(jnp.bfloat16, "warp_specialized", id="bf16-warp_specialized")]
-
-
-def _cases():
-    """Every step with every kernel; the warp-specialized kernel's prefill-only step is extended (the mixed step
-    holds prefill chunks too, and its interpret run is the slowest here)."""
-    for step in STEPS:
-        for kernel in KERNELS:
-            slow = step == "prefill" and kernel.values[1] == "warp_specialized"
-            yield pytest.param(step, *kernel.values, id=f"{step}-{kernel.id}",
-                               marks=[pytest.mark.extended] if slow else [])
-
-
-@pytest.mark.parametrize("step, dtype, ragged_kernel", list(_cases()))
+@pytest.mark.parametrize("dtype, ragged_kernel", [(jnp.bfloat16, "one_warpgroup"), (jnp.float32, "one_warpgroup"),
+                                                   (jnp.bfloat16, "warp_specialized")],
+                         ids=["bf16", "f32", "bf16-warp_specialized"])
+@pytest.mark.parametrize("step", list(STEPS))
 def test_mosaic_backend_matches_xla_backend(step, dtype, ragged_kernel, monkeypatch):
     monkeypatch.setenv(MOSAIC_RAGGED_ENV, ragged_kernel)
     page_size, kv_heads, group, head_dim, num_pages = 16, 2, 4, 64, 14

@@ -49,11 +49,8 @@ def run_mosaic_ragged(kernel: str, dtype, page_size: int, head_dim: int, group: 
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))
-@pytest.mark.parametrize("group, page_size, head_dim, dtype", [
-    pytest.param(4, 16, 64, jnp.bfloat16, id="4-16-64-bf16"),
-    # float16 runs in the case below and in the unmasked blocks' test
-    pytest.param(4, 16, 64, jnp.float16, id="4-16-64-f16", marks=pytest.mark.extended),
-    pytest.param(1, 32, 128, jnp.bfloat16, id="1-32-128-bf16"), pytest.param(1, 32, 128, jnp.float16, id="1-32-128-f16")])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("group,page_size,head_dim", [(4, 16, 64), (1, 32, 128)])
 def test_mixed_batch_matches_reference(kernel, dtype, group, page_size, head_dim):
     # a fresh 70-token prefill (two items of 64; one of 128 whose second half is mostly past the chunk), a chunk
     # continuing a cached context, two decode tokens, an empty row
