@@ -217,7 +217,7 @@ def build_step_functions(parts: ModelParts, backend: AttentionBackend, activatio
 def _model_free_pieces(max_num_seqs: int, mesh: Mesh | None) -> tuple[Any, Any]:
     """(last_rows, pick), jitted: they read no weights and depend on the row budget and the mesh alone, so the
     engines of one process share them, and jax's tracing and lowering caches serve a later engine's row counts
-    (lowering the sampler took ~0.2 s per row count at every engine's start)."""
+    (lowering the sampler costs ~0.2 s per row count on a 2-core CPU)."""
     gather = (lambda x: x) if mesh is None else ops.replicate(mesh)
     whole = None if mesh is None else replicated(mesh)
 
