@@ -15,7 +15,8 @@ from server.anthropic_protocol import (AnthropicMessage, AnthropicUsage, Content
                                        ToolUseOut)
 from server.chat import ChatRun
 from server.chat_reply import StreamedReply
-from server.errors import APIError, anthropic_error_body
+from server.api_errors import APIError
+from server.errors import anthropic_error_body
 from server.responses import ChatCompletionResponse, DeltaMessage
 from server.streaming import check_not_failed
 

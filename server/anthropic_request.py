@@ -6,7 +6,7 @@ import json
 from server.anthropic_protocol import (AnthropicTool, AnthropicToolChoice, Base64ImageSource, CountTokensRequest,
                                        ImageBlock, InputMessage, MessagesRequest, TextBlock, ToolResultBlock,
                                        ToolUseBlock)
-from server.errors import bad_request
+from server.api_errors import bad_request
 from server.protocol import (ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, ImagePart, ImageURL,
                              NamedFunction, NamedToolChoice, TextPart, Tool, ToolCall)
 

@@ -18,8 +18,8 @@ from server.body_limit import BodySizeLimit
 from server.chat import create_chat_completion, render_chat
 from server.completions import create_completion
 from server.embeddings import create_embedding
-from server.errors import (ClientGone, bad_request, error_response, install_error_handlers, route_path,
-                           to_api_error)
+from server.api_errors import ClientGone, bad_request
+from server.errors import error_response, install_error_handlers, route_path, to_api_error
 from server.limits import AdmissionLimits
 from server.memory_trim import TrimAfterLargeBodies
 from server.metrics import ServerMetrics

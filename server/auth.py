@@ -6,7 +6,7 @@ import hmac
 
 from fastapi import Request
 
-from server.errors import APIError
+from server.api_errors import APIError
 
 
 def _matches(given: str, expected: tuple[bytes, ...]) -> bool:

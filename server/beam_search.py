@@ -8,7 +8,7 @@ from jvllm.beam_search import BeamSearchParams
 from jvllm.engine.async_beam_search import start_beam_search
 from jvllm.engine.request_stream import RequestStream
 from jvllm.sampling_params import SamplingParams
-from server.errors import bad_request
+from server.api_errors import bad_request
 from server.protocol import SamplingFields
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 
 from jvllm.engine.request_stream import RequestStream
 from jvllm.outputs import CompletionOutput, RequestOutput
-from server.errors import bad_request
+from server.api_errors import bad_request
 from server.logprobs import chat_logprobs
 from server.blocking import TemplateTimeout, with_deadline
 from jvllm.multimodal.chat import message_text

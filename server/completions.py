@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from jvllm.engine.request_stream import RequestStream
 from jvllm.outputs import CompletionOutput, RequestOutput
-from server.errors import bad_request
+from server.api_errors import bad_request
 from server.logprobs import completion_logprobs
 from server.protocol import CompletionRequest
 from server.responses import CompletionChoice, CompletionLogProbs, CompletionResponse, UsageInfo

@@ -9,7 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from jvllm.pooling.token_inputs import InputTooLongError
-from server.errors import bad_request
+from server.api_errors import bad_request
 from server.protocol import EmbeddingRequest
 from server.responses import EmbeddingData, EmbeddingResponse, EmbeddingUsage
 from server.sampling import check_model

@@ -11,6 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jvllm.engine.status import EngineDeadError, EngineShutDownError, EngineStepError, QueueFullError
 from jvllm.pooling.async_batcher import EmbedderClosedError
+from server.api_errors import APIError, ClientGone
 
 logger = logging.getLogger("jvllm.server")
 
@@ -22,27 +23,6 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "inva
 ANTHROPIC_PREFIX = "/v1/messages"
 _ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                     413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
-
-
-class APIError(Exception):
-    """An error the client should see, with its HTTP status and OpenAI error fields."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.headers = headers
-
-
-class ClientGone(Exception):
-    """The client closed the connection before its response was ready."""
-
-
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param=param)
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from server.errors import bad_request
+from server.api_errors import bad_request
 
 # Bodies beyond this answer 413 before they are parsed (--max-request-body-bytes).
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20

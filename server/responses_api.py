@@ -5,7 +5,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from server.chat import final_output, start_chat
-from server.errors import APIError
+from server.api_errors import APIError
 from server.protocol import ChatMessage
 from server.response_store import StoredResponse
 from server.responses_api_protocol import ResponseObject, ResponsesRequest

@@ -1,7 +1,7 @@
 """A Responses API request as the chat request it runs as: input items to chat messages, its settings to chat's."""
 from __future__ import annotations
 
-from server.errors import bad_request
+from server.api_errors import bad_request
 from server.protocol import (ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition, ImagePart, ImageURL,
                              JsonSchemaFormat, NamedFunction, NamedToolChoice, ResponseFormat, TextPart, Tool, ToolCall)
 from server.responses_api_protocol import (FunctionCallInput, FunctionCallOutputInput, FunctionToolChoice,

@@ -9,7 +9,7 @@ from pydantic import BaseModel
 from jvllm.engine.request_stream import RequestStream
 from server.chat import ChatRun
 from server.chat_reply import StreamedReply
-from server.errors import APIError
+from server.api_errors import APIError
 from server.responses import DeltaMessage, DeltaToolCall
 from server.responses_api_protocol import (OutputFunctionCall, OutputItem, OutputMessage, OutputReasoning, OutputText,
                                            ReasoningText, ResponseObject)

@@ -14,7 +14,7 @@ from server.auth import check_api_key
 from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.embeddings import create_embedding
-from server.errors import bad_request
+from server.api_errors import bad_request
 from server.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from server.responses import ErrorResponse
 from server.state import engine_health, state_of

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from jvllm.engine.prompts import keep_last
 from jvllm.outputs import RequestOutput
 from jvllm.sampling_params import SamplingParams, StructuredOutputsParams
-from server.errors import APIError, bad_request
+from server.api_errors import APIError, bad_request
 from server.limits import AdmissionLimits
 from server.protocol import RequestBody, SamplingFields
 from server.responses import PromptTokensDetails

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from jvllm.outputs import ScoringRequestOutput
 from jvllm.pooling.token_inputs import InputTooLongError
 from server.auth import check_api_key
-from server.errors import bad_request
+from server.api_errors import bad_request
 from server.responses import EmbeddingUsage, ErrorResponse
 from server.sampling import check_model
 from server.score_protocol import (RerankDocument, RerankRequest, RerankResponse, RerankResult, RerankUsage,

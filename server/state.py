@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from jvllm.engine.async_engine import AsyncEngine
 from server.blocking import BlockingWork
-from server.errors import APIError
+from server.api_errors import APIError
 from server.limits import AdmissionLimits
 from server.metrics import ServerMetrics
 from server.response_store import ResponseStore

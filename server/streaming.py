@@ -12,7 +12,8 @@ from pydantic import BaseModel
 
 from jvllm.engine.request_stream import RequestStream
 from jvllm.outputs import RequestOutput
-from server.errors import APIError, ClientGone, error_body, to_api_error
+from server.api_errors import APIError, ClientGone
+from server.errors import error_body, to_api_error
 
 logger = logging.getLogger("jvllm.server")
 T = TypeVar("T")

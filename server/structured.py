@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from jvllm.sampling_params import StructuredOutputsParams
-from server.errors import bad_request
+from server.api_errors import bad_request
 from server.protocol import SamplingFields
 from server.state import ServerState
 

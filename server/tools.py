@@ -7,7 +7,7 @@ import uuid
 from typing import Any
 
 from jvllm.sampling_params import StructuredOutputsParams
-from server.errors import bad_request
+from server.api_errors import bad_request
 from server.protocol import ChatCompletionRequest, NamedToolChoice
 from server.tool_parsers import ToolParser
 from server.tool_stream import Layout

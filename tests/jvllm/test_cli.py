@@ -55,6 +55,14 @@ def test_help_lists_generate_and_its_flags():
         assert flag in sub.stdout
 
 
+def test_the_command_line_parser_loads_no_jax_and_no_web_framework():
+    """`jvllm --help` and the flags of every command need neither: each command imports what it runs."""
+    probe = ("import sys; from entrypoints.cli import build_parser; build_parser(); "
+             "print(sorted(m for m in ('jax', 'fastapi', 'transformers', 'flax') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]", loaded.stdout + loaded.stderr
+
+
 def test_the_command_line_silences_transformers_torch_advice(monkeypatch, capsys):
     """jvllm needs no torch: transformers' "PyTorch was not found" advice must not greet a torch-free install."""
     monkeypatch.delenv("TRANSFORMERS_NO_ADVISORY_WARNINGS", raising=False)

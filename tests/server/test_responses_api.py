@@ -156,7 +156,7 @@ def test_a_reasoning_parser_makes_the_reasoning_an_output_item(client, live_serv
 
 def test_an_error_after_the_stream_began_is_its_last_event(client, monkeypatch):
     import server.responses_stream
-    from server.errors import APIError
+    from server.api_errors import APIError
 
     outputs = []
 
