@@ -1,6 +1,8 @@
 """Turns on JAX's persistent compilation cache so a second start skips XLA compilation."""
 from __future__ import annotations
 
+import pathlib
+
 import jax
 
 from jvllm.model_loader.loader import cache_root
@@ -30,3 +32,9 @@ def enable_compilation_cache() -> str:
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
         _enabled = True
     return directory
+
+
+def exported_pieces_root() -> pathlib.Path | None:
+    """Where engines keep their exported step pieces (jvllm.worker.exported_pieces): JVLLM_CACHE_DIR/exported, or
+    None where the persistent cache is not on in this process."""
+    return cache_root() / "exported" if _enabled and not _disabled else None

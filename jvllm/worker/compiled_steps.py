@@ -15,6 +15,7 @@ from jvllm.sample.tensors import (SamplerFlags, build_sampling_tensors, empty_ma
                                   scalars_only)
 from jvllm.worker.compile_watch import compile_watch
 from jvllm.worker.executable_memo import compile_once
+from jvllm.worker.exported_pieces import ExportedPieces
 from jvllm.worker.layer_runs import LayerRun, first_runs
 from jvllm.worker.step_call import StepCall
 from jvllm.worker.step_functions import StepFunctions
@@ -99,9 +100,11 @@ class ShapeExecutables:
 class CompiledSteps:
     """Per step shape, the compiled pieces of `steps` for the runner's weights, pool and input layout."""
 
-    def __init__(self, steps: StepFunctions, runner: StepInputs) -> None:
+    def __init__(self, steps: StepFunctions, runner: StepInputs, exported: ExportedPieces | None = None) -> None:
+        """`exported`: where the pieces' traced modules are kept between starts (None: every piece is traced)."""
         self.steps = steps
         self.runner = runner
+        self.exported = exported
         self.count = 0  # executables compiled so far
         self._by_shape: dict[StepShape, ShapeExecutables] = {}
         self._head_logits: dict[tuple[int, bool], Executable] = {}  # by (rows, batched weights)
@@ -129,8 +132,9 @@ class CompiledSteps:
                 if progress is not None:
                     progress.update(1)
             self.page_copier()
-        logger.info("%d step shapes ready in %.1fs (%d executables)", len(shapes), time.perf_counter() - started,
-                    self.count - before)
+        loaded = "" if self.exported is None else f", {self.exported.loaded} of them from stored modules"
+        logger.info("%d step shapes ready in %.1fs (%d executables%s)", len(shapes), time.perf_counter() - started,
+                    self.count - before, loaded)
 
     def page_copier(self) -> Executable:
         """(pool, sources [C], targets [C]) -> the pool with those pages copied (compiled here on first use if
@@ -198,10 +202,10 @@ class CompiledSteps:
 
         Compiling stays on this thread: a persistent-cache load beside lowering on another thread is not safe
         (docs/design/step_shapes.md). An executable another engine of this process compiled from the same module
-        is reused."""
-        del name
+        is reused. With `exported`, the piece is lowered as a call of its stored module where it has one."""
         self.count += 1
-        return compile_once(fn.lower(*args, **static))
+        lowered = None if self.exported is None else self.exported.lower(name, fn, args, static)
+        return compile_once(fn.lower(*args, **static) if lowered is None else lowered)
 
     def _head(self, shape: StepShape, outer: list[jax.Array], x_last: Any, every_processor: bool) -> CompiledHead:
         """The head for this shape's row count. Its logits also depend on the weights (a batched copy serves

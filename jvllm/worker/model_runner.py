@@ -19,6 +19,7 @@ from jvllm.worker.batch import ChunkRow, HostBatch, build_batch
 from jvllm.worker.compile_watch import compile_watch
 from jvllm.worker.compiled_steps import CompiledSteps
 from jvllm.worker.encoder_runner import EncoderBufferLayout, encoder_runner
+from jvllm.worker.exported_pieces import engine_pieces
 from jvllm.worker.huge_pages import back_with_huge_pages
 from jvllm.worker.input_transfer import InputTransfer
 from jvllm.worker.layer_runs import (LayerRun, layers_per_call, runs_by_kind, runs_kind, short_prefill_tokens,
@@ -87,7 +88,15 @@ class ModelRunner:
         whole_steps = whole_step_runs(platform, self.backend.name)
         self._layer_runs = runs_by_kind(layer_groups, layers_per_call(len(layer_groups) if whole_steps else 1))
         self._short_prefill = short_prefill_tokens(whole_steps)
-        self.compiled = CompiledSteps(steps, self)
+        exported = None
+        if self._on_cpu and self.mesh is None:
+            # what the pieces' traces read besides their arguments (jvllm.worker.exported_pieces)
+            exported = engine_pieces((cfg, self.step_weights.parts, self.backend, activations, self.shapes,
+                                      max_model_len, page_size, self.kv_cache_dtype, self._layer_runs,
+                                      self._short_prefill, self.encoder is not None, bf16_block_products,
+                                      invariant_rows, int8_block_products, self.step_weights.one_row_bf16,
+                                      loaded.folder))
+        self.compiled = CompiledSteps(steps, self, exported)
         # multi-host leaders send each step before running it, and CPU meshes run one executable at a time: both
         # keep their steps on the engine's thread
         self._launcher = StepLauncher(dispatch_thread_asked() and channel is None and not self._one_at_a_time)

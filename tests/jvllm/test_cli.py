@@ -94,29 +94,44 @@ def test_generate_reports_a_bad_model_path_without_a_traceback(capsys):
 
 def test_a_second_generate_loads_every_compiled_piece_from_the_persistent_cache(tiny_model_factory, tmp_path):
     """However quickly a piece compiles, the first start stores it and the next loads it (a compile at every start
-    is what a short minimum compile time for the cache costs)."""
+    is what a short minimum compile time for the cache costs); the next start also lowers every piece from its
+    stored module (jvllm.worker.exported_pieces) instead of tracing it, and completes the prompt the same, as does a
+    start with that store turned off."""
     code = ("import collections, sys\n"
             "import jax\n"
             "events = collections.Counter()\n"
             "jax.monitoring.register_event_listener(lambda event, **_: events.update([event]))\n"
+            "from jvllm.worker.exported_pieces import ExportedPieces\n"
             "from entrypoints.command import run\n"
+            "pieces = []\n"
+            "ExportedPieces.__init__ = (lambda init: lambda self, *a: (init(self, *a), pieces.append(self))[0])("
+            "ExportedPieces.__init__)\n"
             f"sys.argv = ['jvllm', 'generate', 'Hi', '--model', {str(tiny_model_factory('llama'))!r}, "
-            "'--max-tokens', '2', '--kv-cache-memory-bytes', '16M', '--max-model-len', '256', '--dtype', 'float32']\n"
+            "'--max-tokens', '8', '--kv-cache-memory-bytes', '16M', '--max-model-len', '256', '--dtype', 'float32']\n"
             "code = run()\n"
             "print('requests', events['/jax/compilation_cache/compile_requests_use_cache'], "
-            "'hits', events['/jax/compilation_cache/cache_hits'])\n"
+            "'hits', events['/jax/compilation_cache/cache_hits'], "
+            "'stored', sum(p.stored for p in pieces), 'loaded', sum(p.loaded for p in pieces), "
+            "'plain', sum(p.plain for p in pieces))\n"
             "sys.exit(code)\n")
     from cpu_kernels import build
 
     build.load()  # the session's native kernels, so that the runs below build nothing but XLA's pieces
     shutil.copytree(build.cache_dir(), tmp_path / "cpu_kernels")
     env = {**os.environ, "JVLLM_CACHE_DIR": str(tmp_path)}
-    counts = []
-    for _ in range(2):
-        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    counts, texts = [], []
+    for switch in ("1", "1", "0"):
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**env, "JVLLM_EXPORTED_PIECES": switch}, timeout=300)
         assert run.returncode == 0, run.stderr[-2000:]
-        requests, hits = (int(word) for word in run.stdout.split("requests ")[-1].split()[0::2])
-        counts.append((requests, hits))
-    (first_requests, first_hits), (second_requests, second_hits) = counts
+        text, counters = run.stdout.rsplit("requests ", 1)
+        counts.append(tuple(int(word) for word in counters.split()[0::2]))
+        texts.append(text)
+    (first_requests, first_hits, *first_pieces), (second_requests, second_hits, *second_pieces), off = counts
     assert first_requests > 0 and first_hits == 0  # a fresh cache: everything compiled, and stored
     assert second_requests == first_requests and second_hits == second_requests
+    stored, loaded, plain = first_pieces
+    assert stored > 0 and loaded == 0 and plain == 0  # every piece exported, and kept
+    assert second_pieces == [0, stored, 0]  # every piece lowered from its stored module
+    assert off[2:] == (0, 0, 0)  # turned off: every piece traced
+    assert texts[0].strip() and texts[1] == texts[0] and texts[2] == texts[0]
