@@ -162,13 +162,14 @@ def _piece_digest(name: str, leaves: list, tree: Any, static: dict[str, Any]) ->
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
 
 
-_process_text: str | None = None
+_installed_text: str | None = None
 
 
 def _process_digest() -> str:
-    """What every engine of this process shares: the project's source, versions, settings, environment, CPU."""
-    global _process_text
-    if _process_text is None:
+    """What every engine of this process shares: the project's source, versions and CPU (read once), and JAX's
+    settings, the environment's variables and the devices (read at each engine's start: a program may change them)."""
+    global _installed_text
+    if _installed_text is None:
         root = pathlib.Path(__file__).resolve().parents[2]
         source = hashlib.sha256()
         for package in _SOURCE_PACKAGES:
@@ -181,12 +182,12 @@ def _process_digest() -> str:
                 versions.append(f"{package}={importlib.metadata.version(package)}")
             except importlib.metadata.PackageNotFoundError:
                 versions.append(f"{package}=none")
-        environment = sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES))
-        devices = [(d.platform, d.device_kind) for d in jax.devices()]
-        _process_text = "\n".join([source.hexdigest(), sys.version, platform.machine(), " ".join(versions),
-                                   repr(environment), repr(sorted(jax.config.values.items())), repr(devices),
-                                   _cpu_flags()])
-    return hashlib.sha256(_process_text.encode()).hexdigest()
+        _installed_text = "\n".join([source.hexdigest(), sys.version, platform.machine(), " ".join(versions),
+                                      _cpu_flags()])
+    environment = sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES))
+    devices = [(d.platform, d.device_kind) for d in jax.devices()]
+    text = "\n".join([_installed_text, repr(environment), repr(sorted(jax.config.values.items())), repr(devices)])
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _cpu_flags() -> str:

@@ -62,6 +62,15 @@ def test_other_arguments_or_static_values_or_engines_get_pieces_of_their_own(tmp
     assert other.stored == 1 and other.folder != store.folder
 
 
+def test_a_setting_of_the_environment_or_of_jax_gets_an_engine_folder_of_its_own(tmp_path, monkeypatch):
+    plain = exported_pieces(tmp_path, "engine A").folder
+    monkeypatch.setenv("JVLLM_LAYERS_PER_CALL", "3")
+    with_variable = exported_pieces(tmp_path, "engine A").folder
+    with jax.default_matmul_precision("highest"):
+        with_precision = exported_pieces(tmp_path, "engine A").folder
+    assert len({plain, with_variable, with_precision}) == 3
+
+
 def test_a_damaged_file_is_exported_again(tmp_path):
     exported_pieces(tmp_path, "engine A").lower("piece", PIECE, _inputs(), {"groups": (0,)})
     (stored,) = (tmp_path / next(p.name for p in tmp_path.iterdir())).iterdir()
