@@ -71,6 +71,9 @@ def interleave_rows(raw: np.ndarray, fmt: str, rows: int = INTERLEAVED_ROWS) -> 
     """Q8_0 / Q4_0 / Q4_1 blocks [N, row bytes] (N a multiple of `rows`, 8 or 16) -> the same weights in format
     `fmt + f"x{rows}"` (INTERLEAVED)."""
     header, codes, unit, rows, groups, blocks = _interleaved_parts(f"{fmt}x{rows}", raw.shape)
+    if unit == 2:  # every half and code unit is one 16-bit word: each block of a group is a [rows, words] transpose
+        words = np.ascontiguousarray(raw).view(np.uint16).reshape(groups, rows, blocks, (header + codes) // 2)
+        return np.ascontiguousarray(words.transpose(0, 2, 3, 1)).view(np.uint8).reshape(raw.shape)
     by_block = raw.reshape(groups, rows, blocks, header + codes).transpose(0, 2, 1, 3)  # [G, B, rows, bytes]
     halves = by_block[..., :header].reshape(groups, blocks, rows, header // 2, 2).transpose(0, 1, 3, 2, 4)
     units = by_block[..., header:].reshape(groups, blocks, rows, codes // unit, unit)
