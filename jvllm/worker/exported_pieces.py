@@ -24,7 +24,9 @@ from typing import Any, Callable
 import jax
 from jax import export
 
+from cpu_kernels.build import TARGETS, _cpu_flags
 from jvllm.sample.logprobs import LogprobStats
+from jvllm.worker.compile_cache import exported_pieces_root
 
 logger = logging.getLogger("jvllm")
 
@@ -105,13 +107,9 @@ def engine_pieces(description: tuple) -> ExportedPieces | None:
     """The exported pieces of an engine on a CPU without a mesh (the only place this path is checked so far), whose
     trace reads `description` (model config, structure, attention backend, settings, layer runs) besides its
     arguments; None while this process keeps off the persistent caches."""
-    from jvllm.worker.compile_cache import exported_pieces_root
-
     root = exported_pieces_root()
     if root is None:
         return None
-    from cpu_kernels.build import TARGETS
-
     text = re.sub(r" at 0x[0-9a-f]+", "", repr(description))  # functions by name: the source digest holds their code
     return exported_pieces(root, text, tuple(TARGETS))
 
@@ -188,14 +186,6 @@ def _process_digest() -> str:
     devices = [(d.platform, d.device_kind) for d in jax.devices()]
     text = "\n".join([_installed_text, repr(environment), repr(sorted(jax.config.values.items())), repr(devices)])
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
 
 
 def _forget_old_engines(root: pathlib.Path, keep: pathlib.Path) -> None:
