@@ -132,7 +132,8 @@ class CompiledSteps:
                 if progress is not None:
                     progress.update(1)
             self.page_copier()
-        loaded = "" if self.exported is None else f", {self.exported.loaded} of them from stored modules"
+        loaded = "" if self.exported is None else (f", {self.exported.loaded} of them from stored modules, "
+                                                    f"{self.exported.reused} from an earlier engine of this process")
         logger.info("%d step shapes ready in %.1fs (%d executables%s)", len(shapes), time.perf_counter() - started,
                     self.count - before, loaded)
 
@@ -202,10 +203,11 @@ class CompiledSteps:
 
         Compiling stays on this thread: a persistent-cache load beside lowering on another thread is not safe
         (docs/design/step_shapes.md). An executable another engine of this process compiled from the same module
-        is reused. With `exported`, the piece is lowered as a call of its stored module where it has one."""
+        is reused. With `exported`, the piece is lowered as a call of its stored module where it has one, or taken
+        from an earlier engine of this process that compiled the same stored module without lowering again."""
         self.count += 1
-        lowered = None if self.exported is None else self.exported.lower(name, fn, args, static)
-        return compile_once(fn.lower(*args, **static) if lowered is None else lowered)
+        compiled = None if self.exported is None else self.exported.compile(name, fn, args, static)
+        return compile_once(fn.lower(*args, **static)) if compiled is None else compiled
 
     def _head(self, shape: StepShape, outer: list[jax.Array], x_last: Any, every_processor: bool) -> CompiledHead:
         """The head for this shape's row count. Its logits also depend on the weights (a batched copy serves

@@ -34,23 +34,36 @@ def compile_once(lowered: jax.stages.Lowered) -> Any:
     """`lowered.compile()`, or the executable an earlier call compiled from the same module for the same
     devices. Lowering already ran, so the key is exact: the module text (weights are arguments, never
     constants) plus the devices each input and output lives on and the arguments' shapes and pytree."""
-    global hits
     key = _key(lowered)
     if key is None:
         return lowered.compile()
+    found = remembered(key)
+    if found is not None:
+        return found
+    _keep_maps_in_bounds()
+    compiled = lowered.compile()
+    remember(key, compiled)
+    return compiled
+
+
+def remembered(key: tuple) -> Any | None:
+    """The executable kept under `key` (compile_once's keys, or a caller's own that names exactly what was
+    compiled), or None."""
+    global hits
     with _lock:
         found = _memo.get(key)
         if found is not None:
             _memo.move_to_end(key)
             hits += 1
-            return found
-    _keep_maps_in_bounds()
-    compiled = lowered.compile()
+        return found
+
+
+def remember(key: tuple, compiled: Any) -> None:
+    """Keep `compiled` under `key`, within the memo's capacity (the least recently used go first)."""
     with _lock:
         _memo[key] = compiled
-        while len(_memo) > capacity():
+        while len({id(kept) for kept in _memo.values()}) > capacity():  # an executable may be kept under two keys
             _memo.popitem(last=False)
-    return compiled
 
 
 def clear() -> None:

@@ -26,6 +26,7 @@ from jax import export
 
 from cpu_kernels.build import TARGETS, _cpu_flags
 from jvllm.sample.logprobs import LogprobStats
+from jvllm.worker import executable_memo
 from jvllm.worker.compile_cache import exported_pieces_root
 
 logger = logging.getLogger("jvllm")
@@ -43,28 +44,67 @@ export.register_pytree_node_serialization(LogprobStats, serialized_name="jvllm.L
 
 
 class ExportedPieces:
-    """One engine's folder of exported pieces. `loaded` / `stored`: pieces read from it / written to it; `plain`:
-    pieces lowered without it."""
+    """One engine's folder of exported pieces. `loaded` / `stored`: pieces read from it / written to it; `reused`:
+    executables an earlier engine of this process compiled from the same stored modules; `plain`: pieces lowered
+    without it."""
 
     def __init__(self, folder: pathlib.Path, custom_calls: tuple[str, ...] = ()) -> None:
         self.folder = folder
         self.custom_calls = custom_calls  # custom-call targets the pieces may hold (this process registers them)
         self.loaded = 0
         self.stored = 0
+        self.reused = 0
         self.plain = 0
+
+    def compile(self, name: str, fn: Any, args: tuple, static: dict[str, Any]) -> Any | None:
+        """`fn.lower(*args, **static).compile()`'s equal: the executable an earlier engine of this process compiled
+        from the same stored module on the same devices (the folder and file name hold everything the trace read),
+        else the lowered call of the module compiled; None where this piece cannot take the path."""
+        prepared = self._prepare(name, fn, args, static)
+        if prepared is None:
+            return None
+        path, donated = prepared
+        try:
+            key = ("exported piece", str(path), _devices(args))
+        except AttributeError:  # a placement without devices: no reuse, the module is lowered as without the memo
+            key = None
+        found = None if key is None else executable_memo.remembered(key)
+        if found is not None:
+            self.reused += 1
+            return found
+        lowered = self._lowered(name, path, donated, fn, args, static)
+        if lowered is None:
+            return None
+        compiled = executable_memo.compile_once(lowered)
+        if key is not None:
+            executable_memo.remember(key, compiled)
+        return compiled
 
     def lower(self, name: str, fn: Any, args: tuple, static: dict[str, Any]) -> jax.stages.Lowered | None:
         """`fn.lower(*args, **static)`'s equal, lowered as a call of the stored module (exported and stored first if
         missing); None where this piece cannot take the path (the caller lowers it plainly)."""
+        prepared = self._prepare(name, fn, args, static)
+        return None if prepared is None else self._lowered(name, *prepared, fn, args, static)
+
+    def _prepare(self, name: str, fn: Any, args: tuple, static: dict[str, Any]
+                 ) -> tuple[pathlib.Path, tuple[int, ...]] | None:
+        """(the piece's file, the argument positions fn donates), or None (counted plain) where it cannot be kept."""
         donated = _donated_positions(fn)
-        if donated is None:
-            self.plain += 1
-            return None
         try:
-            leaves, tree = jax.tree.flatten(args)
-            path = self.folder / f"{_piece_digest(name, leaves, tree, static)}.jaxexp"
+            if donated is not None:
+                leaves, tree = jax.tree.flatten(args)
+                return self.folder / f"{_piece_digest(name, leaves, tree, static)}.jaxexp", donated
+        except Exception as error:  # noqa: BLE001 - any failure here only costs this piece the plain path's time
+            logger.debug("piece %s without its exported module: %s", name, error)
+        self.plain += 1
+        return None
+
+    def _lowered(self, name: str, path: pathlib.Path, donated: tuple[int, ...], fn: Any, args: tuple,
+                 static: dict[str, Any]) -> jax.stages.Lowered | None:
+        try:
             exported = self._read(path)
             if exported is None:
+                leaves, tree = jax.tree.flatten(args)
                 exported = self._export(fn, leaves, tree, static)
                 self._write(path, exported)
             return jax.jit(_calling(exported), donate_argnums=donated).lower(*args)
@@ -137,6 +177,12 @@ def _calling(exported: export.Exported) -> Callable[..., Any]:
         return exported.call(*jax.tree.leaves(args))
 
     return call
+
+
+def _devices(args: tuple) -> tuple[tuple[int, ...], ...]:
+    """The device ids of each argument that has a placement (the abstract ones given without one have none)."""
+    placed = (getattr(leaf, "sharding", None) for leaf in jax.tree.leaves(args))
+    return tuple(tuple(sorted(d.id for d in s.device_set)) for s in placed if s is not None)
 
 
 def _donated_positions(fn: Any) -> tuple[int, ...] | None:

@@ -60,6 +60,20 @@ def test_a_second_engine_of_the_same_model_compiles_nothing_and_generates_the_sa
     assert [o.outputs[0].token_ids for o in second.generate(prompts, params)] == want
 
 
+def test_an_executable_kept_under_two_keys_counts_once_against_the_capacity(monkeypatch):
+    executable_memo.clear()
+    monkeypatch.setattr(executable_memo, "capacity", lambda: 2)
+    a, b, c = (executable_memo.compile_once(jax.jit(lambda x, k=k: x * k).lower(jnp.arange(3.0))) for k in (5, 6, 7))
+    executable_memo.clear()
+    executable_memo.remember(("text", 1), a)
+    executable_memo.remember(("piece", 1), a)  # the same executable found by its stored module
+    executable_memo.remember(("text", 2), b)
+    assert [executable_memo.remembered(k) for k in (("text", 1), ("piece", 1), ("text", 2))] == [a, a, b]
+    executable_memo.remember(("text", 3), c)  # a third executable: the least recently used one's keys go
+    assert executable_memo.remembered(("text", 1)) is None and executable_memo.remembered(("piece", 1)) is None
+    assert executable_memo.remembered(("text", 2)) is b and executable_memo.remembered(("text", 3)) is c
+
+
 def test_near_the_map_limit_the_memo_lets_go_and_warns(monkeypatch, caplog):
     executable_memo.compile_once(jax.jit(lambda x: x - 1).lower(jnp.arange(3.0)))
     assert len(executable_memo._memo) > 0

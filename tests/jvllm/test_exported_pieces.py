@@ -10,7 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jvllm import Engine, SamplingParams
 from jvllm.sample.logprobs import LogprobStats
+from jvllm.worker import executable_memo
 from jvllm.worker import exported_pieces as pieces_module
 from jvllm.worker.exported_pieces import exported_pieces
 
@@ -62,6 +64,26 @@ def test_other_arguments_or_static_values_or_engines_get_pieces_of_their_own(tmp
     assert other.stored == 1 and other.folder != store.folder
 
 
+def test_a_later_engine_of_the_process_takes_the_executable_compiled_from_the_same_stored_module(tmp_path):
+    executable_memo.clear()
+    first = exported_pieces(tmp_path, "engine A")
+    compiled = first.compile("piece", PIECE, _inputs(), {"groups": (0, 1)})
+    assert (first.stored, first.reused) == (1, 0)
+    again = exported_pieces(tmp_path, "engine A")
+    assert again.compile("piece", PIECE, _inputs(), {"groups": (0, 1)}) is compiled
+    assert (again.stored, again.loaded, again.reused) == (0, 0, 1)  # neither read nor lowered
+    want = PIECE.lower(*_inputs(), groups=(0, 1)).compile()
+    np.testing.assert_array_equal(_run(compiled)[1]["y"], _run(want)[1]["y"])
+    other = exported_pieces(tmp_path, "engine B")  # another engine's description: exported and lowered for it
+    other.compile("piece", PIECE, _inputs(), {"groups": (0, 1)})
+    assert (other.stored, other.reused) == (1, 0)
+    assert again.compile("piece", PIECE, _inputs(), {"groups": (0,)}) is not compiled  # other static arguments
+    executable_memo.clear()  # the memo let go (memory maps): the stored module is read and lowered again
+    later = exported_pieces(tmp_path, "engine A")
+    assert later.compile("piece", PIECE, _inputs(), {"groups": (0, 1)}) is not compiled
+    assert (later.loaded, later.reused) == (1, 0)
+
+
 def test_a_setting_of_the_environment_or_of_jax_gets_an_engine_folder_of_its_own(tmp_path, monkeypatch):
     plain = exported_pieces(tmp_path, "engine A").folder
     monkeypatch.setenv("JVLLM_LAYERS_PER_CALL", "3")
@@ -103,3 +125,23 @@ def test_the_least_recently_used_engines_are_forgotten(tmp_path, monkeypatch):
 def test_the_switch_turns_the_store_off(tmp_path, monkeypatch, value):
     monkeypatch.setenv(pieces_module.SWITCH, value)
     assert exported_pieces(tmp_path, "engine A") is None
+
+
+def test_a_second_engine_of_the_same_model_takes_every_piece_without_lowering(tiny_model_factory, tmp_path,
+                                                                              monkeypatch):
+    monkeypatch.setattr(pieces_module, "exported_pieces_root", lambda: tmp_path)  # on, as outside the tests
+    monkeypatch.setattr(executable_memo, "_keep_maps_in_bounds", lambda: None)  # no reclaim of the memo here
+    folder = str(tiny_model_factory("llama"))
+    settings = dict(max_num_seqs=4, max_model_len=128, kv_cache_memory_bytes=1 << 20)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    prompts = ["the river ran", "a door opened under the"]
+    first = Engine(folder, **settings)
+    want = [o.outputs[0].token_ids for o in first.generate(prompts, params)]
+    assert first.runner.compiled.exported.stored > 0
+    second = Engine(folder, **settings)
+    pieces = second.runner.compiled.exported
+    assert pieces.folder == first.runner.compiled.exported.folder
+    assert (pieces.reused, pieces.loaded, pieces.stored, pieces.plain) == (second.runner.compiled.count, 0, 0, 0)
+    assert [o.outputs[0].token_ids for o in second.generate(prompts, params)] == want
+    third = Engine(folder, **settings, max_num_batched_tokens=64, precompile=False)  # other shapes: its own pieces
+    assert third.runner.compiled.exported.folder != pieces.folder
