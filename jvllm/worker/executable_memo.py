@@ -8,6 +8,7 @@ import gc
 import hashlib
 import logging
 import threading
+import time
 from typing import Any
 
 import jax
@@ -25,8 +26,19 @@ WARN_AT = 0.7
 
 _memo: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
 _lock = threading.Lock()
+# Counting the maps reads /proc/self/maps, which the kernel writes out line by line: ~3 ms at 4,000 maps, more in a
+# process holding tens of thousands. Between counts each compile is assumed to add up to MAPS_PER_COMPILE_BOUND (a
+# generous bound on what an executable maps), so a count is taken only once that could cross the reclaim line, and
+# at least every RECOUNT_EVERY compiles (maps also come from elsewhere).
+MAPS_PER_COMPILE_BOUND = 500
+RECOUNT_EVERY = 32
+
 _warned = False
 _next_reclaim = 0  # maps in use past which the next reclaim runs (0: at RECLAIM_AT of the limit)
+_counted: int | None = None  # the last count of the maps in use (None: none yet)
+MAP_LIMIT_TTL_S = 10.0
+_map_limit: tuple[float, int] | None = None  # (when read, vm.max_map_count)
+_compiles_since_count = 0
 hits = 0  # executables taken from the memo in this process
 
 
@@ -73,11 +85,17 @@ def clear() -> None:
 
 
 def max_map_count() -> int:
-    try:
-        with open("/proc/sys/vm/max_map_count") as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return DEFAULT_MAX_MAP_COUNT
+    """vm.max_map_count, read again at most every MAP_LIMIT_TTL_S seconds (a limit raised while a server runs
+    counts)."""
+    global _map_limit
+    now = time.monotonic()
+    if _map_limit is None or now - _map_limit[0] > MAP_LIMIT_TTL_S:
+        try:
+            with open("/proc/sys/vm/max_map_count") as f:
+                _map_limit = (now, int(f.read()))
+        except (OSError, ValueError):
+            _map_limit = (now, DEFAULT_MAX_MAP_COUNT)
+    return _map_limit[1]
 
 
 def maps_in_use() -> int | None:
@@ -97,13 +115,20 @@ def capacity() -> int:
 def _keep_maps_in_bounds() -> None:
     """Before a compile: past RECLAIM_AT of the map limit, drop the memo and collect garbage (engines no longer
     referenced but caught in reference cycles free their executables); past WARN_AT after that, say so once."""
-    global _warned, _next_reclaim
-    used, limit = maps_in_use(), max_map_count()
-    if used is None or used < max(RECLAIM_AT * limit, _next_reclaim):
+    global _warned, _next_reclaim, _counted, _compiles_since_count
+    limit = max_map_count()
+    line = max(RECLAIM_AT * limit, _next_reclaim)
+    if (_counted is not None and _compiles_since_count < RECOUNT_EVERY
+            and _counted + MAPS_PER_COMPILE_BOUND * (_compiles_since_count + 1) < line):
+        _compiles_since_count += 1
+        return
+    used = _counted = maps_in_use()
+    _compiles_since_count = 0
+    if used is None or used < line:
         return
     clear()
     gc.collect()
-    used = maps_in_use() or 0
+    used = _counted = maps_in_use() or 0
     _next_reclaim = used + 0.1 * limit  # live engines alone may hold this many: no reclaim per compile
     if used >= WARN_AT * limit and not _warned:
         _warned = True

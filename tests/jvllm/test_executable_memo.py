@@ -88,3 +88,32 @@ def test_near_the_map_limit_the_memo_lets_go_and_warns(monkeypatch, caplog):
     np.testing.assert_array_equal(compiled(jnp.arange(3.0)), np.arange(3.0) - 2)
     assert len(executable_memo._memo) == 1  # emptied before this compile, then holding it alone
     assert "vm.max_map_count" in caplog.text
+
+
+def test_the_maps_are_counted_only_where_the_compiles_since_could_reach_the_reclaim_line(monkeypatch):
+    counts, held = [], {"maps": 1000}
+
+    def counting() -> int:
+        counts.append(held["maps"])
+        return held["maps"]
+
+    monkeypatch.setattr(executable_memo, "maps_in_use", counting)
+    monkeypatch.setattr(executable_memo, "max_map_count", lambda: 65530)  # the reclaim line at 32,765 maps
+    monkeypatch.setattr(executable_memo, "_next_reclaim", 0)
+    monkeypatch.setattr(executable_memo, "_counted", None)
+    monkeypatch.setattr(executable_memo, "_compiles_since_count", 0)
+    for _ in range(1 + executable_memo.RECOUNT_EVERY):
+        executable_memo._keep_maps_in_bounds()
+    assert counts == [1000]  # the first compile counts; the next ones cannot have reached the line
+    executable_memo._keep_maps_in_bounds()
+    assert counts == [1000, 1000]  # counted again after RECOUNT_EVERY compiles (maps also come from elsewhere)
+    held["maps"] = 31_000
+    monkeypatch.setattr(executable_memo, "_counted", None)
+    executable_memo._keep_maps_in_bounds()
+    bound = executable_memo.MAPS_PER_COMPILE_BOUND
+    skipped = (32_765 - 31_000) // bound  # compiles after which the line is still out of reach
+    for _ in range(skipped):
+        executable_memo._keep_maps_in_bounds()
+    assert len(counts) == 3
+    executable_memo._keep_maps_in_bounds()
+    assert len(counts) == 4
