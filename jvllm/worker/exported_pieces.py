@@ -75,7 +75,8 @@ class ExportedPieces:
         lowered = self._lowered(name, path, donated, fn, args, static)
         if lowered is None:
             return None
-        compiled = executable_memo.compile_once(lowered)
+        lowered, module = lowered
+        compiled = executable_memo.compile_once(lowered, module)
         if key is not None:
             executable_memo.remember(key, compiled)
         return compiled
@@ -84,7 +85,8 @@ class ExportedPieces:
         """`fn.lower(*args, **static)`'s equal, lowered as a call of the stored module (exported and stored first if
         missing); None where this piece cannot take the path (the caller lowers it plainly)."""
         prepared = self._prepare(name, fn, args, static)
-        return None if prepared is None else self._lowered(name, *prepared, fn, args, static)
+        lowered = None if prepared is None else self._lowered(name, *prepared, fn, args, static)
+        return None if lowered is None else lowered[0]
 
     def _prepare(self, name: str, fn: Any, args: tuple, static: dict[str, Any]
                  ) -> tuple[pathlib.Path, tuple[int, ...]] | None:
@@ -100,20 +102,24 @@ class ExportedPieces:
         return None
 
     def _lowered(self, name: str, path: pathlib.Path, donated: tuple[int, ...], fn: Any, args: tuple,
-                 static: dict[str, Any]) -> jax.stages.Lowered | None:
+                 static: dict[str, Any]) -> tuple[jax.stages.Lowered, str] | None:
+        """(the call of the stored module lowered for args, a digest of the stored module with the donations)."""
         try:
-            exported = self._read(path)
-            if exported is None:
+            read = self._read(path)
+            if read is None:
                 leaves, tree = jax.tree.flatten(args)
                 exported = self._export(fn, leaves, tree, static)
-                self._write(path, exported)
-            return jax.jit(_calling(exported), donate_argnums=donated).lower(*args)
+                data = self._write(path, exported)
+            else:
+                exported, data = read
+            module = f"{hashlib.sha256(data).hexdigest()} donated {donated}"
+            return jax.jit(_calling(exported), donate_argnums=donated).lower(*args), module
         except Exception as error:  # noqa: BLE001 - any failure here only costs this piece the plain path's time
             logger.debug("piece %s lowered without its exported module: %s", name, error)
             self.plain += 1
             return None
 
-    def _read(self, path: pathlib.Path) -> export.Exported | None:
+    def _read(self, path: pathlib.Path) -> tuple[export.Exported, bytes] | None:
         try:
             data = path.read_bytes()
         except OSError:
@@ -124,7 +130,7 @@ class ExportedPieces:
             path.unlink(missing_ok=True)
             return None
         self.loaded += 1
-        return exported
+        return exported, data
 
     def _export(self, fn: Any, leaves: list, tree: Any, static: dict[str, Any]) -> export.Exported:
         def flat(*flat_args: Any) -> Any:
@@ -133,14 +139,15 @@ class ExportedPieces:
         checks = [export.DisabledSafetyCheck.custom_call(target) for target in self.custom_calls]
         return export.export(jax.jit(flat), disabled_checks=checks)(*leaves)
 
-    def _write(self, path: pathlib.Path, exported: export.Exported) -> None:
-        """Atomically: a start beside this one reads a whole file or none."""
+    def _write(self, path: pathlib.Path, exported: export.Exported) -> bytes:
+        """Atomically: a start beside this one reads a whole file or none. Returns what was written."""
         data = exported.serialize()
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
         partial.write_bytes(data)
         os.replace(partial, path)
         self.stored += 1
+        return bytes(data)
 
 
 def engine_pieces(description: tuple) -> ExportedPieces | None:

@@ -31,6 +31,15 @@ def test_equal_modules_share_an_executable_only_with_equal_argument_structure():
     assert executable_memo.compile_once(jax.jit(lambda t: t.value * 3).lower(Tagged(x, True))) is not first
 
 
+def test_a_module_named_by_the_caller_is_found_by_its_name_not_by_its_text():
+    x = jnp.arange(4.0)
+    named = executable_memo.compile_once(jax.jit(lambda v: v * 4).lower(x), module="stored module A")
+    assert executable_memo.compile_once(jax.jit(lambda v: v * 4).lower(x), module="stored module A") is named
+    assert executable_memo.compile_once(jax.jit(lambda v: v * 4).lower(x), module="stored module B") is not named
+    assert executable_memo.compile_once(jax.jit(lambda v: v * 4).lower(x)) is not named  # by its text: its own key
+    np.testing.assert_array_equal(named(x), 4 * np.arange(4.0))
+
+
 def test_an_unread_argument_of_another_shape_gets_its_own_executable():
     """jit prunes arguments a computation never reads from the module; the executable still checks them."""
     def first_only(a, unread):
