@@ -32,13 +32,13 @@ _lock = threading.Lock()
 # at least every RECOUNT_EVERY compiles (maps also come from elsewhere).
 MAPS_PER_COMPILE_BOUND = 500
 RECOUNT_EVERY = 32
+MAP_LIMIT_TTL_S = 10.0  # vm.max_map_count is read again after this many seconds
 
 _warned = False
 _next_reclaim = 0  # maps in use past which the next reclaim runs (0: at RECLAIM_AT of the limit)
 _counted: int | None = None  # the last count of the maps in use (None: none yet)
-MAP_LIMIT_TTL_S = 10.0
-_map_limit: tuple[float, int] | None = None  # (when read, vm.max_map_count)
 _compiles_since_count = 0
+_map_limit: tuple[float, int] | None = None  # (when read, vm.max_map_count)
 hits = 0  # executables taken from the memo in this process
 
 
@@ -141,9 +141,9 @@ def _keep_maps_in_bounds() -> None:
 
 
 def _key(lowered: jax.stages.Lowered, module: str | None = None) -> tuple | None:
-    """(module digest or the caller's name of it, device ids of every input and output, argument shapes, input and output pytrees), or None
-    where the devices cannot be read. The pytrees count: equal modules can take differently structured (static)
-    arguments."""
+    """(module digest or the caller's name of it, device ids of every input and output, argument shapes, input and
+    output pytrees), or None where the devices cannot be read. The pytrees count: equal modules can take differently
+    structured (static) arguments."""
     try:
         args = lowered._lowering.compile_args
         shardings = list(args["in_shardings"]) + list(args["out_shardings"])
