@@ -7,9 +7,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jvllm import Engine, SamplingParams
-from jvllm.worker import executable_memo
+from jvllm.worker import executable_memo, exported_pieces
 
 
 @jax.tree_util.register_dataclass
@@ -52,9 +53,13 @@ def test_an_unread_argument_of_another_shape_gets_its_own_executable():
     np.testing.assert_array_equal(wide(x, jnp.zeros((1, 32), jnp.int32)), np.arange(3.0) + 1)
 
 
-def test_a_second_engine_of_the_same_model_compiles_nothing_and_generates_the_same(tiny_model_factory, monkeypatch):
+@pytest.mark.parametrize("exported", [False, True], ids=["traced", "exported_pieces"])
+def test_a_second_engine_of_the_same_model_compiles_nothing_and_generates_the_same(tiny_model_factory, tmp_path,
+                                                                                   monkeypatch, exported):
     # a process near its memory-map limit empties the memo before compiling (tested below); not here
     monkeypatch.setattr(executable_memo, "_keep_maps_in_bounds", lambda: None)
+    if exported:  # on, as outside the tests: the second engine takes each piece by its stored module, unlowered
+        monkeypatch.setattr(exported_pieces, "exported_pieces_root", lambda: tmp_path)
     folder = str(tiny_model_factory("llama"))
     settings = dict(max_num_seqs=4, max_model_len=128, kv_cache_memory_bytes=1 << 20)
     params = SamplingParams(max_tokens=12, temperature=0.0)
@@ -66,6 +71,14 @@ def test_a_second_engine_of_the_same_model_compiles_nothing_and_generates_the_sa
     assert executable_memo.hits - hits >= second.runner.compiled.count
     # the sampler's jitted function is shared, so its tracing and lowering were not done again either
     assert second.runner.compiled.steps.pick is first.runner.compiled.steps.pick
+    pieces = second.runner.compiled.exported
+    if exported:
+        assert first.runner.compiled.exported.stored > 0 and pieces.folder == first.runner.compiled.exported.folder
+        assert (pieces.reused, pieces.loaded, pieces.stored, pieces.plain) == (second.runner.compiled.count, 0, 0, 0)
+        third = Engine(folder, **settings, max_num_batched_tokens=64, precompile=False)  # other shapes: own pieces
+        assert third.runner.compiled.exported.folder != pieces.folder
+    else:
+        assert pieces is None
     assert [o.outputs[0].token_ids for o in second.generate(prompts, params)] == want
 
 

@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jvllm import Engine, SamplingParams
 from jvllm.sample.logprobs import LogprobStats
 from jvllm.worker import executable_memo
 from jvllm.worker import exported_pieces as pieces_module
@@ -126,22 +125,3 @@ def test_the_switch_turns_the_store_off(tmp_path, monkeypatch, value):
     monkeypatch.setenv(pieces_module.SWITCH, value)
     assert exported_pieces(tmp_path, "engine A") is None
 
-
-def test_a_second_engine_of_the_same_model_takes_every_piece_without_lowering(tiny_model_factory, tmp_path,
-                                                                              monkeypatch):
-    monkeypatch.setattr(pieces_module, "exported_pieces_root", lambda: tmp_path)  # on, as outside the tests
-    monkeypatch.setattr(executable_memo, "_keep_maps_in_bounds", lambda: None)  # no reclaim of the memo here
-    folder = str(tiny_model_factory("llama"))
-    settings = dict(max_num_seqs=4, max_model_len=128, kv_cache_memory_bytes=1 << 20)
-    params = SamplingParams(max_tokens=12, temperature=0.0)
-    prompts = ["the river ran", "a door opened under the"]
-    first = Engine(folder, **settings)
-    want = [o.outputs[0].token_ids for o in first.generate(prompts, params)]
-    assert first.runner.compiled.exported.stored > 0
-    second = Engine(folder, **settings)
-    pieces = second.runner.compiled.exported
-    assert pieces.folder == first.runner.compiled.exported.folder
-    assert (pieces.reused, pieces.loaded, pieces.stored, pieces.plain) == (second.runner.compiled.count, 0, 0, 0)
-    assert [o.outputs[0].token_ids for o in second.generate(prompts, params)] == want
-    third = Engine(folder, **settings, max_num_batched_tokens=64, precompile=False)  # other shapes: its own pieces
-    assert third.runner.compiled.exported.folder != pieces.folder
