@@ -63,39 +63,36 @@ class ExportedPieces:
         prepared = self._prepare(name, fn, args, static)
         if prepared is None:
             return None
-        path, donated = prepared
-        try:
-            key = ("exported piece", str(path), _devices(args))
-        except AttributeError:  # a placement without devices: no reuse, the module is lowered as without the memo
-            key = None
-        found = None if key is None else executable_memo.remembered(key)
+        path, donated, devices = prepared
+        key = ("exported piece", str(path), devices)
+        found = executable_memo.remembered(key)
         if found is not None:
             self.reused += 1
             return found
         lowered = self._lowered(name, path, donated, fn, args, static)
         if lowered is None:
             return None
-        lowered, module = lowered
-        compiled = executable_memo.compile_once(lowered, module)
-        if key is not None:
-            executable_memo.remember(key, compiled)
+        compiled = executable_memo.compile_once(*lowered)
+        executable_memo.remember(key, compiled)
         return compiled
 
     def lower(self, name: str, fn: Any, args: tuple, static: dict[str, Any]) -> jax.stages.Lowered | None:
         """`fn.lower(*args, **static)`'s equal, lowered as a call of the stored module (exported and stored first if
         missing); None where this piece cannot take the path (the caller lowers it plainly)."""
         prepared = self._prepare(name, fn, args, static)
-        lowered = None if prepared is None else self._lowered(name, *prepared, fn, args, static)
+        lowered = None if prepared is None else self._lowered(name, *prepared[:2], fn, args, static)
         return None if lowered is None else lowered[0]
 
     def _prepare(self, name: str, fn: Any, args: tuple, static: dict[str, Any]
-                 ) -> tuple[pathlib.Path, tuple[int, ...]] | None:
-        """(the piece's file, the argument positions fn donates), or None (counted plain) where it cannot be kept."""
+                 ) -> tuple[pathlib.Path, tuple[int, ...], tuple] | None:
+        """(the piece's file, the argument positions fn donates, the arguments' devices), or None (counted plain)
+        where it cannot be kept."""
         donated = _donated_positions(fn)
         try:
             if donated is not None:
                 leaves, tree = jax.tree.flatten(args)
-                return self.folder / f"{_piece_digest(name, leaves, tree, static)}.jaxexp", donated
+                path = self.folder / f"{_piece_digest(name, leaves, tree, static)}.jaxexp"
+                return path, donated, _devices(leaves)
         except Exception as error:  # noqa: BLE001 - any failure here only costs this piece the plain path's time
             logger.debug("piece %s without its exported module: %s", name, error)
         self.plain += 1
@@ -103,7 +100,7 @@ class ExportedPieces:
 
     def _lowered(self, name: str, path: pathlib.Path, donated: tuple[int, ...], fn: Any, args: tuple,
                  static: dict[str, Any]) -> tuple[jax.stages.Lowered, str] | None:
-        """(the call of the stored module lowered for args, a digest of the stored module with the donations)."""
+        """(the call of the stored module lowered for args, a digest of the stored module's bytes)."""
         try:
             read = self._read(path)
             if read is None:
@@ -112,8 +109,7 @@ class ExportedPieces:
                 data = self._write(path, exported)
             else:
                 exported, data = read
-            module = f"{hashlib.sha256(data).hexdigest()} donated {donated}"
-            return jax.jit(_calling(exported), donate_argnums=donated).lower(*args), module
+            return jax.jit(_calling(exported), donate_argnums=donated).lower(*args), hashlib.sha256(data).hexdigest()
         except Exception as error:  # noqa: BLE001 - any failure here only costs this piece the plain path's time
             logger.debug("piece %s lowered without its exported module: %s", name, error)
             self.plain += 1
@@ -186,9 +182,9 @@ def _calling(exported: export.Exported) -> Callable[..., Any]:
     return call
 
 
-def _devices(args: tuple) -> tuple[tuple[int, ...], ...]:
+def _devices(leaves: list) -> tuple[tuple[int, ...], ...]:
     """The device ids of each argument that has a placement (the abstract ones given without one have none)."""
-    placed = (getattr(leaf, "sharding", None) for leaf in jax.tree.leaves(args))
+    placed = (getattr(leaf, "sharding", None) for leaf in leaves)
     return tuple(tuple(sorted(d.id for d in s.device_set)) for s in placed if s is not None)
 
 
